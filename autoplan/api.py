@@ -1,0 +1,105 @@
+"""The public Python API: turn a model (a spec string or an nn.Module) into a profile, plans, a
+partitioned model. The CLI calls these functions and nothing else."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoplan.graph import zoo
+from autoplan.graph.blocks import ModelProfile
+from autoplan.graph.profile import Progress, ProfileError, profile_model
+from autoplan.graph.trace import TracedModel
+
+__all__ = ["ProfiledModel", "parse_dtype", "profile", "profile_with_graph"]
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype '{dtype}'; use one of bf16, fp16, fp32") from None
+
+
+@dataclass
+class ProfiledModel:
+    """A model with its graph and profile, and how to make its inputs (used by the runtime)."""
+
+    model: nn.Module
+    traced: TracedModel
+    profile: ModelProfile
+    example_inputs: tuple
+    spec: zoo.ModelSpec | None
+    loss_fn: Callable[..., torch.Tensor] | None
+
+
+def profile_with_graph(
+    model: str | nn.Module,
+    *,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    example_inputs: Sequence[Any] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_target: torch.Tensor | None = None,
+    dtype: str | torch.dtype = "bf16",
+    device: str = "meta",
+    leaf_modules: Sequence[str] = (),
+    tracer: str = "auto",
+    cache_dir: str | os.PathLike | None = None,
+    progress: Progress | None = None,
+) -> ProfiledModel:
+    """Build (for a spec), trace and profile a model; see `profile`."""
+    torch_dtype = parse_dtype(dtype)
+    spec = None
+    info: dict[str, int | None] = {}
+    if isinstance(model, str):
+        spec = zoo.parse_model_spec(model)
+        if spec.family == "file":
+            module, inputs = zoo.load_user_model(spec, device="meta")
+            example_inputs = tuple(example_inputs) if example_inputs is not None else inputs
+        else:
+            seq_len = seq_len or spec.config.max_seq_len
+            module = zoo.build_model(spec, device="meta")
+            example_inputs = zoo.example_inputs(spec, batch_size, seq_len, device="meta")
+            example_target = zoo.example_targets(spec, batch_size, seq_len, device="meta")
+            loss_fn = zoo.lm_loss
+            info = {k: v for k, v in zoo.model_info(spec).items() if isinstance(v, int)}
+        name = spec.name
+    elif isinstance(model, nn.Module):
+        if example_inputs is None:
+            raise ValueError("profiling an nn.Module needs example_inputs, e.g. example_inputs=(torch.randint(0, V, (1, 128)),)")
+        module = model
+        name = type(model).__name__
+    else:
+        raise ValueError(f"model must be a spec string or an nn.Module, got {type(model).__name__}")
+    if batch_size < 1:
+        raise ValueError(f"batch size {batch_size} must be at least 1")
+    prof, traced = profile_model(
+        module, tuple(example_inputs), loss_fn=loss_fn, example_target=example_target, model_name=name,
+        dtype=torch_dtype, device=device, leaf_modules=leaf_modules, tracer=tracer, info=info,
+        cache_dir=cache_dir, progress=progress,
+    )
+    return ProfiledModel(module, traced, prof, tuple(example_inputs), spec, loss_fn)
+
+
+def profile(model: str | nn.Module, **kwargs: Any) -> ModelProfile:
+    """Profile a model: a zoo spec (`"llama3-8b:num_layers=4"`, `"path/to/file.py:function"`) or
+    an nn.Module with `example_inputs`. Keyword arguments: `batch_size`, `seq_len`, `dtype`
+    (bf16/fp16/fp32), `device` (meta/cpu/cuda: cpu and cuda time every block), `leaf_modules`,
+    `tracer` (auto/fx/export/modules), `loss_fn` and `example_target` (append a loss), `cache_dir`,
+    `progress` (a callback (done, total, block name))."""
+    return profile_with_graph(model, **kwargs).profile
+
+
+# Re-exported so the CLI can catch every user-facing error in one place.
+UserError = (ValueError, ProfileError, FileNotFoundError)

@@ -1,0 +1,182 @@
+"""The profiled model as plain data: `Block`, `CutCandidate`, `ModelProfile`.
+
+These are what the planner sees of a model. They hold numbers only (no modules, no tensors), so a
+profile can be saved as JSON, cached, compared and fed to the search without torch.
+
+Units: FLOPs, bytes, seconds. All per-micro-batch quantities refer to the batch size and
+sequence length the profile was taken at (`ModelProfile.batch_size`, `.seq_len`); the planner
+scales them linearly to other micro-batch sizes (every op in the zoo is linear in the batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BLOCK_KINDS", "Block", "CrossingTensor", "CutCandidate", "ModelProfile", "PROFILE_SCHEMA_VERSION"]
+
+PROFILE_SCHEMA_VERSION = 1
+
+BLOCK_KINDS = ("embedding", "layer", "attention", "mlp", "norm", "head", "other")
+"""`layer` is a whole transformer layer (attention + MLP); `attention` and `mlp` appear when the
+user names sub-layer leaf modules."""
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One unit the planner may place on a pipeline stage (a contiguous run of the traced graph)."""
+
+    name: str
+    """Original module path, e.g. `layers.3`; `embedding` for everything before the repeated layers."""
+    kind: str
+    """One of BLOCK_KINDS."""
+    fwd_flops: float
+    """Forward FLOPs for one micro-batch (torch.utils.flop_counter conventions: 2 per MAC)."""
+    bwd_flops: float
+    """Backward FLOPs (input and weight gradients) for one micro-batch."""
+    num_params: int
+    """Parameters this block owns (a parameter shared with an earlier block is not counted again)."""
+    param_bytes: int
+    """Bytes of every parameter the block *holds*, shared ones included (a tied head holds a copy)."""
+    output_bytes: int
+    """Bytes of all tensors crossing the cut right after this block (what a stage boundary here sends)."""
+    saved_bytes: int
+    """Bytes saved for backward by this block's ops (parameters excluded, aliases counted once)."""
+    saved_bytes_replicated_tp: int = 0
+    """Part of `saved_bytes` that tensor parallelism does not shard (tensors of the layer's hidden
+    shape: norm inputs, residuals, dropout masks); the rest divides by tp. Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models", Sec. 4.2."""
+    tp_comm_bytes: int = 0
+    """Bytes of one activation all-reduce times the number of Megatron all-reduces this block does
+    in forward under tensor parallelism (2 per transformer layer; Shoeybi et al. 2019, Fig. 3);
+    backward does as many."""
+    attention_core_fwd_flops: float = 0.0
+    """Forward FLOPs of the attention core (QK^T, softmax, AV): what selective recompute redoes
+    (Korthikanti et al. 2022, Sec. 5)."""
+    attention_core_saved_bytes: int = 0
+    """Saved bytes of the attention core (dropped under selective recompute)."""
+    fwd_time_s: float | None = None
+    """Measured forward time on `ModelProfile.device` (median), when timed."""
+    bwd_time_s: float | None = None
+    """Measured backward time on `ModelProfile.device` (median), when timed."""
+    fingerprint: str = ""
+    """Hash of the block's structure and input shapes; equal fingerprints were profiled once."""
+
+    @property
+    def flops(self) -> float:
+        return self.fwd_flops + self.bwd_flops
+
+
+@dataclass(frozen=True, slots=True)
+class CrossingTensor:
+    """A value that is live across a cut: produced at or before the cut, used after it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CutCandidate:
+    """The boundary after block `index` (between blocks index and index+1)."""
+
+    index: int
+    tensors: tuple[CrossingTensor, ...]
+    legal: bool = True
+    reason: str = ""
+    """Why the cut is illegal (a non-tensor value crosses it), empty when legal."""
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.num_bytes for t in self.tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """Blocks in execution order and the cuts between them."""
+
+    model_name: str
+    fingerprint: str
+    """Hash of the model structure (module classes, parameter shapes) and input shapes."""
+    blocks: tuple[Block, ...]
+    cuts: tuple[CutCandidate, ...]
+    """len(blocks) - 1 entries: cuts[i] is the boundary after blocks[i]."""
+    batch_size: int
+    seq_len: int
+    dtype: str
+    """Dtype the profile's activations were measured in (bytes scale with it)."""
+    tracer: str
+    """`fx`, `export` or `modules`: which tracer produced the graph."""
+    device: str = "meta"
+    """`meta` for analytic profiles, else the device name blocks were timed on."""
+    num_heads: int | None = None
+    """Attention heads (tensor parallelism must divide them), when known."""
+    num_kv_heads: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    num_layers: int | None = None
+    torch_version: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_params(self) -> int:
+        return sum(b.num_params for b in self.blocks)
+
+    @property
+    def fwd_flops(self) -> float:
+        return sum(b.fwd_flops for b in self.blocks)
+
+    @property
+    def flops(self) -> float:
+        return sum(b.flops for b in self.blocks)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def is_timed(self) -> bool:
+        return all(b.fwd_time_s is not None and b.bwd_time_s is not None for b in self.blocks)
+
+    def legal_cuts(self) -> list[int]:
+        return [c.index for c in self.cuts if c.legal]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["schema_version"] = PROFILE_SCHEMA_VERSION
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelProfile:
+        d = dict(d)
+        version = d.pop("schema_version", PROFILE_SCHEMA_VERSION)
+        if version != PROFILE_SCHEMA_VERSION:
+            raise ValueError(
+                f"profile schema version {version} is not supported (this autoplan reads {PROFILE_SCHEMA_VERSION}); "
+                "re-profile the model"
+            )
+        d["blocks"] = tuple(Block(**b) for b in d["blocks"])
+        d["cuts"] = tuple(
+            CutCandidate(
+                index=c["index"],
+                tensors=tuple(CrossingTensor(t["name"], tuple(t["shape"]), t["dtype"], t["num_bytes"]) for t in c["tensors"]),
+                legal=c["legal"],
+                reason=c.get("reason", ""),
+            )
+            for c in d["cuts"]
+        )
+        return cls(**d)
+
+    def with_blocks(self, blocks: Sequence[Block]) -> ModelProfile:
+        return dataclasses.replace(self, blocks=tuple(blocks))

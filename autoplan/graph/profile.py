@@ -1,0 +1,641 @@
+"""Profile a traced model: per block FLOPs, bytes, and (on a real device) times.
+
+Analytic profiling runs every op on fake tensors (`torch._subclasses.FakeTensorMode`): shapes,
+dtypes and strides propagate, kernels do not run, nothing is allocated, so a 405B model profiles
+on a laptop. Fake tensors live on the *cpu* device rather than `meta` on purpose: on `meta`,
+`scaled_dot_product_attention` falls back to the math path and saves the s x s attention matrix,
+while every real device runs a fused (flash) kernel that does not. On a fake cpu tensor the
+dispatcher picks the fused cpu kernel, whose saved tensors match what a GPU's flash attention
+saves (q, k, v, output, log-sum-exp).
+
+Per block (see `blocks.Block`):
+- FLOPs: `torch.utils.flop_counter.FlopCounterMode` around forward and around backward.
+- Saved-for-backward bytes: `torch.autograd.graph.saved_tensors_hooks` around forward; each
+  storage counted once (a tensor saved by q, k and v projections is one tensor), parameters
+  excluded (they are counted as weights).
+- Identical repeated blocks (same fingerprint: structure, parameter shapes, input shapes) are
+  profiled once.
+
+Timed profiling (`device="cpu"` or `"cuda"`) materializes one block at a time with random
+weights, times forward and backward (warm-up, repeats, median; CUDA events on GPUs) and caches the
+result as JSON keyed by model fingerprint, device name, shapes, dtype and torch version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from autoplan.graph.blocks import Block, CrossingTensor, CutCandidate, ModelProfile
+from autoplan.graph.trace import TracedModel, append_loss, crossing_values, extract_submodule, trace_model
+
+__all__ = ["ProfileError", "flop_counter", "profile_model", "profile_traced"]
+
+Progress = Callable[[int, int, str], None]
+
+_ATTENTION_OPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention,
+    torch.ops.aten._scaled_dot_product_cudnn_attention,
+}
+
+
+class ProfileError(ValueError):
+    """The model cannot be profiled on the given inputs."""
+
+
+# --------------------------------------------------------------------------------------------
+# FLOP counting
+
+
+def _cpu_sdpa_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_sdpa_backward_flop(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def flop_counter() -> FlopCounterMode:
+    """A FlopCounterMode that also counts the cpu fused attention kernel.
+
+    torch registers FLOP formulas for the CUDA flash / memory-efficient kernels only; the cpu
+    kernel computes the same math, so it gets the same formula (counting the full s x s score
+    matrix, as FlopCounterMode does for the CUDA kernels and as Megatron's 4*b*s^2*h term does).
+    """
+    return FlopCounterMode(
+        display=False,
+        custom_mapping={
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flop,
+        },
+    )
+
+
+def _attention_flops(counter: FlopCounterMode) -> float:
+    counts = counter.get_flop_counts().get("Global", {})
+    return float(sum(v for op, v in counts.items() if op in _ATTENTION_OPS))
+
+
+# --------------------------------------------------------------------------------------------
+# Fake execution
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A fake cpu tensor with t's shape (cast to dtype when t is floating point)."""
+    target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+    return torch.empty(tuple(t.shape), dtype=target, device="cpu")
+
+
+@dataclass
+class _FakeRun:
+    mode: FakeTensorMode
+    params: dict[str, torch.Tensor]
+    """Fake parameters and buffers by (duplicate-free) name in the traced module."""
+    values: dict[str, Any]
+    """Fake value of every graph node, after a forward of the whole model."""
+    param_owner: dict[int, str]
+    """id(original parameter) -> first name it has in the traced module (to spot sharing)."""
+
+
+def _run_fake(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.dtype | None) -> _FakeRun:
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    gm = traced.gm
+    params: dict[str, torch.Tensor] = {}
+    owner: dict[int, str] = {}
+    with mode:
+        for name, p in gm.named_parameters(remove_duplicate=False):
+            if id(p) in owner:
+                params[name] = params[owner[id(p)]]
+                continue
+            owner[id(p)] = name
+            params[name] = _fake_like(p, dtype).requires_grad_(p.requires_grad)
+        for name, b in gm.named_buffers(remove_duplicate=False):
+            params[name] = _fake_like(b, dtype if b.is_floating_point() else None)
+        inputs = [_fake_like(x, dtype) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+
+    values: dict[str, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            result = super().run_node(n)
+            values[n.name] = result
+            return result
+
+    class Runner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gm = gm
+
+        def forward(self, *args: Any) -> Any:
+            return Recorder(self.gm).run(*args)
+
+    runner = Runner()
+    with mode, torch.no_grad():
+        try:
+            torch.func.functional_call(runner, {f"gm.{k}": v for k, v in params.items()}, tuple(inputs), strict=False)
+        except Exception as exc:
+            if os.environ.get("AUTOPLAN_DEBUG"): raise
+            raise ProfileError(f"the model rejects the example inputs: {type(exc).__name__}: "
+                               f"{str(exc).strip().splitlines()[0][:200]}") from None
+    return _FakeRun(mode, params, values, owner)
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor] | None:
+    """Tensors in a value, or None when it holds something that is not a tensor."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        out: list[torch.Tensor] = []
+        for v in value:
+            inner = _tensors_in(v)
+            if inner is None:
+                return None
+            out += inner
+        return out
+    return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------------------------
+# Cuts
+
+
+def _cut_candidates(traced: TracedModel, run: _FakeRun) -> list[CutCandidate]:
+    cuts = []
+    for index in range(traced.num_blocks - 1):
+        tensors: list[CrossingTensor] = []
+        reason = ""
+        for node in crossing_values(traced, index):
+            value = run.values.get(node.name)
+            found = _tensors_in(value)
+            if found is None:
+                reason = f"'{node.name}' ({type(value).__name__}) crosses the cut and is not a tensor"
+                continue
+            for i, t in enumerate(found):
+                name = node.name if len(found) == 1 else f"{node.name}[{i}]"
+                tensors.append(CrossingTensor(name, tuple(t.shape), _dtype_name(t.dtype), _nbytes(t)))
+        cuts.append(CutCandidate(index, tuple(tensors), legal=not reason, reason=reason))
+    return cuts
+
+
+# --------------------------------------------------------------------------------------------
+# One block
+
+
+@dataclass(frozen=True)
+class _BlockCost:
+    fwd_flops: float
+    bwd_flops: float
+    saved_bytes: int
+    saved_bytes_hidden: int
+    attention_fwd_flops: float
+
+
+def _block_fingerprint(traced: TracedModel, index: int, sub: fx.GraphModule, inputs: list[Any]) -> str:
+    """Structure + parameter shapes + input shapes, with the block's own path abstracted away."""
+    prefix = traced.block_names[index]
+    position: dict[str, int] = {}
+    parts: list[str] = []
+
+    def norm(arg: Any) -> Any:
+        return fx.node.map_arg(arg, lambda n: f"%{position.get(n.name, n.name)}")
+
+    for i, node in enumerate(sub.graph.nodes):
+        position[node.name] = i
+        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        target = "input" if node.op == "placeholder" else str(target).replace(prefix, "@")
+        parts.append(f"{node.op}|{target}|{norm(node.args)}|{norm(node.kwargs)}")
+    for name, p in sub.named_parameters():
+        parts.append(f"{name.replace(prefix, '@')}:{tuple(p.shape)}:{p.dtype}")
+    for name, m in sub.named_modules():
+        if name.startswith(prefix):
+            parts.append(type(m).__name__)
+    for value in inputs:
+        found = _tensors_in(value) or []
+        parts.append(str([(tuple(t.shape), t.dtype) for t in found]))
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _block_params(sub: fx.GraphModule, run: _FakeRun) -> dict[str, torch.Tensor]:
+    names = [n for n, _ in sub.named_parameters(remove_duplicate=False)] + [n for n, _ in sub.named_buffers()]
+    return {n: run.params[n] for n in names}
+
+
+def _measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, torch.Tensor], hidden: int | None,
+                   run: _FakeRun) -> _BlockCost:
+    """Forward and backward of one block on fake tensors, counting FLOPs and saved bytes."""
+    param_storages = {p.untyped_storage()._cdata for p in params.values()}
+    saved: dict[int, tuple[int, bool]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in param_storages and key not in saved:
+            hidden_shaped = hidden is not None and t.dim() >= 2 and t.shape[-1] == hidden
+            saved[key] = (storage.nbytes(), hidden_shaped)
+        return t
+
+    with run.mode:
+        leaf_inputs = [
+            x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in inputs
+        ]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter() as fwd_counter:
+            outputs = torch.func.functional_call(sub, params, tuple(leaf_inputs), strict=False)
+        outs = [o for o in (_tensors_in(outputs) or []) if o.requires_grad]
+        bwd_flops = 0.0
+        if outs:
+            with flop_counter() as bwd_counter:
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            bwd_flops = float(bwd_counter.get_total_flops())
+    return _BlockCost(
+        fwd_flops=float(fwd_counter.get_total_flops()),
+        bwd_flops=bwd_flops,
+        saved_bytes=sum(b for b, _ in saved.values()),
+        saved_bytes_hidden=sum(b for b, h in saved.values() if h),
+        attention_fwd_flops=_attention_flops(fwd_counter),
+    )
+
+
+def _block_kind(traced: TracedModel, index: int, sub: fx.GraphModule) -> str:
+    """Classify a block by its position, its modules' classes and (for export graphs, which have no
+    submodules) the ATen ops it calls."""
+    name = traced.block_names[index].lower()
+    leaf_name = name.rsplit(".", 1)[-1]
+    module_types = [type(m).__name__.lower() for _, m in sub.named_modules()]
+    op_names = [str(getattr(n.target, "__name__", n.target)).lower() for n in sub.graph.nodes if n.op == "call_function"]
+    words = module_types + op_names
+
+    def has(*keys: str) -> bool:
+        return any(k in w for w in words for k in keys)
+
+    if any(k in leaf_name for k in ("attn", "attention")):
+        return "attention"
+    if any(k in leaf_name for k in ("mlp", "ffn", "feed_forward", "feedforward")):
+        return "mlp"
+    if traced.layer_container is not None and name.startswith(traced.layer_container.lower() + "."):
+        return "layer"
+    if index == 0:
+        return "embedding"
+    if has("linear", "addmm", "matmul", "mm") and (index == traced.num_blocks - 1 or "head" in leaf_name):
+        return "head"
+    if has("norm") or "norm" in leaf_name or leaf_name.startswith("ln"):
+        return "norm"
+    return "other"
+
+
+def _tp_allreduces(kind: str) -> int:
+    """Activation all-reduces per forward under Megatron tensor parallelism (Shoeybi et al. 2019,
+    Sec. 3: one after the attention block's row-parallel output projection, one after the MLP's;
+    the vocab-parallel embedding needs one; the vocab-parallel head needs one on its input
+    gradient in backward, counted here as one)."""
+    return {"layer": 2, "attention": 1, "mlp": 1, "embedding": 1, "head": 1}.get(kind, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing on a real device
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu} x{torch.get_num_threads()} threads"
+
+
+def _real_like(value: Any, device: str, generator: torch.Generator) -> Any:
+    if isinstance(value, (tuple, list)):
+        return type(value)(_real_like(v, device, generator) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.is_floating_point():
+        return torch.randn(tuple(value.shape), dtype=value.dtype, generator=generator).to(device)
+    # Index tensors (token ids, targets): zeros are valid for every embedding and loss.
+    return torch.zeros(tuple(value.shape), dtype=value.dtype, device=device)
+
+
+def _materialize_block(sub: fx.GraphModule, device: str, dtype: torch.dtype | None, generator: torch.Generator) -> None:
+    """Give a block real random weights on `device` (values do not matter for timing)."""
+    with torch.no_grad():
+        for module in sub.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                data = torch.randn(tuple(p.shape), generator=generator) * 0.02
+                target = dtype if dtype is not None else (p.dtype if p.is_floating_point() else torch.float32)
+                setattr(module, name, nn.Parameter(data.to(device=device, dtype=target)))
+            for name, b in list(module.named_buffers(recurse=False)):
+                if b.device.type == "meta":
+                    data = torch.randn(tuple(b.shape), generator=generator) if b.is_floating_point() else torch.zeros(
+                        tuple(b.shape), dtype=b.dtype)
+                    module.register_buffer(name, data.to(device), persistent=False)
+                elif b.is_floating_point() and dtype is not None:
+                    module.register_buffer(name, b.to(device=device, dtype=dtype), persistent=False)
+                else:
+                    module.register_buffer(name, b.to(device), persistent=False)
+
+
+def _time_fn(fn: Callable[[], Any], device: str, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _time_block(traced: TracedModel, index: int, inputs: list[Any], device: str, dtype: torch.dtype | None,
+                warmup: int, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of block `index` on a real device."""
+    import copy
+
+    sub, _, _ = extract_submodule(traced, index, index)
+    sub = copy.deepcopy(sub) if not any(p.device.type == "meta" for p in sub.parameters()) else sub
+    generator = torch.Generator().manual_seed(index)
+    _materialize_block(sub, device, dtype, generator)
+    real_inputs = [_real_like(x, device, generator) for x in inputs]
+    for x in real_inputs:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and dtype is not None and x.dtype != dtype:
+            x.data = x.data.to(dtype)
+
+    def leaves() -> list[Any]:
+        return [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                for x in real_inputs]
+
+    def forward() -> Any:
+        with torch.no_grad():
+            return sub(*leaves())
+
+    fwd_s = _time_fn(forward, device, warmup, repeats)
+
+    def forward_backward() -> None:
+        outs = [o for o in (_tensors_in(sub(*leaves())) or []) if o.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        for p in sub.parameters():
+            p.grad = None
+
+    # Backward = (forward + backward) - forward-with-autograd, measured in the same repeats.
+    def forward_autograd() -> Any:
+        return sub(*leaves())
+
+    fwd_autograd_s = _time_fn(forward_autograd, device, warmup, repeats)
+    total_s = _time_fn(forward_backward, device, warmup, repeats)
+    return fwd_s, max(total_s - fwd_autograd_s, 0.0)
+
+
+def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get("AUTOPLAN_CACHE_DIR", Path.home() / ".cache" / "autoplan")) / "profiles"
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+
+
+def _model_info(model: nn.Module) -> dict[str, int | None]:
+    """Heads, hidden size, ... from a zoo model's or a transformers model's config, if any."""
+    config = getattr(model, "config", None)
+    info: dict[str, int | None] = {}
+    for key, names in {
+        "num_heads": ("num_heads", "num_attention_heads", "n_head"),
+        "num_kv_heads": ("num_kv_heads", "num_key_value_heads"),
+        "hidden_size": ("hidden_size", "n_embd"),
+        "vocab_size": ("vocab_size",),
+        "num_layers": ("num_layers", "num_hidden_layers", "n_layer"),
+    }.items():
+        for n in names:
+            value = getattr(config, n, None) if config is not None else None
+            if isinstance(value, int):
+                info[key] = value
+                break
+    return info
+
+
+def _model_fingerprint(model: nn.Module, example_inputs: Sequence[Any], dtype: torch.dtype | None, tracer: str) -> str:
+    h = hashlib.sha1()
+    h.update(type(model).__qualname__.encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}".encode())
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            h.update(f"{tuple(x.shape)}:{x.dtype}".encode())
+    h.update(f"{dtype}:{tracer}".encode())
+    return h.hexdigest()[:16]
+
+
+def profile_traced(
+    traced: TracedModel,
+    example_inputs: Sequence[Any],
+    *,
+    model_name: str,
+    fingerprint: str,
+    dtype: torch.dtype | None = torch.bfloat16,
+    device: str = "meta",
+    info: dict[str, int | None] | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    cache_dir: str | os.PathLike | None = None,
+    progress: Progress | None = None,
+) -> ModelProfile:
+    """Profile a traced model (see the module docstring). `dtype=None` keeps the model's dtypes."""
+    info = dict(info or {})
+    run = _run_fake(traced, example_inputs, dtype)
+    cuts = _cut_candidates(traced, run)
+    first_input = next((x for x in example_inputs if isinstance(x, torch.Tensor)), None)
+    if batch_size is None:
+        batch_size = int(first_input.shape[0]) if first_input is not None and first_input.dim() >= 1 else 1
+    if seq_len is None:
+        seq_len = int(first_input.shape[1]) if first_input is not None and first_input.dim() >= 2 else 1
+
+    # Hidden size: from the config, else the last dim of the first layer block's output.
+    hidden = info.get("hidden_size")
+    if hidden is None and cuts and cuts[0].tensors:
+        hidden = cuts[0].tensors[-1].shape[-1] if cuts[0].tensors[-1].shape else None
+        info["hidden_size"] = hidden
+
+    cache_file = None
+    timed: dict[str, tuple[float, float]] = {}
+    if device != "meta":
+        device_name = _device_name(device)
+        key = hashlib.sha1(
+            json.dumps([fingerprint, device_name, batch_size, seq_len, str(dtype), torch.__version__]).encode()
+        ).hexdigest()[:20]
+        cache_file = _cache_dir(cache_dir) / f"{key}.json"
+        if cache_file.exists():
+            try:
+                cached = ModelProfile.from_dict(json.loads(cache_file.read_text()))
+                if cached.fingerprint == fingerprint and cached.is_timed:
+                    return cached
+            except (ValueError, KeyError, TypeError):
+                pass  # a stale or damaged cache entry is re-measured and rewritten
+
+    costs: dict[str, _BlockCost] = {}
+    seen_params: set[int] = set()
+    blocks: list[Block] = []
+    for index in range(traced.num_blocks):
+        sub, input_names, output_names = extract_submodule(traced, index, index)
+        inputs = [run.values[n] for n in input_names]
+        fake_inputs = []
+        with run.mode:
+            for x in inputs:
+                fake_inputs.append(_fake_like(x, dtype) if isinstance(x, torch.Tensor)
+                                   and not isinstance(x, torch._subclasses.FakeTensor) else x)
+        fp = _block_fingerprint(traced, index, sub, fake_inputs)
+        params = _block_params(sub, run)
+        if fp not in costs:
+            costs[fp] = _measure_block(sub, fake_inputs, params, hidden, run)
+            if device != "meta" and fp not in timed:
+                timed[fp] = _time_block(traced, index, fake_inputs, device, dtype, warmup, repeats)
+        cost = costs[fp]
+
+        num_params = 0
+        param_bytes = 0
+        for name, p in sub.named_parameters(remove_duplicate=True):
+            fake = run.params[name]
+            param_bytes += _nbytes(fake)
+            if id(fake) not in seen_params:
+                seen_params.add(id(fake))
+                num_params += p.numel()
+        kind = _block_kind(traced, index, sub)
+        if index < len(cuts):
+            output_bytes = cuts[index].num_bytes
+        else:
+            output_bytes = sum(_nbytes(t) for n in output_names for t in (_tensors_in(run.values.get(n)) or []))
+        hidden_bytes = batch_size * seq_len * (hidden or 0) * (torch.tensor([], dtype=dtype or torch.float32).element_size())
+        blocks.append(Block(
+            name=traced.block_names[index],
+            kind=kind,
+            fwd_flops=cost.fwd_flops,
+            bwd_flops=cost.bwd_flops,
+            num_params=num_params,
+            param_bytes=param_bytes,
+            output_bytes=output_bytes,
+            saved_bytes=cost.saved_bytes,
+            saved_bytes_replicated_tp=cost.saved_bytes_hidden,
+            tp_comm_bytes=_tp_allreduces(kind) * hidden_bytes,
+            attention_core_fwd_flops=cost.attention_fwd_flops,
+            # Flash attention keeps no s x s tensor, so selective recompute frees only its
+            # output and log-sum-exp, which the next projection keeps anyway: we count none.
+            attention_core_saved_bytes=0,
+            fwd_time_s=timed[fp][0] if fp in timed else None,
+            bwd_time_s=timed[fp][1] if fp in timed else None,
+            fingerprint=fp,
+        ))
+        if progress is not None:
+            progress(index + 1, traced.num_blocks, traced.block_names[index])
+
+    profile = ModelProfile(
+        model_name=model_name,
+        fingerprint=fingerprint,
+        blocks=tuple(blocks),
+        cuts=tuple(cuts),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        dtype=_dtype_name(dtype) if dtype is not None else "mixed",
+        tracer=traced.tracer,
+        device=device if device == "meta" else _device_name(device),
+        num_heads=info.get("num_heads"),
+        num_kv_heads=info.get("num_kv_heads"),
+        hidden_size=info.get("hidden_size"),
+        vocab_size=info.get("vocab_size"),
+        num_layers=info.get("num_layers"),
+        torch_version=torch.__version__,
+        extra={"tracer_note": traced.note},
+    )
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(".tmp")
+        tmp.write_text(profile.to_json())
+        tmp.replace(cache_file)
+    return profile
+
+
+def profile_model(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_target: torch.Tensor | None = None,
+    model_name: str | None = None,
+    dtype: torch.dtype | None = torch.bfloat16,
+    device: str = "meta",
+    leaf_modules: Sequence[str] = (),
+    tracer: str = "auto",
+    info: dict[str, int | None] | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    cache_dir: str | os.PathLike | None = None,
+    progress: Progress | None = None,
+) -> tuple[ModelProfile, TracedModel]:
+    """Trace and profile `model` on `example_inputs` (meta, cpu or cuda tensors alike).
+
+    With `loss_fn` and `example_target`, the loss is appended to the graph (in the last block), so
+    its FLOPs and saved tensors (e.g. the fp32 log-softmax of a large vocabulary) are counted.
+    """
+    if device not in ("meta", "cpu") and not device.startswith("cuda"):
+        raise ProfileError(f"unknown device '{device}'; use meta, cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ProfileError("--device cuda was asked for but torch sees no CUDA device; use --device meta or cpu")
+    traced = trace_model(model, example_inputs, leaf_modules=leaf_modules, tracer=tracer)
+    inputs = list(example_inputs)
+    if loss_fn is not None:
+        if example_target is None:
+            raise ProfileError("loss_fn needs example_target")
+        traced = append_loss(traced, loss_fn)
+        inputs.append(example_target)
+    merged = _model_info(model)
+    merged.update({k: v for k, v in (info or {}).items() if v is not None})
+    fingerprint = _model_fingerprint(model, inputs, dtype, traced.tracer)
+    profile = profile_traced(
+        traced, inputs, model_name=model_name or type(model).__name__, fingerprint=fingerprint, dtype=dtype,
+        device=device, info=merged, warmup=warmup, repeats=repeats, cache_dir=cache_dir, progress=progress,
+    )
+    return profile, traced
+
+
+def with_times(profile: ModelProfile, times: dict[str, tuple[float, float]]) -> ModelProfile:
+    """A copy of `profile` with measured (forward, backward) seconds per block fingerprint."""
+    return profile.with_blocks([replace(b, fwd_time_s=times[b.fingerprint][0], bwd_time_s=times[b.fingerprint][1])
+                                if b.fingerprint in times else b for b in profile.blocks])
