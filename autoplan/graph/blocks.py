@@ -44,7 +44,8 @@ class Block:
     output_bytes: int
     """Bytes of all tensors crossing the cut right after this block (what a stage boundary here sends)."""
     saved_bytes: int
-    """Bytes saved for backward by this block's ops (parameters excluded, aliases counted once)."""
+    """Bytes saved for backward by this block's ops per micro-batch (parameters and buffers excluded:
+    they are model state; a storage saved by several ops counted once)."""
     saved_bytes_replicated_tp: int = 0
     """Part of `saved_bytes` that tensor parallelism does not shard (tensors of the layer's hidden
     shape: norm inputs, residuals, dropout masks); the rest divides by tp. Korthikanti et al. 2022,

@@ -240,6 +240,25 @@ def _group_blocks(gm: fx.GraphModule, tracer: str, container: str | None, units:
         modules.append([])
         return len(names) - 1
 
+    # Nodes inside a layer but outside the user's finer leaves (a pre-norm before `attention`) wait
+    # here and join the next leaf if it is in the same layer, else the current block.
+    pending: list[tuple[fx.Node, str | None]] = []
+
+    def assign(node: fx.Node, block: int, path: str | None) -> None:
+        node_block[node.name] = block
+        if path is not None and (not modules[block] or modules[block][-1] != path):
+            modules[block].append(path)
+
+    def flush(block: int) -> None:
+        for waiting, waiting_path in pending:
+            assign(waiting, block, waiting_path)
+        pending.clear()
+
+    def layer_of(path: str) -> str | None:
+        if container is None or not path.startswith(container + "."):
+            return None
+        return ".".join(path.split(".")[: container.count(".") + 2])
+
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -253,16 +272,29 @@ def _group_blocks(gm: fx.GraphModule, tracer: str, container: str | None, units:
         if unit is not None:
             seen_layer = True
             if current_owner != unit:
-                current, current_owner = start(unit), unit
-        elif path is not None and seen_layer:
+                pending_layer = layer_of(pending[0][1]) if pending and pending[0][1] else None
+                new_block = start(unit)
+                flush(new_block if pending_layer is not None and pending_layer == layer_of(unit) else current)
+                current, current_owner = new_block, unit
+            else:
+                flush(current)
+        elif path is not None and seen_layer and layer_of(path) is not None and units and layer_of(path) not in units:
+            pending.append((node, path))
+            continue
+        elif pending:
+            if path is None:
+                pending.append((node, path))
+                continue
+            flush(current)
+        if unit is None and path is not None and seen_layer:
             owner = _owner_outside_layers(path, container)
             if current_owner != owner:
                 current, current_owner = start(owner), owner
-        elif current is None:
+        elif unit is None and current is None:
             current, current_owner = start("embedding"), "embedding"
-        node_block[node.name] = current
-        if path is not None and (not modules[current] or modules[current][-1] != path):
-            modules[current].append(path)
+        assign(node, current, path)
+    if pending:
+        flush(current)
 
     if not names:
         raise TraceError("the traced graph has no operations")

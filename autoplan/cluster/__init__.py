@@ -1,0 +1,48 @@
+"""Devices, cluster topology and collective communication costs (see DESIGN.md, "cluster/")."""
+
+from __future__ import annotations
+
+from autoplan.cluster.collectives import (
+    ALGORITHMS,
+    allgather_time_s,
+    allreduce_time_s,
+    group_layout,
+    p2p_time_s,
+    reduce_scatter_time_s,
+)
+from autoplan.cluster.devices import (
+    CPU_GFLOPS_ENV,
+    CPU_GFLOPS_PER_CORE_DEFAULT,
+    DTYPE_KEYS,
+    GPU,
+    GPUS,
+    ClusterSpecError,
+    cpu_device,
+    dtype_key,
+    get_gpu,
+)
+from autoplan.cluster.topology import PRESETS, Cluster, Link, NodeGroup, default_links, parse_cluster
+
+__all__ = [
+    "ALGORITHMS",
+    "CPU_GFLOPS_ENV",
+    "CPU_GFLOPS_PER_CORE_DEFAULT",
+    "DTYPE_KEYS",
+    "GPU",
+    "GPUS",
+    "PRESETS",
+    "Cluster",
+    "ClusterSpecError",
+    "Link",
+    "NodeGroup",
+    "allgather_time_s",
+    "allreduce_time_s",
+    "cpu_device",
+    "default_links",
+    "dtype_key",
+    "get_gpu",
+    "group_layout",
+    "p2p_time_s",
+    "parse_cluster",
+    "reduce_scatter_time_s",
+]

@@ -1,0 +1,803 @@
+"""Built-in models (Megatron GPT, Llama) at any size, and the model spec grammar.
+
+A model spec names a model in one string, for the CLI and for configs:
+
+    gpt2-small                               a preset
+    llama3-8b:num_layers=4                   a preset with some fields overridden
+    gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=128
+    path/to/model.py:make_model              a user file; `make_model()` -> (module, example_inputs)
+
+Every built-in model is a plain `nn.Module` that builds on the meta device at any size (no memory
+is allocated), traces with `torch.fx.symbolic_trace` with the repeated layers either as leaf
+modules or fully inlined, and initializes deterministically by parameter *name*, so a pipeline
+stage that materializes only its own layers gets the same values as the full model would
+(see [Note: name-keyed init]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import math
+import sys
+import typing
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "GPTConfig",
+    "GPTLayer",
+    "GPTModel",
+    "LlamaConfig",
+    "LlamaLayer",
+    "LlamaModel",
+    "ModelSpec",
+    "ModelSpecError",
+    "PRESETS",
+    "RotaryEmbedding",
+    "build_model",
+    "example_inputs",
+    "example_targets",
+    "init_weights",
+    "lm_loss",
+    "load_user_model",
+    "materialize",
+    "model_info",
+    "parse_model_spec",
+]
+
+INIT_STD = 0.02
+"""Standard deviation of the normal init of weights (GPT-2; Megatron-LM `init_method_std`)."""
+
+
+class ModelSpecError(ValueError):
+    """A model spec or model config is wrong; the message names the problem and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+
+
+def _check_positive(config: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value <= 0:
+            raise ModelSpecError(f"value {value!r} for {name} must be positive")
+
+
+def _check_heads(hidden_size: int, num_heads: int) -> None:
+    if hidden_size % num_heads:
+        raise ModelSpecError(
+            f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; "
+            f"choose num_heads dividing hidden_size"
+        )
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Megatron-LM GPT: learned positions, pre-LayerNorm, GELU MLP, biases everywhere."""
+
+    num_layers: int
+    """Transformer layers."""
+    hidden_size: int
+    """Model width h."""
+    num_heads: int
+    """Attention heads; must divide hidden_size."""
+    ffn_hidden_size: int | None = None
+    """MLP width; None means 4 * hidden_size (resolved at construction)."""
+    vocab_size: int = 51200
+    """Vocabulary size (51200: Megatron's GPT-2 BPE padded to a multiple of 1024)."""
+    max_seq_len: int = 2048
+    """Rows of the learned position embedding; the longest sequence the model accepts."""
+    tie_embeddings: bool = True
+    """Share the output projection with the token embedding."""
+    norm_eps: float = 1e-5
+    """LayerNorm epsilon."""
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        _check_positive(
+            self,
+            (
+                "num_layers",
+                "hidden_size",
+                "num_heads",
+                "ffn_hidden_size",
+                "vocab_size",
+                "max_seq_len",
+                "norm_eps",
+            ),
+        )
+        _check_heads(self.hidden_size, self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads
+
+
+def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
+    """Llama's default MLP width: 2/3 of 4h (SwiGLU has three matrices), rounded up to
+    `multiple_of` (facebookresearch/llama `model.py`, FeedForward)."""
+    ffn = int(2 * 4 * hidden_size / 3)
+    return multiple_of * ((ffn + multiple_of - 1) // multiple_of)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Llama 2 / 3: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases."""
+
+    num_layers: int
+    """Transformer layers."""
+    hidden_size: int
+    """Model width h."""
+    num_heads: int
+    """Query heads; must divide hidden_size."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None means num_heads. Must divide num_heads."""
+    ffn_hidden_size: int | None = None
+    """SwiGLU width; None means Llama's rule int(8h/3) rounded up to a multiple of 256."""
+    vocab_size: int = 32000
+    """Vocabulary size."""
+    max_seq_len: int = 4096
+    """Length the rotary tables are computed for; the longest sequence the model accepts."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the output projection with the token embedding."""
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.ffn_hidden_size is None:
+            object.__setattr__(self, "ffn_hidden_size", llama_ffn_hidden_size(self.hidden_size))
+        _check_positive(
+            self,
+            (
+                "num_layers",
+                "hidden_size",
+                "num_heads",
+                "num_kv_heads",
+                "ffn_hidden_size",
+                "vocab_size",
+                "max_seq_len",
+                "rope_theta",
+                "norm_eps",
+            ),
+        )
+        _check_heads(self.hidden_size, self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ModelSpecError(
+                f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}; "
+                f"choose num_kv_heads dividing num_heads"
+            )
+        if self.head_dim % 2:
+            raise ModelSpecError(
+                f"head_dim {self.head_dim} (hidden_size / num_heads) must be even for rotary embeddings"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+ModelConfig = GPTConfig | LlamaConfig
+
+# ---------------------------------------------------------------------------------------------
+# GPT (Megatron-LM)
+#
+# [Note: tensor-parallel friendly shapes]
+# Head counts are inferred from the weight shapes at run time (`unflatten(-1, (-1, head_dim))`),
+# and the fused QKV output is laid out per head as (head, {q,k,v}, head_dim) as in Megatron-LM, so
+# a column-parallel shard of `qkv` / `wq` / `wk` / `wv` holds whole heads and the same code runs on
+# a tensor-parallel shard without knowing the degree.
+
+
+class GPTAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.head_dim = config.head_dim
+        self.qkv = nn.Linear(h, 3 * h, bias=True)
+        self.proj = nn.Linear(h, h, bias=True)
+        # Megatron-LM scaled_init_method_normal: output projections of residual branches.
+        self.proj.init_std = INIT_STD / math.sqrt(2 * config.num_layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        qkv = self.qkv(x).unflatten(-1, (-1, 3, self.head_dim)).permute(3, 0, 2, 1, 4)  # (3, b, nh, s, d)
+        out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        return self.proj(out.transpose(1, 2).flatten(2))
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=True)
+        self.fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=True)
+        self.fc2.init_std = INIT_STD / math.sqrt(2 * config.num_layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class GPTLayer(nn.Module):
+    """Pre-LN transformer layer: x + attn(LN(x)), then + mlp(LN(.))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.attention = GPTAttention(config)
+        self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = GPTMLP(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.pos_embeddings = nn.Embedding(config.max_seq_len, config.hidden_size)
+        self.layers = nn.ModuleList(GPTLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.tok_embeddings(input_ids) + self.pos_embeddings(positions)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama
+
+
+def _rope_tables(max_seq_len: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape (max_seq_len, head_dim) in fp32, halves repeated (rotate_half layout;
+    Su et al. 2021, RoFormer Eq. 34). Real arithmetic only: complex tensors break meta/fake tracing."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    halves = x.chunk(2, dim=-1)
+    return torch.cat((-halves[1], halves[0]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary tables for one attention module, as non-persistent buffers (not in state_dict).
+
+    Every layer owns a reference so a layer is self-contained (a pipeline stage needs nothing from
+    the model's top); `init_weights` makes all layers share one tensor per device, so the memory is
+    paid once.
+    """
+
+    def __init__(self, max_seq_len: int, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.max_seq_len, self.head_dim, self.theta = max_seq_len, head_dim, theta
+        cos, sin = _rope_tables(max_seq_len, head_dim, theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def reset_buffers(self, cache: dict | None = None) -> None:
+        """Recompute the tables in place of whatever `to_empty` left (reusing `cache` entries)."""
+        key = (self.max_seq_len, self.head_dim, self.theta, self.cos.device, self.cos.dtype)
+        if cache is not None and key in cache:
+            cos, sin = cache[key]
+        else:
+            cos, sin = _rope_tables(self.max_seq_len, self.head_dim, self.theta)
+            cos, sin = cos.to(self.cos.device, self.cos.dtype), sin.to(self.sin.device, self.sin.dtype)
+            if cache is not None:
+                cache[key] = (cos, sin)
+        self.cos, self.sin = cos, sin
+
+    def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotate q and k of shape (b, heads, s, head_dim)."""
+        # torch.narrow rather than `self.cos[:seq_len]`: fx does not proxy buffers by default, and a
+        # real tensor cannot be sliced by a Proxy length, while a torch function call records one.
+        seq_len = q.shape[2]
+        cos = torch.narrow(self.cos, 0, 0, seq_len).to(q.dtype)
+        sin = torch.narrow(self.sin, 0, 0, seq_len).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.head_dim = d
+        self.num_rep = config.num_heads // config.num_kv_heads
+        self.wq = nn.Linear(h, config.num_heads * d, bias=False)
+        self.wk = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.wv = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.wo = nn.Linear(config.num_heads * d, h, bias=False)
+        self.wo.init_std = INIT_STD / math.sqrt(2 * config.num_layers)
+        self.rope = RotaryEmbedding(config.max_seq_len, d, config.rope_theta)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # (b, s, heads * d) -> (b, heads, s, d); head counts from shapes, see [Note: tensor-parallel ...]
+        q = self.wq(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        k = self.wk(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        v = self.wv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        q, k = self.rope(q, k)
+        if self.num_rep > 1:  # grouped-query attention (Ainslie et al. 2023)
+            k = k.repeat_interleave(self.num_rep, dim=1)
+            v = v.repeat_interleave(self.num_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+        self.w3 = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
+        self.w2.init_std = INIT_STD / math.sqrt(2 * config.num_layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attention = LlamaAttention(config)
+        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        x = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross entropy over all b * s positions (logits (b, s, V), targets (b, s))."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialization
+#
+# [Note: name-keyed init]
+# Each parameter is drawn from its own CPU generator seeded by crc32(f"{seed}:{full name}"), so its
+# value depends only on the seed and its name in the full model, never on which other parameters
+# were initialized before it or on the device. A pipeline stage that materializes `layers.7` alone
+# calls `init_weights(layer, seed, prefix="layers.7.")` and gets the full model's values. Drawing
+# on the CPU and copying keeps CPU and CUDA runs bit-identical. Tied parameters are visited once,
+# under their first name (`tok_embeddings.weight`); pass `aliases={"output.weight":
+# "tok_embeddings.weight"}` when a stage holds an untied copy of a tied head.
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+@torch.no_grad()
+def init_weights(
+    module: nn.Module, seed: int = 0, prefix: str = "", aliases: Mapping[str, str] | None = None
+) -> None:
+    """Initialize every non-meta parameter of `module` from its full name `prefix + local name`.
+
+    Weights ~ N(0, 0.02) (GPT-2; Megatron-LM), or N(0, 0.02 / sqrt(2 * num_layers)) for modules
+    with an `init_std` attribute (residual output projections `proj`/`fc2`/`wo`/`w2`, Megatron-LM
+    scaled_init_method_normal); biases zero; norm weights (and other 1-D non-bias parameters) one.
+    Parameters on meta are skipped. Rotary buffers are recomputed.
+    """
+    norm_types = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)
+    seen: set[int] = set()
+    for mod_name, mod in module.named_modules():
+        for local, param in mod.named_parameters(recurse=False):
+            if id(param) in seen or param.device.type == "meta":
+                continue
+            seen.add(id(param))
+            name = prefix + (f"{mod_name}.{local}" if mod_name else local)
+            name = (aliases or {}).get(name, name)
+            if local.endswith("bias"):
+                param.zero_()
+            elif isinstance(mod, norm_types) or (param.dim() < 2 and not isinstance(mod, nn.Embedding)):
+                param.fill_(1.0)  # norm scales (and other 1-D scales of user modules)
+            else:
+                std = getattr(mod, "init_std", INIT_STD)
+                gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
+                values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                param.copy_(values)
+    cache: dict = {}
+    for mod in module.modules():
+        if isinstance(mod, RotaryEmbedding) and mod.cos.device.type != "meta":
+            mod.reset_buffers(cache)
+
+
+def materialize(
+    module: nn.Module, device: torch.device | str = "cpu", seed: int = 0, prefix: str = ""
+) -> nn.Module:
+    """Allocate a meta-built `module` on `device` and initialize it by name; returns `module`.
+
+    `to_empty` may untie shared parameters, so modules with `tie_weights()` are re-tied first.
+    """
+    module.to_empty(device=device)
+    for mod in module.modules():
+        tie = getattr(mod, "tie_weights", None)
+        if callable(tie):
+            tie()
+    init_weights(module, seed=seed, prefix=prefix)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets (published sizes)
+
+PRESETS: dict[str, ModelConfig] = {
+    # GPT-2: Radford et al. 2019, Table 2 (117M and 1542M rows; 12 and 25 heads from the HF configs
+    # `gpt2`, `gpt2-xl`); vocabulary 50257, context 1024.
+    "gpt2-small": GPTConfig(num_layers=12, hidden_size=768, num_heads=12, vocab_size=50257, max_seq_len=1024),
+    "gpt2-xl": GPTConfig(num_layers=48, hidden_size=1600, num_heads=25, vocab_size=50257, max_seq_len=1024),
+    # GPT-3: Brown et al. 2020, Table 2.1; context 2048, vocabulary 51200 (Megatron's padded GPT-2 BPE).
+    # 1.3B: the paper lists 24 heads of d_head 128 for d_model 2048 (24 * 128 != 2048, and 24 does not
+    # divide 2048); we follow Megatron-LM / Megatron-DeepSpeed's published 1.3B config: 16 heads of 128.
+    "gpt3-1.3b": GPTConfig(num_layers=24, hidden_size=2048, num_heads=16),
+    "gpt3-6.7b": GPTConfig(num_layers=32, hidden_size=4096, num_heads=32),
+    # 13B: the paper lists d_model 5140 with 40 heads of 128; Megatron-LM uses 5120 = 40 * 128.
+    "gpt3-13b": GPTConfig(num_layers=40, hidden_size=5120, num_heads=40),
+    "gpt3-175b": GPTConfig(num_layers=96, hidden_size=12288, num_heads=96),
+    # Llama 2: Touvron et al. 2023, Table 1 (context 4096; 70B uses GQA with 8 KV heads); MLP widths,
+    # vocabulary and eps from the HF configs meta-llama/Llama-2-{7b,13b,70b}-hf.
+    "llama2-7b": LlamaConfig(num_layers=32, hidden_size=4096, num_heads=32, ffn_hidden_size=11008),
+    "llama2-13b": LlamaConfig(num_layers=40, hidden_size=5120, num_heads=40, ffn_hidden_size=13824),
+    "llama2-70b": LlamaConfig(
+        num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, ffn_hidden_size=28672
+    ),
+    # Llama 3: "The Llama 3 Herd of Models" (Dubey et al. 2024), Table 3 (layers, model/FFN dims,
+    # heads, 8 KV heads, RoPE theta 500000); vocabulary 128256 and pre-training context 8192 from the
+    # HF configs meta-llama/Meta-Llama-3-{8B,70B} (405B: Llama-3.1-405B, context before long-context
+    # extension).
+    "llama3-8b": LlamaConfig(
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama3-70b": LlamaConfig(
+        num_layers=80,
+        hidden_size=8192,
+        num_heads=64,
+        num_kv_heads=8,
+        ffn_hidden_size=28672,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama3-405b": LlamaConfig(
+        num_layers=126,
+        hidden_size=16384,
+        num_heads=128,
+        num_kv_heads=8,
+        ffn_hidden_size=53248,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+}
+
+_FAMILIES: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig}
+_REQUIRED_KEYS = ("num_layers", "hidden_size", "num_heads")
+
+# ---------------------------------------------------------------------------------------------
+# Spec grammar
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed model spec. `config` is set for gpt/llama; `path` and `function` for files."""
+
+    text: str
+    """The spec as written."""
+    family: str
+    """One of "gpt", "llama", "file"."""
+    config: ModelConfig | None
+    path: str | None
+    function: str | None
+    name: str
+    """Display name: the preset or family and the overridden keys, or `file_stem:function`."""
+
+
+def _family_of(config: ModelConfig) -> str:
+    return "gpt" if isinstance(config, GPTConfig) else "llama"
+
+
+def _parse_value(family: str, key: str, raw: str, type_hint: object) -> object:
+    args = set(typing.get_args(type_hint)) or {type_hint}
+    value = raw.strip()
+    if type(None) in args and value.lower() in ("none", "auto"):
+        return None
+    if bool in args:
+        if value.lower() in ("true", "1"):
+            return True
+        if value.lower() in ("false", "0"):
+            return False
+        raise ModelSpecError(f"value {raw!r} for {key} is not a boolean; use true/false/1/0")
+    if int in args:
+        try:
+            return int(value)
+        except ValueError:
+            raise ModelSpecError(f"value {raw!r} for {key} is not an integer") from None
+    if float in args:
+        try:
+            return float(value)
+        except ValueError:
+            raise ModelSpecError(f"value {raw!r} for {key} is not a number") from None
+    raise AssertionError(f"no parser for {family}.{key}: {type_hint!r}")
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def parse_model_spec(text: str) -> ModelSpec:
+    """Parse `NAME[:key=value,...]` (NAME a family or preset) or `path/to/file.py:function`."""
+    if not isinstance(text, str) or not text.strip():
+        raise ModelSpecError(f"empty model spec {text!r}; expected NAME[:key=value,...] or FILE.py:FUNCTION")
+    text = text.strip()
+    if ".py:" in text or text.endswith(".py"):
+        return _parse_file_spec(text)
+    name, sep, rest = text.partition(":")
+    name = name.strip()
+    known = sorted(_FAMILIES) + list(PRESETS)
+    if name not in known:
+        raise ModelSpecError(f"unknown model {name!r}{_did_you_mean(name, known)} known: {', '.join(known)}")
+    base = PRESETS.get(name)
+    family = _family_of(base) if base is not None else name
+    cls = _FAMILIES[family]
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+
+    overrides: dict[str, object] = {}
+    if sep:
+        for item in rest.split(","):
+            key, eq, raw = item.partition("=")
+            key = key.strip()
+            if not eq or not key or not raw.strip():
+                raise ModelSpecError(f"malformed spec {text!r}; expected NAME[:key=value,...]")
+            if key not in valid:
+                raise ModelSpecError(
+                    f"unknown key {key!r} for {family}{_did_you_mean(key, valid)}; valid keys: {', '.join(valid)}"
+                )
+            if key in overrides:
+                raise ModelSpecError(f"key {key!r} given twice in spec {text!r}; give each key once")
+            overrides[key] = _parse_value(family, key, raw, hints[key])
+
+    if base is None:
+        missing = [k for k in _REQUIRED_KEYS if k not in overrides]
+        if missing:
+            raise ModelSpecError(
+                f"spec {text!r} is missing required keys {', '.join(missing)}; e.g. "
+                f"'{family}:num_layers=2,hidden_size=64,num_heads=4' or a preset ({', '.join(PRESETS)})"
+            )
+        config = cls(**overrides)
+    else:
+        values = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}
+        # The preset's MLP width belongs to its hidden size: a new width re-derives it unless given.
+        if "hidden_size" in overrides and "ffn_hidden_size" not in overrides:
+            values["ffn_hidden_size"] = None
+        values.update(overrides)
+        config = cls(**values)
+    canonical = ",".join(f"{k}={overrides[k]}" for k in overrides)
+    display = f"{name}:{canonical}" if canonical else name
+    return ModelSpec(text=text, family=family, config=config, path=None, function=None, name=display)
+
+
+def _parse_file_spec(text: str) -> ModelSpec:
+    head, sep, function = text.rpartition(".py:")
+    if not sep:
+        raise ModelSpecError(f"file spec {text!r} names no function; expected path/to/file.py:FUNCTION")
+    path = head + ".py"
+    function = function.strip()
+    if not function.isidentifier():
+        raise ModelSpecError(
+            f"malformed spec {text!r}; expected path/to/file.py:FUNCTION with FUNCTION a Python name"
+        )
+    if not Path(path).is_file():
+        raise ModelSpecError(f"model file {path!r} does not exist (spec {text!r}); check the path")
+    return ModelSpec(
+        text=text,
+        family="file",
+        config=None,
+        path=path,
+        function=function,
+        name=f"{Path(path).stem}:{function}",
+    )
+
+
+def _as_spec(spec: str | ModelSpec | ModelConfig) -> ModelSpec:
+    if isinstance(spec, ModelSpec):
+        return spec
+    if isinstance(spec, GPTConfig | LlamaConfig):
+        family = _family_of(spec)
+        return ModelSpec(text=family, family=family, config=spec, path=None, function=None, name=family)
+    return parse_model_spec(spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def load_user_model(
+    spec: str | ModelSpec | ModelConfig, device: torch.device | str = "meta"
+) -> tuple[nn.Module, tuple]:
+    """(module, example_inputs) for any spec. File specs: import the file and call FUNCTION()
+    under `torch.device(device)`; built-in specs: the model and (input_ids,) of batch 1 and a
+    sequence of min(max_seq_len, 128)."""
+    spec = _as_spec(spec)
+    if spec.family != "file":
+        model = build_model(spec, device=device)
+        return model, example_inputs(
+            spec, batch_size=1, seq_len=min(spec.config.max_seq_len, 128), device=device
+        )
+    mod_name = f"autoplan_user_model_{zlib.crc32(str(Path(spec.path).resolve()).encode()):08x}"
+    try:
+        import_spec = importlib.util.spec_from_file_location(mod_name, spec.path)
+        if import_spec is None or import_spec.loader is None:
+            raise ImportError("not a Python file")
+        user_module = importlib.util.module_from_spec(import_spec)
+        sys.modules[mod_name] = user_module  # dataclasses and pickling look modules up here
+        import_spec.loader.exec_module(user_module)
+    except FileNotFoundError:
+        raise ModelSpecError(f"model file {spec.path!r} does not exist; check the path") from None
+    except Exception as e:
+        sys.modules.pop(mod_name, None)
+        raise ModelSpecError(f"importing {spec.path!r} failed: {type(e).__name__}: {e}") from e
+    fn = getattr(user_module, spec.function, None)
+    if not callable(fn):
+        defined = [n for n, v in vars(user_module).items() if callable(v) and not n.startswith("_")]
+        raise ModelSpecError(
+            f"{spec.path!r} has no function {spec.function!r}{_did_you_mean(spec.function, defined)}"
+            f" defined: {', '.join(defined) or 'none'}"
+        )
+    try:
+        with torch.device(device):
+            result = fn()
+    except Exception as e:
+        raise ModelSpecError(f"{spec.name}() raised {type(e).__name__}: {e}") from e
+    if isinstance(result, tuple | list) and len(result) == 2 and isinstance(result[0], nn.Module):
+        module, inputs = result
+        if isinstance(inputs, Tensor):
+            inputs = (inputs,)
+        if isinstance(inputs, tuple | list):
+            return module, tuple(inputs)
+    raise ModelSpecError(
+        f"{spec.name}() must return (nn.Module, example_inputs tuple), got {type(result).__name__}; "
+        f"return e.g. (model, (torch.randint(0, 100, (2, 16)),))"
+    )
+
+
+def build_model(
+    spec: str | ModelSpec | ModelConfig,
+    device: torch.device | str = "meta",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> nn.Module:
+    """Build the model a spec names. Built-ins are constructed on meta and, for a real device,
+    materialized and initialized by name with `seed` (see [Note: name-keyed init])."""
+    spec = _as_spec(spec)
+    if spec.family == "file":
+        module, _ = load_user_model(spec, device=device)
+        return module.to(dtype=dtype) if dtype != torch.float32 else module
+    cls = GPTModel if spec.family == "gpt" else LlamaModel
+    with torch.device("meta"):
+        model = cls(spec.config)
+    if dtype != torch.float32:
+        model.to(dtype=dtype)
+    if torch.device(device).type != "meta":
+        materialize(model, device=device, seed=seed)
+    return model
+
+
+def _check_shape(config: ModelConfig, batch_size: int, seq_len: int) -> None:
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if value <= 0:
+            raise ModelSpecError(f"{name} {value} must be positive")
+    if seq_len > config.max_seq_len:
+        raise ModelSpecError(
+            f"seq_len {seq_len} exceeds max_seq_len {config.max_seq_len}; raise it, e.g. ':max_seq_len={seq_len}'"
+        )
+
+
+def _token_ids(spec_or_config, batch_size: int, seq_len: int, device, salt: int) -> tuple[Tensor]:
+    spec = _as_spec(spec_or_config)
+    if spec.family == "file":
+        raise ModelSpecError(
+            f"{spec.name} is a user model; its example inputs come from load_user_model(), not batch/seq sizes"
+        )
+    config = spec.config
+    _check_shape(config, batch_size, seq_len)
+    if torch.device(device).type == "meta":
+        return (torch.empty((batch_size, seq_len), dtype=torch.int64, device="meta"),)
+    gen = torch.Generator(device="cpu").manual_seed(salt)
+    ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=gen, dtype=torch.int64)
+    return (ids.to(device),)
+
+
+def example_inputs(
+    spec_or_config, batch_size: int, seq_len: int, device: torch.device | str = "meta"
+) -> tuple[Tensor]:
+    """(input_ids,) int64 of shape (batch_size, seq_len) in [0, vocab_size); deterministic off meta."""
+    return _token_ids(spec_or_config, batch_size, seq_len, device, salt=1234)
+
+
+def example_targets(
+    spec_or_config, batch_size: int, seq_len: int, device: torch.device | str = "meta"
+) -> Tensor:
+    """Targets for `lm_loss`, int64 (batch_size, seq_len) in [0, vocab_size); deterministic off meta."""
+    return _token_ids(spec_or_config, batch_size, seq_len, device, salt=4321)[0]
+
+
+def model_info(spec: str | ModelSpec | ModelConfig) -> dict:
+    """Shape facts of a spec: name, family, num_layers, hidden_size, num_heads, num_kv_heads,
+    vocab_size, max_seq_len, ffn_hidden_size (None for file models)."""
+    spec = _as_spec(spec)
+    keys = (
+        "num_layers",
+        "hidden_size",
+        "num_heads",
+        "num_kv_heads",
+        "vocab_size",
+        "max_seq_len",
+        "ffn_hidden_size",
+    )
+    info: dict = {"name": spec.name, "family": spec.family}
+    info.update({k: (getattr(spec.config, k) if spec.config is not None else None) for k in keys})
+    return info

@@ -1,0 +1,422 @@
+"""Min-max cutting of a block chain into contiguous pipeline stages, and its dynamic program.
+
+The problem ("chains-on-chains partitioning", Bokhari 1988, IEEE Trans. Computers 37(1)) is: cut
+``n`` blocks into ``S`` contiguous non-empty stages minimizing the slowest stage, subject to each
+stage fitting its GPU's memory. The dynamic program is the min-max recurrence used for pipeline
+stage construction by Tarnawski et al. 2020 ("Efficient Algorithms for Device Placement of DNN
+Graph Operators", NeurIPS, Sec. 4) and Alpa (Zheng et al., OSDI'22, Sec. 5.2, Eq. 3), here with
+per-stage memory feasibility, per-boundary communication time and legal cut positions.
+
+[Note: the stage model]
+Stage ``k`` owns blocks ``[a, b)`` (``a = b_k``, ``b = b_{k+1}``). Boundary index ``i`` is the
+boundary *before* block ``i``; ``0`` and ``n`` are the ends of the chain.
+
+    time_k = sum_{j in [a,b)} block_time_s[k, j] + cut_time_s[a] + cut_time_s[b]
+    mem_k  = sum static_bytes + inflight[k] * (sum act_bytes + cut_act_bytes[a] + cut_act_bytes[b])
+
+Both are evaluated from prefix sums with one fixed expression (``_stage_time`` / ``_stage_mem``
+below, and their matrix forms in ``solve_dp``), so the DP, ``stage_stats`` and ``brute_force``
+compute bit-identical numbers and compare them exactly, without tolerances. The ILP (``ilp.py``)
+solves the same model and is compared within a relative 1e-9.
+
+[Note: DP tie-break]
+Among cuttings with the same (exactly equal) bottleneck, ``solve_dp`` returns one minimizing the
+sum of squared stage times (a second DP restricted to stages no slower than the bottleneck), so the
+non-bottleneck stages are balanced too. Remaining ties go to the earliest start of each stage,
+fixed from the last stage backwards (``numpy.argmin`` takes the first minimum). Results are
+therefore deterministic for a given problem.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "CutProblem",
+    "Cuts",
+    "balanced_by",
+    "brute_force",
+    "equal_layers",
+    "rank_mem_bytes",
+    "solve_dp",
+    "stage_stats",
+    "violations",
+]
+
+
+def _as_float(name: str, value: object, shape: tuple[int, ...], *, allow_inf: bool = False) -> np.ndarray:
+    arr = np.array(value, dtype=np.float64)  # copy: the problem must not alias caller arrays
+    if arr.shape != shape:
+        raise ValueError(f"{name} has shape {arr.shape}, expected {shape}")
+    bad = np.isnan(arr) if allow_inf else ~np.isfinite(arr)
+    if bad.any():
+        raise ValueError(f"{name} has non-finite values at indices {np.argwhere(bad).ravel().tolist()}")
+    arr.setflags(write=False)
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class CutProblem:
+    """One instance of stage cutting; plain numpy data, no torch. See [Note: the stage model].
+
+    Optional fields are normalized in ``__post_init__``: ``cut_act_bytes`` becomes zeros and
+    ``legal_cut`` all True, so after construction they are always arrays.
+    """
+
+    block_time_s: np.ndarray
+    """(n,) or (S, n): seconds of block j when placed on stage k (2-D for mixed GPU types)."""
+    cut_time_s: np.ndarray
+    """(n+1,): seconds a stage pays per boundary it has at index i (boundary before block i; P2P
+    send/recv). Index 0 and n are the chain ends and are 0 by convention."""
+    block_static_bytes: np.ndarray
+    """(n,): weights + gradients + optimizer state bytes of block j on its GPU."""
+    block_act_bytes: np.ndarray
+    """(n,): activation bytes block j saves per micro-batch in flight."""
+    inflight: np.ndarray
+    """(S,): micro-batches in flight on stage k (from the schedule, e.g. 1F1B gives p - k)."""
+    capacity_bytes: np.ndarray
+    """(S,): bytes available to stage k (after fixed allowances); +inf means unconstrained. With
+    interleaving the caller passes a conservative per-stage share here (the DP's model)."""
+    cut_act_bytes: np.ndarray | None = None
+    """(n+1,): boundary buffer bytes a stage holds per in-flight micro-batch per boundary."""
+    legal_cut: np.ndarray | None = None
+    """(n-1,) bool: whether a cut after block i (boundary i+1) may be used."""
+    rank_of_stage: np.ndarray | None = None
+    """(S,) int: the GPU rank stage k lives on (interleaving: k % pp). Given together with
+    ``rank_capacity_bytes``, the ILP replaces the per-stage capacity by the exact per-rank sum."""
+    rank_capacity_bytes: np.ndarray | None = None
+    """(R,): bytes available per rank, for the ILP's per-rank memory constraint."""
+
+    def __post_init__(self) -> None:
+        bt = np.array(self.block_time_s, dtype=np.float64)
+        if bt.ndim not in (1, 2) or bt.shape[-1] == 0:
+            raise ValueError(f"block_time_s must have shape (n,) or (S, n) with n >= 1, got {bt.shape}")
+        n = bt.shape[-1]
+        inflight = np.array(self.inflight, dtype=np.float64)
+        if inflight.ndim != 1 or inflight.shape[0] == 0:
+            raise ValueError(f"inflight must have shape (S,) with S >= 1, got {inflight.shape}")
+        num_stages = inflight.shape[0]
+        if num_stages > n:
+            raise ValueError(f"cannot cut {n} blocks into {num_stages} non-empty stages (S > n)")
+        if bt.ndim == 2 and bt.shape[0] != num_stages:
+            raise ValueError(f"block_time_s has {bt.shape[0]} rows but inflight has {num_stages} stages")
+        put = object.__setattr__
+        put(self, "block_time_s", _as_float("block_time_s", bt, bt.shape))
+        put(self, "cut_time_s", _as_float("cut_time_s", self.cut_time_s, (n + 1,)))
+        put(self, "block_static_bytes", _as_float("block_static_bytes", self.block_static_bytes, (n,)))
+        put(self, "block_act_bytes", _as_float("block_act_bytes", self.block_act_bytes, (n,)))
+        put(self, "inflight", _as_float("inflight", inflight, (num_stages,)))
+        put(
+            self,
+            "capacity_bytes",
+            _as_float("capacity_bytes", self.capacity_bytes, (num_stages,), allow_inf=True),
+        )
+        cab = np.zeros(n + 1) if self.cut_act_bytes is None else self.cut_act_bytes
+        put(self, "cut_act_bytes", _as_float("cut_act_bytes", cab, (n + 1,)))
+        legal = np.ones(n - 1, dtype=bool) if self.legal_cut is None else np.array(self.legal_cut, dtype=bool)
+        if legal.shape != (n - 1,):
+            raise ValueError(f"legal_cut has shape {legal.shape}, expected ({n - 1},)")
+        legal.setflags(write=False)
+        put(self, "legal_cut", legal)
+        if (self.rank_of_stage is None) != (self.rank_capacity_bytes is None):
+            raise ValueError("rank_of_stage and rank_capacity_bytes must be given together")
+        if self.rank_of_stage is not None:
+            cap = np.array(self.rank_capacity_bytes, dtype=np.float64)
+            if cap.ndim != 1 or cap.shape[0] == 0:
+                raise ValueError(f"rank_capacity_bytes must have shape (R,), got {cap.shape}")
+            put(self, "rank_capacity_bytes", _as_float("rank_capacity_bytes", cap, cap.shape, allow_inf=True))
+            ranks = np.array(self.rank_of_stage)
+            if ranks.shape != (num_stages,) or not np.issubdtype(ranks.dtype, np.integer):
+                raise ValueError(
+                    f"rank_of_stage must be ({num_stages},) ints, got {ranks.shape} {ranks.dtype}"
+                )
+            if ranks.min() < 0 or ranks.max() >= cap.shape[0]:
+                raise ValueError(
+                    f"rank_of_stage values {sorted(set(ranks.tolist()))} outside 0..{cap.shape[0] - 1}"
+                )
+            ranks = ranks.astype(np.int64)
+            ranks.setflags(write=False)
+            put(self, "rank_of_stage", ranks)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.block_time_s.shape[-1])
+
+    @property
+    def num_stages(self) -> int:
+        return int(self.inflight.shape[0])
+
+    @property
+    def has_rank_memory(self) -> bool:
+        return self.rank_of_stage is not None
+
+    def legal_boundaries(self) -> np.ndarray:
+        """(n+1,) bool: boundary i may be a stage boundary (the chain ends always may)."""
+        out = np.ones(self.num_blocks + 1, dtype=bool)
+        out[1:-1] = self.legal_cut
+        return out
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """A cutting and what it costs under the problem's model."""
+
+    boundaries: tuple[int, ...]
+    """b_0 = 0 < b_1 < ... < b_S = n; stage k owns blocks [b_k, b_{k+1})."""
+    stage_time_s: tuple[float, ...]
+    stage_mem_bytes: tuple[float, ...]
+    bottleneck_s: float
+    """The slowest stage's time."""
+    optimal: bool
+    """Proven optimal for the solver's model (DP: always; ILP: CBC reported Optimal)."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.boundaries) - 1
+
+    def stage_ranges(self) -> list[tuple[int, int]]:
+        return list(itertools.pairwise(self.boundaries))
+
+
+class _Prefix:
+    """Prefix sums shared by every evaluation, so all code paths round identically."""
+
+    def __init__(self, p: CutProblem) -> None:
+        def cum(x: np.ndarray) -> np.ndarray:
+            out = np.zeros(x.shape[:-1] + (x.shape[-1] + 1,))
+            np.cumsum(x, axis=-1, out=out[..., 1:])
+            return out
+
+        self.time = np.atleast_2d(cum(p.block_time_s))  # (1 or S, n+1)
+        self.static = cum(p.block_static_bytes)
+        self.act = cum(p.block_act_bytes)
+
+    def time_row(self, k: int) -> np.ndarray:
+        return self.time[k if self.time.shape[0] > 1 else 0]
+
+
+def _stage_time(pre: _Prefix, p: CutProblem, k: int, a: int, b: int) -> float:
+    t = pre.time_row(k)
+    c = p.cut_time_s
+    return float((t[b] - t[a]) + (c[a] + c[b]))
+
+
+def _stage_mem(pre: _Prefix, p: CutProblem, k: int, a: int, b: int) -> float:
+    ca = p.cut_act_bytes
+    act = (pre.act[b] - pre.act[a]) + (ca[a] + ca[b])
+    return float((pre.static[b] - pre.static[a]) + p.inflight[k] * act)
+
+
+def _check_boundaries(p: CutProblem, boundaries: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    b = tuple(int(x) for x in boundaries)
+    n, num_stages = p.num_blocks, p.num_stages
+    if len(b) != num_stages + 1 or b[0] != 0 or b[-1] != n:
+        raise ValueError(f"boundaries {b} must be {num_stages + 1} values from 0 to {n}")
+    if any(x >= y for x, y in itertools.pairwise(b)):
+        raise ValueError(f"boundaries {b} must be strictly increasing (stages are non-empty)")
+    return b
+
+
+def stage_stats(
+    problem: CutProblem, boundaries: tuple[int, ...] | list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(time_s, mem_bytes) per stage of a cutting, under [Note: the stage model]."""
+    b = _check_boundaries(problem, boundaries)
+    pre = _Prefix(problem)
+    times = np.array([_stage_time(pre, problem, k, b[k], b[k + 1]) for k in range(problem.num_stages)])
+    mems = np.array([_stage_mem(pre, problem, k, b[k], b[k + 1]) for k in range(problem.num_stages)])
+    return times, mems
+
+
+def rank_mem_bytes(problem: CutProblem, stage_mem: np.ndarray) -> np.ndarray:
+    """(R,) bytes per rank: the sum of the memory of the stages placed on it."""
+    if problem.rank_of_stage is None or problem.rank_capacity_bytes is None:
+        raise ValueError("problem has no rank_of_stage / rank_capacity_bytes")
+    return np.bincount(
+        problem.rank_of_stage, weights=stage_mem, minlength=problem.rank_capacity_bytes.shape[0]
+    )
+
+
+def violations(
+    problem: CutProblem, boundaries: tuple[int, ...] | list[int], *, per_rank: bool = False
+) -> list[str]:
+    """Why a cutting is not allowed (empty when it is). Pure; ``per_rank`` selects the ILP's memory
+    model (per-rank sums) instead of the DP's (per-stage capacity)."""
+    try:
+        b = _check_boundaries(problem, boundaries)
+    except ValueError as e:
+        return [str(e)]
+    out = [f"cut at boundary {i} is illegal" for i in b[1:-1] if not problem.legal_cut[i - 1]]
+    _, mems = stage_stats(problem, b)
+    if per_rank:
+        used = rank_mem_bytes(problem, mems)
+        cap = problem.rank_capacity_bytes
+        assert cap is not None
+        out += [
+            f"rank {r}: {used[r]:.6g} B > capacity {cap[r]:.6g} B"
+            for r in range(cap.shape[0])
+            if used[r] > cap[r]
+        ]
+    else:
+        cap = problem.capacity_bytes
+        out += [
+            f"stage {k}: {mems[k]:.6g} B > capacity {cap[k]:.6g} B"
+            for k in range(len(mems))
+            if mems[k] > cap[k]
+        ]
+    return out
+
+
+def make_cuts(problem: CutProblem, boundaries: tuple[int, ...] | list[int], *, optimal: bool) -> Cuts:
+    """Package a cutting with its stage times and memory (shared by the DP, the ILP, baselines)."""
+    times, mems = stage_stats(problem, boundaries)
+    return Cuts(
+        boundaries=tuple(int(x) for x in boundaries),
+        stage_time_s=tuple(times.tolist()),
+        stage_mem_bytes=tuple(mems.tolist()),
+        bottleneck_s=float(times.max()),
+        optimal=optimal,
+    )
+
+
+def solve_dp(problem: CutProblem, *, refine: bool = True) -> Cuts | None:
+    """Minimize the slowest stage's time with every stage within ``capacity_bytes``; None when no
+    cutting is feasible. ``refine`` applies the tie-break in [Note: DP tie-break] (about twice the
+    work); without it ties go to the earliest stage starts.
+
+    Per stage k, all (start i, end j) pairs are evaluated at once as a matrix, restricted to the
+    window where every other stage can still be non-empty: i in [k, n-S+k], j in [k+1, n-S+k+1].
+    Cost O(S (n-S+1)^2) numpy work.
+    """
+    p = problem
+    n, num_stages = p.num_blocks, p.num_stages
+    pre = _Prefix(p)
+    c, ca = p.cut_time_s, p.cut_act_bytes
+    width = n - num_stages + 1  # start (and end) positions a stage can take
+    # Full (n+1, n+1) matrices indexed [start i, end j]; each stage reads a (width, width) window.
+    cut_pair = c[:, None] + c[None, :]
+    static = pre.static[None, :] - pre.static[:, None]
+    act = (pre.act[None, :] - pre.act[:, None]) + (ca[:, None] + ca[None, :])
+    # i < j within a window is "row r <= column s" (window k: i = k + r, j = k + 1 + s).
+    order_ok = np.triu(np.ones((width, width), dtype=bool))
+    legal_end = p.legal_boundaries()
+    shared_time = (pre.time[0][None, :] - pre.time[0][:, None]) + cut_pair if pre.time.shape[0] == 1 else None
+
+    def window(k: int) -> tuple[np.ndarray, np.ndarray]:
+        rows, cols = slice(k, k + width), slice(k + 1, k + 1 + width)
+        if shared_time is None:
+            t = pre.time[k]
+            time = (t[None, cols] - t[rows, None]) + cut_pair[rows, cols]
+        else:
+            time = shared_time[rows, cols]
+        mem = static[rows, cols] + p.inflight[k] * act[rows, cols]
+        feasible = order_ok & (mem <= p.capacity_bytes[k]) & legal_end[None, cols]
+        return time, feasible
+
+    windows = [window(k) for k in range(num_stages)]
+    cols_idx = np.arange(width)
+
+    def run(combine: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> tuple[float, np.ndarray]:
+        """best_k[end] = min over start of combine(best_{k-1}[start], time_k(start, end)).
+
+        Window k's end column s is boundary k+1+s, which is window k+1's start row s, so the
+        vector carries over between stages without reindexing."""
+        best = np.zeros(width)
+        best[1:] = np.inf  # before stage 0 only boundary 0 (window row 0) is reachable
+        arg = np.empty((num_stages, width), dtype=np.int64)
+        for k in range(num_stages):
+            time, feasible = windows[k]
+            cand = np.where(feasible, combine(best[:, None], time), np.inf)
+            arg[k] = np.argmin(cand, axis=0)
+            best = cand[arg[k], cols_idx]
+        return float(best[width - 1]), arg
+
+    bottleneck, arg = run(lambda prev, t: np.maximum(prev, t))
+    if not np.isfinite(bottleneck):
+        return None
+    if refine:
+        # Second pass: among stages no slower than the optimum, minimize the sum of squares.
+        windows = [(t, f & (t <= bottleneck)) for t, f in windows]
+        _, arg = run(lambda prev, t: prev + t * t)
+    boundaries = [n]
+    s = width - 1  # column of boundary n in the last window
+    for k in range(num_stages - 1, -1, -1):
+        r = int(arg[k][s])  # start row in window k: boundary k + r
+        boundaries.append(k + r)
+        s = r  # boundary k + r is column r of window k-1
+    boundaries.reverse()
+    cuts = make_cuts(p, boundaries, optimal=True)
+    assert cuts.bottleneck_s == bottleneck, (cuts.bottleneck_s, bottleneck)
+    return cuts
+
+
+def brute_force(problem: CutProblem, *, per_rank: bool = False) -> Cuts | None:
+    """Enumerate every legal cutting (small n only, for tests). Same tie-break as ``solve_dp`` up
+    to exact ties: minimum bottleneck, then minimum sum of squared stage times. ``per_rank``
+    uses the ILP's per-rank memory model instead of per-stage capacity."""
+    p = problem
+    n, num_stages = p.num_blocks, p.num_stages
+    legal = [i for i in range(1, n) if p.legal_cut[i - 1]]
+    best: tuple[float, float] | None = None
+    best_b: tuple[int, ...] | None = None
+    for inner in itertools.combinations(legal, num_stages - 1):
+        b = (0, *inner, n)
+        times, mems = stage_stats(p, b)
+        if per_rank:
+            assert p.rank_capacity_bytes is not None
+            if (rank_mem_bytes(p, mems) > p.rank_capacity_bytes).any():
+                continue
+        elif (mems > p.capacity_bytes).any():
+            continue
+        sumsq = 0.0
+        for t in times.tolist():
+            sumsq = sumsq + t * t
+        key = (float(times.max()), sumsq)
+        if best is None or key < best:
+            best, best_b = key, b
+    return None if best_b is None else make_cuts(p, best_b, optimal=True)
+
+
+def balanced_by(weights: np.ndarray, num_stages: int) -> tuple[int, ...]:
+    """Baseline: contiguous cuts minimizing the largest per-stage sum of ``weights`` (DeepSpeed's
+    ``partition_method="parameters"`` with ``ds_utils.partition_balanced``, which balances each
+    stage to about total/S of the weight). Returns boundaries b_0..b_S."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1:
+        raise ValueError(f"weights must be 1-D, got shape {w.shape}")
+    n = w.shape[0]
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot cut {n} weights into {num_stages} non-empty stages")
+    problem = CutProblem(
+        block_time_s=w,
+        cut_time_s=np.zeros(n + 1),
+        block_static_bytes=np.zeros(n),
+        block_act_bytes=np.zeros(n),
+        inflight=np.zeros(num_stages),
+        capacity_bytes=np.full(num_stages, np.inf),
+    )
+    cuts = solve_dp(problem)
+    assert cuts is not None
+    return cuts.boundaries
+
+
+def equal_layers(num_blocks: int, num_stages: int, first_last_extra: bool = True) -> tuple[int, ...]:
+    """Baseline: equal block counts per stage (DeepSpeed ``partition_method="uniform"``; the
+    remainder goes one each to the first stages). With ``first_last_extra`` the first and last
+    blocks (embedding, head) are extra: the n-2 middle blocks are split evenly and the embedding
+    joins stage 0, the head the last stage (Megatron-LM's layout). Falls back to splitting all
+    blocks when there are fewer middle blocks than stages."""
+    if not 1 <= num_stages <= num_blocks:
+        raise ValueError(f"cannot cut {num_blocks} blocks into {num_stages} non-empty stages")
+    extra = first_last_extra and num_stages > 1 and num_blocks - 2 >= num_stages
+    num_items = num_blocks - 2 if extra else num_blocks
+    chunk, residual = divmod(num_items, num_stages)
+    sizes = [chunk + (1 if k < residual else 0) for k in range(num_stages)]
+    if extra:
+        sizes[0] += 1
+        sizes[-1] += 1
+    return (0, *itertools.accumulate(sizes))
