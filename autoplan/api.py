@@ -11,12 +11,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoplan.cluster import Cluster, parse_cluster
 from autoplan.graph import zoo
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.profile import Progress, ProfileError, profile_model
 from autoplan.graph.trace import TracedModel
+from autoplan.plan import Job, Plan
+from autoplan.search.space import SearchResult, search_plans
 
-__all__ = ["ProfiledModel", "parse_dtype", "profile", "profile_with_graph"]
+__all__ = ["ProfiledModel", "parse_dtype", "profile", "profile_with_graph", "suggest", "suggest_with_stats"]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
@@ -101,5 +104,61 @@ def profile(model: str | nn.Module, **kwargs: Any) -> ModelProfile:
     return profile_with_graph(model, **kwargs).profile
 
 
-# Re-exported so the CLI can catch every user-facing error in one place.
-UserError = (ValueError, ProfileError, FileNotFoundError)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def suggest_with_stats(
+    model: str | nn.Module,
+    cluster: str | Cluster,
+    *,
+    global_batch: int,
+    seq_len: int | None = None,
+    example_inputs: Sequence[Any] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_target: torch.Tensor | None = None,
+    top: int = 5,
+    dtype: str | torch.dtype = "bf16",
+    intra_node_bw_gbps: float | None = None,
+    inter_node_bw_gbps: float | None = None,
+    profile_device: str = "meta",
+    leaf_modules: Sequence[str] = (),
+    progress: Progress | None = None,
+    search_progress: Progress | None = None,
+    **pins: Any,
+) -> tuple[SearchResult, ProfiledModel]:
+    """`suggest`, also returning the search statistics and the profiled model."""
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        raise ValueError(f"global batch {global_batch!r} must be a positive integer")
+    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
+        raise ValueError(f"sequence length {seq_len!r} must be a positive integer")
+    if isinstance(cluster, str):
+        cluster_obj = parse_cluster(cluster, intra_node_bw_gbps=intra_node_bw_gbps, inter_node_bw_gbps=inter_node_bw_gbps)
+    elif isinstance(cluster, Cluster):
+        cluster_obj = cluster.with_bandwidth(intra_node_bw_gbps, inter_node_bw_gbps)
+    else:
+        raise ValueError(f"cluster must be a spec string or a Cluster, got {type(cluster).__name__}")
+    torch_dtype = parse_dtype(dtype)
+    # Profile one sequence; every per-micro-batch quantity scales linearly with the batch.
+    profiled = profile_with_graph(model, batch_size=1, seq_len=seq_len, example_inputs=example_inputs,
+                                  loss_fn=loss_fn, example_target=example_target, dtype=torch_dtype,
+                                  device=profile_device, leaf_modules=leaf_modules, progress=progress)
+    prof = profiled.profile
+    job = Job(global_batch=global_batch, seq_len=seq_len or prof.seq_len, dtype=_dtype_name(torch_dtype))
+    spec_text = model if isinstance(model, str) else type(model).__name__
+    result = search_plans(prof, cluster_obj, job, model_spec=spec_text, top=top, pins=pins, progress=search_progress)
+    return result, profiled
+
+
+def suggest(model: str | nn.Module, cluster: str | Cluster, *, global_batch: int, **kwargs: Any) -> list[Plan]:
+    """The fastest plans that fit, best first.
+
+    `model` is a zoo spec (`"llama3-8b"`, `"gpt:num_layers=4,..."`, `"file.py:fn"`) or an nn.Module
+    with `example_inputs` (its batch dimension is taken as the profiled batch). `cluster` is a
+    preset, a compact string (`"2x8xH100-80GB"`) or a YAML path. Keyword arguments: `seq_len`,
+    `top`, `dtype`, `intra_node_bw_gbps`, `inter_node_bw_gbps`, and pins that fix a dimension:
+    `tp, pp, dp, micro_batch_size, schedule, virtual_stages, recompute, zero, sequence_parallel`.
+    When every dimension is pinned the plan is returned even if it does not fit (`plan.fits`).
+    """
+    result, _ = suggest_with_stats(model, cluster, global_batch=global_batch, **kwargs)
+    return result.plans

@@ -21,7 +21,10 @@ EXIT_USAGE = 2
 
 
 def _console(stderr: bool = False) -> Console:
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    stream = sys.stderr if stderr else sys.stdout
+    # Piped output has no terminal width; rich would squeeze tables to 80 columns.
+    width = None if stream.isatty() else 160
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
 
 
 def _progress_callback(enabled: bool):
@@ -75,6 +78,54 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_SUGGEST = {"model": "llama3-8b", "cluster": "2x8xH100-80GB", "global_batch": 512, "seq_len": 4096}
+
+
+def _pins(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages",
+                                          "recompute", "zero", "sequence_parallel") if getattr(args, k) is not None}
+
+
+def cmd_suggest(args: argparse.Namespace) -> int:
+    from autoplan import api
+    from autoplan.report.tables import plans_table, stages_table
+
+    interactive = not args.json and sys.stderr.isatty()
+    progress, callback = _progress_callback(interactive)
+    search_progress, search_callback = _progress_callback(interactive)
+    leaf = [s for s in args.leaf_modules.split(",") if s]
+    if progress is not None:
+        progress.start()
+    try:
+        result, profiled = api.suggest_with_stats(
+            args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, top=args.top,
+            dtype=args.dtype, intra_node_bw_gbps=args.intra_node_bw, inter_node_bw_gbps=args.inter_node_bw,
+            leaf_modules=leaf, progress=callback, search_progress=search_callback, **_pins(args))
+    finally:
+        if progress is not None:
+            progress.stop()
+    if args.out:
+        result.plans[0].save(args.out)
+    if args.json:
+        print(dump_json(result.to_dict()))
+        return 0
+    console = _console()
+    best = result.plans[0]
+    cluster = best.cluster_obj()
+    console.print(f"[bold]{profiled.profile.model_name}[/bold] ({profiled.profile.num_params / 1e9:.2f}B parameters, "
+                  f"{profiled.profile.num_blocks} blocks) on {cluster.describe()}; global batch {args.global_batch} x "
+                  f"seq {best.job.seq_len}, {best.job.dtype}")
+    console.print(plans_table(result.plans))
+    console.print(stages_table(best))
+    console.print(f"best plan is bound by: {best.predicted.bound}")
+    console.print(f"[dim]searched {result.configs_considered} configurations, evaluated {result.configs_evaluated} in "
+                  f"{result.time_s:.2f} s; MFU counts model FLOPs without recompute (PaLM, Chowdhery et al. 2022, "
+                  f"App. B)[/dim]")
+    if args.out:
+        console.print(f"wrote the best plan to {args.out}; run it with `autoplan run {args.out}`")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoplan", description="Plan and run pipeline/tensor/data-parallel training of PyTorch models.")
     parser.add_argument("--version", action="version", version=f"autoplan {__version__}")
@@ -87,6 +138,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="meta", help="meta (analytic, no memory), cpu or cuda (time every block)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=cmd_profile)
+    p = sub.add_parser("suggest", help="search parallel plans for a model on a cluster and rank them",
+                       description="With no arguments, plans llama3-8b on 2x8xH100-80GB (global batch 512, seq 4096).")
+    _add_model_args(p, default_model=DEFAULT_SUGGEST["model"])
+    p.add_argument("--cluster", default=DEFAULT_SUGGEST["cluster"],
+                   help="preset (dgx-h100, 4xdgx-a100), NODESxGPUSxGPU (128x8xA100-80GB) or a YAML file")
+    p.add_argument("--global-batch", type=int, default=DEFAULT_SUGGEST["global_batch"], help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SUGGEST["seq_len"], help="tokens per sequence")
+    p.add_argument("--top", type=int, default=5, help="how many plans to list (default 5)")
+    p.add_argument("--json", action="store_true", help="print {plans, search} as JSON")
+    p.add_argument("--out", help="write the best plan to this JSON file (for `autoplan run`)")
+    p.add_argument("--intra-node-bw", type=float, help="override intra-node bandwidth, GB/s per GPU per direction")
+    p.add_argument("--inter-node-bw", type=float, help="override inter-node bandwidth, GB/s per GPU per direction")
+    pins = p.add_argument_group("pins (fix a dimension; the rest is searched)")
+    pins.add_argument("--tp", type=int)
+    pins.add_argument("--pp", type=int)
+    pins.add_argument("--dp", type=int)
+    pins.add_argument("--micro-batch-size", type=int)
+    pins.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+    pins.add_argument("--virtual-stages", type=int)
+    pins.add_argument("--recompute", choices=["none", "selective", "full"])
+    pins.add_argument("--zero", type=int, choices=[0, 1, 2])
+    pins.add_argument("--sequence-parallel", action="store_true", default=None)
+    p.set_defaults(func=cmd_suggest)
     return parser
 
 

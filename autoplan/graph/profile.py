@@ -43,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from autoplan.graph.blocks import Block, CrossingTensor, CutCandidate, ModelProfile
 from autoplan.graph.trace import TracedModel, append_loss, crossing_values, extract_submodule, trace_model
 
-__all__ = ["ProfileError", "flop_counter", "profile_model", "profile_traced"]
+__all__ = ["ProfileError", "flop_counter", "model_fingerprint", "profile_model", "profile_traced"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -134,8 +134,40 @@ def _run_fake(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.d
         inputs = [_fake_like(x, dtype) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
     values: dict[str, Any] = {}
+    # Identical repeated layers produce outputs of identical shapes: run the first one of each kind
+    # and give the others fresh fake tensors of the same shapes (96 layers run as 1). The key is the
+    # module's class and parameter shapes plus the shapes of its inputs.
+    structure: dict[str, tuple] = {}
+    shape_cache: dict[tuple, Any] = {}
+
+    def describe(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ("T", tuple(value.shape), value.dtype, value.requires_grad)
+        if isinstance(value, (tuple, list)):
+            return tuple(describe(v) for v in value)
+        if isinstance(value, dict):
+            return tuple((k, describe(v)) for k, v in value.items())
+        return ("V", repr(value))
+
+    def fresh(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+        if isinstance(value, (tuple, list)):
+            return type(value)(fresh(v) for v in value)
+        return value
 
     class Recorder(fx.Interpreter):
+        def call_module(self, target: str, args: Any, kwargs: Any) -> Any:
+            if target not in structure:
+                module = self.fetch_attr(target)
+                structure[target] = (type(module).__qualname__,
+                                     tuple((n, tuple(p.shape)) for n, p in module.named_parameters()))
+            key = (structure[target], describe(args), describe(kwargs))
+            if key not in shape_cache:
+                shape_cache[key] = super().call_module(target, args, kwargs)
+                return shape_cache[key]
+            return fresh(shape_cache[key])
+
         def run_node(self, n: fx.Node) -> Any:
             result = super().run_node(n)
             values[n.name] = result
@@ -451,15 +483,18 @@ def _model_info(model: nn.Module) -> dict[str, int | None]:
     return info
 
 
-def _model_fingerprint(model: nn.Module, example_inputs: Sequence[Any], dtype: torch.dtype | None, tracer: str) -> str:
+def model_fingerprint(model: nn.Module) -> str:
+    """Hash of a model's structure: its class and every parameter's and buffer's name and shape.
+
+    Batch size, sequence length and dtype are not in it: a plan made for one micro-batch size
+    still names the same model, and the runtime checks a plan against the model it builds.
+    """
     h = hashlib.sha1()
     h.update(type(model).__qualname__.encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{tuple(p.shape)}".encode())
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor):
-            h.update(f"{tuple(x.shape)}:{x.dtype}".encode())
-    h.update(f"{dtype}:{tracer}".encode())
+    for name, b in model.named_buffers():
+        h.update(f"{name}:{tuple(b.shape)}".encode())
     return h.hexdigest()[:16]
 
 
@@ -500,7 +535,8 @@ def profile_traced(
     if device != "meta":
         device_name = _device_name(device)
         key = hashlib.sha1(
-            json.dumps([fingerprint, device_name, batch_size, seq_len, str(dtype), torch.__version__]).encode()
+            json.dumps([fingerprint, traced.block_names, device_name, batch_size, seq_len, str(dtype),
+                        torch.__version__]).encode()
         ).hexdigest()[:20]
         cache_file = _cache_dir(cache_dir) / f"{key}.json"
         if cache_file.exists():
@@ -627,7 +663,7 @@ def profile_model(
         inputs.append(example_target)
     merged = _model_info(model)
     merged.update({k: v for k, v in (info or {}).items() if v is not None})
-    fingerprint = _model_fingerprint(model, inputs, dtype, traced.tracer)
+    fingerprint = model_fingerprint(model)
     profile = profile_traced(
         traced, inputs, model_name=model_name or type(model).__name__, fingerprint=fingerprint, dtype=dtype,
         device=device, info=merged, warmup=warmup, repeats=repeats, cache_dir=cache_dir, progress=progress,

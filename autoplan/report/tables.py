@@ -53,3 +53,46 @@ def profile_table(profile: ModelProfile) -> Table:
             row += [_fmt_time(b.fwd_time_s), _fmt_time(b.bwd_time_s)]
         table.add_row(*row)
     return table
+
+
+def _schedule_label(plan) -> str:
+    return plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+
+
+def plans_table(plans, title: str = "") -> Table:
+    """One row per plan, best first (the columns `autoplan suggest` prints)."""
+    table = Table(title=title or None)
+    for name, justify in [("#", "right"), ("tp/pp/dp", "left"), ("micro-batch", "left"), ("schedule", "left"),
+                          ("recompute", "left"), ("step", "right"), ("tokens/s", "right"), ("TFLOP/s/GPU", "right"),
+                          ("MFU", "right"), ("mem/GPU", "right"), ("bubble", "right")]:
+        table.add_column(name, justify=justify)
+    for i, plan in enumerate(plans, 1):
+        p = plan.predicted
+        extras = []
+        if plan.zero:
+            extras.append(f"zero{plan.zero}")
+        if plan.sequence_parallel:
+            extras.append("sp")
+        recompute = plan.recompute + (" +" + ",".join(extras) if extras else "")
+        memory = fmt_bytes(p.peak_memory_bytes) + ("" if plan.fits else " [red](does not fit)[/red]")
+        table.add_row(str(i), f"{plan.tp}/{plan.pp}/{plan.dp}", f"{plan.micro_batch_size} x {plan.num_microbatches}",
+                      _schedule_label(plan), recompute, f"{p.step_time_s:.3f} s", f"{p.tokens_per_s:,.0f}",
+                      f"{p.model_tflops_per_gpu:.1f}", f"{p.mfu:.1%}", memory, f"{p.bubble_fraction:.1%}")
+    return table
+
+
+def stages_table(plan) -> Table:
+    """The stages of one plan: block ranges, time per micro-batch and memory of their GPU."""
+    table = Table(title=f"stages of the best plan ({plan.num_stages} stages on {plan.pp} pipeline ranks)")
+    for name, justify in [("stage", "right"), ("rank", "right"), ("blocks", "left"), ("fwd", "right"),
+                          ("bwd", "right"), ("params", "right"), ("weights+grads+optim", "right"),
+                          ("activations", "right"), ("total mem", "right")]:
+        table.add_column(name, justify=justify)
+    for s in plan.stages:
+        m = s.memory
+        span = (f"{s.first_block}-{s.end_block - 1} ({s.first_block_name} .. {s.last_block_name})"
+                if s.end_block - s.first_block > 1 else f"{s.first_block} ({s.first_block_name})")
+        table.add_row(str(s.index), str(s.pp_rank), span, f"{s.fwd_time_s * 1e3:.1f} ms", f"{s.bwd_time_s * 1e3:.1f} ms",
+                      fmt_count(s.num_params), fmt_bytes(m.weights_bytes + m.grads_bytes + m.optimizer_bytes),
+                      fmt_bytes(m.activations_bytes), fmt_bytes(m.total_bytes))
+    return table

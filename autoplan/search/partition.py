@@ -41,6 +41,7 @@ __all__ = [
     "balanced_by",
     "brute_force",
     "equal_layers",
+    "make_cuts",
     "rank_mem_bytes",
     "solve_dp",
     "stage_stats",

@@ -1,0 +1,166 @@
+"""Time of each block on a GPU, and of the communication around it (seconds per micro-batch).
+
+[Note: achievable throughput]
+A block's compute time is its FLOPs over `peak x efficiency` (Narayanan et al. 2021, SC'21, Sec.
+5.1 report 44-52% of peak end to end on A100s). Efficiency grows with the per-GPU GEMM width
+w = hidden / tp: small GEMMs do not fill the GPU (the same paper, Fig. 7 and Sec. 5.4: tp beyond 8
+and small hidden sizes lose throughput). We use the saturating form
+
+    efficiency(w) = E_MAX * w / (w + W_HALF)
+
+with E_MAX and W_HALF fitted to the published Megatron-LM runs in
+`../shared/data/megatron_sc21_table1.json` by `benchmarks/validate_published.py --fit` (procedure and
+result in docs/calibration.md). Element-wise work (norms, activations, residuals) is part of the
+layer blocks and so part of what the fit absorbs. Blocks without matmuls (embedding lookups, norms)
+are memory-bound: their time is the bytes they move over the GPU's memory bandwidth (roofline
+model, Williams et al. 2009). When a profile was timed on a device, its measured times are used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autoplan.cluster import GPU, Cluster, allgather_time_s, allreduce_time_s, p2p_time_s
+from autoplan.cost.config import ParallelConfig
+from autoplan.graph.blocks import ModelProfile
+
+__all__ = ["E_MAX", "W_HALF", "BlockTimes", "block_times", "cut_transfer_time_s", "cut_transfer_times_s", "dp_sync_time_s", "efficiency",
+           "optimizer_time_s", "tp_sharded"]
+
+# Fitted by benchmarks/validate_published.py --fit (see docs/calibration.md).
+E_MAX = 0.80
+W_HALF = 420.0
+
+# Blocks whose parameters and FLOPs Megatron tensor parallelism shards (Shoeybi et al. 2019, Sec. 3:
+# attention and MLP column/row parallel; vocab-parallel embedding and output layer).
+_TP_SHARDED_KINDS = {"layer", "attention", "mlp", "embedding", "head"}
+_RECOMPUTED_KINDS = {"layer", "attention", "mlp"}
+
+
+def tp_sharded(kind: str) -> bool:
+    return kind in _TP_SHARDED_KINDS
+
+
+def efficiency(width: float) -> float:
+    """Fraction of dense peak a transformer block reaches at per-GPU GEMM width `width`."""
+    return E_MAX * width / (width + W_HALF)
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """Per-block seconds for one micro-batch on one GPU (arrays of length num_blocks)."""
+
+    fwd_s: np.ndarray
+    """Forward compute."""
+    bwd_s: np.ndarray
+    """Backward compute, recompute included."""
+    tp_fwd_s: np.ndarray
+    """TP communication on the critical path during forward."""
+    tp_bwd_s: np.ndarray
+    """TP communication during backward (recompute's forward communication included)."""
+    hw_flops: np.ndarray
+    """FLOPs executed per micro-batch per GPU (recompute included): for HFU."""
+
+    @property
+    def total_s(self) -> np.ndarray:
+        return self.fwd_s + self.bwd_s + self.tp_fwd_s + self.tp_bwd_s
+
+
+def _scale(profile: ModelProfile, cfg: ParallelConfig) -> float:
+    """Everything in a profile is linear in the batch (DESIGN.md): scale to the micro-batch size."""
+    return cfg.micro_batch_size / profile.batch_size
+
+
+def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: ParallelConfig, dtype: str) -> BlockTimes:
+    """Seconds per micro-batch per block on `gpu` under `cfg` (see [Note: achievable throughput])."""
+    f = _scale(profile, cfg)
+    peak = gpu.peak(dtype)
+    width = (profile.hidden_size or 4096) / cfg.tp
+    eff = efficiency(width)
+    n = profile.num_blocks
+    fwd = np.zeros(n)
+    bwd = np.zeros(n)
+    hw = np.zeros(n)
+    tp_fwd = np.zeros(n)
+    tp_bwd = np.zeros(n)
+    tp_ranks = list(range(cfg.tp))  # a TP group is tp consecutive ranks in one node
+    for i, b in enumerate(profile.blocks):
+        shard = cfg.tp if tp_sharded(b.kind) else 1
+        fwd_flops = b.fwd_flops * f / shard
+        bwd_flops = b.bwd_flops * f / shard
+        recompute_flops = 0.0
+        if b.kind in _RECOMPUTED_KINDS:
+            if cfg.recompute == "full":
+                recompute_flops = fwd_flops  # Chen et al. 2016; Korthikanti et al. 2022, Sec. 5
+            elif cfg.recompute == "selective":
+                recompute_flops = b.attention_core_fwd_flops * f / shard  # Korthikanti et al. 2022, Sec. 5
+        if profile.is_timed and b.fwd_time_s is not None:
+            fwd[i] = b.fwd_time_s * f / shard
+            bwd[i] = b.bwd_time_s * f / shard + (fwd[i] * recompute_flops / fwd_flops if fwd_flops else 0.0)
+        else:
+            # Memory-bound floor: a block reads its input and writes its output at least once per
+            # pass (roofline, Williams et al. 2009); backward moves about twice as much.
+            traffic = 2.0 * b.output_bytes * f / (cfg.tp if cfg.sequence_parallel else 1)
+            fwd[i] = max(fwd_flops / (peak * eff), traffic / gpu.mem_bw_bytes_per_s)
+            bwd[i] = max((bwd_flops + recompute_flops) / (peak * eff), 2 * traffic / gpu.mem_bw_bytes_per_s)
+        hw[i] = fwd_flops + bwd_flops + recompute_flops
+        if cfg.tp > 1 and b.tp_comm_bytes:
+            # Megatron: all-reduces in forward and as many in backward (Shoeybi et al. 2019, Fig. 3);
+            # with sequence parallelism each is a reduce-scatter + all-gather of the same volume
+            # (Korthikanti et al. 2022, Sec. 4.2.2), which a ring costs the same.
+            ar = allreduce_time_s(cluster, tp_ranks, b.tp_comm_bytes * f)
+            tp_fwd[i] = ar
+            tp_bwd[i] = ar + (ar if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 0.0)
+    return BlockTimes(fwd, bwd, tp_fwd, tp_bwd, hw)
+
+
+def cut_transfer_time_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, cut_index: int,
+                        src_rank: int, dst_rank: int) -> float:
+    """P2P time of the tensors crossing the cut after block `cut_index`, for one micro-batch.
+
+    With tp > 1 each TP rank sends 1/tp of the boundary and the receivers all-gather it over
+    NVLink (Narayanan et al. 2021, Sec. 4.1, "scatter/gather optimization").
+    """
+    num_bytes = profile.cuts[cut_index].num_bytes * _scale(profile, cfg)
+    if cfg.tp == 1:
+        return p2p_time_s(cluster, src_rank, dst_rank, num_bytes)
+    gather = allgather_time_s(cluster, list(range(dst_rank - dst_rank % cfg.tp, dst_rank - dst_rank % cfg.tp + cfg.tp)),
+                              num_bytes)
+    return p2p_time_s(cluster, src_rank, dst_rank, num_bytes / cfg.tp) + gather
+
+
+def cut_transfer_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, src_rank: int,
+                         dst_rank: int) -> np.ndarray:
+    """`cut_transfer_time_s` for every cut at once (length num_blocks - 1). Alpha-beta costs are
+    affine in the bytes, so two evaluations give the line."""
+    num_bytes = np.array([c.num_bytes for c in profile.cuts], dtype=float) * _scale(profile, cfg)
+    if cfg.tp == 1:
+        alpha = p2p_time_s(cluster, src_rank, dst_rank, 0.0)
+        per_byte = p2p_time_s(cluster, src_rank, dst_rank, 1e9) / 1e9 - alpha / 1e9
+    else:
+        group = list(range(dst_rank - dst_rank % cfg.tp, dst_rank - dst_rank % cfg.tp + cfg.tp))
+        alpha = p2p_time_s(cluster, src_rank, dst_rank, 0.0) + allgather_time_s(cluster, group, 0.0)
+        line = p2p_time_s(cluster, src_rank, dst_rank, 1e9 / cfg.tp) + allgather_time_s(cluster, group, 1e9)
+        per_byte = (line - alpha) / 1e9
+    return np.where(num_bytes > 0, alpha + per_byte * num_bytes, 0.0)
+
+
+def dp_sync_time_s(cluster: Cluster, cfg: ParallelConfig, pp_index: int, grad_bytes: float) -> float:
+    """Gradient reduction over the dp group of one pipeline rank (ring all-reduce; ZeRO's
+    reduce-scatter + all-gather moves the same volume, Rajbhandari et al. 2020, Sec. 7)."""
+    if cfg.dp == 1:
+        return 0.0
+    ranks = [cfg.rank(pp_index, d, 0) for d in range(cfg.dp)]
+    return allreduce_time_s(cluster, ranks, grad_bytes)
+
+
+# Bytes an Adam step reads and writes per parameter with mixed precision: fp32 master weight,
+# momentum and variance read and written (3 x 4 x 2), the 2-byte gradient read and the 2-byte
+# model weight written. The step is memory-bound (a few FLOPs per byte).
+_ADAM_BYTES_PER_PARAM = 28.0
+
+
+def optimizer_time_s(gpu: GPU, num_params: float) -> float:
+    return num_params * _ADAM_BYTES_PER_PARAM / gpu.mem_bw_bytes_per_s

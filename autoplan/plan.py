@@ -1,0 +1,277 @@
+"""The `Plan`: what to run and what it is predicted to do. Plain data, JSON, versioned.
+
+A plan names the model (spec and structural fingerprint), the cluster, the job, every parallelism
+choice, the stages as block ranges, and the prediction. `validate(plan)` is pure: it checks the
+plan's own consistency (degrees multiply to the GPU count, TP inside a node, every block placed
+once and in order, memory within capacity when the plan says it fits) without torch or a search.
+
+[Note: rank layout]
+Ranks are numbered with tp innermost, so a TP group is always consecutive ranks inside one node.
+`rank_order` says which of dp and pp comes next: with "tp-dp-pp" (default) the DP replicas of a
+stage are neighbours and pipeline neighbours are dp*tp ranks apart; with "tp-pp-dp" pipeline
+neighbours share a node when tp*pp fits in one. rank = tp_index + tp * (i1 + n1 * i2) where
+(i1, n1) is the middle axis and i2 the outer one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PLAN_SCHEMA_VERSION",
+    "RANK_ORDERS",
+    "RECOMPUTE",
+    "Job",
+    "MemoryBreakdown",
+    "Plan",
+    "PlanError",
+    "Predicted",
+    "StagePlan",
+    "validate",
+]
+
+PLAN_SCHEMA_VERSION = 1
+RECOMPUTE = ("none", "selective", "full")
+RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
+
+
+class PlanError(ValueError):
+    """A plan file or object that cannot be used as it is."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    global_batch: int
+    """Sequences per optimizer step, over all data-parallel replicas."""
+    seq_len: int
+    dtype: str = "bfloat16"
+    """Compute dtype (weights and activations); optimizer state is fp32 (mixed precision)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes on one GPU at its peak. See cost/memory.py for each term's source."""
+
+    weights_bytes: float = 0.0
+    grads_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    activations_bytes: float = 0.0
+    buffers_bytes: float = 0.0
+    """P2P receive buffers and the backward's transient working set."""
+    allowance_bytes: float = 0.0
+    """CUDA context, NCCL buffers and allocator fragmentation."""
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.buffers_bytes + self.allowance_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    index: int
+    """Virtual stage index, 0 .. pp*virtual_stages - 1; it runs on pipeline rank index % pp."""
+    pp_rank: int
+    first_block: int
+    end_block: int
+    """Exclusive: the stage holds blocks first_block .. end_block - 1."""
+    first_block_name: str = ""
+    last_block_name: str = ""
+    fwd_time_s: float = 0.0
+    """Predicted forward time of one micro-batch (TP communication included)."""
+    bwd_time_s: float = 0.0
+    """Predicted backward time of one micro-batch (recompute included)."""
+    num_params: int = 0
+    memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+    """Memory of the GPU this stage runs on (all its virtual stages), at its peak."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Predicted:
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    """Model FLOPs (forward + backward, no recompute) per second per GPU, in TFLOP/s."""
+    hardware_tflops_per_gpu: float
+    """Hardware FLOPs (recompute included) per second per GPU, in TFLOP/s."""
+    mfu: float
+    """Model FLOPs utilization: model TFLOP/s over the GPU's dense peak (Chowdhery et al. 2022, App. B)."""
+    hfu: float
+    """Hardware FLOPs utilization: hardware TFLOP/s over peak."""
+    peak_memory_bytes: float
+    bubble_fraction: float
+    bound: str = ""
+    """One line on what limits the plan: bubble, a slow stage, DP communication, memory."""
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """Seconds per step by cause: compute, tp_comm, pp_comm, dp_comm, optimizer, bubble."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: str
+    """The model spec it was made for (zoo spec, file:function, or a class name for API models)."""
+    model_fingerprint: str
+    cluster: dict[str, Any]
+    """`Cluster.to_dict()`; `plan.cluster_obj()` rebuilds it."""
+    job: Job
+    tp: int
+    pp: int
+    dp: int
+    virtual_stages: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: str
+    recompute: str
+    zero: int
+    sequence_parallel: bool
+    rank_order: str
+    stages: tuple[StagePlan, ...]
+    block_names: tuple[str, ...]
+    fits: bool
+    predicted: Predicted
+    schema_version: int = PLAN_SCHEMA_VERSION
+    notes: tuple[str, ...] = ()
+
+    # ---- derived -----------------------------------------------------------------------------
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        return (0, *(s.end_block for s in self.stages))
+
+    def cluster_obj(self):
+        from autoplan.cluster import Cluster
+
+        return Cluster.from_dict(self.cluster, where="plan.cluster")
+
+    def rank(self, pp_index: int, dp_index: int, tp_index: int = 0) -> int:
+        """Global rank of a (pp, dp, tp) coordinate; see [Note: rank layout]."""
+        if self.rank_order == "tp-dp-pp":
+            return tp_index + self.tp * (dp_index + self.dp * pp_index)
+        return tp_index + self.tp * (pp_index + self.pp * dp_index)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_index, dp_index, tp_index) of a global rank."""
+        tp_index, rest = rank % self.tp, rank // self.tp
+        if self.rank_order == "tp-dp-pp":
+            return rest // self.dp, rest % self.dp, tp_index
+        return rest % self.pp, rest // self.pp, tp_index
+
+    def stages_of_pp_rank(self, pp_index: int) -> list[StagePlan]:
+        return [s for s in self.stages if s.pp_rank == pp_index]
+
+    # ---- (de)serialization -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically (a crash never leaves half a plan where a good one was)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json() + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        if not isinstance(data, Mapping):
+            raise PlanError("a plan must be a JSON object")
+        version = data.get("schema_version")
+        if version != PLAN_SCHEMA_VERSION:
+            raise PlanError(f"plan schema version {version!r} is not supported (this autoplan reads version "
+                            f"{PLAN_SCHEMA_VERSION}); re-create the plan with `autoplan suggest`")
+        try:
+            d = dict(data)
+            d["job"] = Job(**d["job"])
+            d["predicted"] = Predicted(**d["predicted"])
+            d["stages"] = tuple(StagePlan(**{**s, "memory": MemoryBreakdown(**s["memory"])}) for s in d["stages"])
+            d["block_names"] = tuple(d["block_names"])
+            d["notes"] = tuple(d.get("notes", ()))
+            return cls(**d)
+        except KeyError as exc:
+            raise PlanError(f"plan is missing field {exc.args[0]!r}") from None
+        except TypeError as exc:
+            raise PlanError(f"plan has a malformed field: {str(exc).splitlines()[0]}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        path = Path(path)
+        if not path.exists():
+            raise PlanError(f"plan file {str(path)!r} does not exist; create one with `autoplan suggest --out {path}`")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan file {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+        plan = cls.from_dict(data)
+        problems = validate(plan)
+        if problems:
+            raise PlanError(f"plan file {str(path)!r} is inconsistent: {problems[0]}")
+        return plan
+
+
+def validate(plan: Plan) -> list[str]:
+    """Every inconsistency in a plan, as one-line messages ([] when it is consistent)."""
+    problems: list[str] = []
+    try:
+        cluster = plan.cluster_obj()
+    except ValueError as exc:
+        return [f"plan.cluster is malformed: {str(exc).splitlines()[0]}"]
+    num_gpus, gpus_per_node = cluster.num_gpus, cluster.gpus_per_node
+    for name in ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "num_microbatches"):
+        if not isinstance(getattr(plan, name), int) or getattr(plan, name) < 1:
+            problems.append(f"{name} = {getattr(plan, name)!r} must be a positive integer")
+    if problems:
+        return problems
+    if plan.tp * plan.pp * plan.dp != num_gpus:
+        problems.append(f"tp*pp*dp = {plan.tp}*{plan.pp}*{plan.dp} = {plan.tp * plan.pp * plan.dp} "
+                        f"but the cluster has {num_gpus} GPUs")
+    if gpus_per_node % plan.tp != 0:
+        problems.append(f"tp = {plan.tp} does not divide the {gpus_per_node} GPUs of a node, so a TP group would span nodes")
+    if plan.micro_batch_size * plan.num_microbatches * plan.dp != plan.job.global_batch:
+        problems.append(f"micro_batch_size*num_microbatches*dp = {plan.micro_batch_size}*{plan.num_microbatches}*"
+                        f"{plan.dp} != global batch {plan.job.global_batch}")
+    if plan.recompute not in RECOMPUTE:
+        problems.append(f"recompute {plan.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if plan.zero not in (0, 1, 2):
+        problems.append(f"zero {plan.zero!r} must be 0, 1 or 2")
+    if plan.rank_order not in RANK_ORDERS:
+        problems.append(f"rank_order {plan.rank_order!r} is not one of {', '.join(RANK_ORDERS)}")
+    from autoplan.schedule import SCHEDULES
+
+    if plan.schedule not in SCHEDULES:
+        problems.append(f"schedule {plan.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if len(plan.stages) != plan.num_stages:
+        problems.append(f"{len(plan.stages)} stages listed but pp*virtual_stages = {plan.num_stages}")
+    expected_start = 0
+    for i, stage in enumerate(plan.stages):
+        if stage.index != i or stage.pp_rank != i % plan.pp:
+            problems.append(f"stage {i} has index {stage.index} and pp_rank {stage.pp_rank}; expected {i} and {i % plan.pp}")
+        if stage.first_block != expected_start:
+            problems.append(f"stage {i} starts at block {stage.first_block}, expected {expected_start}: blocks must be "
+                            "placed in order, each once")
+        if stage.end_block <= stage.first_block:
+            problems.append(f"stage {i} is empty (blocks {stage.first_block}..{stage.end_block})")
+        expected_start = stage.end_block
+    if plan.stages and expected_start != len(plan.block_names):
+        problems.append(f"stages cover {expected_start} blocks but the model has {len(plan.block_names)}")
+    if plan.fits:
+        capacity = min(gpu.mem_bytes for gpu in cluster.gpu_types)
+        for stage in plan.stages:
+            if stage.memory.total_bytes > capacity * (1 + 1e-9):
+                problems.append(f"stage {stage.index} needs {stage.memory.total_bytes / 2**30:.2f} GiB but the GPU has "
+                                f"{capacity / 2**30:.2f} GiB, yet the plan says it fits")
+    return problems

@@ -1,0 +1,305 @@
+"""`partition(model, plan)`: this rank's piece of a model, trained by the pipeline executor.
+
+    pm = partition(model, plan, example_inputs=(ids,), loss_fn=loss)
+    opt = torch.optim.AdamW(pm.parameters())
+    loss = pm.step(ids, target=targets)   # the loss on the last pipeline stage, else None
+    opt.step()
+
+Only this rank's stages are materialized (see split.py); parameters keep their names in the model.
+`step` takes either the global batch (every rank passes the same data; each dp replica takes its
+slice) or this replica's batch (micro_batch_size * num_microbatches rows), splits it into
+micro-batches, runs the plan's schedule, and reduces gradients (tied copies, then dp) before it
+returns, so an optimizer step can follow at once. It zeroes gradients first unless told not to.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoplan.graph import zoo
+from autoplan.graph.profile import model_fingerprint
+from autoplan.graph.trace import append_loss, retarget_device, trace_model
+from autoplan.plan import Plan
+from autoplan.runtime.comm import P2P
+from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
+from autoplan.runtime.parallel import ParallelLayout, all_reduce_grads, build_layout
+from autoplan.runtime.split import (build_stage_modules, materialize_stages, plan_stage_specs, propagate_values,
+                                    tied_parameter_names)
+from autoplan.schedule import make_schedule
+
+__all__ = ["PartitionError", "PartitionedModel", "check_model", "default_device", "init_distributed", "partition"]
+
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+
+
+class PartitionError(ValueError):
+    """The plan cannot run on this model or in this process group (one-line message)."""
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """Initialize the default process group from the torchrun environment (NCCL on CUDA, else gloo)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise PartitionError("no process group and no RANK/WORLD_SIZE in the environment; launch with "
+                             "`torchrun --nproc-per-node N -m autoplan run plan.json` or `autoplan run --nproc N`")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(default_device())
+    dist.init_process_group(backend, timeout=timeout)
+
+
+def check_model(model: nn.Module, plan: Plan) -> None:
+    """Refuse (one line) a model the plan was not made for, or a plan the runtime cannot run."""
+    fingerprint = model_fingerprint(model)
+    if fingerprint != plan.model_fingerprint:
+        raise PartitionError(f"the plan was made for model {plan.model!r} (fingerprint {plan.model_fingerprint}) but this "
+                             f"model's fingerprint is {fingerprint}; re-plan with `autoplan suggest` for this model")
+    if plan.tp > 1:
+        raise PartitionError(f"the plan has tp = {plan.tp}: tensor-parallel execution is not implemented yet; "
+                             "plan with tp = 1 (`autoplan suggest --tp 1`)")
+
+
+def _with_batch(value: Any, batch: int | None, size: int) -> Any:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != batch or batch == size:
+        return value
+    reps = -(-size // batch)
+    return value.repeat(reps, *([1] * (value.dim() - 1)))[:size]
+
+
+def _batch_size(example_inputs: Sequence[Any]) -> int | None:
+    return next((t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+
+
+class PartitionedModel:
+    """This rank's stages of a model under a plan; see the module docstring."""
+
+    def __init__(self, *, plan: Plan, layout: ParallelLayout, stages: dict[int, Stage], executor: PipelineExecutor,
+                 input_names: Sequence[str], aliases: Mapping[str, str], device: torch.device,
+                 batch_size_of_example: int | None):
+        self.plan = plan
+        self.layout = layout
+        self.stages = stages
+        self.executor = executor
+        self.input_names = list(input_names)
+        self.aliases = dict(aliases)
+        """Every name of a tied parameter -> its first name in the model."""
+        self.device = device
+        self._params = self._collect_params()
+
+    # ---- parameters ----------------------------------------------------------------------------
+    def _collect_params(self) -> list[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        out = []
+        for index in sorted(self.stages):
+            for name, p in self.stages[index].module.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((name, p))
+        return out
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their names in the model (a tied copy under its own name)."""
+        return iter(self._params)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self._params)
+
+    def zero_grad(self) -> None:
+        for _, p in self._params:
+            p.grad = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {name: p.detach() for name, p in self._params}
+        for index in sorted(self.stages):
+            module = self.stages[index].module
+            for name, buf in module.named_buffers():
+                mod_name, _, local = name.rpartition(".")
+                owner = module.get_submodule(mod_name) if mod_name else module
+                if local not in owner._non_persistent_buffers_set:
+                    out.setdefault(name, buf.detach())
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = False) -> list[str]:
+        """Copy this rank's part of a full-model state dict; returns the local names not found
+        (raises on any when `strict`)."""
+        missing = []
+        local = self.state_dict()
+        for name, tensor in local.items():
+            source = state_dict.get(name)
+            if source is None and name in self.aliases:
+                source = state_dict.get(self.aliases[name])
+            if source is None:
+                missing.append(name)
+                continue
+            tensor.copy_(source.to(tensor.device, tensor.dtype))
+        if strict and missing:
+            raise KeyError(f"state dict has no entry for {len(missing)} local tensors, e.g. {missing[0]!r}")
+        return missing
+
+    @property
+    def last_trace(self) -> list[ActionRecord]:
+        """(action, start, end) of every action of the last step, in this rank's order."""
+        return self.executor.last_trace
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.layout.pp_index == self.plan.pp - 1
+
+    # ---- training --------------------------------------------------------------------------------
+    def _microbatches(self, inputs: Sequence[Any], target: Any) -> list[dict[str, Any]]:
+        plan = self.plan
+        local = plan.micro_batch_size * plan.num_microbatches
+        names = self.input_names
+        values = dict(zip(names, inputs))
+        if target is not None:
+            values[names[-1]] = target
+        needed = [n for n in names if n not in values]
+        used = {n for s in self.stages.values() for n in s.spec.data_inputs}
+        if any(n in used for n in needed):
+            raise PartitionError(f"step() needs inputs {names} (target=... for the loss), got {list(values)}")
+        out: list[dict[str, Any]] = [{} for _ in range(plan.num_microbatches)]
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                rows = value.shape[0]
+                if rows == local * plan.dp and plan.dp > 1:
+                    value = value[self.layout.dp_index * local:(self.layout.dp_index + 1) * local]
+                elif rows != local:
+                    raise PartitionError(
+                        f"input {name!r} has {rows} rows; expected the global batch {local * plan.dp} or this replica's "
+                        f"{local} (micro_batch_size {plan.micro_batch_size} * num_microbatches {plan.num_microbatches})")
+                for m, chunk in enumerate(value.to(self.device).chunk(plan.num_microbatches)):
+                    out[m][name] = chunk
+            else:
+                for m in range(plan.num_microbatches):
+                    out[m][name] = value
+        return out
+
+    def step(self, *inputs: Any, target: Any = None, zero_grad: bool = True) -> torch.Tensor | None:
+        """Forward and backward of one batch through the pipeline, gradients reduced.
+
+        Returns the mean loss over the global batch on ranks of the last pipeline stage, else None.
+        """
+        if zero_grad:
+            self.zero_grad()
+        loss = self.executor.run(self._microbatches(inputs, target))
+        params = dict(self._params)
+        for name, group in self.layout.tie_groups.items():
+            local = [p for n, p in self._params if self.aliases.get(n) == name]
+            all_reduce_grads(local, group, average=False)
+        all_reduce_grads(params.values(), self.layout.dp_group, average=True)
+        if loss is not None and self.layout.dp_group is not None:
+            dist.all_reduce(loss, group=self.layout.dp_group)
+            loss /= self.plan.dp
+        return loss
+
+
+def partition(
+    model: nn.Module | str,
+    plan: Plan,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    example_target: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    leaf_modules: Sequence[str] = (),
+    tracer: str = "auto",
+) -> PartitionedModel:
+    """This rank's stages of `model` (an nn.Module, or a zoo spec built here on meta) under `plan`.
+
+    A model on meta is materialized stage by stage (`zoo.init_weights` with `seed`); a model with
+    real weights has only this rank's parameters moved to `device`. `example_inputs` (and
+    `example_target` with `loss_fn`) fix the graph; their batch size does not matter. The default
+    process group is initialized from the torchrun environment when none exists.
+    """
+    if isinstance(model, str):
+        spec = zoo.parse_model_spec(model)
+        model = zoo.build_model(spec, device="meta")
+        if example_inputs is None and spec.family != "file":
+            example_inputs = zoo.example_inputs(spec, plan.micro_batch_size, plan.job.seq_len, device="meta")
+            example_target = zoo.example_targets(spec, plan.micro_batch_size, plan.job.seq_len, device="meta")
+            loss_fn = loss_fn or zoo.lm_loss
+    if example_inputs is None:
+        raise PartitionError("partition() needs example_inputs for an nn.Module, e.g. (torch.randint(0, V, (1, 128)),)")
+    check_model(model, plan)
+    device = torch.device(device) if device is not None else default_device()
+    # Trace at the micro-batch size: torch.export specializes (and asserts) the batch it saw.
+    batch = _batch_size(tuple(example_inputs))
+    example_inputs = tuple(_with_batch(t, batch, plan.micro_batch_size) for t in example_inputs)
+    if example_target is not None:
+        example_target = _with_batch(example_target, batch, plan.micro_batch_size)
+
+    traced = trace_model(model, example_inputs, leaf_modules=leaf_modules, tracer=tracer)
+    graph_inputs = list(example_inputs)
+    if loss_fn is not None:
+        if example_target is None:
+            raise PartitionError("a loss_fn needs example_target (a target of the example batch)")
+        traced = append_loss(traced, loss_fn)
+        graph_inputs.append(example_target)
+    if tuple(traced.block_names) != tuple(plan.block_names):
+        raise PartitionError(f"the model traces into {len(traced.block_names)} blocks but the plan names "
+                             f"{len(plan.block_names)}; trace with the same leaf_modules and tracer as the plan")
+
+    # Shapes of everything at the micro-batch size, on fake tensors (see [Note: crossing values]).
+    param = next(model.parameters(), None)
+    prop_device = param.device if param is not None else torch.device("cpu")
+    if traced.tracer == "export":
+        retarget_device(traced.gm, prop_device)
+    batch = _batch_size(graph_inputs)
+    fake_inputs = {}
+    for name, value in zip(traced.input_names, graph_inputs):
+        if isinstance(value, torch.Tensor):
+            shape = list(value.shape)
+            if value.dim() > 0 and shape[0] == batch:
+                shape[0] = plan.micro_batch_size
+            value = torch.empty(shape, dtype=value.dtype, device=prop_device)
+        fake_inputs[name] = value
+    values = propagate_values(traced, fake_inputs)
+    specs = plan_stage_specs(traced, plan.boundaries, values)
+    if traced.tracer == "export":
+        retarget_device(traced.gm, device)
+
+    init_distributed(timeout)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size != plan.num_gpus:
+        raise PartitionError(f"the plan needs {plan.num_gpus} ranks (tp {plan.tp} * pp {plan.pp} * dp {plan.dp}) "
+                             f"but the process group has {world_size}")
+
+    # Which pipeline ranks hold a copy of each tied parameter (from the graph: the same on every rank).
+    all_modules = build_stage_modules(traced, specs)
+    aliases = tied_parameter_names(model)
+    holders: dict[str, list[int]] = {}
+    for index, module in all_modules.items():
+        for name, _ in module.named_parameters(remove_duplicate=False):
+            if name in aliases:
+                holders.setdefault(aliases[name], []).append(plan.stages[index].pp_rank)
+    layout = build_layout(plan, rank, world_size, device.type, holders)
+
+    mine = {s.index: all_modules[s.index] for s in plan.stages if s.pp_rank == layout.pp_index}
+    materialize_stages(list(mine.values()), device, seed=seed, aliases=aliases)
+    stages = {i: Stage(specs[i], module) for i, module in mine.items()}
+    schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
+    executor = PipelineExecutor(
+        stages, schedule.with_comms()[layout.pp_index], num_stages=plan.num_stages,
+        num_microbatches=plan.num_microbatches, rank_of_stage=lambda s: layout.stage_rank[s],
+        comm=P2P(device, plan.num_stages, plan.num_microbatches, timeout), split_backward=schedule.split_backward(),
+    )
+    return PartitionedModel(plan=plan, layout=layout, stages=stages, executor=executor,
+                            input_names=traced.input_names, aliases=aliases, device=device,
+                            batch_size_of_example=batch)

@@ -1,0 +1,85 @@
+"""Point-to-point transfer of activations and gradients between pipeline stages.
+
+Shapes and dtypes are known from the graph (`split.CrossingValue`), so a receive allocates its
+buffer and posts `irecv` with no handshake. Every message carries a tag made from (kind, stage,
+micro-batch, value index), so messages between two ranks match even when forward activations and
+backward gradients interleave differently on the two sides (gloo matches by tag; NCCL matches in
+posting order, which `Schedule.with_comms` keeps consistent between peers).
+
+Sends are posted and not waited (buffered, as `Schedule.with_comms` assumes); the executor waits
+for all of them at the end of the step. Receives are waited on, with a timeout, before use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from autoplan.runtime.split import CrossingValue
+
+__all__ = ["P2P", "P2PTimeout"]
+
+_KIND_CODE = {"F": 0, "B": 1}
+_MAX_VALUES = 64
+
+
+class P2PTimeout(RuntimeError):
+    """A receive did not complete in time (a peer died or hangs)."""
+
+
+class P2P:
+    """isend / irecv of crossing values with tags; tracks outstanding sends."""
+
+    def __init__(self, device: torch.device, num_stages: int, num_microbatches: int,
+                 timeout: timedelta = timedelta(seconds=60)):
+        self.device = device
+        self.num_stages = num_stages
+        self.num_microbatches = num_microbatches
+        self.timeout = timeout
+        self._pending_sends: list[dist.Work] = []
+
+    def _tag(self, kind: str, stage: int, microbatch: int, index: int) -> int:
+        # `stage` is the sending stage for F and the receiving-side producer stage for B, so both
+        # peers compute the same tag from the message's identity.
+        return ((_KIND_CODE[kind] * self.num_stages + stage) * self.num_microbatches + microbatch) * _MAX_VALUES + index
+
+    def send(self, kind: str, stage: int, microbatch: int, tensors: Sequence[torch.Tensor | None], dst: int) -> None:
+        """Post sends of `tensors` (None entries are skipped: they are not sent on either side)."""
+        for i, t in enumerate(tensors):
+            if t is None:
+                continue
+            t = t.detach().contiguous()
+            self._pending_sends.append(dist.isend(t, dst=dst, tag=self._tag(kind, stage, microbatch, i)))
+
+    def recv(self, kind: str, stage: int, microbatch: int, specs: Sequence[CrossingValue | None], src: int
+             ) -> list[torch.Tensor | None]:
+        """Receive one tensor per non-None spec from `src` and wait for all of them."""
+        out: list[torch.Tensor | None] = []
+        works = []
+        for i, spec in enumerate(specs):
+            if spec is None or not spec.is_tensor:
+                out.append(None)
+                continue
+            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            works.append(dist.irecv(buf, src=src, tag=self._tag(kind, stage, microbatch, i)))
+            out.append(buf)
+        for w in works:
+            self._wait(w, f"receive of {kind} values of stage {stage}, micro-batch {microbatch} from rank {src}")
+        return out
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise P2PTimeout(f"{what} failed: {str(exc).strip().splitlines()[0]}") from exc
+        if ok is False:
+            raise P2PTimeout(f"{what} timed out after {self.timeout.total_seconds():.0f} s")
+
+    def wait_sends(self) -> None:
+        """Wait for every posted send (end of step)."""
+        pending, self._pending_sends = self._pending_sends, []
+        for w in pending:
+            self._wait(w, "send")

@@ -1,0 +1,222 @@
+"""The pipeline executor: walks this rank's list from `Schedule.with_comms()` and runs it.
+
+These are the very lists the simulator scores (DESIGN.md, "a schedule is data"), so a measured
+timeline can be compared with the prediction action by action: every action is recorded as
+(action, start, end) in `time.perf_counter()` seconds.
+
+- F(s, m): run stage s on micro-batch m; the last stage returns loss / num_microbatches so the
+  gradients summed over micro-batches are those of the mean loss. Inputs and outputs are kept
+  until the backward.
+- B(s, m): backward from the received output gradients. With gpipe / 1f1b / interleaved-1f1b it
+  is the full backward (input and weight gradients, accumulated in `.grad`).
+- zb-h1: B computes input gradients only and W the weight gradients, using torch's
+  `stage_backward_input` / `stage_backward_weight` (torch.distributed.pipelining._backward), which
+  keep the intermediate gradients B computed so W does not repeat them. A stage with no input that
+  needs a gradient (the first stage) has nothing to send back, so it runs its whole backward at B
+  and its W is a no-op.
+- SEND_*: `isend`, waited for at the end of the step; RECV_*: `irecv` into a buffer allocated from
+  the graph's shapes, waited on (with a timeout) inside the RECV action, so the timeline shows
+  waiting time on the receive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoplan.runtime.comm import P2P
+from autoplan.runtime.split import StageSpec
+from autoplan.schedule.actions import Action, ActionKind
+
+__all__ = ["ActionRecord", "PipelineExecutor", "Stage"]
+
+
+@dataclass
+class Stage:
+    """One virtual stage on this rank: its spec and its GraphModule."""
+
+    spec: StageSpec
+    module: nn.Module
+    params: list[nn.Parameter] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.params:
+            self.params = [p for p in self.module.parameters() if p.requires_grad]
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    action: Action
+    start_s: float
+    end_s: float
+
+    def __str__(self) -> str:
+        return f"{self.action} {1e3 * (self.end_s - self.start_s):.3f} ms"
+
+
+@dataclass
+class _MicroBatchState:
+    received: list[Any] = field(default_factory=list)
+    """Values received for spec.recv (tensors requiring grad are leaves of this stage's graph)."""
+    sent: list[Any] = field(default_factory=list)
+    """Values for spec.send, or [scaled loss] on the last stage."""
+    input_grads: list[torch.Tensor | None] = field(default_factory=list)
+    param_groups: list | None = None
+
+
+class PipelineExecutor:
+    """Runs one rank's action list over its stages (see the module docstring)."""
+
+    def __init__(self, stages: Mapping[int, Stage], actions: Sequence[Action], *, num_stages: int,
+                 num_microbatches: int, rank_of_stage: Callable[[int], int], comm: P2P,
+                 split_backward: bool, loss_scale: float | None = None):
+        self.stages = dict(stages)
+        self.actions = tuple(actions)
+        self.num_stages = num_stages
+        self.num_microbatches = num_microbatches
+        self.rank_of_stage = rank_of_stage
+        """Virtual stage -> global rank of the peer that runs it (same dp / tp coordinates)."""
+        self.comm = comm
+        self.split_backward = split_backward
+        self.loss_scale = 1.0 / num_microbatches if loss_scale is None else loss_scale
+        self.last_trace: list[ActionRecord] = []
+
+    # ------------------------------------------------------------------------------------------
+    def run(self, microbatches: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
+        """One pipelined forward and backward over `microbatches` (model input name -> value).
+
+        Gradients accumulate into the stages' `.grad`. Returns the summed scaled loss (the mean
+        over micro-batches) on the rank holding the last stage, else None.
+        """
+        assert len(microbatches) == self.num_microbatches
+        self._data = microbatches
+        self._state: dict[tuple[int, int], _MicroBatchState] = {}
+        self._local_fwd: dict[tuple[int, int], list[Any]] = {}
+        self._local_bwd: dict[tuple[int, int], list[Any]] = {}
+        self._loss: torch.Tensor | None = None
+        trace: list[ActionRecord] = []
+        handlers = {
+            ActionKind.F: self._forward, ActionKind.B: self._backward, ActionKind.W: self._weight,
+            ActionKind.SEND_F: self._send_f, ActionKind.RECV_F: self._recv_f,
+            ActionKind.SEND_B: self._send_b, ActionKind.RECV_B: self._recv_b,
+        }
+        for action in self.actions:
+            start = time.perf_counter()
+            handlers[action.kind](action.stage, action.microbatch)
+            trace.append(ActionRecord(action, start, time.perf_counter()))
+        self.comm.wait_sends()
+        self.last_trace = trace
+        self._state.clear()
+        return self._loss
+
+    # ------------------------------------------------------------------------------------------
+    def _forward(self, s: int, m: int) -> None:
+        stage = self.stages[s]
+        spec = stage.spec
+        state = self._state.setdefault((s, m), _MicroBatchState())
+        if s > 0:
+            if (s, m) in self._local_fwd:  # previous stage on this rank: a fresh leaf per stage
+                raw = self._local_fwd.pop((s, m))
+                state.received = [v.detach() if isinstance(v, torch.Tensor) else v for v in raw]
+            # else: filled by RECV_F
+            for cv, v in zip(spec.recv, state.received):
+                if isinstance(v, torch.Tensor) and cv.requires_grad:
+                    v.requires_grad_(True)
+        env: dict[str, Any] = {cv.name: (v if cv.is_tensor else cv.constant) for cv, v in zip(spec.recv, state.received)}
+        data = self._data[m]
+        for name in spec.data_inputs:
+            env[name] = data[name]
+        out = stage.module(*[env[n] for n in spec.inputs])
+        produced = dict(zip(spec.outputs, out if isinstance(out, (tuple, list)) else (out,)))
+        if s == self.num_stages - 1:
+            loss = produced[spec.outputs[0]] * self.loss_scale
+            state.sent = [loss]
+            detached = loss.detach()
+            self._loss = detached if self._loss is None else self._loss + detached
+        else:
+            state.sent = [produced[cv.name] if cv.name in produced else env[cv.name] for cv in spec.send]
+            if self.rank_of_stage(s + 1) == self.rank_of_stage(s):
+                self._local_fwd[(s + 1, m)] = state.sent
+
+    def _send_f(self, s: int, m: int) -> None:
+        spec = self.stages[s].spec
+        tensors = [v if cv.is_tensor else None for cv, v in zip(spec.send, self._state[(s, m)].sent)]
+        self.comm.send("F", s, m, tensors, dst=self.rank_of_stage(s + 1))
+
+    def _recv_f(self, s: int, m: int) -> None:
+        spec = self.stages[s].spec
+        state = self._state.setdefault((s, m), _MicroBatchState())
+        state.received = self.comm.recv("F", s - 1, m, spec.recv, src=self.rank_of_stage(s - 1))
+
+    def _recv_b(self, s: int, m: int) -> None:
+        spec = self.stages[s].spec
+        wanted = [cv if cv.requires_grad else None for cv in spec.send]
+        self._local_bwd[(s, m)] = self.comm.recv("B", s + 1, m, wanted, src=self.rank_of_stage(s + 1))
+
+    def _send_b(self, s: int, m: int) -> None:
+        state = self._state[(s, m)]
+        self.comm.send("B", s, m, state.input_grads, dst=self.rank_of_stage(s - 1))
+        if state.param_groups is None:
+            del self._state[(s, m)]
+
+    def _backward(self, s: int, m: int) -> None:
+        stage = self.stages[s]
+        spec = stage.spec
+        state = self._state[(s, m)]
+        last = s == self.num_stages - 1
+        grads_in = [None] if last else self._local_bwd.pop((s, m))
+        inputs = [v if isinstance(v, torch.Tensor) and cv.requires_grad else None
+                  for cv, v in zip(spec.recv, state.received)]
+        input_ids = {id(v): i for i, v in enumerate(inputs) if v is not None}
+        passthrough: list[tuple[int, torch.Tensor]] = []
+        outputs: list[torch.Tensor] = []
+        out_grads: list[torch.Tensor | None] = []
+        for v, g in zip(state.sent, grads_in):
+            if not isinstance(v, torch.Tensor) or not v.requires_grad:
+                continue
+            if id(v) in input_ids:  # forwarded unchanged (see [Note: crossing values] in split.py)
+                if g is not None:
+                    passthrough.append((input_ids[id(v)], g))
+                continue
+            if g is None and not last:
+                continue
+            outputs.append(v)
+            out_grads.append(g)
+        leaves = [v for v in inputs if v is not None]
+        if self.split_backward and leaves and outputs:
+            from torch.distributed.pipelining._backward import stage_backward_input
+
+            grads, state.param_groups = stage_backward_input(
+                outputs, None if last else out_grads, leaves, iter(stage.params))
+            grad_of = {id(v): g for v, g in zip(leaves, grads)}
+        else:
+            if outputs:
+                torch.autograd.backward(outputs, None if last else out_grads)
+            grad_of = {id(v): v.grad for v in leaves}
+        input_grads: list[torch.Tensor | None] = [None] * len(inputs)
+        for i, v in enumerate(inputs):
+            if v is not None:
+                g = grad_of.get(id(v))
+                input_grads[i] = torch.zeros_like(v) if g is None else g
+        for i, g in passthrough:
+            input_grads[i] = input_grads[i] + g
+        state.input_grads = input_grads
+        state.sent = []
+        if s > 0 and self.rank_of_stage(s - 1) == self.rank_of_stage(s):
+            self._local_bwd[(s - 1, m)] = input_grads
+        if (s == 0 or self.rank_of_stage(s - 1) == self.rank_of_stage(s)) and state.param_groups is None:
+            del self._state[(s, m)]
+
+    def _weight(self, s: int, m: int) -> None:
+        state = self._state.get((s, m))
+        if state is None or state.param_groups is None:
+            return  # full backward already ran at B (first stage, or not split)
+        from torch.distributed.pipelining._backward import stage_backward_weight
+
+        stage_backward_weight(iter(self.stages[s].params), state.param_groups)
+        del self._state[(s, m)]

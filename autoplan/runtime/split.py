@@ -1,0 +1,175 @@
+"""Pipeline stages for one rank: sub-graphs of the traced model, only their parameters materialized.
+
+The model is traced once (on meta for zoo models); every stage is `extract_submodule` over its
+block range, so parameters keep their names in the model. Values that cross a cut are found from
+the graph, and their shapes and dtypes at the micro-batch size come from one fake-tensor run of the
+whole graph, so receive buffers are allocated without per-step shape handshakes.
+
+[Note: crossing values]
+The values sent over cut c (after stage k) are every non-input value produced before the cut and
+used after it (`crossing_values`). A value produced at stage k - 1 and used at stage k + 1 (a skip
+connection) crosses cuts k - 1 and k, so stage k forwards it unchanged; its gradient at stage k is
+the gradient received for it plus the gradient of stage k's own uses. Model inputs (token ids,
+targets) never cross: every stage reads the ones it uses from the data. Non-tensor values (Python
+ints computed from shapes) are constants at a fixed micro-batch shape and are taken from the fake
+run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autoplan.graph.trace import TracedModel, crossing_values, extract_submodule
+
+__all__ = ["CrossingValue", "StageSpec", "build_stage_modules", "materialize_stages", "plan_stage_specs",
+           "propagate_values", "tied_parameter_names"]
+
+
+@dataclass(frozen=True)
+class CrossingValue:
+    """One value sent over a cut: a tensor of known shape and dtype, or a constant."""
+
+    name: str
+    shape: tuple[int, ...] | None
+    """None for a non-tensor constant."""
+    dtype: torch.dtype | None
+    requires_grad: bool
+    constant: Any = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.shape is not None
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage computes and exchanges; identical on every rank (derived from the graph)."""
+
+    index: int
+    first_block: int
+    end_block: int
+    """Exclusive."""
+    inputs: tuple[str, ...]
+    """Placeholders of the stage's GraphModule, in order."""
+    data_inputs: tuple[str, ...]
+    """Model inputs (e.g. input_ids, target) the stage reads from the data."""
+    outputs: tuple[str, ...]
+    """Outputs of the stage's GraphModule, in order (the loss for the last stage)."""
+    recv: tuple[CrossingValue, ...]
+    """Values crossing the cut before this stage (received from stage index - 1)."""
+    send: tuple[CrossingValue, ...]
+    """Values crossing the cut after this stage (sent to stage index + 1); empty for the last."""
+
+
+def propagate_values(traced: TracedModel, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Run the whole graph on fake tensors shaped like `inputs`; node name -> fake value.
+
+    Parameters may be real or on meta; nothing is allocated. Inputs on meta are run on meta.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    values: dict[str, Any] = {}
+
+    class _Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            result = super().run_node(n)
+            values[n.name] = result
+            return result
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        args = [mode.from_tensor(inputs[n]) if isinstance(inputs[n], torch.Tensor) else inputs[n]
+                for n in traced.input_names]
+        _Recorder(traced.gm).run(*args)
+    return values
+
+
+def _crossing(traced: TracedModel, cut_after: int, values: Mapping[str, Any]) -> tuple[CrossingValue, ...]:
+    out = []
+    for node in crossing_values(traced, cut_after):
+        v = values[node.name]
+        if isinstance(v, torch.Tensor):
+            out.append(CrossingValue(node.name, tuple(int(d) for d in v.shape), v.dtype,
+                                     bool(v.requires_grad and v.dtype.is_floating_point)))
+        elif isinstance(v, (int, float, bool, torch.SymInt)) or v is None:
+            out.append(CrossingValue(node.name, None, None, False, int(v) if isinstance(v, torch.SymInt) else v))
+        else:
+            raise ValueError(f"value '{node.name}' crosses the cut after block {cut_after} but is a "
+                             f"{type(v).__name__}, not a tensor or a number; move the cut")
+    return tuple(out)
+
+
+def plan_stage_specs(traced: TracedModel, boundaries: Sequence[int], values: Mapping[str, Any]) -> list[StageSpec]:
+    """A `StageSpec` for every stage; `boundaries` = (0, end_block of stage 0, ..., num_blocks)."""
+    num_stages = len(boundaries) - 1
+    placeholders = set(traced.input_names)
+    cuts = [_crossing(traced, boundaries[k + 1] - 1, values) for k in range(num_stages - 1)]
+    specs = []
+    for k in range(num_stages):
+        first, end = boundaries[k], boundaries[k + 1]
+        _, inputs, outputs = extract_submodule(traced, first, end - 1)
+        recv = cuts[k - 1] if k > 0 else ()
+        recv_names = {c.name for c in recv}
+        missing = [n for n in inputs if n not in placeholders and n not in recv_names]
+        assert not missing, f"stage {k} uses {missing} that no cut carries"
+        specs.append(StageSpec(
+            index=k, first_block=first, end_block=end, inputs=tuple(inputs),
+            data_inputs=tuple(n for n in inputs if n in placeholders), outputs=tuple(outputs),
+            recv=recv, send=cuts[k] if k < num_stages - 1 else (),
+        ))
+    return specs
+
+
+def build_stage_modules(traced: TracedModel, specs: Sequence[StageSpec]) -> dict[int, fx.GraphModule]:
+    """stage index -> GraphModule of its blocks (over the model's own modules and parameters)."""
+    return {s.index: extract_submodule(traced, s.first_block, s.end_block - 1)[0] for s in specs}
+
+
+def tied_parameter_names(model: nn.Module) -> dict[str, str]:
+    """Every name of a shared parameter -> its first name in the model (e.g. output.weight ->
+    tok_embeddings.weight); names of unshared parameters are absent."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+            aliases.setdefault(first[id(p)], first[id(p)])
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def materialize_stages(modules: Sequence[nn.Module], device: torch.device, *, seed: int = 0,
+                       aliases: Mapping[str, str] | None = None) -> None:
+    """Give the stage modules real storage on `device`, leaving every other parameter alone.
+
+    Parameters on meta are allocated with `to_empty` and initialized by name with
+    `zoo.init_weights` (the values the full model would get; tied copies on other stages use
+    `aliases`); real parameters are moved. Parameters shared between the modules stay shared.
+    """
+    from autoplan.graph import zoo
+
+    holder = nn.ModuleList(modules)
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in holder.modules():
+        for local, p in mod.named_parameters(recurse=False):
+            slots.setdefault(id(p), []).append((mod, local))
+    on_meta = any(p.device.type == "meta" for p in holder.parameters())
+    if on_meta:
+        holder.to_empty(device=device)
+    else:
+        holder.to(device)
+    for group in slots.values():  # `to_empty` / `to` may untie parameters shared between modules
+        owner, local = group[0]
+        shared = owner._parameters[local]
+        for mod, name in group[1:]:
+            mod._parameters[name] = shared
+    if on_meta:
+        for module in modules:
+            zoo.init_weights(module, seed=seed, aliases=aliases)

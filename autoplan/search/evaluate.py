@@ -1,0 +1,338 @@
+"""Score one parallel configuration: cut the blocks into stages, simulate the schedule, count memory.
+
+This is where the parts meet (DESIGN.md, "The search"): block times and bytes from `cost/`, stage
+cutting from `search/partition.py`, the schedule from `schedule/` walked by its simulator, and the
+result written down as a `Plan`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from autoplan.cluster import Cluster
+from autoplan.cost.config import ParallelConfig
+from autoplan.cost.memory import allowance_bytes, block_act_bytes, block_static_bytes, param_counts, rank_memory
+from autoplan.cost.time import (
+    BlockTimes,
+    block_times,
+    cut_transfer_time_s,
+    cut_transfer_times_s,
+    dp_sync_time_s,
+    optimizer_time_s,
+)
+from autoplan.graph.blocks import ModelProfile
+from autoplan.plan import Job, MemoryBreakdown, Plan, Predicted, StagePlan
+from autoplan.schedule import ActionKind, make_schedule, simulate
+from autoplan.search.partition import CutProblem, Cuts, solve_dp
+
+__all__ = ["Dominated", "Evaluation", "SearchContext", "evaluate", "min_gpus_needed", "schedule_inflight"]
+
+
+@functools.lru_cache(maxsize=4096)
+def schedule_inflight(name: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[int, ...]:
+    """Peak micro-batches in flight per virtual stage, from the schedule's structure (unit times)."""
+    schedule = make_schedule(name, pp, num_microbatches, virtual_stages)
+    return simulate(schedule, lambda a: 1.0).peak_inflight
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    config: ParallelConfig
+    plan: Plan
+
+    @property
+    def step_time_s(self) -> float:
+        return self.plan.predicted.step_time_s
+
+
+class SearchContext:
+    """What evaluate() needs of one (profile, cluster, job), computed once per search."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, job: Job, model_spec: str):
+        self.profile = profile
+        self.cluster = cluster
+        self.job = job
+        self.model_spec = model_spec
+        self.gpu_types = cluster.gpu_types
+        self.cluster_dict = cluster.to_dict()
+        self.legal = np.array([c.legal for c in profile.cuts], dtype=bool)
+        # Model FLOPs per sequence (forward + backward, no recompute), for MFU.
+        self.model_flops_per_seq = profile.flops / profile.batch_size
+        self._cache: dict[tuple, object] = {}
+
+    def cached(self, key: tuple, make):
+        """Per-search memo: ladder rungs and base configurations share most inputs."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def block_times(self, gpu, cfg: ParallelConfig) -> BlockTimes:
+        key = ("times", gpu.name, cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel)
+        return self.cached(key, lambda: block_times(self.profile, gpu, self.cluster, cfg, self.job.dtype))
+
+    def static_bytes(self, cfg: ParallelConfig) -> np.ndarray:
+        key = ("static", cfg.tp, cfg.dp, cfg.zero)
+        return self.cached(key, lambda: block_static_bytes(self.profile, cfg, self.job.dtype))
+
+    def act_bytes(self, cfg: ParallelConfig) -> np.ndarray:
+        key = ("acts", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel)
+        return self.cached(key, lambda: block_act_bytes(self.profile, cfg))
+
+    def link_times(self, cfg: ParallelConfig) -> np.ndarray:
+        src, dst = cfg.rank(0, 0), cfg.rank(1 % cfg.pp, 0)
+        key = ("link", cfg.tp, cfg.micro_batch_size, src, dst)
+
+        def make() -> np.ndarray:
+            out = np.zeros(self.profile.num_blocks + 1)
+            if cfg.pp > 1:
+                out[1:-1] = cut_transfer_times_s(self.profile, self.cluster, cfg, src, dst)
+            return out
+
+        return self.cached(key, make)
+
+
+def _stage_gpus(cluster: Cluster, cfg: ParallelConfig) -> list:
+    """GPU type of each pipeline rank (the slowest type among its tp x dp ranks)."""
+    if cluster.is_homogeneous:
+        return [cluster.gpu] * cfg.pp
+    gpus = []
+    for p in range(cfg.pp):
+        types = {cluster.gpu_of_rank(cfg.rank(p, d, t)).name: cluster.gpu_of_rank(cfg.rank(p, d, t))
+                 for d in range(cfg.dp) for t in range(cfg.tp)}
+        gpus.append(min(types.values(), key=lambda g: (g.peak_flops.get("bf16", 0.0), g.mem_bytes)))
+    return gpus
+
+
+class Dominated(Exception):
+    """The configuration provably cannot beat `cutoff_s` (raised before simulating it)."""
+
+
+def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = True,
+             cutoff_s: float = float("inf")) -> Evaluation | None:
+    """The plan for `cfg`, or None when no cutting fits in memory (and `require_fit`).
+
+    Raises `Dominated` when, after cutting, the slowest stage alone (it runs all m micro-batches
+    one after another) already takes `cutoff_s` or longer: the search has enough better plans.
+    """
+    profile, cluster, job = ctx.profile, ctx.cluster, ctx.job
+    dtype = job.dtype
+    n = profile.num_blocks
+    num_stages = cfg.num_stages
+    if num_stages > n:
+        return None
+    pp_gpus = _stage_gpus(cluster, cfg)
+    times_by_type = {gpu.name: ctx.block_times(gpu, cfg) for gpu in pp_gpus}
+    stage_times = [times_by_type[pp_gpus[k % cfg.pp].name] for k in range(num_stages)]
+    homogeneous = len(times_by_type) == 1
+    total = stage_times[0].total_s if homogeneous else np.stack([t.total_s for t in stage_times])
+
+    static = ctx.static_bytes(cfg)
+    acts = ctx.act_bytes(cfg)
+    inflight = np.array(schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages), dtype=float)
+    f = cfg.micro_batch_size / profile.batch_size
+    cut_bytes = np.array([0.0] + [c.num_bytes * f for c in profile.cuts] + [0.0])
+    # Reserve for buffers (receive buffers, backward transients) before cutting: the largest
+    # boundary and block output anywhere, so the reserve never under-counts the stage it lands on.
+    largest_out = max(b.output_bytes for b in profile.blocks) * f
+    reserve = 2 * 2 * cut_bytes.max() + 2 * largest_out
+    if cfg.recompute == "full":
+        reserve += float(np.max(ctx.act_bytes(_no_recompute(cfg))))
+    capacity = np.array([(pp_gpus[k % cfg.pp].mem_bytes - allowance_bytes(pp_gpus[k % cfg.pp]) - reserve)
+                         / cfg.virtual_stages for k in range(num_stages)])
+    # A stage's boundary costs its P2P time once (the transfer itself overlaps compute in the
+    # simulator; this steers cuts away from boundaries that carry large tensors).
+    link_s = ctx.link_times(cfg)
+    problem = CutProblem(block_time_s=total, cut_time_s=link_s, block_static_bytes=static, block_act_bytes=acts,
+                         inflight=inflight, capacity_bytes=capacity, legal_cut=ctx.legal)
+    cuts = solve_dp(problem)
+    if cuts is None:
+        if require_fit:
+            return None
+        relaxed = CutProblem(block_time_s=total, cut_time_s=link_s, block_static_bytes=static, block_act_bytes=acts,
+                             inflight=inflight, capacity_bytes=np.full(num_stages, np.inf), legal_cut=ctx.legal)
+        cuts = solve_dp(relaxed)
+        if cuts is None:
+            return None
+    if _step_lower_bound(cfg, cuts, stage_times) >= cutoff_s:
+        raise Dominated
+    return Evaluation(cfg, _make_plan(ctx, cfg, cuts, stage_times, pp_gpus, inflight, static, acts))
+
+
+def _step_lower_bound(cfg: ParallelConfig, cuts: Cuts, stage_times: list[BlockTimes]) -> float:
+    """A lower bound on the step time of a cut configuration, without simulating it.
+
+    Pipeline rank r cannot start before micro-batch 0 has passed the forwards of the stages before
+    it, is then busy for all its own work, and (when its last action is a full backward: GPipe,
+    1F1B, interleaved) the earlier stages' backwards of the last micro-batch follow it. Communication
+    and the tail only add. For equal stages under 1F1B this is exactly (m + p - 1)(F + B).
+    """
+    ranges = cuts.stage_ranges()
+    fwd = [float((t.fwd_s[a:b] + t.tp_fwd_s[a:b]).sum()) for t, (a, b) in zip(stage_times, ranges, strict=True)]
+    bwd = [float((t.bwd_s[a:b] + t.tp_bwd_s[a:b]).sum()) for t, (a, b) in zip(stage_times, ranges, strict=True)]
+    m = cfg.num_microbatches
+    trailing = cfg.schedule != "zb-h1"
+    bound = 0.0
+    for r in range(cfg.pp):
+        busy = m * sum(fwd[k] + bwd[k] for k in range(r, cfg.num_stages, cfg.pp))
+        before = sum(fwd[:r])
+        after = sum(bwd[:r]) if trailing else 0.0
+        bound = max(bound, before + busy + after)
+    return bound
+
+
+def _no_recompute(cfg: ParallelConfig) -> ParallelConfig:
+    return ParallelConfig(**{**{k: getattr(cfg, k) for k in cfg.__slots__}, "recompute": "none"})
+
+
+def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: list[BlockTimes], pp_gpus: list,
+               inflight: np.ndarray, static: np.ndarray, acts: np.ndarray) -> Plan:
+    profile, cluster, job = ctx.profile, ctx.cluster, ctx.job
+    ranges = cuts.stage_ranges()
+    num_stages = cfg.num_stages
+    fwd_s = [float((t.fwd_s[a:b] + t.tp_fwd_s[a:b]).sum()) for t, (a, b) in zip(stage_times, ranges, strict=True)]
+    bwd_s = [float((t.bwd_s[a:b] + t.tp_bwd_s[a:b]).sum()) for t, (a, b) in zip(stage_times, ranges, strict=True)]
+    split = cfg.schedule == "zb-h1"
+
+    durations = {ActionKind.F: fwd_s, ActionKind.B: bwd_s}
+    if split:
+        # Zero-bubble splits backward into input-gradient (B) and weight-gradient (W) halves of
+        # about equal cost (Qi et al. 2024, Sec. 2: T_B ~ T_W); TP communication stays with B.
+        compute = [float(t.bwd_s[a:b].sum()) for t, (a, b) in zip(stage_times, ranges, strict=True)]
+        comm = [float(t.tp_bwd_s[a:b].sum()) for t, (a, b) in zip(stage_times, ranges, strict=True)]
+        durations[ActionKind.B] = [c / 2 + t for c, t in zip(compute, comm, strict=True)]
+        durations[ActionKind.W] = [c / 2 for c in compute]
+
+    def compute_time(action) -> float:
+        return durations[action.kind][action.stage]
+
+    comm_cache: dict[tuple[int, int], float] = {}
+
+    def comm_time(src_stage: int, dst_stage: int, kind) -> float:
+        key = (src_stage, dst_stage)
+        if key not in comm_cache:
+            boundary = ranges[max(src_stage, dst_stage)][0]  # first block of the later stage
+            comm_cache[key] = cut_transfer_time_s(profile, cluster, cfg, boundary - 1,
+                                                  cfg.rank(src_stage % cfg.pp, 0), cfg.rank(dst_stage % cfg.pp, 0))
+        return comm_cache[key]
+
+    params = param_counts(profile, cfg)
+    _, grad_b, _ = _bytes(job.dtype)
+    tails = []
+    dp_exposed = []
+    optim_s = []
+    for p in range(cfg.pp):
+        mine = [k for k in range(num_stages) if k % cfg.pp == p]
+        rank_params = float(sum(params[ranges[k][0]:ranges[k][1]].sum() for k in mine))
+        sync = dp_sync_time_s(cluster, cfg, p, rank_params * grad_b)
+        # Bucketed reduction overlaps the last backward pass on this rank (PyTorch DDP, Li et al.
+        # 2020, Sec. 3.2.3); only the part that does not fit under it is exposed.
+        window = bwd_s[mine[0]]
+        exposed = max(0.0, sync - window)
+        opt = optimizer_time_s(pp_gpus[p], rank_params / (cfg.dp if cfg.zero >= 1 else 1))
+        dp_exposed.append(exposed)
+        optim_s.append(opt)
+        tails.append(exposed + opt)
+
+    schedule = make_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
+    sim = simulate(schedule, compute_time, comm_time if cfg.pp > 1 else None, tails)
+    step = sim.makespan_s
+
+    memories: list[MemoryBreakdown] = []
+    for p in range(cfg.pp):
+        mine = [k for k in range(num_stages) if k % cfg.pp == p]
+        memories.append(rank_memory(profile, cfg, pp_gpus[p], job.dtype, [ranges[k] for k in mine],
+                                    [sim.peak_inflight[k] for k in mine], static=static, acts=acts))
+    fits = all(m.total_bytes <= pp_gpus[p].mem_bytes for p, m in enumerate(memories))
+
+    num_gpus = cfg.num_gpus
+    tokens = job.global_batch * job.seq_len
+    model_flops = ctx.model_flops_per_seq * job.global_batch
+    hw_flops_per_gpu = sum(float(stage_times[k].hw_flops[ranges[k][0]:ranges[k][1]].sum())
+                           for k in range(num_stages)) * cfg.num_microbatches / cfg.pp
+    peak = float(np.mean([g.peak(job.dtype) for g in pp_gpus]))
+    model_tflops = model_flops / num_gpus / step / 1e12
+    hw_tflops = hw_flops_per_gpu / step / 1e12
+    busy = float(np.mean(sim.busy_s))
+    compute_total = float(np.mean([sum(fwd_s[k] + bwd_s[k] for k in range(num_stages) if k % cfg.pp == p)
+                                   for p in range(cfg.pp)])) * cfg.num_microbatches
+    tp_total = sum(float((stage_times[k].tp_fwd_s + stage_times[k].tp_bwd_s)[ranges[k][0]:ranges[k][1]].sum())
+                   for k in range(num_stages)) * cfg.num_microbatches / cfg.pp
+    breakdown = {
+        "compute_s": compute_total - tp_total,
+        "tp_comm_s": tp_total,
+        "bubble_s": max(0.0, step - busy - max(tails)),
+        "dp_comm_exposed_s": max(dp_exposed),
+        "optimizer_s": max(optim_s),
+    }
+    peak_mem = max(m.total_bytes for m in memories)
+    capacity = min(g.mem_bytes for g in pp_gpus)
+    bound = _bound(sim.bubble_fraction, fwd_s, bwd_s, breakdown, step, peak_mem / capacity, fits, cfg)
+    predicted = Predicted(
+        step_time_s=step,
+        tokens_per_s=tokens / step,
+        model_tflops_per_gpu=model_tflops,
+        hardware_tflops_per_gpu=hw_tflops,
+        mfu=model_tflops * 1e12 / peak,
+        hfu=hw_tflops * 1e12 / peak,
+        peak_memory_bytes=peak_mem,
+        bubble_fraction=sim.bubble_fraction,
+        bound=bound,
+        breakdown=breakdown,
+    )
+    stages = tuple(
+        StagePlan(
+            index=k, pp_rank=k % cfg.pp, first_block=a, end_block=b,
+            first_block_name=profile.blocks[a].name, last_block_name=profile.blocks[b - 1].name,
+            fwd_time_s=fwd_s[k], bwd_time_s=bwd_s[k], num_params=int(round(params[a:b].sum())),
+            memory=memories[k % cfg.pp],
+        )
+        for k, (a, b) in enumerate(ranges)
+    )
+    return Plan(
+        model=ctx.model_spec, model_fingerprint=profile.fingerprint, cluster=ctx.cluster_dict, job=job,
+        tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, virtual_stages=cfg.virtual_stages, micro_batch_size=cfg.micro_batch_size,
+        num_microbatches=cfg.num_microbatches, schedule=cfg.schedule, recompute=cfg.recompute, zero=cfg.zero,
+        sequence_parallel=cfg.sequence_parallel, rank_order=cfg.rank_order, stages=stages,
+        block_names=tuple(b.name for b in profile.blocks), fits=fits, predicted=predicted,
+    )
+
+
+def _bytes(dtype: str) -> tuple[float, float, float]:
+    from autoplan.cost.memory import BYTES_PER_PARAM
+
+    return BYTES_PER_PARAM(dtype)
+
+
+def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dict[str, float], step: float,
+           mem_ratio: float, fits: bool, cfg: ParallelConfig) -> str:
+    """One line on what limits the plan most."""
+    if not fits:
+        return f"memory: needs {mem_ratio:.0%} of the GPU's memory; does not fit"
+    stage = [a + b for a, b in zip(fwd_s, bwd_s, strict=True)]
+    imbalance = max(stage) / (sum(stage) / len(stage)) - 1 if stage and sum(stage) else 0.0
+    causes = {
+        f"pipeline bubble ({bubble:.0%} of the step; more micro-batches or interleaving shrink it)": bubble,
+        f"slowest stage {imbalance:.0%} above the mean (blocks do not split evenly)": imbalance * (1 - bubble) * 0.5,
+        f"DP gradient reduction not hidden ({breakdown['dp_comm_exposed_s'] / step:.0%} of the step)":
+            breakdown["dp_comm_exposed_s"] / step,
+        f"TP communication ({breakdown['tp_comm_s'] / step:.0%} of the step)": breakdown["tp_comm_s"] / step * 0.5,
+    }
+    cause, weight = max(causes.items(), key=lambda kv: kv[1])
+    if mem_ratio > 0.9 and weight < 0.1:
+        return f"memory: {mem_ratio:.0%} of the GPU's memory in use, little room for larger micro-batches"
+    if weight < 0.05:
+        return "compute: the GPUs are busy most of the step"
+    return cause
+
+
+def min_gpus_needed(profile: ModelProfile, dtype: str, gpu_mem_bytes: float, allowance: float) -> int:
+    """A lower bound on GPUs: weights, gradients and optimizer states (16 bytes per parameter in
+    mixed precision; ZeRO, Sec. 3.1) spread over every GPU, activations ignored."""
+    from autoplan.cost.memory import BYTES_PER_PARAM
+
+    per_param = sum(BYTES_PER_PARAM(dtype))
+    return max(1, math.ceil(profile.num_params * per_param / max(gpu_mem_bytes - allowance, 1.0)))

@@ -1,0 +1,279 @@
+"""The search space: enumerate parallel configurations, prune them, and rank the survivors.
+
+[Note: search order and pruning]
+Outer loop: tp x pp x dp = N (tp inside a node and dividing the attention heads), micro-batch
+size, schedule and virtual stages, rank order. For each such *base* configuration the memory-saving
+options are tried as a ladder, from fastest to most frugal: recompute none -> selective -> full,
+and within each, ZeRO and sequence parallelism (which cost no time in this model: ZeRO-1's
+reduce-scatter + all-gather moves what an all-reduce moves, and sequence parallelism's
+reduce-scatter + all-gather replaces TP's all-reduce, Korthikanti et al. 2022 Sec. 4.2.2). The
+first rung that fits is the base configuration's plan: later rungs are never faster.
+
+Two bounds prune before any cutting (DESIGN.md):
+- memory: weights + gradients + optimizer states spread perfectly over pp stages and tp ranks
+  must fit a GPU, otherwise no cutting can fit;
+- time: a base configuration cannot beat m * (sum of block times) / pp (perfect balance, no
+  bubble, no communication). Configurations are evaluated in increasing order of this bound, and
+  the search stops once the bound exceeds the K-th best step time found.
+
+GPipe is only evaluated when pinned: its bubble equals 1F1B's and it holds all m micro-batches'
+activations (Narayanan et al. 2021, Sec. 2.2.1), so 1F1B dominates it in this model.
+ZeRO-2 is only allowed with pp = 1: it shards gradients, which a pipeline accumulates over
+micro-batches (DeepSpeed refuses ZeRO-2 with pipeline parallelism for the same reason).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autoplan.cluster import Cluster
+from autoplan.cost.config import ParallelConfig
+from autoplan.cost.memory import allowance_bytes, block_static_bytes
+from autoplan.cost.time import block_times
+from autoplan.graph.blocks import ModelProfile
+from autoplan.plan import RECOMPUTE, Job, Plan
+from autoplan.schedule import SCHEDULES
+from autoplan.search.evaluate import Dominated, SearchContext, evaluate, min_gpus_needed
+
+__all__ = ["PINS", "PlanningError", "SearchResult", "search_plans"]
+
+PINS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero",
+        "sequence_parallel", "rank_order")
+_DEFAULT_MBS = (1, 2, 4, 8)
+_DEFAULT_V = (2, 3, 4, 6)
+
+
+class PlanningError(ValueError):
+    """The job cannot be planned as asked (impossible pins, a model too large, ...)."""
+
+
+@dataclass
+class SearchResult:
+    plans: list[Plan]
+    configs_evaluated: int
+    configs_considered: int
+    time_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"plans": [p.to_dict() for p in self.plans],
+                "search": {"time_s": self.time_s, "configs_evaluated": self.configs_evaluated,
+                           "configs_considered": self.configs_considered}}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -> None:
+    """One-line errors for pins that cannot work, before any search."""
+    unknown = set(pins) - set(PINS)
+    if unknown:
+        raise PlanningError(f"unknown pin {sorted(unknown)[0]!r}; pins are {', '.join(PINS)}")
+    n_gpus, per_node = cluster.num_gpus, cluster.gpus_per_node
+    for key in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
+        value = pins.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise PlanningError(f"--{key.replace('_', '-')} {value!r} must be a positive integer")
+    tp, pp, dp = pins.get("tp"), pins.get("pp"), pins.get("dp")
+    if tp is not None:
+        if tp > per_node or per_node % tp:
+            raise PlanningError(f"--tp {tp} must divide the {per_node} GPUs of a node (TP stays inside a node)")
+        if profile.num_heads and profile.num_heads % tp:
+            raise PlanningError(f"--tp {tp} does not divide the model's {profile.num_heads} attention heads")
+        if profile.num_kv_heads and profile.num_kv_heads % tp and tp % profile.num_kv_heads:
+            raise PlanningError(f"--tp {tp} and the model's {profile.num_kv_heads} key/value heads do not divide "
+                                "one another")
+    if pp is not None and pp > profile.num_blocks:
+        raise PlanningError(f"--pp {pp} is more than the model's {profile.num_blocks} blocks")
+    product = math.prod(v for v in (tp, pp, dp) if v is not None)
+    if n_gpus % product:
+        raise PlanningError(f"pinned degrees multiply to {product}, which does not divide the cluster's {n_gpus} GPUs")
+    if None not in (tp, pp, dp) and product != n_gpus:
+        raise PlanningError(f"tp*pp*dp = {tp}*{pp}*{dp} = {product} but the cluster has {n_gpus} GPUs")
+    if dp is not None and job.global_batch % dp:
+        raise PlanningError(f"global batch {job.global_batch} is not divisible by --dp {dp}")
+    mbs = pins.get("micro_batch_size")
+    if mbs is not None and dp is not None and (job.global_batch // dp) % mbs:
+        raise PlanningError(f"the per-replica batch {job.global_batch // dp} is not divisible by "
+                            f"--micro-batch-size {mbs}")
+    if mbs is not None and job.global_batch % mbs:
+        raise PlanningError(f"global batch {job.global_batch} is not divisible by --micro-batch-size {mbs}")
+    schedule = pins.get("schedule")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise PlanningError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    v = pins.get("virtual_stages")
+    if v is not None and v > 1 and schedule not in (None, "interleaved-1f1b"):
+        raise PlanningError(f"--virtual-stages {v} needs --schedule interleaved-1f1b")
+    if schedule == "interleaved-1f1b" and v == 1:
+        raise PlanningError("interleaved-1f1b needs --virtual-stages of at least 2")
+    if v is not None and pp is not None and pp * v > profile.num_blocks:
+        raise PlanningError(f"pp*virtual_stages = {pp * v} stages is more than the model's {profile.num_blocks} blocks")
+    recompute = pins.get("recompute")
+    if recompute is not None and recompute not in RECOMPUTE:
+        raise PlanningError(f"unknown recompute {recompute!r}; use one of {', '.join(RECOMPUTE)}")
+    zero = pins.get("zero")
+    if zero is not None and zero not in (0, 1, 2):
+        raise PlanningError(f"--zero {zero!r} must be 0, 1 or 2")
+    if zero == 2 and pp not in (None, 1):
+        raise PlanningError("--zero 2 cannot be combined with pipeline parallelism (gradients accumulate over "
+                            "micro-batches on each stage); use --zero 1 or --pp 1")
+    if pins.get("sequence_parallel") and tp == 1:
+        raise PlanningError("--sequence-parallel needs --tp of at least 2")
+
+
+def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -> Iterator[ParallelConfig]:
+    """Every base configuration (memory options left at their fastest), see the module note."""
+    n_gpus, per_node = cluster.num_gpus, cluster.gpus_per_node
+    heads, kv = profile.num_heads, profile.num_kv_heads
+    tps = [pins["tp"]] if pins.get("tp") else [
+        t for t in _divisors(per_node)
+        if (not heads or heads % t == 0) and (not kv or kv % t == 0 or t % kv == 0)]
+    for tp in tps:
+        pps = [pins["pp"]] if pins.get("pp") else [p for p in _divisors(n_gpus // tp) if p <= profile.num_blocks]
+        for pp in pps:
+            if (n_gpus // tp) % pp:
+                continue
+            dp = n_gpus // (tp * pp)
+            if pins.get("dp") not in (None, dp) or job.global_batch % dp:
+                continue
+            per_replica = job.global_batch // dp
+            mbss = [pins["micro_batch_size"]] if pins.get("micro_batch_size") else [
+                b for b in _DEFAULT_MBS if per_replica % b == 0]
+            for mbs in mbss:
+                if per_replica % mbs:
+                    continue
+                m = per_replica // mbs
+                for schedule, v in _schedules(profile, pp, m, pins):
+                    orders = [pins["rank_order"]] if pins.get("rank_order") else (
+                        ["tp-dp-pp", "tp-pp-dp"] if pp > 1 and dp > 1 and cluster.num_nodes > 1 else ["tp-dp-pp"])
+                    for order in orders:
+                        yield ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, num_microbatches=m,
+                                             schedule=schedule, virtual_stages=v, rank_order=order)
+
+
+def _schedules(profile: ModelProfile, pp: int, m: int, pins: dict) -> list[tuple[str, int]]:
+    pinned = pins.get("schedule")
+    if pp == 1:
+        # One stage: every schedule is the same sequence of forwards and backwards.
+        return [(pinned or "1f1b", 1)] if pinned in (None, "1f1b", "gpipe", "zb-h1") else []
+    out = []
+    for name in ([pinned] if pinned else ["1f1b", "zb-h1", "interleaved-1f1b"]):
+        if name == "interleaved-1f1b":
+            vs = [pins["virtual_stages"]] if pins.get("virtual_stages") else list(_DEFAULT_V)
+            out += [(name, v) for v in vs if v >= 2 and pp * v <= profile.num_blocks and m % pp == 0]
+        else:
+            out.append((name, 1))
+    return out
+
+
+def _ladder(cfg: ParallelConfig, pins: dict) -> list[ParallelConfig]:
+    """Memory-saving variants of a base configuration, fastest first (see the module note).
+
+    Unless pinned, ZeRO-1 (when dp > 1) and sequence parallelism (when tp > 1) are always on: they
+    cost no time in this model and only save memory, so a plan without them is never better.
+    """
+    recomputes = [pins["recompute"]] if pins.get("recompute") else list(RECOMPUTE)
+    zero = pins["zero"] if pins.get("zero") is not None else (1 if cfg.dp > 1 else 0)
+    sp = pins["sequence_parallel"] if pins.get("sequence_parallel") is not None else cfg.tp > 1
+    fields = {k: getattr(cfg, k) for k in cfg.__slots__}
+    return [ParallelConfig(**{**fields, "recompute": r, "zero": zero, "sequence_parallel": sp}) for r in recomputes]
+
+
+def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spec: str, top: int = 5,
+                 pins: dict | None = None, progress: Callable[[int, int, str], None] | None = None) -> SearchResult:
+    """The `top` fastest plans that fit, ranked by simulated step time."""
+    started = time.perf_counter()
+    pins = {k: v for k, v in (pins or {}).items() if v is not None}
+    _check_pins(profile, cluster, job, pins)
+    if top < 1:
+        raise PlanningError(f"--top {top} must be at least 1")
+    ctx = SearchContext(profile, cluster, job, model_spec)
+    all_pinned = all(k in pins for k in ("tp", "pp", "dp", "micro_batch_size", "schedule", "recompute", "zero"))
+
+    # Bound every base configuration (cheap), then evaluate in increasing order of the bound.
+    candidates: list[tuple[float, int, ParallelConfig]] = []
+    considered = 0
+    min_capacity = min(g.mem_bytes - allowance_bytes(g) for g in cluster.gpu_types)
+    static_cache: dict[tuple[int, int], float] = {}
+    time_cache: dict[tuple, float] = {}
+    for cfg in _base_configs(profile, cluster, job, pins):
+        considered += 1
+        frugal = _ladder(cfg, pins)[-1]
+        key = (cfg.tp, cfg.dp, frugal.zero)
+        if key not in static_cache:
+            static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
+        if static_cache[key] / cfg.pp > min_capacity and not all_pinned:
+            continue  # not even the weights fit, whatever the cuts
+        tkey = (cfg.tp, cfg.micro_batch_size)
+        if tkey not in time_cache:
+            slowest = min(cluster.gpu_types, key=lambda g: g.peak(job.dtype))
+            time_cache[tkey] = float(block_times(profile, slowest, cluster, cfg, job.dtype).total_s.sum())
+        bound = cfg.num_microbatches * time_cache[tkey] / cfg.pp
+        # Order by an estimate with the schedule's bubble (equal stages: (p-1)/v of the ideal time
+        # for 1F1B/interleaved, about a third of that for zero-bubble H1, Qi et al. 2024 Table 2)
+        # so good plans come first and the valid bound prunes early.
+        ramp = (cfg.pp - 1) / cfg.virtual_stages / (3 if cfg.schedule == "zb-h1" else 1)
+        estimate = bound * (cfg.num_microbatches + ramp) / cfg.num_microbatches
+        candidates.append((estimate, bound, len(candidates), cfg))
+    if not candidates:
+        _raise_no_plan(profile, cluster, job, pins)
+    candidates.sort()
+
+    best: list[tuple[float, int, Plan]] = []  # max-heap (negated) of the top plans
+    evaluated = 0
+    for index, (_, bound, _, cfg) in enumerate(candidates):
+        if len(best) >= top and bound >= -best[0][0]:
+            continue  # ordered by the estimate, not the bound: later ones may still qualify
+        cutoff = -best[0][0] if len(best) >= top else float("inf")
+        previous_acts = None
+        for variant in _ladder(cfg, pins):
+            acts = ctx.act_bytes(variant)
+            if previous_acts is not None and np.array_equal(acts, previous_acts):
+                continue  # same memory as the rung that did not fit, and slower
+            previous_acts = acts
+            evaluated += 1
+            try:
+                result = evaluate(ctx, variant, require_fit=not all_pinned, cutoff_s=cutoff)
+            except Dominated:
+                break  # later rungs of the ladder are no faster
+            if result is None:
+                continue
+            if result.plan.fits or all_pinned:
+                entry = (-result.step_time_s, -evaluated, result.plan)
+                if len(best) < top:
+                    heapq.heappush(best, entry)
+                elif entry > best[0]:
+                    heapq.heapreplace(best, entry)
+                break
+        if progress is not None:
+            progress(index + 1, len(candidates), cfg.describe())
+    plans = [p for _, _, p in sorted(best, key=lambda e: (-e[0], -e[1]))]
+    if not plans:
+        _raise_no_plan(profile, cluster, job, pins)
+    return SearchResult(plans, evaluated, considered, time.perf_counter() - started)
+
+
+def _raise_no_plan(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -> None:
+    gpu = min(cluster.gpu_types, key=lambda g: g.mem_bytes)
+    need = min_gpus_needed(profile, job.dtype, gpu.mem_bytes, allowance_bytes(gpu))
+    if pins:
+        pinned = ", ".join(f"{k}={v}" for k, v in sorted(pins.items()))
+        raise PlanningError(f"no plan with {pinned} fits {cluster.num_gpus} x {gpu.name} "
+                            f"({gpu.mem_bytes / 2**30:.0f} GiB); relax a pin, or use more GPUs "
+                            f"(the weights and optimizer alone need at least {need})")
+    raise PlanningError(f"{profile.model_name} does not fit on {cluster.num_gpus} x {gpu.name} in any plan: it needs "
+                        f"at least {need} GPUs of that type for its weights, gradients and optimizer states alone "
+                        f"({profile.num_params / 1e9:.1f}B parameters x 16 bytes); reduce the batch or sequence "
+                        "length, or use more GPUs")
+
+
+def stage_balance(plan: Plan) -> np.ndarray:
+    """Predicted per-micro-batch time of each stage (for tables and tests)."""
+    return np.array([s.fwd_time_s + s.bwd_time_s for s in plan.stages])
