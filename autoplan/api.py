@@ -14,7 +14,7 @@ from torch import nn
 from autoplan.cluster import Cluster, parse_cluster
 from autoplan.graph import zoo
 from autoplan.graph.blocks import ModelProfile
-from autoplan.graph.profile import Progress, ProfileError, profile_model
+from autoplan.graph.profile import Progress, profile_model
 from autoplan.graph.trace import TracedModel
 from autoplan.plan import Job, Plan
 from autoplan.search.space import SearchResult, search_plans

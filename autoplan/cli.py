@@ -126,6 +126,13 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from autoplan.runtime import run_plan
+
+    return run_plan(args.plan, model=args.model, steps=args.steps, nproc=args.nproc, trace_path=args.trace,
+                    metrics_path=args.metrics, seed=args.seed, timeout_s=args.timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoplan", description="Plan and run pipeline/tensor/data-parallel training of PyTorch models.")
     parser.add_argument("--version", action="version", version=f"autoplan {__version__}")
@@ -161,6 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
     pins.add_argument("--zero", type=int, choices=[0, 1, 2])
     pins.add_argument("--sequence-parallel", action="store_true", default=None)
     p.set_defaults(func=cmd_suggest)
+
+    p = sub.add_parser("run", help="train N steps of a plan through autoplan's pipeline executor",
+                       description="Trains on synthetic data (fixed seed) and prints the loss and the measured and "
+                                   "predicted step time. --nproc N spawns N local processes (gloo on CPU); under "
+                                   "`torchrun ... -m autoplan run plan.json` each process runs one rank.")
+    p.add_argument("plan", help="plan JSON written by `autoplan suggest --out`")
+    p.add_argument("--model", help="model spec to build (default: the one the plan names)")
+    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--nproc", type=int, help="spawn this many local processes (must equal the plan's GPU count)")
+    p.add_argument("--trace", help="write the measured per-action timeline (Chrome trace JSON)")
+    p.add_argument("--metrics", help="write one JSON object per step (step, loss, step_time_s, predicted_step_time_s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds any rank waits on another before failing")
+    p.set_defaults(func=cmd_run)
     return parser
 
 

@@ -44,8 +44,13 @@ def _torch_schedule(spec: str, plan, rank: int):
 
     from autoplan.graph import zoo
     from autoplan.graph.trace import trace_model
-    from autoplan.runtime.split import (build_stage_modules, materialize_stages, plan_stage_specs, propagate_values,
-                                        tied_parameter_names)
+    from autoplan.runtime.split import (
+        build_stage_modules,
+        materialize_stages,
+        plan_stage_specs,
+        propagate_values,
+        tied_parameter_names,
+    )
 
     model = zoo.build_model(spec, device="meta")
     traced = trace_model(model, zoo.example_inputs(spec, plan.micro_batch_size, plan.job.seq_len))
@@ -56,7 +61,13 @@ def _torch_schedule(spec: str, plan, rank: int):
     materialize_stages([module], torch.device("cpu"), aliases=tied_parameter_names(model))
     stage = PipelineStage(module, rank, plan.pp, torch.device("cpu"))
     cls = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
-    return cls(stage, plan.num_microbatches, loss_fn=zoo.lm_loss), module
+    return cls(stage, plan.num_microbatches, loss_fn=_torch_loss), module
+
+
+def _torch_loss(output, target):
+    from autoplan.graph import zoo
+
+    return zoo.lm_loss(output[0] if isinstance(output, tuple) else output, target)  # stage modules return tuples
 
 
 def _worker(rank: int, world_size: int, port: int, args: dict, queue) -> None:
@@ -77,10 +88,10 @@ def _worker(rank: int, world_size: int, port: int, args: dict, queue) -> None:
         pm = partition(args["spec"], plan, device="cpu", timeout=timedelta(seconds=300))
         torch_sched, torch_module = _torch_schedule(args["spec"], plan, rank)
 
-        def run_autoplan():
+        def run_autoplan(pm=pm, ids=ids, tgt=tgt):
             pm.step(ids, target=tgt)
 
-        def run_torch():
+        def run_torch(torch_sched=torch_sched, torch_module=torch_module, ids=ids, tgt=tgt):
             torch_module.zero_grad(set_to_none=True)
             if rank == 0:
                 torch_sched.step(ids)

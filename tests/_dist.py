@@ -34,7 +34,7 @@ def _entry(rank: int, world_size: int, port: int, job: Callable, args: tuple, qu
         queue.put((rank, "ok", pickle.dumps(result)))  # plain pickle: no shared-memory tensors
     except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -131,11 +131,12 @@ def test_gpt_layer_flops_match_megatron_formula():
 
 
 def test_profile_params_match_megatron_formula():
-    l, h, v, s = 4, 256, 1024, 128
-    prof = autoplan.profile(f"gpt:num_layers={l},hidden_size={h},num_heads=8,vocab_size={v},max_seq_len={s}",
+    layers, h, v, s = 4, 256, 1024, 128
+    prof = autoplan.profile(f"gpt:num_layers={layers},hidden_size={h},num_heads=8,vocab_size={v},max_seq_len={s}",
                             batch_size=1, seq_len=s)
     # Narayanan et al. 2021, Eq. 2 (tied head), plus the final LayerNorm's 2h.
-    assert prof.num_params == 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)) + 2 * h
+    assert prof.num_params == pytest.approx(
+        12 * layers * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * layers * h)) + 2 * h, rel=1e-12)
     head = prof.blocks[-1]
     assert head.kind == "head" and head.num_params == 0 and head.param_bytes == v * h * 2  # tied: holds a copy
 

@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _dist import make_plan, run_ranks
+from models import SkipModel
+
 from autoplan.graph import zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import trace_model
 from autoplan.runtime import run_plan
-from models import SkipModel
 
 pytestmark = pytest.mark.multiproc
 
@@ -235,7 +235,7 @@ def test_launcher_refuses_bad_input_before_communication(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
-def test_launcher_trains_and_writes_metrics_and_trace(tmp_path, capsys):
+def test_launcher_trains_and_writes_metrics_and_trace(tmp_path, capfd):
     import json
 
     plan = _plan(GPT, pp=2, schedule="1f1b")
@@ -243,7 +243,7 @@ def test_launcher_trains_and_writes_metrics_and_trace(tmp_path, capsys):
     plan.save(path)
     code = run_plan(path, steps=3, nproc=2, trace_path=str(tmp_path / "t.json"), metrics_path=str(tmp_path / "m.jsonl"))
     assert code == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out  # printed by rank 0, a child process
     assert "step 2  loss" in out
     metrics = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2] and metrics[-1]["loss"] < metrics[0]["loss"]

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _dist import make_plan
+from models import SkipModel
+
 from autoplan.graph import zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import append_loss, trace_model
 from autoplan.runtime.api import PartitionError, check_model
-from autoplan.runtime.split import (build_stage_modules, materialize_stages, plan_stage_specs, propagate_values,
-                                    tied_parameter_names)
-from models import SkipModel
+from autoplan.runtime.split import (
+    build_stage_modules,
+    materialize_stages,
+    plan_stage_specs,
+    propagate_values,
+    tied_parameter_names,
+)
 
 GPT = "gpt:num_layers=4,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16"
 

@@ -2,18 +2,23 @@
 
 [Note: achievable throughput]
 A block's compute time is its FLOPs over `peak x efficiency` (Narayanan et al. 2021, SC'21, Sec.
-5.1 report 44-52% of peak end to end on A100s). Efficiency grows with the per-GPU GEMM width
-w = hidden / tp: small GEMMs do not fill the GPU (the same paper, Fig. 7 and Sec. 5.4: tp beyond 8
-and small hidden sizes lose throughput). We use the saturating form
+5.1 report 44-52% of peak end to end on A100s). Two efficiencies, because two kinds of work behave
+differently:
 
-    efficiency(w) = E_MAX * w / (w + W_HALF)
+- GEMMs (QKV, projections, MLP, logits) reach E_GEMM * w / (w + W_HALF) of peak, where w = hidden
+  / tp is the per-GPU GEMM width: the element-wise work around them (norms, bias, activation,
+  residual, replicated across TP ranks without sequence parallelism) grows like b*s*h while the
+  GEMMs grow like b*s*h^2/tp, so its relative cost falls like 1/w.
+- The attention core (Q K^T, mask, softmax, dropout, A V) runs at E_ATTENTION: its s x s
+  intermediate is memory-bound, which is why the published small models (where attention is 13%
+  of the FLOPs at h = 2304, s = 2048) reach fewer TFLOP/s than the large ones (1.3% at h = 25600).
 
-with E_MAX and W_HALF fitted to the published Megatron-LM runs in
+The constants are fitted to the published Megatron-LM runs in
 `../shared/data/megatron_sc21_table1.json` by `benchmarks/validate_published.py --fit` (procedure and
-result in docs/calibration.md). Element-wise work (norms, activations, residuals) is part of the
-layer blocks and so part of what the fit absorbs. Blocks without matmuls (embedding lookups, norms)
-are memory-bound: their time is the bytes they move over the GPU's memory bandwidth (roofline
-model, Williams et al. 2009). When a profile was timed on a device, its measured times are used.
+result in docs/calibration.md). Those runs predate fused flash attention, so E_ATTENTION is
+pessimistic for a modern stack; a profile timed on the device (`--device cuda`) replaces all of
+this with measured times. Blocks without matmuls (embedding lookups, norms) are memory-bound: their
+time is the bytes they move over the GPU's memory bandwidth (roofline model, Williams et al. 2009).
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ from autoplan.cluster import GPU, Cluster, allgather_time_s, allreduce_time_s, p
 from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
 
-__all__ = ["E_MAX", "W_HALF", "BlockTimes", "block_times", "cut_transfer_time_s", "cut_transfer_times_s", "dp_sync_time_s", "efficiency",
+__all__ = ["E_ATTENTION", "E_GEMM", "W_HALF", "BlockTimes", "block_times", "cut_transfer_time_s", "cut_transfer_times_s", "dp_sync_time_s", "efficiency",
            "optimizer_time_s", "tp_sharded"]
 
 # Fitted by benchmarks/validate_published.py --fit (see docs/calibration.md).
-E_MAX = 0.80
-W_HALF = 420.0
+E_GEMM = 0.60
+W_HALF = 0.0
+E_ATTENTION = 0.18125
 
 # Blocks whose parameters and FLOPs Megatron tensor parallelism shards (Shoeybi et al. 2019, Sec. 3:
 # attention and MLP column/row parallel; vocab-parallel embedding and output layer).
@@ -44,8 +50,8 @@ def tp_sharded(kind: str) -> bool:
 
 
 def efficiency(width: float) -> float:
-    """Fraction of dense peak a transformer block reaches at per-GPU GEMM width `width`."""
-    return E_MAX * width / (width + W_HALF)
+    """Fraction of dense peak GEMMs reach at per-GPU GEMM width `width`."""
+    return E_GEMM * width / (width + W_HALF)
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,16 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             # Memory-bound floor: a block reads its input and writes its output at least once per
             # pass (roofline, Williams et al. 2009); backward moves about twice as much.
             traffic = 2.0 * b.output_bytes * f / (cfg.tp if cfg.sequence_parallel else 1)
-            fwd[i] = max(fwd_flops / (peak * eff), traffic / gpu.mem_bw_bytes_per_s)
-            bwd[i] = max((bwd_flops + recompute_flops) / (peak * eff), 2 * traffic / gpu.mem_bw_bytes_per_s)
+            attn_fwd = b.attention_core_fwd_flops * f / shard
+            attn_bwd = b.attention_core_bwd_flops * f / shard
+            attn_recompute = attn_fwd if recompute_flops else 0.0
+
+            def seconds(flops: float, attention: float) -> float:
+                return (flops - attention) / (peak * eff) + attention / (peak * E_ATTENTION)
+
+            fwd[i] = max(seconds(fwd_flops, attn_fwd), traffic / gpu.mem_bw_bytes_per_s)
+            bwd[i] = max(seconds(bwd_flops + recompute_flops, attn_bwd + attn_recompute),
+                         2 * traffic / gpu.mem_bw_bytes_per_s)
         hw[i] = fwd_flops + bwd_flops + recompute_flops
         if cfg.tp > 1 and b.tp_comm_bytes:
             # Megatron: all-reduces in forward and as many in backward (Shoeybi et al. 2019, Fig. 3);

@@ -57,6 +57,8 @@ class Block:
     attention_core_fwd_flops: float = 0.0
     """Forward FLOPs of the attention core (QK^T, softmax, AV): what selective recompute redoes
     (Korthikanti et al. 2022, Sec. 5)."""
+    attention_core_bwd_flops: float = 0.0
+    """Backward FLOPs of the attention core (flash attention's backward recomputes the scores)."""
     attention_core_saved_bytes: int = 0
     """Saved bytes of the attention core (dropped under selective recompute)."""
     fwd_time_s: float | None = None

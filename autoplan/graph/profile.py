@@ -49,6 +49,10 @@ Progress = Callable[[int, int, str], None]
 
 _ATTENTION_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    torch.ops.aten._scaled_dot_product_flash_attention_backward,
+    torch.ops.aten._scaled_dot_product_efficient_attention_backward,
+    torch.ops.aten._scaled_dot_product_cudnn_attention_backward,
     torch.ops.aten._scaled_dot_product_flash_attention,
     torch.ops.aten._scaled_dot_product_efficient_attention,
     torch.ops.aten._scaled_dot_product_cudnn_attention,
@@ -186,7 +190,8 @@ def _run_fake(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.d
         try:
             torch.func.functional_call(runner, {f"gm.{k}": v for k, v in params.items()}, tuple(inputs), strict=False)
         except Exception as exc:
-            if os.environ.get("AUTOPLAN_DEBUG"): raise
+            if os.environ.get("AUTOPLAN_DEBUG"):  # show the full traceback when debugging a model
+                raise
             raise ProfileError(f"the model rejects the example inputs: {type(exc).__name__}: "
                                f"{str(exc).strip().splitlines()[0][:200]}") from None
     return _FakeRun(mode, params, values, owner)
@@ -244,6 +249,7 @@ class _BlockCost:
     saved_bytes: int
     saved_bytes_hidden: int
     attention_fwd_flops: float
+    attention_bwd_flops: float
 
 
 def _block_fingerprint(traced: TracedModel, index: int, sub: fx.GraphModule, inputs: list[Any]) -> str:
@@ -297,17 +303,19 @@ def _measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, tor
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter() as fwd_counter:
             outputs = torch.func.functional_call(sub, params, tuple(leaf_inputs), strict=False)
         outs = [o for o in (_tensors_in(outputs) or []) if o.requires_grad]
-        bwd_flops = 0.0
+        bwd_flops = attention_bwd = 0.0
         if outs:
             with flop_counter() as bwd_counter:
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
             bwd_flops = float(bwd_counter.get_total_flops())
+            attention_bwd = _attention_flops(bwd_counter)
     return _BlockCost(
         fwd_flops=float(fwd_counter.get_total_flops()),
         bwd_flops=bwd_flops,
         saved_bytes=sum(b for b, _ in saved.values()),
         saved_bytes_hidden=sum(b for b, h in saved.values() if h),
         attention_fwd_flops=_attention_flops(fwd_counter),
+        attention_bwd_flops=attention_bwd,
     )
 
 
@@ -592,6 +600,7 @@ def profile_traced(
             saved_bytes_replicated_tp=cost.saved_bytes_hidden,
             tp_comm_bytes=_tp_allreduces(kind) * hidden_bytes,
             attention_core_fwd_flops=cost.attention_fwd_flops,
+            attention_core_bwd_flops=cost.attention_bwd_flops,
             # Flash attention keeps no s x s tensor, so selective recompute frees only its
             # output and log-sum-exp, which the next projection keeps anyway: we count none.
             attention_core_saved_bytes=0,

@@ -81,14 +81,21 @@ def plans_table(plans, title: str = "") -> Table:
     return table
 
 
-def stages_table(plan) -> Table:
+def stages_table(plan, max_rows: int = 12) -> Table:
     """The stages of one plan: block ranges, time per micro-batch and memory of their GPU."""
     table = Table(title=f"stages of the best plan ({plan.num_stages} stages on {plan.pp} pipeline ranks)")
     for name, justify in [("stage", "right"), ("rank", "right"), ("blocks", "left"), ("fwd", "right"),
                           ("bwd", "right"), ("params", "right"), ("weights+grads+optim", "right"),
                           ("activations", "right"), ("total mem", "right")]:
         table.add_column(name, justify=justify)
-    for s in plan.stages:
+    shown = list(plan.stages)
+    if len(shown) > max_rows:
+        # First and last stages carry the embedding and the head: show both ends.
+        shown = shown[: max_rows // 2] + [None] + shown[-(max_rows - max_rows // 2):]
+    for s in shown:
+        if s is None:
+            table.add_row("...", "", f"({len(plan.stages) - max_rows} more stages)", "", "", "", "", "", "")
+            continue
         m = s.memory
         span = (f"{s.first_block}-{s.end_block - 1} ({s.first_block_name} .. {s.last_block_name})"
                 if s.end_block - s.first_block > 1 else f"{s.first_block} ({s.first_block_name})")

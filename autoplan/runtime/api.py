@@ -30,8 +30,13 @@ from autoplan.plan import Plan
 from autoplan.runtime.comm import P2P
 from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
 from autoplan.runtime.parallel import ParallelLayout, all_reduce_grads, build_layout
-from autoplan.runtime.split import (build_stage_modules, materialize_stages, plan_stage_specs, propagate_values,
-                                    tied_parameter_names)
+from autoplan.runtime.split import (
+    build_stage_modules,
+    materialize_stages,
+    plan_stage_specs,
+    propagate_values,
+    tied_parameter_names,
+)
 from autoplan.schedule import make_schedule
 
 __all__ = ["PartitionError", "PartitionedModel", "check_model", "default_device", "init_distributed", "partition"]

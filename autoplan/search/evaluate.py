@@ -15,7 +15,13 @@ import numpy as np
 
 from autoplan.cluster import Cluster
 from autoplan.cost.config import ParallelConfig
-from autoplan.cost.memory import allowance_bytes, block_act_bytes, block_static_bytes, param_counts, rank_memory
+from autoplan.cost.memory import (
+    allowance_bytes,
+    block_act_bytes,
+    block_static_bytes,
+    param_counts,
+    rank_memory,
+)
 from autoplan.cost.time import (
     BlockTimes,
     block_times,
@@ -34,7 +40,19 @@ __all__ = ["Dominated", "Evaluation", "SearchContext", "evaluate", "min_gpus_nee
 
 @functools.lru_cache(maxsize=4096)
 def schedule_inflight(name: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[int, ...]:
-    """Peak micro-batches in flight per virtual stage, from the schedule's structure (unit times)."""
+    """Peak micro-batches in flight per virtual stage, from the schedule's structure (unit times).
+
+    GPipe holds all m (Huang et al. 2019); 1F1B holds p - s on stage s (Narayanan et al. 2021, Sec.
+    2.2.1); ZB-H1 holds p on every stage until its W (Qi et al. 2024, Sec. 3.1); all capped at m.
+    tests/test_search.py checks these closed forms against the simulator. Interleaving is simulated.
+    """
+    m = num_microbatches
+    if name == "gpipe":
+        return (m,) * pp
+    if name == "1f1b":
+        return tuple(min(pp - s, m) for s in range(pp))
+    if name == "zb-h1":
+        return (min(pp, m),) * pp
     schedule = make_schedule(name, pp, num_microbatches, virtual_stages)
     return simulate(schedule, lambda a: 1.0).peak_inflight
 
@@ -118,8 +136,7 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
     Raises `Dominated` when, after cutting, the slowest stage alone (it runs all m micro-batches
     one after another) already takes `cutoff_s` or longer: the search has enough better plans.
     """
-    profile, cluster, job = ctx.profile, ctx.cluster, ctx.job
-    dtype = job.dtype
+    profile, cluster = ctx.profile, ctx.cluster
     n = profile.num_blocks
     num_stages = cfg.num_stages
     if num_stages > n:

@@ -247,7 +247,14 @@ def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spe
                 continue
             if result.plan.fits or all_pinned:
                 entry = (-result.step_time_s, -evaluated, result.plan)
-                if len(best) < top:
+                twin = next((e for e in best if _same_but_layout(e[2], result.plan)), None)
+                if twin is not None:
+                    # Only the rank layout differs: keep the faster one, not both.
+                    if entry > twin:
+                        best.remove(twin)
+                        best.append(entry)
+                        heapq.heapify(best)
+                elif len(best) < top:
                     heapq.heappush(best, entry)
                 elif entry > best[0]:
                     heapq.heapreplace(best, entry)
@@ -258,6 +265,11 @@ def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spe
     if not plans:
         _raise_no_plan(profile, cluster, job, pins)
     return SearchResult(plans, evaluated, considered, time.perf_counter() - started)
+
+
+def _same_but_layout(a: Plan, b: Plan) -> bool:
+    keys = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero", "sequence_parallel")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
 def _raise_no_plan(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -> None:

@@ -1,0 +1,167 @@
+"""CLI wiring for `autoplan check`, `autoplan show`, `autoplan export` and the `suggest --sweep-gpus`
+what-if sweep. `autoplan/cli.py` calls `register(subparsers, console_factory)` and `run_sweep(...)`;
+everything here is argument plumbing over `autoplan.check` and `autoplan.report.*`.
+
+Errors are ValueErrors with one line; `cli.main` prints them as `autoplan: error: ...`, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["cmd_check", "cmd_export", "cmd_show", "register", "run_sweep"]
+
+ConsoleFactory = Callable[..., Any]
+"""`console_factory(stderr: bool = False) -> rich.console.Console` (cli.py's `_console`)."""
+
+
+def register(subparsers: argparse._SubParsersAction, console_factory: ConsoleFactory) -> None:
+    """Add the `check`, `show` and `export` subcommands; each sets `func(args) -> int`."""
+    p = subparsers.add_parser(
+        "check", help="plan a suite of models and clusters and fail on plan-quality regressions (CI gate)",
+        description="Plan every case of SUITE.yaml (best plan, top 1) and compare with the baseline: exit 1 when "
+                    "predicted tokens/s drops or peak memory per GPU grows by more than the tolerance, a plan no "
+                    "longer fits or is not found, or a search exceeds its time budget.")
+    p.add_argument("suite", help="suite YAML: tolerance {throughput, memory, search_time_s} and a list of cases")
+    p.add_argument("--baseline", help="baseline JSON to compare with (and to rewrite with --update)")
+    p.add_argument("--update", action="store_true", help="rewrite the baseline with the current results")
+    p.add_argument("--strict", action="store_true", help="a case missing from the baseline fails")
+    p.add_argument("--junit", metavar="OUT.xml", help="write a JUnit XML report (one testcase per case)")
+    p.add_argument("--json", metavar="OUT.json", dest="json_out", help="write the results as JSON")
+    p.set_defaults(func=lambda args: cmd_check(args, console_factory))
+
+    p = subparsers.add_parser("show", help="summarize a plan and draw its timeline (SVG, PNG or Chrome trace)")
+    p.add_argument("plan", help="plan JSON written by `autoplan suggest --out`")
+    p.add_argument("--trace", help="measured Chrome trace from `autoplan run --trace`, drawn under the prediction")
+    p.add_argument("--step", type=int, help="which step of --trace to draw (default: the last)")
+    p.add_argument("--out", help="timeline file: .svg, .png (needs autoplan[plot]) or .json (Chrome trace)")
+    p.set_defaults(func=lambda args: cmd_show(args, console_factory))
+
+    p = subparsers.add_parser("export", help="write a plan as a torchtitan, Megatron-LM or DeepSpeed configuration")
+    p.add_argument("plan", help="plan JSON written by `autoplan suggest --out`")
+    p.add_argument("--to", required=True, dest="target", metavar="{torchtitan,megatron,deepspeed}",
+                   help="torchtitan (TOML), megatron (shell arguments) or deepspeed (JSON config)")
+    p.add_argument("--out", help="write to this file instead of stdout")
+    p.set_defaults(func=lambda args: cmd_export(args, console_factory))
+
+
+def cmd_check(args: argparse.Namespace, console_factory: ConsoleFactory) -> int:
+    from autoplan import check
+
+    suite = check.load_suite(args.suite)
+    check.validate_case_specs(suite)
+    baseline = None
+    if args.baseline and not args.update:
+        baseline = check.load_baseline(args.baseline)
+    elif args.update and not args.baseline:
+        raise check.SuiteError("--update needs --baseline FILE to write")
+    console = console_factory()
+
+    def progress(result: check.CaseResult) -> None:
+        color = {"pass": "green", "fail": "red", "new": "yellow"}[result.status]
+        console.print(f"[{color}]{result.status.upper():4}[/] {result.case.name} ({result.search_time_s:.2f} s)"
+                      + (f": {'; '.join(result.reasons)}" if result.reasons else ""))
+
+    report = check.run_check(suite, baseline, strict=args.strict, on_case=progress)
+    if args.junit:
+        check.write_junit(args.junit, report)
+    if args.json_out:
+        check.write_json(args.json_out, report)
+    console.print(check.report_table(report))
+    if args.update:
+        written = check.write_baseline(args.baseline, report.results)
+        missing = [r.case.name for r in report.results if r.current is None]
+        console.print(f"wrote {written} case(s) to {args.baseline}"
+                      + (f"; [red]no plan for {', '.join(missing)}[/red]" if missing else ""))
+        return 1 if missing else 0
+    if report.passed:
+        counts = report.to_dict()["counts"]
+        console.print(f"[green]PASS[/green]: {counts['pass']} unchanged, {counts['new']} new"
+                      + ("" if baseline is not None else " (no --baseline given)"))
+        return 0
+    console.print(f"[red]FAIL[/red]: {report.num_failed} of {len(report.results)} case(s) regressed")
+    return 1
+
+
+def cmd_show(args: argparse.Namespace, console_factory: ConsoleFactory) -> int:
+    from autoplan.plan import Plan
+    from autoplan.report import timeline
+    from autoplan.report.tables import plans_table, stages_table
+
+    plan = Plan.load(args.plan)
+    console = console_factory()
+    cluster = plan.cluster_obj()
+    console.print(f"[bold]{plan.model}[/bold] on {cluster.describe()}; global batch {plan.job.global_batch} x seq "
+                  f"{plan.job.seq_len}, {plan.job.dtype}; {'fits' if plan.fits else '[red]does not fit[/red]'}")
+    console.print(plans_table([plan], title="plan"))
+    console.print(stages_table(plan))
+    console.print(f"bound by: {plan.predicted.bound}")
+    if plan.predicted.breakdown:
+        console.print("per step: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.2f} ms"
+                                               for k, v in plan.predicted.breakdown.items()))
+    for note in plan.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+    timelines = [timeline.predicted_timeline(plan)]
+    if args.trace:
+        measured = timeline.measured_timeline(timeline.load_trace(args.trace), plan, step=args.step)
+        timelines.append(measured)
+        ratio = measured.step_time_s / timelines[0].step_time_s if timelines[0].step_time_s else float("nan")
+        console.print(f"measured step {measured.step_time_s * 1e3:.2f} ms vs predicted "
+                      f"{timelines[0].step_time_s * 1e3:.2f} ms ({ratio:.2f}x); bubble {measured.bubble_fraction:.1%} "
+                      f"vs {timelines[0].bubble_fraction:.1%}")
+    if args.out:
+        timeline.write_timeline(timelines, args.out, plan)
+        console.print(f"wrote the timeline to {args.out}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, console_factory: ConsoleFactory) -> int:
+    from pathlib import Path
+
+    from autoplan.plan import Plan
+    from autoplan.report.export import export_plan
+
+    plan = Plan.load(args.plan)
+    text = export_plan(plan, args.target)
+    if args.out:
+        out = Path(args.out)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+        console_factory(stderr=True).print(f"wrote the {args.target} configuration to {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def run_sweep(*, model: str, cluster: str, gpu_counts: str | Sequence[int], global_batch: int,
+              seq_len: int | None = None, dtype: str = "bf16", pins: Mapping[str, Any] | None = None,
+              plot: str | None = None, json_out: bool = False, console=None, **kwargs: Any) -> int:
+    """`autoplan suggest --sweep-gpus 64,128 [--plot out.png]`: best plan per GPU count, a table of
+    throughput, MFU and scaling efficiency, and optionally a plot (.png or .svg). `kwargs` go to
+    `suggest_with_stats` (intra_node_bw_gbps, inter_node_bw_gbps, leaf_modules). Returns the exit
+    code: 0, or 1 when no count has a plan."""
+    from autoplan.report.sweep import parse_gpu_counts, plot_sweep, sweep, sweep_table
+
+    counts = parse_gpu_counts(gpu_counts)
+    rows = sweep(model, cluster, counts, global_batch=global_batch, seq_len=seq_len, dtype=dtype, pins=pins, **kwargs)
+    if json_out:
+        print(json.dumps([{"num_gpus": r.num_gpus, "cluster": r.cluster, "error": r.error,
+                           "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "scaling_efficiency": r.scaling_efficiency,
+                           "plan": r.plan.to_dict() if r.plan else None} for r in rows], indent=2, default=str))
+    else:
+        if console is None:
+            from rich.console import Console
+
+            console = Console()
+        console.print(sweep_table(rows))
+    if not any(r.plan for r in rows):
+        return 1
+    if plot:
+        plot_sweep(rows, plot)
+        if console is not None and not json_out:
+            console.print(f"wrote the sweep plot to {plot}")
+    return 0

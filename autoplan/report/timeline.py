@@ -1,0 +1,446 @@
+"""Timelines of a plan: what every pipeline rank does over one step, predicted or measured.
+
+The predicted timeline re-simulates the plan's schedule with the plan's own stage times
+(`StagePlan.fwd_time_s`, `bwd_time_s`), the way `search/evaluate.py` does when it makes the plan:
+zb-h1 splits the backward into an input-gradient half B and a weight-gradient half W (Qi et al.
+2024, Sec. 2: T_B ~ T_W), P2P transfers delay the consumer without occupying either rank, and the
+exposed DP reduction plus the optimizer step run after each rank's last action. The measured
+timeline comes from the Chrome trace that `autoplan run --trace` writes (ph "X", pid = global rank,
+name = action string such as "1F3", ts/dur in microseconds, args.step).
+
+Three renderings: SVG (no dependency; every box carries data-rank / data-action / data-kind so
+tests and scripts can read it back), PNG (matplotlib, the optional `plot` extra) and a Chrome
+trace (chrome://tracing, ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape, quoteattr
+
+from autoplan.plan import Plan
+from autoplan.schedule import Action, ActionKind, make_schedule, simulate
+
+__all__ = [
+    "Box",
+    "Timeline",
+    "TimelineError",
+    "load_trace",
+    "measured_timeline",
+    "predicted_timeline",
+    "to_chrome_trace",
+    "to_png",
+    "to_svg",
+    "write_timeline",
+]
+
+PLOT_HINT = "pip install autoplan[plot]"
+
+# Compute kinds are tall boxes; communication and the step's tail are drawn thin.
+_COLORS = {
+    "F": "#4e79a7",
+    "B": "#59a14f",
+    "W": "#edc948",
+    "RECV_F": "#9c755f",
+    "RECV_B": "#b07aa1",
+    "SEND_F": "#9c755f",
+    "SEND_B": "#b07aa1",
+    "DP": "#e15759",
+    "OPT": "#f28e2b",
+}
+_OTHER_COLOR = "#bab0ac"
+_THIN_KINDS = frozenset({"RECV_F", "RECV_B", "SEND_F", "SEND_B"})
+
+
+class TimelineError(ValueError):
+    """A trace or output path that cannot be used (one line)."""
+
+
+@dataclass(frozen=True)
+class Box:
+    """One interval on one pipeline rank: a compute action, a transfer or the step's tail."""
+
+    rank: int
+    """Pipeline rank (row)."""
+    action: str
+    """Action string ("2F5", "1RECV_F3") or a tail label ("DP", "OPT")."""
+    kind: str
+    """F, B, W, SEND_F, RECV_F, SEND_B, RECV_B, DP (exposed gradient reduction), OPT (optimizer)."""
+    start_s: float
+    end_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in ("F", "B", "W")
+
+
+@dataclass(frozen=True)
+class Timeline:
+    label: str
+    """"predicted" or "measured" (shown beside each row group)."""
+    num_ranks: int
+    boxes: tuple[Box, ...]
+    """Rank by rank, each rank's boxes in start order."""
+    step_time_s: float
+    bubble_fraction: float
+    """Idle share of the ranks' compute span (see `SimResult.bubble_fraction`)."""
+
+    def rank_boxes(self, rank: int, *, compute_only: bool = False) -> list[Box]:
+        return [b for b in self.boxes if b.rank == rank and (b.is_compute or not compute_only)]
+
+
+def _bubble(boxes: Sequence[Box], num_ranks: int) -> float:
+    compute = [b for b in boxes if b.is_compute]
+    if not compute or num_ranks < 1:
+        return 0.0
+    span = max(b.end_s for b in compute) - min(b.start_s for b in compute)
+    busy = sum(b.duration_s for b in compute)
+    return max(0.0, 1.0 - busy / (num_ranks * span)) if span > 0 else 0.0
+
+
+def _boundary_bytes(plan: Plan) -> float | None:
+    """Bytes of one micro-batch's hidden state crossing a pipeline cut, for zoo models.
+
+    The cut tensor of a transformer is the residual stream, mbs x seq x hidden in the compute
+    dtype (Narayanan et al. SC'21 Sec. 3.1); None when the plan's model is not a zoo spec.
+    """
+    try:
+        from autoplan.graph import zoo
+
+        info = zoo.model_info(zoo.parse_model_spec(plan.model))
+    except Exception:  # a file model or an nn.Module class name: no shape facts to use
+        return None
+    hidden = info.get("hidden_size")
+    if not hidden:
+        return None
+    dtype_bytes = 4 if plan.job.dtype in ("float32", "fp32") else 2
+    return float(plan.micro_batch_size * plan.job.seq_len * hidden * dtype_bytes)
+
+
+def predicted_timeline(plan: Plan, *, comm: bool = True) -> Timeline:
+    """Simulate the plan's schedule with its stage times; one row per pipeline rank.
+
+    With `comm`, zoo models get P2P transfer times from the cluster's links (the boundary tensor
+    split over the TP ranks, as `cost/time.py` does); other models draw transfers as free.
+    """
+    schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
+    fwd = [s.fwd_time_s for s in plan.stages]
+    bwd = [s.bwd_time_s for s in plan.stages]
+    durations: dict[ActionKind, list[float]] = {ActionKind.F: fwd, ActionKind.B: bwd}
+    if schedule.split_backward():
+        # The plan stores the whole backward; halve it into B and W as evaluate.py does.
+        durations[ActionKind.B] = [b / 2 for b in bwd]
+        durations[ActionKind.W] = [b / 2 for b in bwd]
+
+    comm_s: dict[tuple[int, int], float] = {}
+    num_bytes = _boundary_bytes(plan) if comm and plan.pp > 1 else None
+    cluster = plan.cluster_obj() if num_bytes is not None else None
+
+    def comm_time(src: int, dst: int, kind: ActionKind) -> float:
+        from autoplan.cluster.collectives import p2p_time_s
+
+        key = (src, dst)
+        if key not in comm_s:
+            comm_s[key] = p2p_time_s(cluster, plan.rank(src % plan.pp, 0), plan.rank(dst % plan.pp, 0),
+                                     num_bytes / plan.tp)
+        return comm_s[key]
+
+    breakdown = plan.predicted.breakdown or {}
+    dp_s = float(breakdown.get("dp_comm_exposed_s", 0.0))
+    opt_s = float(breakdown.get("optimizer_s", 0.0))
+    sim = simulate(schedule, lambda a: durations[a.kind][a.stage], comm_time if num_bytes is not None else None,
+                   [dp_s + opt_s] * plan.pp)
+
+    compute_end: dict[tuple[ActionKind, int, int], float] = {}
+    boxes_by_rank: list[list[Box]] = [[] for _ in range(plan.pp)]
+    for t in sim.timeline:
+        compute_end[(t.action.kind, t.action.stage, t.action.microbatch)] = t.end_s
+        boxes_by_rank[t.rank].append(Box(t.rank, str(t.action), t.action.kind.value, t.start_s, t.end_s))
+    if num_bytes is not None:
+        # A transfer starts when its producer ends and lands on the consumer's rank.
+        last = plan.num_stages - 1
+        for (kind, stage, mb), end in compute_end.items():
+            if kind is ActionKind.F and stage < last:
+                dst, recv = stage + 1, ActionKind.RECV_F
+            elif kind is ActionKind.B and stage > 0:
+                dst, recv = stage - 1, ActionKind.RECV_B
+            else:
+                continue
+            if dst % plan.pp == stage % plan.pp:
+                continue
+            rank = dst % plan.pp
+            boxes_by_rank[rank].append(Box(rank, str(Action(recv, dst, mb)), recv.value, end,
+                                           end + comm_time(stage, dst, kind)))
+    for rank, end in enumerate(sim.compute_end_s):
+        if dp_s > 0:
+            boxes_by_rank[rank].append(Box(rank, "DP", "DP", end, end + dp_s))
+        if opt_s > 0:
+            boxes_by_rank[rank].append(Box(rank, "OPT", "OPT", end + dp_s, end + dp_s + opt_s))
+    boxes = tuple(b for rank_boxes in boxes_by_rank for b in sorted(rank_boxes, key=lambda b: (b.start_s, not b.is_compute)))
+    return Timeline("predicted", plan.pp, boxes, sim.makespan_s, sim.bubble_fraction)
+
+
+def load_trace(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a Chrome trace JSON (an object with "traceEvents", or a bare event list)."""
+    path = Path(path)
+    if not path.exists():
+        raise TimelineError(f"trace file {str(path)!r} does not exist; write one with `autoplan run PLAN --trace {path}`")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TimelineError(f"trace file {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if isinstance(data, list):
+        data = {"traceEvents": data}
+    if not isinstance(data, Mapping) or not isinstance(data.get("traceEvents"), list):
+        raise TimelineError(f"trace file {str(path)!r} has no traceEvents list (expected a Chrome trace)")
+    return dict(data)
+
+
+def _action_kind(name: str) -> str | None:
+    try:
+        return Action.parse(name).kind.value
+    except ValueError:
+        return None
+
+
+def measured_timeline(trace: Mapping[str, Any], plan: Plan | None = None, *, step: int | None = None) -> Timeline:
+    """One step of a measured trace, one row per pipeline rank, times from the step's first action.
+
+    With `plan`, global ranks are mapped to pipeline ranks and only the (dp 0, tp 0) replica is
+    kept; without it every pid is a row. `step` picks the step (default: the last one, past the
+    warm-up). Events whose name is not an action string are ignored.
+    """
+    events = [e for e in trace.get("traceEvents", []) if isinstance(e, Mapping) and e.get("ph") == "X"]
+    parsed = []
+    for e in events:
+        kind = _action_kind(str(e.get("name", "")))
+        try:
+            pid, ts, dur = int(e["pid"]), float(e["ts"]), float(e["dur"])
+        except (KeyError, TypeError, ValueError):
+            raise TimelineError(f"trace event {dict(e)!r} lacks a numeric pid, ts or dur") from None
+        if kind is None:
+            continue
+        args = e.get("args") if isinstance(e.get("args"), Mapping) else {}
+        parsed.append((pid, str(e["name"]), kind, ts * 1e-6, (ts + dur) * 1e-6, args.get("step", 0)))
+    if not parsed:
+        raise TimelineError("the trace has no action events (ph 'X' named like '1F3')")
+    steps = sorted({p[5] for p in parsed}, key=lambda s: (isinstance(s, str), s))
+    chosen = steps[-1] if step is None else step
+    if chosen not in steps:
+        raise TimelineError(f"step {step} is not in the trace (it has steps {steps[0]}..{steps[-1]})")
+    parsed = [p for p in parsed if p[5] == chosen]
+
+    rows: dict[int, int] = {}
+    if plan is not None:
+        for pid in {p[0] for p in parsed}:
+            if pid >= plan.num_gpus:
+                raise TimelineError(f"trace has rank {pid} but the plan has {plan.num_gpus} GPUs; is it the plan's trace?")
+            pp_index, dp_index, tp_index = plan.coords(pid)
+            if dp_index == 0 and tp_index == 0:
+                rows[pid] = pp_index
+        num_ranks = plan.pp
+    else:
+        for i, pid in enumerate(sorted({p[0] for p in parsed})):
+            rows[pid] = i
+        num_ranks = len(rows)
+    parsed = [p for p in parsed if p[0] in rows]
+    t0 = min(p[3] for p in parsed)
+    boxes = sorted((Box(rows[p[0]], p[1], p[2], p[3] - t0, p[4] - t0) for p in parsed),
+                   key=lambda b: (b.rank, b.start_s, not b.is_compute))
+    step_time = max(b.end_s for b in boxes)
+    return Timeline("measured", num_ranks, tuple(boxes), step_time, _bubble(boxes, num_ranks))
+
+
+# ---- rendering -------------------------------------------------------------------------------
+
+def _title(plan: Plan | None, timelines: Sequence[Timeline]) -> str:
+    parts = []
+    if plan is not None:
+        parts.append(f"{plan.model}: tp {plan.tp} / pp {plan.pp} / dp {plan.dp}, {plan.schedule}"
+                     + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+                     + f", {plan.num_microbatches} micro-batches of {plan.micro_batch_size}")
+    for t in timelines:
+        parts.append(f"{t.label}: step {_fmt_s(t.step_time_s)}, bubble {t.bubble_fraction:.1%}")
+    return " | ".join(parts)
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 1.0:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _nice_step(span: float) -> float:
+    raw = span / 8 if span > 0 else 1.0
+    import math
+
+    mag = 10 ** math.floor(math.log10(raw))
+    for m in (1, 2, 5, 10):
+        if raw <= m * mag:
+            return m * mag
+    return 10 * mag
+
+
+def to_svg(timelines: Sequence[Timeline], plan: Plan | None = None, *, width: int = 1200) -> str:
+    """An SVG picture: per timeline a group of rows (one per pipeline rank), one rect per box.
+
+    Every box is `<rect class="box" data-timeline=... data-rank=... data-action=... data-kind=...
+    data-start-s=... data-end-s=...>` with a `<title>` tooltip; compute boxes are full height,
+    transfers a thin bar at the bottom of the receiving row, the tail (DP, OPT) half height.
+    """
+    left, right, row_h, gap, top = 110, 20, 28, 6, 44
+    span = max((t.step_time_s for t in timelines), default=0.0) or 1.0
+    plot_w = width - left - right
+    scale = plot_w / span
+    y = top
+    parts: list[str] = []
+    for t in timelines:
+        parts.append(f'<g class="timeline" data-timeline={quoteattr(t.label)}>')
+        parts.append(f'<text x="4" y="{y + 12}" font-weight="bold">{escape(t.label)}</text>')
+        y += 18
+        for rank in range(t.num_ranks):
+            ry = y + rank * (row_h + gap)
+            parts.append(f'<g class="row" data-timeline={quoteattr(t.label)} data-rank="{rank}">')
+            parts.append(f'<rect class="lane" x="{left}" y="{ry}" width="{plot_w}" height="{row_h}" fill="#f4f4f4"/>')
+            parts.append(f'<text x="{left - 8}" y="{ry + row_h / 2 + 4}" text-anchor="end">rank {rank}</text>')
+            for b in t.rank_boxes(rank):
+                x, w = left + b.start_s * scale, max(b.duration_s * scale, 0.5)
+                if b.is_compute:
+                    by, bh = ry, row_h
+                elif b.kind in _THIN_KINDS:
+                    by, bh = ry + row_h - 4, 4
+                else:
+                    by, bh = ry + row_h / 4, row_h / 2
+                color = _COLORS.get(b.kind, _OTHER_COLOR)
+                parts.append(
+                    f'<rect class="box" x="{x:.2f}" y="{by:.2f}" width="{w:.2f}" height="{bh:.2f}" fill="{color}" '
+                    f'stroke="white" stroke-width="0.5" data-timeline={quoteattr(t.label)} data-rank="{rank}" '
+                    f'data-action={quoteattr(b.action)} data-kind="{b.kind}" data-start-s="{b.start_s:.9g}" '
+                    f'data-end-s="{b.end_s:.9g}"><title>{escape(b.action)}: {_fmt_s(b.start_s)} .. '
+                    f'{_fmt_s(b.end_s)} ({_fmt_s(b.duration_s)})</title></rect>')
+                if b.is_compute and w >= 8 * len(b.action) * 0.62:
+                    parts.append(f'<text x="{x + w / 2:.2f}" y="{ry + row_h / 2 + 4}" text-anchor="middle" '
+                                 f'fill="white" font-size="10">{escape(b.action)}</text>')
+            parts.append("</g>")
+        y += t.num_ranks * (row_h + gap) + 12
+        parts.append("</g>")
+    # Time axis.
+    tick = _nice_step(span)
+    axis = [f'<line x1="{left}" y1="{y}" x2="{left + plot_w}" y2="{y}" stroke="#333"/>']
+    k = 0
+    while k * tick <= span * (1 + 1e-9):
+        x = left + k * tick * scale
+        axis.append(f'<line x1="{x:.2f}" y1="{y}" x2="{x:.2f}" y2="{y + 4}" stroke="#333"/>')
+        axis.append(f'<text x="{x:.2f}" y="{y + 16}" text-anchor="middle" font-size="10">{_fmt_s(k * tick)}</text>')
+        k += 1
+    y += 26
+    legend = []
+    lx = left
+    for kind, label in (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("RECV_F", "P2P act"),
+                        ("RECV_B", "P2P grad"), ("DP", "DP reduce"), ("OPT", "optimizer")):
+        legend.append(f'<rect x="{lx}" y="{y}" width="12" height="12" fill="{_COLORS[kind]}"/>'
+                      f'<text x="{lx + 16}" y="{y + 10}" font-size="11">{label}</text>')
+        lx += 110
+    height = y + 24
+    title = _title(plan, timelines)
+    return "\n".join([
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+        f"<title>{escape(title)}</title>",
+        f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="13" font-weight="bold">{escape(title)}</text>',
+        *parts, *axis, *legend, "</svg>", ""])
+
+
+def to_chrome_trace(timelines: Sequence[Timeline]) -> dict[str, Any]:
+    """Chrome trace events: one process per timeline, one thread per pipeline rank, us units."""
+    events: list[dict[str, Any]] = []
+    for pid, t in enumerate(timelines):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": t.label}})
+        for rank in range(t.num_ranks):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": rank,
+                           "args": {"name": f"pp rank {rank}"}})
+        for b in t.boxes:
+            events.append({"name": b.action, "cat": b.kind, "ph": "X", "pid": pid, "tid": b.rank,
+                           "ts": b.start_s * 1e6, "dur": b.duration_s * 1e6, "args": {"kind": b.kind}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise TimelineError(f"PNG output needs matplotlib: {PLOT_HINT} (or write .svg)") from None
+    return plt
+
+
+def to_png(timelines: Sequence[Timeline], path: str | os.PathLike, plan: Plan | None = None) -> None:
+    """The same picture as `to_svg`, drawn with matplotlib (needs the `plot` extra)."""
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    num_rows = sum(t.num_ranks for t in timelines)
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(14, 1.2 + 0.55 * num_rows + 0.4 * len(timelines)),
+                             sharex=True, squeeze=False)
+    span = max((t.step_time_s for t in timelines), default=0.0) or 1.0
+    unit, per_s = ("s", 1.0) if span >= 1.0 else ("ms", 1e3) if span >= 1e-3 else ("us", 1e6)
+    for ax, t in zip(axes[:, 0], timelines):
+        for b in t.boxes:
+            y = t.num_ranks - 1 - b.rank  # rank 0 on top
+            if b.is_compute:
+                y0, h = y - 0.4, 0.8
+            elif b.kind in _THIN_KINDS:
+                y0, h = y - 0.48, 0.12
+            else:
+                y0, h = y - 0.2, 0.4
+            ax.broken_barh([(b.start_s * per_s, b.duration_s * per_s)], (y0, h), facecolors=_COLORS.get(b.kind, _OTHER_COLOR),
+                           edgecolor="white", linewidth=0.4)
+            if b.is_compute and b.duration_s / span > 0.007 * len(b.action):
+                ax.text((b.start_s + b.duration_s / 2) * per_s, y, b.action, ha="center", va="center", fontsize=7, color="white")
+        ax.set_yticks(range(t.num_ranks), [f"rank {t.num_ranks - 1 - i}" for i in range(t.num_ranks)])
+        ax.set_ylim(-0.6, t.num_ranks - 0.4)
+        ax.set_xlim(0, span * per_s * 1.01)
+        ax.set_title(f"{t.label}: step {_fmt_s(t.step_time_s)}, bubble {t.bubble_fraction:.1%}", fontsize=10)
+        ax.set_facecolor("#f4f4f4")
+    axes[-1, 0].set_xlabel(f"time ({unit})")
+    handles = [Patch(color=_COLORS[k], label=label) for k, label in
+               (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("RECV_F", "P2P act"),
+                ("RECV_B", "P2P grad"), ("DP", "DP reduce"), ("OPT", "optimizer"))]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    if plan is not None:
+        fig.suptitle(_title(plan, ()), fontsize=11)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96 if plan is not None else 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_timeline(timelines: Sequence[Timeline], path: str | os.PathLike, plan: Plan | None = None) -> None:
+    """Write by suffix: .svg, .png (matplotlib) or .json (Chrome trace)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".svg":
+        text = to_svg(timelines, plan)
+    elif suffix == ".json":
+        text = json.dumps(to_chrome_trace(timelines))
+    elif suffix == ".png":
+        to_png(timelines, path, plan)
+        return
+    else:
+        raise TimelineError(f"cannot write a timeline to {str(path)!r}: use a .svg, .png or .json file")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

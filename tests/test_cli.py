@@ -1,0 +1,69 @@
+"""The `autoplan` console script: real entry point, real output, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autoplan.cli import main
+
+SMALL = "gpt:num_layers=4,hidden_size=256,num_heads=4,vocab_size=1024,max_seq_len=256"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autoplan", *args], capture_output=True, text=True, timeout=240)
+
+
+def test_suggest_default_plans_a_builtin_model():
+    result = run_cli("suggest", "--top", "2")
+    assert result.returncode == 0, result.stderr
+    assert "llama3-8b" in result.stdout and "MFU" in result.stdout and "best plan is bound by" in result.stdout
+
+
+def test_suggest_json_and_out(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["suggest", "--model", SMALL, "--cluster", "1x4xA100-80GB", "--global-batch", "16", "--seq-len", "256",
+                 "--json", "--out", str(out)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"plans", "search"} and data["search"]["configs_evaluated"] > 0
+    plan = data["plans"][0]
+    for key in ("tp", "pp", "dp", "micro_batch_size", "num_microbatches", "schedule", "virtual_stages", "recompute",
+                "zero", "sequence_parallel", "stages", "fits"):
+        assert key in plan
+    assert set(plan["predicted"]) >= {"step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
+                                      "mfu", "peak_memory_bytes", "bubble_fraction"}
+    assert json.loads(out.read_text())["tp"] == plan["tp"]
+
+
+def test_profile_json(capsys):
+    assert main(["profile", "--model", SMALL, "--seq-len", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [b["kind"] for b in data["blocks"]] == ["embedding"] + ["layer"] * 4 + ["norm", "head"]
+
+
+@pytest.mark.parametrize("args", [
+    ["profile", "--model", "lama3-8b"],
+    ["profile", "--model", "gpt:num_layers"],
+    ["profile", "--model", "llama3-8b:num_layer=2"],
+    ["profile", "--model", "no/such/file.py:build"],
+    ["profile", "--model", SMALL, "--seq-len", "100000"],
+    ["profile", "--model", SMALL, "--device", "tpu"],
+    ["suggest", "--cluster", "8xH100"],
+    ["suggest", "--cluster", "2x8xNOPE"],
+    ["suggest", "--cluster", "missing.yaml"],
+    ["suggest", "--tp", "3"],
+    ["suggest", "--global-batch", "0"],
+    ["suggest", "--model", "llama3-405b", "--cluster", "1x8xA100-80GB"],
+])
+def test_bad_input_is_one_line_and_exit_2(args, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("autoplan: error:") and "\n" not in err and "Traceback" not in err
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "suggest" in capsys.readouterr().out

@@ -1,0 +1,152 @@
+"""The search: plans are valid, pins hold, impossible requests are one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import autoplan
+from autoplan.api import suggest_with_stats
+from autoplan.cluster import parse_cluster
+from autoplan.plan import Plan, PlanError, validate
+from autoplan.search.evaluate import SearchContext, evaluate
+from autoplan.search.ilp import solve_ilp
+from autoplan.search.partition import CutProblem, solve_dp
+from autoplan.search.space import PlanningError
+
+SMALL = "gpt:num_layers=8,hidden_size=512,num_heads=8,vocab_size=4096,max_seq_len=512"
+
+
+@pytest.fixture(scope="module")
+def small_result():
+    return suggest_with_stats(SMALL, "2x4xA100-80GB", global_batch=32, seq_len=512, top=8)
+
+
+def test_every_plan_is_valid_and_ranked(small_result):
+    result, profiled = small_result
+    assert result.plans and result.configs_evaluated >= len(result.plans)
+    times = [p.predicted.step_time_s for p in result.plans]
+    assert times == sorted(times)
+    for plan in result.plans:
+        assert validate(plan) == []
+        assert plan.fits
+        assert plan.tp * plan.pp * plan.dp == 8
+        assert plan.micro_batch_size * plan.num_microbatches * plan.dp == 32
+        assert plan.boundaries[-1] == profiled.profile.num_blocks
+        assert 0 < plan.predicted.mfu < 1 and plan.predicted.hfu >= plan.predicted.mfu
+
+
+def test_plan_json_round_trip(small_result, tmp_path):
+    plan = small_result[0].plans[0]
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+    assert plan.predicted.step_time_s > 0 and plan.num_microbatches >= 1
+
+
+def test_validate_catches_inconsistent_plans(small_result):
+    plan = small_result[0].plans[0]
+    assert any("tp*pp*dp" in p for p in validate(dataclasses.replace(plan, dp=plan.dp * 2)))
+    stages = list(plan.stages)
+    if len(stages) > 1:
+        stages[1] = dataclasses.replace(stages[1], first_block=stages[1].first_block + 1)
+        assert any("in order" in p for p in validate(dataclasses.replace(plan, stages=tuple(stages))))
+    big = dataclasses.replace(plan.stages[0].memory, activations_bytes=1e15)
+    bad = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], memory=big), *plan.stages[1:]))
+    assert any("yet the plan says it fits" in p for p in validate(bad))
+
+
+def test_plan_of_another_schema_version_is_refused(small_result, tmp_path):
+    data = small_result[0].plans[0].to_dict()
+    data["schema_version"] = 99
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="schema version 99"):
+        Plan.load(tmp_path / "old.json")
+
+
+def test_pins_are_respected():
+    plans = autoplan.suggest(SMALL, "2x4xA100-80GB", global_batch=32, seq_len=512, tp=2, pp=2,
+                             schedule="interleaved-1f1b", top=3)
+    assert all(p.tp == 2 and p.pp == 2 and p.dp == 2 and p.schedule == "interleaved-1f1b" for p in plans)
+    assert all(p.virtual_stages >= 2 for p in plans)
+
+
+def test_fully_pinned_plan_is_reported_even_when_it_does_not_fit():
+    plans = autoplan.suggest("llama3-8b", "1x8xA10G", global_batch=8, seq_len=4096, tp=1, pp=1, dp=8,
+                             micro_batch_size=1, schedule="1f1b", recompute="none", zero=0)
+    assert len(plans) == 1 and not plans[0].fits
+    assert plans[0].predicted.bound.startswith("memory")
+    assert plans[0].predicted.peak_memory_bytes > 23e9
+
+
+@pytest.mark.parametrize(("pins", "message"), [
+    ({"tp": 3}, "must divide the 4 GPUs of a node"),
+    ({"tp": 8}, "must divide the 4 GPUs"),
+    ({"pp": 100}, "more than the model's"),
+    ({"tp": 2, "pp": 2, "dp": 1}, r"tp\*pp\*dp = 2\*2\*1 = 4"),
+    ({"tp": 2, "pp": 2, "dp": 4}, "multiply to 16, which does not divide"),
+    ({"dp": 3}, "does not divide the cluster"),
+    ({"micro_batch_size": 5}, "not divisible"),
+    ({"schedule": "pipedream"}, "unknown schedule"),
+    ({"virtual_stages": 2, "schedule": "1f1b"}, "needs --schedule interleaved-1f1b"),
+    ({"zero": 2, "pp": 2}, "cannot be combined with pipeline"),
+    ({"recompute": "most"}, "unknown recompute"),
+])
+def test_impossible_pins_are_one_line_errors(pins, message):
+    with pytest.raises(PlanningError, match=message) as info:
+        autoplan.suggest(SMALL, "2x4xA100-80GB", global_batch=32, seq_len=512, **pins)
+    assert "\n" not in str(info.value)
+
+
+def test_tp_must_divide_heads():
+    with pytest.raises(PlanningError, match="attention heads"):
+        autoplan.suggest("gpt:num_layers=4,hidden_size=96,num_heads=6,vocab_size=128,max_seq_len=64",
+                         "1x4xA100-80GB", global_batch=8, seq_len=64, tp=4)
+
+
+def test_model_too_large_says_how_many_gpus():
+    with pytest.raises(PlanningError, match=r"needs at least \d+ GPUs"):
+        autoplan.suggest("llama3-70b", "1x8xA100-80GB", global_batch=8, seq_len=2048)
+
+
+def test_mixed_gpu_cluster_puts_slower_stages_on_fewer_blocks(tmp_path):
+    (tmp_path / "mixed.yaml").write_text(
+        "groups:\n  - {nodes: 1, gpus_per_node: 4, gpu: H100-SXM-80GB}\n  - {nodes: 1, gpus_per_node: 4, gpu: A100-SXM4-80GB}\n")
+    plans = autoplan.suggest("gpt:num_layers=16,hidden_size=1024,num_heads=16,vocab_size=4096,max_seq_len=512",
+                             str(tmp_path / "mixed.yaml"), global_batch=32, seq_len=512, tp=4, pp=2,
+                             schedule="1f1b", rank_order="tp-dp-pp")
+    stages = plans[0].stages
+    # pp rank 0 is the H100 node, rank 1 the A100 node: the faster GPUs take more layers.
+    assert stages[0].end_block - stages[0].first_block > stages[1].end_block - stages[1].first_block
+
+
+def test_dp_cuts_equal_ilp_on_the_search_problem(small_result):
+    """The cutting the search uses is optimal: the ILP (CBC) certifies it on the real problem."""
+    _, profiled = small_result
+    profile = profiled.profile
+    cluster = parse_cluster("2x4xA100-80GB")
+    ctx = SearchContext(profile, cluster, small_result[0].plans[0].job, SMALL)
+    from autoplan.cost.config import ParallelConfig
+
+    cfg = ParallelConfig(tp=1, pp=4, dp=2, micro_batch_size=2, num_microbatches=8, schedule="1f1b")
+    times = ctx.block_times(cluster.gpu, cfg).total_s
+    import numpy as np
+
+    problem = CutProblem(block_time_s=times, cut_time_s=ctx.link_times(cfg), block_static_bytes=ctx.static_bytes(cfg),
+                         block_act_bytes=ctx.act_bytes(cfg), inflight=np.array([4.0, 3, 2, 1]),
+                         capacity_bytes=np.full(4, 70e9))
+    dp, ilp = solve_dp(problem), solve_ilp(problem)
+    assert ilp.optimal and dp.bottleneck_s == pytest.approx(ilp.bottleneck_s, rel=1e-9)
+    assert evaluate(ctx, cfg) is not None
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+def test_inflight_closed_forms_match_the_simulator(name):
+    from autoplan.schedule import make_schedule, simulate
+    from autoplan.search.evaluate import schedule_inflight
+
+    for p in range(1, 7):
+        for m in range(1, 13):
+            simulated = simulate(make_schedule(name, p, m), lambda a: 1.0).peak_inflight
+            assert schedule_inflight(name, p, m, 1) == simulated, (p, m)
