@@ -90,6 +90,15 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     from autoplan import api
     from autoplan.report.tables import plans_table, stages_table
 
+    if args.sweep_gpus:
+        from autoplan.report.commands import run_sweep
+
+        return run_sweep(model=args.model, cluster=args.cluster, gpu_counts=args.sweep_gpus,
+                         global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, pins=_pins(args),
+                         plot=args.plot, json_out=args.json, console=_console(),
+                         intra_node_bw_gbps=args.intra_node_bw, inter_node_bw_gbps=args.inter_node_bw)
+    if args.plot:
+        raise ValueError("--plot draws a sweep; add --sweep-gpus, e.g. --sweep-gpus 64,128,256")
     interactive = not args.json and sys.stderr.isatty()
     progress, callback = _progress_callback(interactive)
     search_progress, search_callback = _progress_callback(interactive)
@@ -155,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, help="how many plans to list (default 5)")
     p.add_argument("--json", action="store_true", help="print {plans, search} as JSON")
     p.add_argument("--out", help="write the best plan to this JSON file (for `autoplan run`)")
+    p.add_argument("--sweep-gpus", help="what-if: best plan per GPU count, e.g. 64,128,256 (nodes of the --cluster GPU)")
+    p.add_argument("--plot", help="with --sweep-gpus: write the sweep as a picture (.svg, or .png with matplotlib)")
     p.add_argument("--intra-node-bw", type=float, help="override intra-node bandwidth, GB/s per GPU per direction")
     p.add_argument("--inter-node-bw", type=float, help="override inter-node bandwidth, GB/s per GPU per direction")
     pins = p.add_argument_group("pins (fix a dimension; the rest is searched)")
@@ -182,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any rank waits on another before failing")
     p.set_defaults(func=cmd_run)
+
+    from autoplan.report.commands import register
+
+    register(sub, _console)
     return parser
 
 

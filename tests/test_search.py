@@ -150,3 +150,14 @@ def test_inflight_closed_forms_match_the_simulator(name):
         for m in range(1, 13):
             simulated = simulate(make_schedule(name, p, m), lambda a: 1.0).peak_inflight
             assert schedule_inflight(name, p, m, 1) == simulated, (p, m)
+
+
+def test_interleaved_inflight_scan_matches_the_simulator():
+    from autoplan.schedule import make_schedule, simulate
+    from autoplan.search.evaluate import schedule_inflight
+
+    for p in range(2, 6):
+        for v in (2, 3, 4):
+            for m in range(p, 4 * p + 1, p):
+                simulated = simulate(make_schedule("interleaved-1f1b", p, m, v), lambda a: 1.0).peak_inflight
+                assert schedule_inflight("interleaved-1f1b", p, m, v) == simulated, (p, m, v)

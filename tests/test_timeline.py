@@ -150,3 +150,23 @@ def test_show_rejects_other_schema_and_bad_suffix(plan, tmp_path, capsys):
     assert code == 2 and ".svg, .png or .json" in err
     code, _, err = _run(["show", str(tmp_path / "plan.json"), "--trace", str(tmp_path / "none.json")], capsys)
     assert code == 2 and "does not exist" in err
+
+
+def test_sweep_rows_and_plot(tmp_path, capsys):
+    from autoplan.report.commands import run_sweep
+    from autoplan.report.sweep import cluster_for_count, parse_gpu_counts, sweep
+
+    assert parse_gpu_counts("4,1,2,2") == [1, 2, 4]
+    assert cluster_for_count("2x8xH100-80GB", 32).num_gpus == 32
+    assert cluster_for_count("2x8xH100-80GB", 4).gpus_per_node == 4
+    rows = sweep(SMALL, "1x4xA100-80GB", [1, 2, 4, 3], global_batch=16, seq_len=256)
+    assert [r.num_gpus for r in rows] == [1, 2, 3, 4]
+    assert rows[0].scaling_efficiency == pytest.approx(1.0)
+    assert all(r.plan is not None and r.plan.num_gpus == r.num_gpus for r in rows)
+    assert run_sweep(model=SMALL, cluster="1x4xA100-80GB", gpu_counts="1,2", global_batch=16, seq_len=256,
+                     plot=str(tmp_path / "s.svg")) == 0
+    assert "scaling" in capsys.readouterr().out
+    bars = [r for r in ET.parse(tmp_path / "s.svg").getroot().iter(f"{SVG}rect") if r.get("class") == "bar"]
+    assert [b.get("data-gpus") for b in bars] == ["1", "2"]
+    with pytest.raises(ValueError, match="comma-separated"):
+        parse_gpu_counts("a,b")

@@ -156,6 +156,7 @@ def plot_sweep(rows: Sequence[SweepRow], path: str | os.PathLike) -> None:
     ideal = [ok[0].tokens_per_s * n / ok[0].num_gpus for n in xs]
     ax.plot(xs, ideal, "--", color="#bab0ac", label="linear scaling")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # log-log: linear scaling is a straight line
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("GPUs")
     ax.set_ylabel("predicted tokens/s")
@@ -164,7 +165,7 @@ def plot_sweep(rows: Sequence[SweepRow], path: str | os.PathLike) -> None:
                     (r.num_gpus, r.tokens_per_s), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title(f"{ok[0].plan.model}: best plan per GPU count (tp/pp/dp, MFU, scaling efficiency)", fontsize=10)
-    ax.margins(y=0.2)
+    ax.margins(y=0.25)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -53,8 +53,41 @@ def schedule_inflight(name: str, pp: int, num_microbatches: int, virtual_stages:
         return tuple(min(pp - s, m) for s in range(pp))
     if name == "zb-h1":
         return (min(pp, m),) * pp
+    if name == "interleaved-1f1b":
+        return _interleaved_inflight(pp, m, virtual_stages)
     schedule = make_schedule(name, pp, num_microbatches, virtual_stages)
     return simulate(schedule, lambda a: 1.0).peak_inflight
+
+
+def _interleaved_inflight(pp: int, m: int, v: int) -> tuple[int, ...]:
+    """Peak in flight per virtual stage of interleaved 1F1B, by a prefix scan of each rank's action
+    order (a rank's own order fixes when its forwards and backwards happen relative to each other,
+    so no timing is needed). The order is Megatron-LM's, as schedule/actions.py generates it:
+    (p - r - 1) * 2 + (v - 1) * p warm-up forwards, then one forward and one backward at a time,
+    micro-batches in groups of p through the chunks (backwards through them in reverse)."""
+    total = m * v
+    peaks = [0] * (pp * v)
+    for r in range(pp):
+        warmup = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+        held = [0] * v
+        peak = [0] * v
+
+        def chunk(k: int, backward: bool) -> int:
+            c = (k % (pp * v)) // pp
+            return v - 1 - c if backward else c
+
+        for k in range(warmup):
+            c = chunk(k, False)
+            held[c] += 1
+            peak[c] = max(peak[c], held[c])
+        for k in range(total - warmup):
+            c = chunk(warmup + k, False)
+            held[c] += 1
+            peak[c] = max(peak[c], held[c])
+            held[chunk(k, True)] -= 1
+        for c in range(v):
+            peaks[c * pp + r] = peak[c]
+    return tuple(peaks)
 
 
 @dataclass(frozen=True)
