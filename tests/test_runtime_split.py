@@ -85,5 +85,9 @@ def test_partition_refuses_foreign_models_and_tp_plans():
     with pytest.raises(PartitionError, match="fingerprint"):
         check_model(other, plan)
     tp_plan = make_plan(GPT, model_fingerprint(model), traced.block_names, pp=2, tp=2)
-    with pytest.raises(PartitionError, match="tensor-parallel execution is not implemented"):
-        check_model(model, tp_plan)
+    assert check_model(model, tp_plan)["layers.0.attention.qkv"] == "colwise"  # zoo models run tp > 1
+    skip = SkipModel()
+    skip_traced = trace_model(skip, (torch.randint(0, 64, (2, 8)),))
+    skip_plan = make_plan("skip", model_fingerprint(skip), skip_traced.block_names, pp=2, tp=2)
+    with pytest.raises(PartitionError, match="tensor-parallel execution .* supports the built-in gpt and llama"):
+        check_model(skip, skip_plan)

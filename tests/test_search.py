@@ -161,3 +161,36 @@ def test_interleaved_inflight_scan_matches_the_simulator():
             for m in range(p, 4 * p + 1, p):
                 simulated = simulate(make_schedule("interleaved-1f1b", p, m, v), lambda a: 1.0).peak_inflight
                 assert schedule_inflight("interleaved-1f1b", p, m, v) == simulated, (p, m, v)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_pre_cut_bound_never_exceeds_a_simulated_step(schedule):
+    """The bound prunes the search, so it must hold for every cutting: brute force small chains."""
+    import itertools
+    import random
+
+    from autoplan.cost.config import ParallelConfig
+    from autoplan.schedule import ActionKind, make_schedule, simulate
+    from autoplan.search.space import pre_cut_bound
+
+    rng = random.Random(0)
+    for _ in range(40):
+        p, m = rng.randint(2, 4), rng.randint(1, 6)
+        n = rng.randint(p, 6)
+        fwd = [rng.uniform(0.1, 1.0) for _ in range(n)]
+        bwd = [f * rng.uniform(1.5, 3.0) for f in fwd]
+        share = min(f / (f + b) for f, b in zip(fwd, bwd))
+        cfg = ParallelConfig(tp=1, pp=p, dp=1, micro_batch_size=1, num_microbatches=m, schedule=schedule)
+        bound = pre_cut_bound(cfg, sum(fwd) + sum(bwd), share)
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            edges = (0, *cuts, n)
+            f_s = [sum(fwd[a:b]) for a, b in zip(edges, edges[1:])]
+            b_s = [sum(bwd[a:b]) for a, b in zip(edges, edges[1:])]
+
+            def duration(action, f_s=f_s, b_s=b_s):
+                if action.kind == ActionKind.F:
+                    return f_s[action.stage]
+                return b_s[action.stage] / (2 if schedule == "zb-h1" else 1)
+
+            step = simulate(make_schedule(schedule, p, m), duration).makespan_s
+            assert bound <= step * (1 + 1e-9), (p, m, cuts)

@@ -10,11 +10,19 @@ Only this rank's stages are materialized (see split.py); parameters keep their n
 slice) or this replica's batch (micro_batch_size * num_microbatches rows), splits it into
 micro-batches, runs the plan's schedule, and reduces gradients (tied copies, then dp) before it
 returns, so an optimizer step can follow at once. It zeroes gradients first unless told not to.
+
+With tp > 1 (built-in gpt / llama models only; see parallel.py) the attention and MLP linears of
+this rank's stages are sharded with torch's ColwiseParallel / RowwiseParallel over the plan's "tp"
+mesh axis; those parameters (and their gradients) are `DTensor`s under their usual names:
+`.to_local()` is this rank's shard, `.full_tensor()` gathers the whole (a collective over the tp
+group). Every other parameter (embeddings, norms, head) is a plain replicated tensor. Every tp rank
+of the last stage returns the loss.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -29,7 +37,15 @@ from autoplan.graph.trace import append_loss, retarget_device, trace_model
 from autoplan.plan import Plan
 from autoplan.runtime.comm import P2P
 from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
-from autoplan.runtime.parallel import ParallelLayout, all_reduce_grads, build_layout
+from autoplan.runtime.parallel import (
+    TP_SUPPORTED,
+    ParallelLayout,
+    TensorParallelError,
+    all_reduce_grads,
+    apply_tensor_parallel,
+    build_layout,
+    tensor_parallel_plan,
+)
 from autoplan.runtime.split import (
     build_stage_modules,
     materialize_stages,
@@ -67,15 +83,34 @@ def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     dist.init_process_group(backend, timeout=timeout)
 
 
-def check_model(model: nn.Module, plan: Plan) -> None:
-    """Refuse (one line) a model the plan was not made for, or a plan the runtime cannot run."""
+def check_model(model: nn.Module, plan: Plan) -> dict[str, str]:
+    """Refuse (one line) a model the plan was not made for, or a plan the runtime cannot run.
+
+    Returns the tensor-parallel plan (linear path -> "colwise" / "rowwise"; empty for tp = 1)."""
     fingerprint = model_fingerprint(model)
     if fingerprint != plan.model_fingerprint:
         raise PartitionError(f"the plan was made for model {plan.model!r} (fingerprint {plan.model_fingerprint}) but this "
                              f"model's fingerprint is {fingerprint}; re-plan with `autoplan suggest` for this model")
-    if plan.tp > 1:
-        raise PartitionError(f"the plan has tp = {plan.tp}: tensor-parallel execution is not implemented yet; "
-                             "plan with tp = 1 (`autoplan suggest --tp 1`)")
+    if plan.tp == 1:
+        return {}
+    try:
+        return tensor_parallel_plan(model, plan.tp)
+    except TensorParallelError as exc:
+        raise PartitionError(str(exc)) from None
+
+
+def _check_tp_tracing(traced, tp_plan: Mapping[str, str]) -> None:
+    """Sharded linears must run inside modules the graph calls whole (the zoo layers as fx leaf
+    modules): torch's parallel styles work by module hooks, and a graph that inlines the attention
+    would reshape sharded outputs with full-model head counts."""
+    if not tp_plan:
+        return
+    called = [n.target for n in traced.gm.graph.nodes if n.op == "call_module"]
+    for path in tp_plan:
+        parent = path.rpartition(".")[0]
+        if not any(parent == t or parent.startswith(t + ".") for t in called):
+            raise PartitionError(f"tensor parallelism needs '{parent}' called whole by the traced graph (traced with "
+                                 f"{traced.tracer}); trace the {TP_SUPPORTED} with the default fx tracer and leaf modules")
 
 
 def _with_batch(value: Any, batch: int | None, size: int) -> Any:
@@ -117,7 +152,10 @@ class PartitionedModel:
         return out
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their names in the model (a tied copy under its own name)."""
+        """This rank's parameters under their names in the model (a tied copy under its own name).
+
+        With tp > 1 a sharded parameter is a DTensor: `.to_local()` holds this rank's 1/tp slice
+        (rows of a column-parallel weight and its bias, columns of a row-parallel weight)."""
         return iter(self._params)
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -144,6 +182,8 @@ class PartitionedModel:
         (raises on any when `strict`)."""
         missing = []
         local = self.state_dict()
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         for name, tensor in local.items():
             source = state_dict.get(name)
             if source is None and name in self.aliases:
@@ -151,7 +191,13 @@ class PartitionedModel:
             if source is None:
                 missing.append(name)
                 continue
-            tensor.copy_(source.to(tensor.device, tensor.dtype))
+            if isinstance(source, DTensor):
+                source = source.full_tensor()
+            source = source.to(tensor.device, tensor.dtype)
+            if isinstance(tensor, DTensor):  # a tp shard: this rank's slice of the full tensor
+                source = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+                tensor = tensor.to_local()
+            tensor.copy_(source)
         if strict and missing:
             raise KeyError(f"state dict has no entry for {len(missing)} local tensors, e.g. {missing[0]!r}")
         return missing
@@ -242,7 +288,7 @@ def partition(
             loss_fn = loss_fn or zoo.lm_loss
     if example_inputs is None:
         raise PartitionError("partition() needs example_inputs for an nn.Module, e.g. (torch.randint(0, V, (1, 128)),)")
-    check_model(model, plan)
+    tp_plan = check_model(model, plan)
     device = torch.device(device) if device is not None else default_device()
     # Trace at the micro-batch size: torch.export specializes (and asserts) the batch it saw.
     batch = _batch_size(tuple(example_inputs))
@@ -257,6 +303,7 @@ def partition(
             raise PartitionError("a loss_fn needs example_target (a target of the example batch)")
         traced = append_loss(traced, loss_fn)
         graph_inputs.append(example_target)
+    _check_tp_tracing(traced, tp_plan)
     if tuple(traced.block_names) != tuple(plan.block_names):
         raise PartitionError(f"the model traces into {len(traced.block_names)} blocks but the plan names "
                              f"{len(plan.block_names)}; trace with the same leaf_modules and tracer as the plan")
@@ -297,7 +344,18 @@ def partition(
     layout = build_layout(plan, rank, world_size, device.type, holders)
 
     mine = {s.index: all_modules[s.index] for s in plan.stages if s.pp_rank == layout.pp_index}
+    on_meta = any(p.device.type == "meta" for m in mine.values() for p in m.parameters())
+    if tp_plan and on_meta:  # shard on meta, then allocate only the shards (see materialize_stages)
+        for module in mine.values():
+            apply_tensor_parallel(module, tp_plan, layout.tp_mesh)
     materialize_stages(list(mine.values()), device, seed=seed, aliases=aliases)
+    if tp_plan and not on_meta:  # real weights: each rank keeps its slice of the moved tensors
+        for module in mine.values():
+            apply_tensor_parallel(module, tp_plan, layout.tp_mesh)
+    if plan.tp > 1 and plan.sequence_parallel and rank == 0:
+        print("warning: the plan has sequence_parallel but the runtime runs tp without it (activations "
+              "replicated over the tp group): same numerics, more activation memory than planned",
+              file=sys.stderr, flush=True)
     stages = {i: Stage(specs[i], module) for i, module in mine.items()}
     schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
     executor = PipelineExecutor(

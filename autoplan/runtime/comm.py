@@ -7,12 +7,17 @@ backward gradients interleave differently on the two sides (gloo matches by tag;
 posting order, which `Schedule.with_comms` keeps consistent between peers).
 
 Sends are posted and not waited (buffered, as `Schedule.with_comms` assumes); the executor waits
-for all of them at the end of the step. Receives are waited on, with a timeout, before use.
+for all of them at the end of the step. Every wait (receives before use, sends at the end of the
+step) has a timeout, and a peer that dies makes the wait fail at once (gloo: "Connection closed by
+peer"), so no rank blocks forever on a dead or hung peer (docs/reliability.md).
+
+`op_hook`, when set, is called with ("send" | "recv", kind, stage, micro-batch, peer) before each
+transfer is posted; the launcher's fault injection uses it to kill a rank in the middle of a step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -39,7 +44,8 @@ class P2P:
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         self.timeout = timeout
-        self._pending_sends: list[dist.Work] = []
+        self._pending_sends: list[tuple[dist.Work, str]] = []
+        self.op_hook: Callable[[str, str, int, int, int], None] | None = None
 
     def _tag(self, kind: str, stage: int, microbatch: int, index: int) -> int:
         # `stage` is the sending stage for F and the receiving-side producer stage for B, so both
@@ -48,15 +54,21 @@ class P2P:
 
     def send(self, kind: str, stage: int, microbatch: int, tensors: Sequence[torch.Tensor | None], dst: int) -> None:
         """Post sends of `tensors` (None entries are skipped: they are not sent on either side)."""
+        if self.op_hook is not None:
+            self.op_hook("send", kind, stage, microbatch, dst)
         for i, t in enumerate(tensors):
             if t is None:
                 continue
             t = t.detach().contiguous()
-            self._pending_sends.append(dist.isend(t, dst=dst, tag=self._tag(kind, stage, microbatch, i)))
+            work = dist.isend(t, dst=dst, tag=self._tag(kind, stage, microbatch, i))
+            self._pending_sends.append((work, f"send of {kind} values of stage {stage}, micro-batch {microbatch} "
+                                              f"to rank {dst}"))
 
     def recv(self, kind: str, stage: int, microbatch: int, specs: Sequence[CrossingValue | None], src: int
              ) -> list[torch.Tensor | None]:
         """Receive one tensor per non-None spec from `src` and wait for all of them."""
+        if self.op_hook is not None:
+            self.op_hook("recv", kind, stage, microbatch, src)
         out: list[torch.Tensor | None] = []
         works = []
         for i, spec in enumerate(specs):
@@ -74,12 +86,13 @@ class P2P:
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as exc:
-            raise P2PTimeout(f"{what} failed: {str(exc).strip().splitlines()[0]}") from exc
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise P2PTimeout(f"{what} failed: {detail}") from exc
         if ok is False:
             raise P2PTimeout(f"{what} timed out after {self.timeout.total_seconds():.0f} s")
 
     def wait_sends(self) -> None:
         """Wait for every posted send (end of step)."""
         pending, self._pending_sends = self._pending_sends, []
-        for w in pending:
-            self._wait(w, "send")
+        for w, what in pending:
+            self._wait(w, what)

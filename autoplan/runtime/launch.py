@@ -2,22 +2,44 @@
 
 Two ways in (DESIGN.md, "Launch"):
 - torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment): this process is one rank.
-- `--nproc N`: spawn N local processes (gloo on CPU, NCCL with one GPU each) on a free port. If a
-  rank raises, the others are terminated at once (a rank blocked on a dead peer would also fail
-  by itself within the process-group timeout), and the launcher prints the failing rank and its
-  error on one line and returns 1.
+- `--nproc N`: spawn N local processes (gloo on CPU, NCCL with one GPU each) on a free port. The
+  launcher polls its children. When one fails (raises, exits non-zero, or is killed by a signal),
+  the others get a grace period to fail by themselves (every wait on a peer has a timeout, and a
+  dead peer fails the wait at once), then are terminated (SIGTERM, then SIGKILL). The launcher
+  prints one line naming the rank that failed first and why (its error, exit code or signal), and
+  how the others ended, and returns 1.
 
 Mistakes found before any communication (missing plan, fingerprint mismatch, wrong world size,
-TP plans) print one line and return 2.
+TP plans, a checkpoint of another model) print one line and return 2.
+
+Checkpoints and resume (docs/reliability.md): with `checkpoint_dir` and `checkpoint_every=K`,
+every K steps (and after the last step) each rank saves its stages' parameters and AdamW state
+under the model's own names (`checkpoint.save_checkpoint`); with `resume`, training continues from
+the newest complete checkpoint. Synthetic data is a pure function of (seed, step)
+(`synthetic_batch`), so a resumed run sees exactly the batches a straight run would.
+
+Fault injection for tests: `_fault` (or the environment variable AUTOPLAN_FAULT), entries
+separated by ';', each `KIND@RANK:STEP[:N]` with RANK a number or '*' (every rank):
+- `raise@R:S`            rank R raises RuntimeError before step S (0-based)
+- `kill@R:S`             rank R SIGKILLs itself before step S
+- `kill-mid-step@R:S:N`  rank R SIGKILLs itself at its N-th (1-based) P2P transfer of step S
+                         (or after its pipeline work of that step, if it has fewer)
+- `kill-in-checkpoint@R:S`  rank R SIGKILLs itself halfway through writing its file of the
+                         checkpoint of step S (S = steps completed)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
+import signal
 import socket
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,11 +47,19 @@ import torch
 
 from autoplan.plan import Plan, PlanError
 
-__all__ = ["run_plan"]
+__all__ = ["run_plan", "synthetic_batch"]
+
+FAULT_ENV = "AUTOPLAN_FAULT"
+_FAULT_KINDS = ("raise", "kill", "kill-mid-step", "kill-in-checkpoint")
 
 
 def _error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def _free_port() -> int:
@@ -45,11 +75,68 @@ def _check(plan: Plan, spec: str) -> None:
     check_model(zoo.build_model(spec, device="meta"), plan)
 
 
+def synthetic_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, targets) of training step `step`: a pure function of (seed, step) and the shapes.
+
+    Random token ids; the target of a token is a fixed permutation-like map of it, so the loss can
+    fall on fresh data every step. A resumed run therefore sees the same stream as a straight one.
+    """
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
+    targets = (ids * 7 + 3) % vocab
+    return ids, targets
+
+
+# ---- fault injection (tests) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Fault:
+    kind: str
+    rank: int | None  # None: every rank
+    step: int
+    n: int = 1
+
+    def hits(self, kind: str, rank: int, step: int) -> bool:
+        return self.kind == kind and self.step == step and (self.rank is None or self.rank == rank)
+
+
+def _parse_faults(text: str | None) -> tuple[_Fault, ...]:
+    faults = []
+    for entry in (text or "").replace(",", ";").split(";"):
+        entry = entry.strip()
+        if not entry:
+            continue
+        try:
+            kind, _, where = entry.partition("@")
+            parts = where.split(":")
+            if kind not in _FAULT_KINDS or len(parts) not in (2, 3):
+                raise ValueError
+            rank = None if parts[0] == "*" else int(parts[0])
+            faults.append(_Fault(kind, rank, int(parts[1]), int(parts[2]) if len(parts) == 3 else 1))
+        except ValueError:
+            raise ValueError(f"bad fault {entry!r} in {FAULT_ENV}; expected KIND@RANK:STEP[:N] with KIND one of "
+                             f"{', '.join(_FAULT_KINDS)}") from None
+    return tuple(faults)
+
+
+def _sigkill_self() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- one rank --------------------------------------------------------------------------------------
+
+
 def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace_path: str | None,
-           metrics_path: str | None, lr: float, fail_at: tuple[int, int] | None) -> None:
+           metrics_path: str | None, lr: float, fail_at: tuple[int, int] | None = None,
+           checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = False,
+           faults: tuple[_Fault, ...] = ()) -> None:
     import torch.distributed as dist
 
     from autoplan.graph import zoo
+    from autoplan.runtime import checkpoint as ckpt
     from autoplan.runtime.api import default_device, init_distributed, partition
 
     timeout = timedelta(seconds=timeout_s)
@@ -59,19 +146,52 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     pm = partition(spec, plan, device=device, seed=seed, timeout=timeout)
     optimizer = torch.optim.AdamW(pm.parameters(), lr=lr)
     batch, seq_len = plan.job.global_batch, plan.job.seq_len
-    gen = torch.Generator().manual_seed(seed)
     vocab = zoo.model_info(spec)["vocab_size"]
-    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
-    targets = torch.randint(0, vocab, (batch, seq_len), generator=gen)
     loss_src = plan.rank(plan.pp - 1, 0, 0)
+
+    start_step = 0
+    if resume and checkpoint_dir:
+        # Rank 0 picks the checkpoint so every rank resumes from the same one.
+        chosen = [str(ckpt.latest_checkpoint(checkpoint_dir) or "") if rank == 0 else None]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(chosen, src=0)
+        if chosen[0]:
+            loaded = ckpt.load_checkpoint(chosen[0])
+            same_layout = loaded.manifest.get("world_size") == dist.get_world_size()
+            start_step = ckpt.restore(loaded, pm, optimizer, strict=True, rank=rank if same_layout else None)
+            if rank == 0:
+                print(f"resumed from {chosen[0]} (step {start_step})", flush=True)
+        elif rank == 0:
+            print(f"no complete checkpoint in {checkpoint_dir}; starting from step 0", flush=True)
+
+    step_box = [start_step]
+    mid_step = [f for f in faults if f.kind == "kill-mid-step" and (f.rank is None or f.rank == rank)]
+    if mid_step:
+        ops = [0]
+
+        def hook(*_args) -> None:
+            for f in mid_step:
+                if f.step == step_box[0]:
+                    ops[0] += 1
+                    if ops[0] >= f.n:
+                        _sigkill_self()
+
+        pm.executor.comm.op_hook = hook
+
     clock_offset = time.time() - time.perf_counter()  # perf_counter -> epoch seconds, comparable across ranks
     events = []
     metrics = []
-    for step in range(steps):
-        if fail_at is not None and fail_at == (rank, step):
+    for step in range(start_step, steps):
+        step_box[0] = step
+        if (fail_at is not None and fail_at == (rank, step)) or any(f.hits("raise", rank, step) for f in faults):
             raise RuntimeError(f"injected failure at step {step}")
+        if any(f.hits("kill", rank, step) for f in faults):
+            _sigkill_self()
+        ids, targets = synthetic_batch(seed, step, batch, seq_len, vocab)
         start = time.perf_counter()
         loss = pm.step(ids, target=targets)
+        if any(f.hits("kill-mid-step", rank, step) for f in faults):
+            _sigkill_self()  # fewer P2P transfers than asked for: die before the collectives
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -86,6 +206,17 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
                   f"predicted {plan.predicted.step_time_s:.3f} s", flush=True)
             metrics.append({"step": step, "loss": loss_value, "step_time_s": step_time_s,
                             "predicted_step_time_s": plan.predicted.step_time_s})
+            if metrics_path:  # rewritten every step: a run that dies later keeps what it measured
+                Path(metrics_path).write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        done = step + 1
+        if checkpoint_dir and checkpoint_every and (done % checkpoint_every == 0 or done == steps):
+            path = ckpt.save_checkpoint(
+                checkpoint_dir, done, pm, optimizer, timeout=timeout,
+                extra={"seed": seed, "model": spec, "model_fingerprint": plan.model_fingerprint, "pp": plan.pp,
+                       "dp": plan.dp, "tp": plan.tp},
+                _kill_midway=any(f.hits("kill-in-checkpoint", rank, done) for f in faults))
+            if rank == 0:
+                print(f"checkpoint {path}", flush=True)
     if trace_path:
         gathered = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(events, gathered, dst=0)
@@ -107,32 +238,157 @@ def _write_trace(path: str, per_rank: list) -> None:
     Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
 
-def _spawned(rank: int, world_size: int, port: int, payload: dict) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    plan = Plan.from_dict(payload.pop("plan"))
-    _train(plan, **payload)
+def _spawned(rank: int, world_size: int, port: int, payload: dict, error_dir: str) -> None:
+    """Entry of a spawned rank: on any failure, record it, print one line, and exit 1 at once
+    (os._exit: no interpreter teardown that could wait on a dead peer)."""
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+        payload = dict(payload)
+        plan = Plan.from_dict(payload.pop("plan"))
+        _train(plan, **payload)
+    except BaseException as exc:  # noqa: BLE001 - a rank reports everything, KeyboardInterrupt included
+        line = _one_line(exc)
+        try:
+            record = json.dumps({"time": time.time(), "error": line})
+            tmp = Path(error_dir) / f"rank-{rank}.json.tmp"
+            tmp.write_text(record)
+            os.replace(tmp, Path(error_dir) / f"rank-{rank}.json")
+        except OSError:
+            pass
+        print(f"error: rank {rank} failed: {line}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+# ---- the launcher ----------------------------------------------------------------------------------
+
+
+def _how(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _supervise(procs: list, error_dir: str, grace_s: float, poll_s: float = 0.05) -> int:
+    """Wait for the ranks; on the first failure give the rest `grace_s` to end, then stop them.
+
+    Prints one line naming the first failing rank and its reason; returns 0 or 1.
+    """
+    from multiprocessing.connection import wait
+
+    first_seen: dict[int, float] = {}  # rank -> when the launcher saw it end non-zero
+    stopped: dict[int, str] = {}  # rank -> how the launcher stopped it
+    failure_at = term_at = None
+    while True:
+        alive = [p for p in procs if p.exitcode is None]
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if p.exitcode not in (None, 0) and r not in first_seen:
+                first_seen[r] = now
+        if not alive:
+            break
+        if first_seen and failure_at is None:
+            failure_at = now
+        if failure_at is not None and term_at is None and now - failure_at >= grace_s:
+            term_at = now
+            for r, p in enumerate(procs):
+                if p.exitcode is None:
+                    stopped[r] = f"stopped by the launcher {grace_s:.0f} s after the failure"
+                    p.terminate()
+        if term_at is not None and now - term_at >= 3.0:
+            for p in alive:
+                p.kill()
+        wait([p.sentinel for p in alive], timeout=poll_s)
+    for p in procs:
+        p.join()
+    if not first_seen:
+        return 0
+
+    errors: dict[int, dict] = {}
+    for r in first_seen:
+        with contextlib.suppress(OSError, ValueError):
+            errors[r] = json.loads((Path(error_dir) / f"rank-{r}.json").read_text())
+    failed = [r for r in first_seen if r not in stopped]
+    if not failed:
+        failed = list(first_seen)
+    # The rank that failed first: one killed by a signal (its peers fail *because* it died), else
+    # the earliest recorded error, else the first the launcher saw.
+    signalled = [r for r in failed if procs[r].exitcode < 0]
+    if signalled:
+        primary = min(signalled, key=lambda r: (first_seen[r], r))
+    elif any(r in errors for r in failed):
+        primary = min((r for r in failed if r in errors), key=lambda r: (errors[r]["time"], r))
+    else:
+        primary = min(failed, key=lambda r: (first_seen[r], r))
+
+    def reason(r: int) -> str:
+        code = procs[r].exitcode
+        if r in stopped:
+            return stopped[r]
+        if r in errors and code == 1:
+            return errors[r]["error"]
+        return _how(code)
+
+    code = procs[primary].exitcode
+    if primary in errors and code == 1:
+        head = f"rank {primary} failed: {errors[primary]['error']}"
+    elif code < 0:
+        head = f"rank {primary} was {_how(code)}"
+    else:
+        head = f"rank {primary} exited with code {code}"
+    others = [f"rank {r}: {reason(r)}" for r in range(len(procs)) if r != primary and r in first_seen]
+    ok = [r for r in range(len(procs)) if r not in first_seen]
+    tail = "; ".join(others + ([f"ranks {', '.join(map(str, ok))} exited cleanly"] if ok else []))
+    _error(f"{head}" + (f" (then {tail})" if tail else ""))
+    return 1
 
 
 def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps: int = 10, nproc: int | None = None,
              trace_path: str | None = None, metrics_path: str | None = None, seed: int = 0, timeout_s: float = 60.0,
-             lr: float = 1e-3, _fail_at: tuple[int, int] | None = None) -> int:
+             lr: float = 1e-3, checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
+             resume: bool = False, _fail_at: tuple[int, int] | None = None, _fault: str | None = None,
+             _grace_s: float = 10.0, _start_method: str = "spawn") -> int:
     """Train `plan` for `steps` steps with AdamW on synthetic data; returns the exit code.
 
     `model` overrides the plan's model spec. Without RANK/WORLD_SIZE in the environment, spawns
     `nproc` (default: the plan's GPU count) local processes. `timeout_s` bounds every wait on a
-    peer. `_fail_at=(rank, step)` makes that rank raise before that step (tests of the failure path).
+    peer. `checkpoint_dir` + `checkpoint_every=K` save a checkpoint every K steps and after the
+    last; `resume` continues from the newest complete checkpoint in `checkpoint_dir` (`steps` is
+    the total, so a run resumed at step 3 with steps=6 trains steps 3, 4, 5). `_fail_at=(rank,
+    step)` makes that rank raise before that step; `_fault` (default: $AUTOPLAN_FAULT) injects
+    other faults (module docstring). `_grace_s`: how long the launcher lets the other ranks fail by
+    themselves before it terminates them. `_start_method`: "spawn" (default) or "forkserver".
     """
     try:
         plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         spec = model or plan.model
         _check(plan, spec)
+        faults = _parse_faults(os.environ.get(FAULT_ENV) if _fault is None else _fault)
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every {checkpoint_every} must be at least 1")
+        if (checkpoint_every is not None or resume) and not checkpoint_dir:
+            raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR")
+        if checkpoint_dir is not None:
+            checkpoint_dir = str(checkpoint_dir)
+            if Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
+                raise ValueError(f"--checkpoint-dir {checkpoint_dir!r} exists and is not a directory")
+            if resume:
+                _check_resumable(plan, checkpoint_dir)
     except (PlanError, ValueError) as exc:
-        _error(str(exc).splitlines()[0])
+        _error(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
         return 2
     payload = dict(spec=spec, steps=steps, seed=seed, timeout_s=timeout_s, trace_path=trace_path,
-                   metrics_path=metrics_path, lr=lr, fail_at=_fail_at)
+                   metrics_path=metrics_path, lr=lr, fail_at=_fail_at, checkpoint_dir=checkpoint_dir,
+                   checkpoint_every=checkpoint_every, resume=resume, faults=faults)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
         world_size = int(os.environ["WORLD_SIZE"])
         if world_size != plan.num_gpus:
@@ -141,26 +397,41 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
         try:
             _train(plan, **payload)
         except Exception as exc:
-            _error(f"rank {os.environ['RANK']} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+            _error(f"rank {os.environ['RANK']} failed: {_one_line(exc)}")
             return 1
         return 0
     nproc = plan.num_gpus if nproc is None else nproc
     if nproc != plan.num_gpus:
         _error(f"--nproc {nproc} but the plan needs {plan.num_gpus} processes (tp {plan.tp} * pp {plan.pp} * dp {plan.dp})")
         return 2
-    import torch.multiprocessing as mp
-
+    ctx = multiprocessing.get_context(_start_method)
+    if _start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "autoplan.runtime"])
     payload["plan"] = plan.to_dict()
-    context = mp.start_processes(_spawned, args=(nproc, _free_port(), payload), nprocs=nproc, join=False,
-                                 start_method="spawn")
-    try:
-        while not context.join(timeout=0.5):
-            pass
-    except mp.ProcessRaisedException as exc:  # the others were terminated by join
-        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-        _error(f"rank {exc.error_index} failed: {lines[-1].strip() if lines else 'unknown error'}")
-        return 1
-    except mp.ProcessExitedException as exc:
-        _error(f"rank {exc.error_index} exited with code {exc.exit_code}")
-        return 1
-    return 0
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="autoplan-run-") as error_dir:
+        procs = [ctx.Process(target=_spawned, args=(r, nproc, port, payload, error_dir), daemon=True,
+                             name=f"autoplan-rank-{r}") for r in range(nproc)]
+        try:
+            for p in procs:
+                p.start()
+            return _supervise(procs, error_dir, grace_s=_grace_s)
+        finally:  # KeyboardInterrupt or a launcher bug: never leave ranks behind
+            for p in procs:
+                if p.pid is not None and p.exitcode is None:
+                    p.kill()
+                    p.join(5)
+
+
+def _check_resumable(plan: Plan, checkpoint_dir: str) -> None:
+    """Refuse (before spawning) to resume from a checkpoint of another model."""
+    from autoplan.runtime.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(checkpoint_dir)
+    if latest is None:
+        return
+    manifest = json.loads((latest / "manifest.json").read_text())
+    fingerprint = (manifest.get("extra") or {}).get("model_fingerprint")
+    if fingerprint is not None and fingerprint != plan.model_fingerprint:
+        raise ValueError(f"checkpoint {str(latest)!r} is of model fingerprint {fingerprint}, the plan's model is "
+                         f"{plan.model_fingerprint}; use another --checkpoint-dir or drop --resume")

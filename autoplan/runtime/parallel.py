@@ -13,7 +13,25 @@ a step:
   all-reduce of full gradients with a replicated optimizer, not reduce-scatter + all-gather with
   sharded optimizer state, so their memory saving is not realized (the numerics are identical).
 
-Tensor parallelism is not executed yet; `partition` refuses tp > 1 plans.
+Tensor parallelism (tp > 1) is torch's own `torch.distributed.tensor.parallel`, Megatron-style
+(Shoeybi et al. 2019, Sec 3) on the built-in models' layers, over the mesh's "tp" axis:
+
+- gpt: `attention.qkv` and `mlp.fc1` column-parallel, `attention.proj` and `mlp.fc2` row-parallel;
+- llama: `attention.wq/wk/wv` and `mlp.w1/w3` column-parallel, `attention.wo` and `mlp.w2`
+  row-parallel (num_kv_heads must be divisible by tp, so a shard holds whole KV heads).
+
+The zoo's attention infers head counts from the weight shapes and lays the fused qkv out per head
+([Note: tensor-parallel friendly shapes] in zoo.py), so a shard computes with num_heads / tp local
+heads unchanged. Row-parallel outputs are all-reduced and returned as plain (replicated) tensors
+(`use_local_output=True`), so everything between the sharded linears (norms, residuals, the
+activations sent between pipeline stages) is a plain tensor, identical on the tp ranks of a stage.
+Embeddings, norms and the LM head stay replicated: their gradients come out whole and equal on
+every tp rank (the column-parallel inputs all-reduce their gradients in backward), so they need no
+tp reduction. Sharded parameters are `DTensor`s (`Shard(0)` for column-parallel weights and
+biases, `Shard(1)` for row-parallel weights); their gradients are DTensors with the same
+placement, and the dp all-reduce works on their local shards. Sequence parallelism is not
+executed: a plan with sequence_parallel runs without it (one warning line), same numerics, more
+activation memory than planned. Other models (including Hugging Face ones) are refused with tp > 1.
 """
 
 from __future__ import annotations
@@ -26,7 +44,83 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["ParallelLayout", "all_reduce_grads", "build_layout"]
+__all__ = ["ParallelLayout", "TensorParallelError", "all_reduce_grads", "apply_tensor_parallel", "build_layout",
+           "local_tensor", "tensor_parallel_plan"]
+
+
+class TensorParallelError(ValueError):
+    """The model cannot be run tensor-parallel at this degree (one-line message)."""
+
+
+# Layer class name (autoplan.graph.zoo) -> {sub-path: "colwise" | "rowwise"}.
+_ZOO_TP_LAYOUT: dict[str, dict[str, str]] = {
+    "GPTAttention": {"qkv": "colwise", "proj": "rowwise"},
+    "GPTMLP": {"fc1": "colwise", "fc2": "rowwise"},
+    "LlamaAttention": {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"},
+    "LlamaMLP": {"w1": "colwise", "w3": "colwise", "w2": "rowwise"},
+}
+TP_SUPPORTED = "built-in gpt and llama models (autoplan.graph.zoo)"
+
+
+def tensor_parallel_plan(model: nn.Module, tp: int) -> dict[str, str]:
+    """Module path of every linear to shard -> "colwise" / "rowwise"; raises TensorParallelError
+    when the model has no layers torch's Megatron-style plan applies to, or tp does not divide
+    the heads (KV heads included) or the MLP width. Works on a model on meta."""
+    from autoplan.graph import zoo
+
+    classes = {name: getattr(zoo, name) for name in _ZOO_TP_LAYOUT}
+    out: dict[str, str] = {}
+    for path, module in model.named_modules():
+        kind = next((name for name, cls in classes.items() if type(module) is cls), None)
+        if kind is None:
+            continue
+        prefix = f"{path}." if path else ""
+        for sub, style in _ZOO_TP_LAYOUT[kind].items():
+            out[prefix + sub] = style
+        if kind == "GPTAttention":
+            heads = module.qkv.out_features // (3 * module.head_dim)
+            counts = {"num_heads": heads}
+        elif kind == "LlamaAttention":
+            counts = {"num_heads": module.wq.out_features // module.head_dim,
+                      "num_kv_heads": module.wk.out_features // module.head_dim}
+        else:
+            first = module.fc1 if kind == "GPTMLP" else module.w1
+            counts = {"ffn_hidden_size": first.out_features}
+        for what, count in counts.items():
+            if count % tp:
+                raise TensorParallelError(f"tp = {tp} does not divide {what} = {count} of '{path}'; plan with a tp "
+                                          f"that divides it")
+    if not out:
+        raise TensorParallelError(f"tensor-parallel execution (tp > 1) supports the {TP_SUPPORTED}; "
+                                  f"{type(model).__name__} has none of their layers; plan with tp = 1")
+    return out
+
+
+def apply_tensor_parallel(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh) -> list[str]:
+    """Shard the linears of `tp_plan` found in `module` (a stage; paths as in the model) over
+    `tp_mesh` with torch's ColwiseParallel / RowwiseParallel; returns the paths sharded.
+
+    Works on meta (nothing is communicated: every rank keeps its own slice of what it holds)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    done = []
+    for path, style in tp_plan.items():
+        try:
+            target = module.get_submodule(path)
+        except AttributeError:
+            continue
+        parallel = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+        parallel.src_data_rank = None  # every rank builds the same weights: take the local slice, no scatter
+        parallelize_module(target, tp_mesh, parallel)
+        done.append(path)
+    return done
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: writes go to it), or `t` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass
@@ -48,6 +142,8 @@ class ParallelLayout:
     dp_group: dist.ProcessGroup | None
     tie_groups: dict[str, dist.ProcessGroup]
     """Canonical name of a tied parameter split over pipeline ranks -> the group of its holders."""
+    tp_mesh: object | None = None
+    """The 1-D "tp" sub-mesh this rank shards over (ranks plan.rank(pp, dp, 0..tp-1)), or None."""
 
 
 def build_layout(plan, rank: int, world_size: int, device_type: str,
@@ -58,7 +154,7 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
     """
     pp_index, dp_index, tp_index = plan.coords(rank)
     stage_rank = {s.index: plan.rank(s.pp_rank, dp_index, tp_index) for s in plan.stages}
-    mesh = dp_group = None
+    mesh = dp_group = tp_mesh = None
     if world_size > 1:
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -66,6 +162,7 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
                                for p in range(plan.pp)])
         mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "dp", "tp"))
         dp_group = mesh.get_group("dp") if plan.dp > 1 else None
+        tp_mesh = mesh["tp"] if plan.tp > 1 else None
     tie_groups: dict[str, dist.ProcessGroup] = {}
     for name in sorted(tied_holders):
         holders = sorted(set(tied_holders[name]))
@@ -78,12 +175,15 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
                 if rank in ranks:
                     tie_groups[name] = group
     return ParallelLayout(rank, world_size, pp_index, dp_index, tp_index, plan.pp, plan.dp, plan.tp,
-                          stage_rank, mesh, dp_group, tie_groups)
+                          stage_rank, mesh, dp_group, tie_groups, tp_mesh)
 
 
 def all_reduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, *,
                      average: bool) -> None:
-    """Sum (or average) the `.grad` of `params` over `group`, one flat buffer per dtype."""
+    """Sum (or average) the `.grad` of `params` over `group`, one flat buffer per dtype.
+
+    A DTensor gradient (a tensor-parallel shard) is reduced as its local shard: the group is a dp
+    or tie group of ranks with the same tp index, so the shards line up."""
     if group is None:
         return
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -93,10 +193,10 @@ def all_reduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup | 
         by_dtype.setdefault(p.grad.dtype, []).append(p)
     size = dist.get_world_size(group)
     for plist in by_dtype.values():
-        grads = [p.grad for p in plist]
+        grads = [local_tensor(p.grad) for p in plist]
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=group)
         if average:
             flat /= size
-        for p, g in zip(plist, _unflatten_dense_tensors(flat, grads)):
-            p.grad.copy_(g)
+        for local, g in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            local.copy_(g)

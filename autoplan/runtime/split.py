@@ -17,6 +17,7 @@ run.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -152,6 +153,9 @@ def materialize_stages(modules: Sequence[nn.Module], device: torch.device, *, se
     Parameters on meta are allocated with `to_empty` and initialized by name with
     `zoo.init_weights` (the values the full model would get; tied copies on other stages use
     `aliases`); real parameters are moved. Parameters shared between the modules stay shared.
+    Tensor-parallel shards (DTensors made on meta by `parallel.apply_tensor_parallel`) get their
+    slice of the full model's values: the full value is drawn by name as usual and copied into the
+    shard as an implicitly replicated tensor (only the local slice is written).
     """
     from autoplan.graph import zoo
 
@@ -171,5 +175,10 @@ def materialize_stages(modules: Sequence[nn.Module], device: torch.device, *, se
         for mod, name in group[1:]:
             mod._parameters[name] = shared
     if on_meta:
-        for module in modules:
-            zoo.init_weights(module, seed=seed, aliases=aliases)
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        sharded = any(isinstance(p, DTensor) for p in holder.parameters())
+        with implicit_replication() if sharded else contextlib.nullcontext():
+            for module in modules:
+                zoo.init_weights(module, seed=seed, aliases=aliases)

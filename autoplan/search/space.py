@@ -203,6 +203,7 @@ def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spe
     min_capacity = min(g.mem_bytes - allowance_bytes(g) for g in cluster.gpu_types)
     static_cache: dict[tuple[int, int], float] = {}
     time_cache: dict[tuple, float] = {}
+    fwd_share_cache: dict[tuple, float] = {}
     for cfg in _base_configs(profile, cluster, job, pins):
         considered += 1
         frugal = _ladder(cfg, pins)[-1]
@@ -215,7 +216,7 @@ def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spe
         if tkey not in time_cache:
             slowest = min(cluster.gpu_types, key=lambda g: g.peak(job.dtype))
             time_cache[tkey] = float(block_times(profile, slowest, cluster, cfg, job.dtype).total_s.sum())
-        bound = cfg.num_microbatches * time_cache[tkey] / cfg.pp
+        bound = pre_cut_bound(cfg, time_cache[tkey], fwd_share_cache.setdefault(tkey, _fwd_share(ctx, cfg)))
         # Order by an estimate with the schedule's bubble (equal stages: (p-1)/v of the ideal time
         # for 1F1B/interleaved, about a third of that for zero-bubble H1, Qi et al. 2024 Table 2)
         # so good plans come first and the valid bound prunes early.
@@ -265,6 +266,33 @@ def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spe
     if not plans:
         _raise_no_plan(profile, cluster, job, pins)
     return SearchResult(plans, evaluated, considered, time.perf_counter() - started)
+
+
+def pre_cut_bound(cfg: ParallelConfig, total_s: float, fwd_share: float) -> float:
+    """A lower bound on the step time valid for every cutting, from T = the sum of all block times
+    per micro-batch.
+
+    Pipeline rank r is busy m * t_r after the forwards of the earlier ranks' stages and (GPipe,
+    1F1B) before their backwards, so step >= S_r + m t_r with S_r the time of the stages before it
+    (see `evaluate._step_lower_bound`). Minimizing max_r over every split of T makes all terms
+    equal: L - S_{r+1} = (L - S_r)(1 - 1/m), hence L = T / (1 - (1 - 1/m)^p) >= m T / p. Zero-bubble
+    only waits for earlier forwards, a share phi >= fwd_share of each stage: L = phi T / (1 - (1 -
+    phi/m)^p). Interleaving waits only for chunk-0 stages, so it gets the plain m T / p.
+    """
+    m, p = cfg.num_microbatches, cfg.pp
+    plain = m * total_s / p
+    if p == 1 or cfg.schedule == "interleaved-1f1b":
+        return plain
+    phi = fwd_share if cfg.schedule == "zb-h1" else 1.0
+    return max(plain, phi * total_s / (1 - (1 - phi / m) ** p))
+
+
+def _fwd_share(ctx: SearchContext, cfg: ParallelConfig) -> float:
+    """The smallest forward / (forward + backward) ratio of any block (for `pre_cut_bound`)."""
+    times = ctx.block_times(min(ctx.cluster.gpu_types, key=lambda g: g.peak(ctx.job.dtype)), cfg)
+    fwd = times.fwd_s + times.tp_fwd_s
+    total = times.total_s
+    return float(np.min(np.where(total > 0, fwd / np.where(total > 0, total, 1), 1.0)))
 
 
 def _same_but_layout(a: Plan, b: Plan) -> bool:
