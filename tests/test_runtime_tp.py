@@ -64,6 +64,7 @@ def _tp_cases(rank, world_size, cases):
         loss = pm.step(ids, target=tgt)
         params = list(pm.named_parameters())
         grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in params}
+        torch.optim.AdamW(pm.parameters(), lr=1e-3).step()  # mixed DTensor / plain parameters
         # load_state_dict writes each rank's slice: load a differently seeded model and gather back.
         other = zoo.build_model(spec, device="cpu", seed=7)
         pm.load_state_dict(other.state_dict(), strict=True)

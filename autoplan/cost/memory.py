@@ -20,6 +20,7 @@ fragmentation is generous, and receive buffers and the backward's transient grad
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -96,7 +97,7 @@ def _working_bytes(profile: ModelProfile, cfg: ParallelConfig, blocks: Sequence[
     largest_output = max((profile.blocks[i].output_bytes for i in blocks), default=0) * f
     recompute = 0.0
     if cfg.recompute == "full":
-        full = ParallelConfig(**{**{k: getattr(cfg, k) for k in cfg.__slots__}, "recompute": "none"})
+        full = dataclasses.replace(cfg, recompute="none")
         acts = block_act_bytes(profile, full)
         recompute = max((acts[i] for i in blocks if profile.blocks[i].kind in _RECOMPUTED_KINDS), default=0.0)
     return 2 * largest_output + recompute

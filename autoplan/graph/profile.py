@@ -30,7 +30,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -440,12 +440,6 @@ def _time_block(traced: TracedModel, index: int, inputs: list[Any], device: str,
         return [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                 for x in real_inputs]
 
-    def forward() -> Any:
-        with torch.no_grad():
-            return sub(*leaves())
-
-    fwd_s = _time_fn(forward, device, warmup, repeats)
-
     def forward_backward() -> None:
         outs = [o for o in (_tensors_in(sub(*leaves())) or []) if o.requires_grad]
         if outs:
@@ -453,13 +447,13 @@ def _time_block(traced: TracedModel, index: int, inputs: list[Any], device: str,
         for p in sub.parameters():
             p.grad = None
 
-    # Backward = (forward + backward) - forward-with-autograd, measured in the same repeats.
+    # Forward as training runs it (recording autograd); backward = (forward + backward) - forward.
     def forward_autograd() -> Any:
         return sub(*leaves())
 
-    fwd_autograd_s = _time_fn(forward_autograd, device, warmup, repeats)
+    fwd_s = _time_fn(forward_autograd, device, warmup, repeats)
     total_s = _time_fn(forward_backward, device, warmup, repeats)
-    return fwd_s, max(total_s - fwd_autograd_s, 0.0)
+    return fwd_s, max(total_s - fwd_s, 0.0)
 
 
 def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
@@ -678,9 +672,3 @@ def profile_model(
         device=device, info=merged, warmup=warmup, repeats=repeats, cache_dir=cache_dir, progress=progress,
     )
     return profile, traced
-
-
-def with_times(profile: ModelProfile, times: dict[str, tuple[float, float]]) -> ModelProfile:
-    """A copy of `profile` with measured (forward, backward) seconds per block fingerprint."""
-    return profile.with_blocks([replace(b, fwd_time_s=times[b.fingerprint][0], bwd_time_s=times[b.fingerprint][1])
-                                if b.fingerprint in times else b for b in profile.blocks])

@@ -24,6 +24,10 @@ def fmt_count(n: float) -> str:
     return f"{int(n)}"
 
 
+def _fmt_step(seconds: float) -> str:
+    return f"{seconds:.3f} s" if seconds >= 1 else f"{seconds * 1e3:.1f} ms"
+
+
 def _fmt_time(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -76,7 +80,7 @@ def plans_table(plans, title: str = "") -> Table:
         recompute = plan.recompute + (" +" + ",".join(extras) if extras else "")
         memory = fmt_bytes(p.peak_memory_bytes) + ("" if plan.fits else " [red](does not fit)[/red]")
         table.add_row(str(i), f"{plan.tp}/{plan.pp}/{plan.dp}", f"{plan.micro_batch_size} x {plan.num_microbatches}",
-                      _schedule_label(plan), recompute, f"{p.step_time_s:.3f} s", f"{p.tokens_per_s:,.0f}",
+                      _schedule_label(plan), recompute, _fmt_step(p.step_time_s), f"{p.tokens_per_s:,.0f}",
                       f"{p.model_tflops_per_gpu:.1f}", f"{p.mfu:.1%}", memory, f"{p.bubble_fraction:.1%}")
     return table
 

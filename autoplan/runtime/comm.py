@@ -17,6 +17,7 @@ transfer is posted; the launcher's fault injection uses it to kill a rank in the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -29,6 +30,16 @@ __all__ = ["P2P", "P2PTimeout"]
 
 _KIND_CODE = {"F": 0, "B": 1}
 _MAX_VALUES = 64
+
+
+def _short(exc: BaseException) -> str:
+    """The useful part of a backend error: gloo's "[.../pair.cc:553] Connection closed by peer
+    [127.0.0.1]:1234. This is typically caused by ..." becomes "Connection closed by peer [127.0.0.1]:1234"."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text.splitlines()[0])
+    return text.split(". This is typically")[0].rstrip(".")
 
 
 class P2PTimeout(RuntimeError):
@@ -86,7 +97,7 @@ class P2P:
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as exc:
-            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            detail = _short(exc)
             raise P2PTimeout(f"{what} failed: {detail}") from exc
         if ok is False:
             raise P2PTimeout(f"{what} timed out after {self.timeout.total_seconds():.0f} s")

@@ -22,6 +22,7 @@ Fault injection for tests: `_fault` (or the environment variable AUTOPLAN_FAULT)
 separated by ';', each `KIND@RANK:STEP[:N]` with RANK a number or '*' (every rank):
 - `raise@R:S`            rank R raises RuntimeError before step S (0-based)
 - `kill@R:S`             rank R SIGKILLs itself before step S
+- `hang@R:S`             rank R sleeps forever before step S (its peers' timeouts must fire)
 - `kill-mid-step@R:S:N`  rank R SIGKILLs itself at its N-th (1-based) P2P transfer of step S
                          (or after its pipeline work of that step, if it has fewer)
 - `kill-in-checkpoint@R:S`  rank R SIGKILLs itself halfway through writing its file of the
@@ -50,7 +51,9 @@ from autoplan.plan import Plan, PlanError
 __all__ = ["run_plan", "synthetic_batch"]
 
 FAULT_ENV = "AUTOPLAN_FAULT"
-_FAULT_KINDS = ("raise", "kill", "kill-mid-step", "kill-in-checkpoint")
+_FAULT_KINDS = ("raise", "kill", "hang", "kill-mid-step", "kill-in-checkpoint")
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "autoplan.runtime", "autoplan.runtime.checkpoint")
+"""Imported once by a forkserver (tests launching many short runs), not by every rank."""
 
 
 def _error(message: str) -> None:
@@ -187,6 +190,9 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
             raise RuntimeError(f"injected failure at step {step}")
         if any(f.hits("kill", rank, step) for f in faults):
             _sigkill_self()
+        if any(f.hits("hang", rank, step) for f in faults):
+            while True:
+                time.sleep(3600)
         ids, targets = synthetic_batch(seed, step, batch, seq_len, vocab)
         start = time.perf_counter()
         loss = pm.step(ids, target=targets)
@@ -335,7 +341,8 @@ def _supervise(procs: list, error_dir: str, grace_s: float, poll_s: float = 0.05
         if r in stopped:
             return stopped[r]
         if r in errors and code == 1:
-            return errors[r]["error"]
+            text = errors[r]["error"]
+            return f"exit code 1, {text[:160] + '...' if len(text) > 160 else text}"
         return _how(code)
 
     code = procs[primary].exitcode
@@ -405,8 +412,8 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
         _error(f"--nproc {nproc} but the plan needs {plan.num_gpus} processes (tp {plan.tp} * pp {plan.pp} * dp {plan.dp})")
         return 2
     ctx = multiprocessing.get_context(_start_method)
-    if _start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "autoplan.runtime"])
+    if _start_method == "forkserver":  # a no-op once the server runs; it then keeps its own list
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     payload["plan"] = plan.to_dict()
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="autoplan-run-") as error_dir:

@@ -7,6 +7,7 @@ result written down as a `Plan`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import numpy as np
 from autoplan.cluster import Cluster
 from autoplan.cost.config import ParallelConfig
 from autoplan.cost.memory import (
+    BYTES_PER_PARAM,
     allowance_bytes,
     block_act_bytes,
     block_static_bytes,
@@ -235,7 +237,7 @@ def _step_lower_bound(cfg: ParallelConfig, cuts: Cuts, stage_times: list[BlockTi
 
 
 def _no_recompute(cfg: ParallelConfig) -> ParallelConfig:
-    return ParallelConfig(**{**{k: getattr(cfg, k) for k in cfg.__slots__}, "recompute": "none"})
+    return dataclasses.replace(cfg, recompute="none")
 
 
 def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: list[BlockTimes], pp_gpus: list,
@@ -270,7 +272,7 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         return comm_cache[key]
 
     params = param_counts(profile, cfg)
-    _, grad_b, _ = _bytes(job.dtype)
+    _, grad_b, _ = BYTES_PER_PARAM(job.dtype)
     tails = []
     dp_exposed = []
     optim_s = []
@@ -351,12 +353,6 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
     )
 
 
-def _bytes(dtype: str) -> tuple[float, float, float]:
-    from autoplan.cost.memory import BYTES_PER_PARAM
-
-    return BYTES_PER_PARAM(dtype)
-
-
 def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dict[str, float], step: float,
            mem_ratio: float, fits: bool, cfg: ParallelConfig) -> str:
     """One line on what limits the plan most."""
@@ -382,7 +378,5 @@ def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dic
 def min_gpus_needed(profile: ModelProfile, dtype: str, gpu_mem_bytes: float, allowance: float) -> int:
     """A lower bound on GPUs: weights, gradients and optimizer states (16 bytes per parameter in
     mixed precision; ZeRO, Sec. 3.1) spread over every GPU, activations ignored."""
-    from autoplan.cost.memory import BYTES_PER_PARAM
-
     per_param = sum(BYTES_PER_PARAM(dtype))
     return max(1, math.ceil(profile.num_params * per_param / max(gpu_mem_bytes - allowance, 1.0)))

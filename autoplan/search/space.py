@@ -24,6 +24,7 @@ micro-batches (DeepSpeed refuses ZeRO-2 with pipeline parallelism for the same r
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
@@ -182,8 +183,7 @@ def _ladder(cfg: ParallelConfig, pins: dict) -> list[ParallelConfig]:
     recomputes = [pins["recompute"]] if pins.get("recompute") else list(RECOMPUTE)
     zero = pins["zero"] if pins.get("zero") is not None else (1 if cfg.dp > 1 else 0)
     sp = pins["sequence_parallel"] if pins.get("sequence_parallel") is not None else cfg.tp > 1
-    fields = {k: getattr(cfg, k) for k in cfg.__slots__}
-    return [ParallelConfig(**{**fields, "recompute": r, "zero": zero, "sequence_parallel": sp}) for r in recomputes]
+    return [dataclasses.replace(cfg, recompute=r, zero=zero, sequence_parallel=sp) for r in recomputes]
 
 
 def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spec: str, top: int = 5,
@@ -312,8 +312,3 @@ def _raise_no_plan(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict
                         f"at least {need} GPUs of that type for its weights, gradients and optimizer states alone "
                         f"({profile.num_params / 1e9:.1f}B parameters x 16 bytes); reduce the batch or sequence "
                         "length, or use more GPUs")
-
-
-def stage_balance(plan: Plan) -> np.ndarray:
-    """Predicted per-micro-batch time of each stage (for tables and tests)."""
-    return np.array([s.fwd_time_s + s.bwd_time_s for s in plan.stages])

@@ -1,0 +1,301 @@
+"""Property-based fuzzing (hypothesis): the CLI never crashes, the planner never returns a bad plan.
+
+CLI property, for every generated argv of `autoplan.cli.main`: the exit code is 0, 1 or 2, stderr
+holds no traceback, and an exit 2 comes with exactly one line starting `autoplan: error:`. Two
+documented exceptions: argparse's own usage errors (a usage line, then `autoplan CMD: error: ...`),
+and `autoplan run`, whose launcher (`run_plan`) prints `error: ...` (see docs/reliability.md).
+
+Planner property: on random small ModelProfiles and clusters, `search_plans` either raises
+PlanningError (a ValueError) or returns plans that all pass `autoplan.plan.validate`.
+
+Inputs stay cheap (tiny zoo models, small clusters) so the whole file runs in well under a minute.
+Known crashes in code this file does not own are pinned as strict xfails at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from autoplan.cli import main
+
+TINY = "gpt:num_layers=2,hidden_size=16,num_heads=2,vocab_size=32,max_seq_len=8"
+TINY_ARGS = ["--global-batch", "4", "--seq-len", "8"]
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+                database=None, derandomize=True)
+_USAGE_ERROR = re.compile(r"^autoplan( [a-z]+)?: error: ")
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse
+            code = exc.code if isinstance(exc.code, int) else 2
+    return code, out.getvalue(), err.getvalue()
+
+
+def check_cli(argv: list[str]) -> int:
+    code, _, err = run_cli(argv)
+    assert code in (0, 1, 2), (argv, code, err[-2000:])
+    assert "Traceback" not in err, (argv, err[-4000:])
+    if code == 2:
+        lines = err.strip().splitlines()
+        if lines and lines[0].startswith("usage:"):  # argparse: usage, then "autoplan CMD: error: ..."
+            assert _USAGE_ERROR.match(lines[-1]), (argv, err)
+        elif argv and argv[0] == "run":  # the launcher's own one-line errors
+            assert len(lines) == 1 and lines[0].startswith(("autoplan: error:", "error: ")), (argv, err)
+        else:
+            assert len(lines) == 1 and lines[0].startswith("autoplan: error:"), (argv, err)
+    return code
+
+
+# ---- strategies ------------------------------------------------------------------------------------
+
+ZOO_KEYS = ["num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len", "num_kv_heads", "ffn_hidden_size",
+            "tie_embeddings", "norm_eps", "rope_theta", "multiple_of", "dropout"]
+weird_text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=20)
+small_ints = st.integers(-3, 9)
+# Huge values only where they are refused cheaply; huge model dimensions are pinned below as xfails
+# (crash) and in docs/reliability.md (num_layers in the 1e5s: minutes of tracing, not a crash).
+values = st.one_of(small_ints.map(str), st.sampled_from(["0", "-1", "1e3", "nan", "inf", "true", "", "4.5", "0x10",
+                                                         "9" * 40, "1_0", " 2", "٣"]), weird_text)
+pairs = st.lists(st.tuples(st.one_of(st.sampled_from(ZOO_KEYS), weird_text), values), max_size=6)
+families = st.sampled_from(["gpt", "llama", "gpt2-small", "llama3-8b", "GPT", "nope", "", "gpt:", "x.py", "/tmp/nope.py"])
+
+
+@st.composite
+def model_specs(draw):
+    kind = draw(st.integers(0, 3))
+    if kind == 0:
+        return draw(weird_text)
+    body = ",".join(f"{k}={v}" if draw(st.booleans()) else f"{k}{v}" for k, v in draw(pairs))
+    sep = draw(st.sampled_from([":", "::", ";", ""]))
+    return f"{draw(families)}{sep}{body}"
+
+
+gpu_names = st.sampled_from(["H100-80GB", "A100-80GB", "A100-40GB", "cpu", "H100", "V100", "nope", "", "h100-80gb"])
+counts = st.one_of(st.integers(-2, 4).map(str), st.sampled_from(["0", "x", "", "1.5", "٣", "99999999999999999999"]))
+
+
+@st.composite
+def cluster_strings(draw):
+    kind = draw(st.integers(0, 2))
+    if kind == 0:
+        return draw(weird_text)
+    if kind == 1:
+        return draw(st.sampled_from(["dgx-h100", "4xdgx-a100", "dgx", "x", "xx", "1x", "1x1x", "0xdgx-h100", "-1xdgx-h100"]))
+    return f"{draw(counts)}x{draw(counts)}x{draw(gpu_names)}"
+
+
+yaml_scalars = st.one_of(st.none(), st.booleans(), small_ints, st.floats(allow_nan=True, allow_infinity=True),
+                         weird_text, st.sampled_from(["H100-80GB", "A100-80GB", 1e30, -1, 0, 10**30]))
+CLUSTER_KEYS = ["name", "nodes", "gpus_per_node", "gpu", "node_groups", "intra_node", "inter_node", "bandwidth_gbps",
+                "latency_us", "count", "mem_gb", "peak_tflops"]
+yaml_trees = st.recursive(
+    yaml_scalars,
+    lambda children: st.one_of(st.lists(children, max_size=3),
+                               st.dictionaries(st.one_of(st.sampled_from(CLUSTER_KEYS), weird_text), children, max_size=4)),
+    max_leaves=10)
+
+
+# ---- CLI: model specs, clusters, YAML, pins --------------------------------------------------------
+
+
+@settings(max_examples=250, **SETTINGS)
+@given(spec=model_specs())
+@example(spec="gpt:num_layers=2,hidden_size=16,num_heads=2")
+@example(spec="llama:num_layers=1,hidden_size=8,num_heads=2,vocab_size=16,max_seq_len=4")
+def test_cli_profile_survives_any_model_spec(spec):
+    check_cli(["profile", "--model", spec, "--json", "--seq-len", "8"])
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(cluster=cluster_strings())
+@example(cluster="1x2xH100-80GB")
+def test_cli_suggest_survives_any_cluster_string(cluster):
+    # --top 0 is refused after the model and cluster are parsed: the parse is fuzzed, not the search.
+    check_cli(["suggest", "--model", TINY, "--cluster", cluster, *TINY_ARGS, "--top", "0"])
+
+
+@settings(max_examples=120, **SETTINGS)
+@given(tree=yaml_trees, raw=st.booleans(), text=weird_text)
+def test_cli_suggest_survives_any_cluster_yaml(tmp_path, tree, raw, text):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text if raw else yaml.safe_dump(tree, allow_unicode=True))
+    check_cli(["suggest", "--model", TINY, "--cluster", str(path), *TINY_ARGS, "--top", "0"])
+
+
+pin_values = st.one_of(st.integers(-3, 5), st.sampled_from([0, -1, 10**6, 2**63, 10**30]))
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(pins=st.dictionaries(st.sampled_from(["--tp", "--pp", "--dp", "--micro-batch-size", "--virtual-stages"]),
+                            pin_values, max_size=3),
+       batch=st.sampled_from([-1, 0, 1, 3, 4, 10**9]), seq=st.sampled_from([-8, 0, 1, 8, 10**7]),
+       top=st.sampled_from([-1, 0, 1, 2]))
+def test_cli_suggest_survives_any_pins(pins, batch, seq, top):
+    argv = ["suggest", "--model", TINY, "--cluster", "1x4xH100-80GB", "--global-batch", str(batch),
+            "--seq-len", str(seq), "--top", str(top), "--json"]
+    for flag, value in pins.items():
+        argv += [flag, str(value)]
+    check_cli(argv)
+
+
+# ---- CLI: plan files -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plan_text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    code, _, err = run_cli(["suggest", "--model", TINY, "--cluster", "1x2xH100-80GB", *TINY_ARGS, "--out", str(path),
+                            "--json"])
+    assert code == 0, err
+    return path.read_text()
+
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), weird_text),
+    lambda children: st.one_of(st.lists(children, max_size=3), st.dictionaries(weird_text, children, max_size=3)),
+    max_leaves=8)
+
+
+@st.composite
+def plan_files(draw, valid: str):
+    kind = draw(st.integers(0, 3))
+    if kind == 0:  # arbitrary JSON or bytes
+        return json.dumps(draw(json_values)) if draw(st.booleans()) else draw(weird_text)
+    if kind == 1:  # truncated
+        return valid[: draw(st.integers(0, len(valid) - 1))]
+    data = json.loads(valid)
+    if kind == 2:  # one top-level field replaced (or removed)
+        key = draw(st.sampled_from(sorted(data)))
+        if draw(st.integers(0, 4)) == 0:
+            del data[key]
+        else:
+            data[key] = draw(st.one_of(json_values, st.sampled_from([0, -1, 2, 99, "1", None, [], {}])))
+        return json.dumps(data)
+    # one field of one stage, or of job, replaced
+    target = draw(st.sampled_from(["stages", "job", "predicted"]))
+    node = data[target][draw(st.integers(0, len(data[target]) - 1))] if target == "stages" else data[target]
+    if isinstance(node, dict) and node:
+        node[draw(st.sampled_from(sorted(node)))] = draw(st.sampled_from([-1, 0, 10**12, "x", None, 1.5, [], {}]))
+    return json.dumps(data)
+
+
+@settings(max_examples=250, **SETTINGS)
+@given(data=st.data(), command=st.sampled_from(["show", "export-torchtitan", "export-megatron", "export-deepspeed",
+                                                "export-nope", "run"]))
+def test_cli_plan_commands_survive_any_plan_file(tmp_path, plan_text, data, command):
+    path = tmp_path / "plan.json"
+    path.write_text(data.draw(plan_files(plan_text)))
+    if command == "show":
+        argv = ["show", str(path)]
+    elif command == "run":  # --nproc 999 never matches: refused before any process starts
+        argv = ["run", str(path), "--nproc", "999", "--steps", "1"]
+    else:
+        argv = ["export", str(path), "--to", command.split("-", 1)[1]]
+    check_cli(argv)
+
+
+# ---- CLI: suite files ------------------------------------------------------------------------------
+
+case_values = st.one_of(yaml_scalars, st.sampled_from([TINY, "1x2xH100-80GB", "nope:x=1", "0x2xH100-80GB"]))
+CASE_KEYS = ["name", "model", "cluster", "global_batch", "seq_len", "dtype", "pins", "extra"]
+
+
+@st.composite
+def suites(draw):
+    kind = draw(st.integers(0, 2))
+    if kind == 0:
+        return draw(weird_text) if draw(st.booleans()) else yaml.safe_dump(draw(yaml_trees), allow_unicode=True)
+    case = {"name": "c", "model": TINY, "cluster": "1x2xH100-80GB", "global_batch": 4, "seq_len": 8}
+    for key in draw(st.lists(st.sampled_from(CASE_KEYS), max_size=2)):
+        case[key] = draw(st.one_of(case_values, st.dictionaries(st.sampled_from(["tp", "pp", "zero", "x"]), case_values,
+                                                                max_size=2)))
+    suite = {"cases": [case] * draw(st.integers(0, 2))}
+    if draw(st.booleans()):
+        suite["tolerance"] = draw(st.dictionaries(st.sampled_from(["throughput", "memory", "search_time_s", "x"]),
+                                                  yaml_scalars, max_size=2))
+    return yaml.safe_dump(suite, allow_unicode=True)
+
+
+@settings(max_examples=100, **SETTINGS)
+@given(text=suites(), baseline=st.one_of(st.none(), weird_text, json_values.map(json.dumps)))
+def test_cli_check_survives_any_suite_file(tmp_path, text, baseline):
+    path = tmp_path / "suite.yaml"
+    path.write_text(text)
+    argv = ["check", str(path)]
+    if baseline is not None:
+        (tmp_path / "base.json").write_text(baseline)
+        argv += ["--baseline", str(tmp_path / "base.json")]
+    check_cli(argv)
+
+
+# ---- planner -------------------------------------------------------------------------------------
+
+
+@st.composite
+def profiles(draw):
+    from autoplan.graph.blocks import Block, CrossingTensor, CutCandidate, ModelProfile
+
+    n = draw(st.integers(1, 7))
+    kinds = ["embedding", *draw(st.lists(st.sampled_from(["layer", "attention", "mlp", "norm", "other"]),
+                                         min_size=max(0, n - 2), max_size=max(0, n - 2))), "head"][:n]
+    big = st.one_of(st.integers(0, 10**6), st.sampled_from([0, 1, 10**12, 10**15]))
+    blocks = []
+    for i, kind in enumerate(kinds):
+        fwd = draw(st.one_of(st.floats(0, 1e15), st.sampled_from([0.0, 1.0, 1e18])))
+        blocks.append(Block(
+            name=f"b{i}", kind=kind, fwd_flops=fwd, bwd_flops=2 * fwd, num_params=draw(big), param_bytes=draw(big),
+            output_bytes=draw(big), saved_bytes=draw(big), tp_comm_bytes=draw(st.integers(0, 10**6)),
+            fwd_time_s=draw(st.one_of(st.none(), st.floats(1e-6, 1.0))), bwd_time_s=None))
+    cuts = []
+    for i in range(n - 1):
+        legal = draw(st.integers(0, 5)) > 0
+        tensor = CrossingTensor(name=f"t{i}", shape=(1, 8, 16), dtype="bfloat16", num_bytes=blocks[i].output_bytes)
+        cuts.append(CutCandidate(index=i, tensors=(tensor,), legal=legal, reason="" if legal else "non-tensor"))
+    heads = draw(st.sampled_from([None, 1, 2, 3, 4, 8]))
+    return ModelProfile(model_name="fuzz", fingerprint="f" * 16, blocks=tuple(blocks), cuts=tuple(cuts),
+                        batch_size=draw(st.sampled_from([1, 2])), seq_len=8, dtype="bfloat16", tracer="fx",
+                        num_heads=heads, num_kv_heads=heads, hidden_size=16, vocab_size=32, num_layers=max(1, n - 2))
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(profile=profiles(), nodes=st.integers(1, 2), gpus=st.sampled_from([1, 2, 3, 4, 8]),
+       gpu=st.sampled_from(["H100-80GB", "A100-40GB"]), batch=st.sampled_from([1, 2, 3, 4, 8, 12]),
+       pins=st.dictionaries(st.sampled_from(["tp", "pp", "dp", "micro_batch_size"]), st.integers(-1, 4), max_size=2))
+def test_planner_returns_valid_plans_or_a_planning_error(profile, nodes, gpus, gpu, batch, pins):
+    from autoplan.cluster import parse_cluster
+    from autoplan.plan import Job, validate
+    from autoplan.search.space import PlanningError, search_plans
+
+    cluster = parse_cluster(f"{nodes}x{gpus}x{gpu}")
+    job = Job(global_batch=batch, seq_len=8, dtype="bfloat16")
+    try:
+        result = search_plans(profile, cluster, job, model_spec="fuzz", top=3, pins=pins)
+    except PlanningError:
+        return
+    assert result.plans
+    for plan in result.plans:
+        assert validate(plan) == [], (validate(plan), plan.to_dict())
+
+
+# ---- known crashes in code this file does not own (kept visible) --------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="profile of a spec with a huge dimension: RuntimeError 'Storage size "
+                                       "calculation overflowed' escapes graph/zoo (traceback, exit 1); owner: graph")
+def test_cli_profile_huge_hidden_size_is_a_one_line_error():
+    code, _, err = run_cli(["profile", "--model", "gpt:num_layers=2,hidden_size=1000000000000,num_heads=2,"
+                                                  "vocab_size=32,max_seq_len=8", "--json"])
+    assert code == 2 and err.strip().startswith("autoplan: error:") and "Traceback" not in err, err[-600:]
+
