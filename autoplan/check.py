@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autoplan._files import read_json
+
 __all__ = [
     "BASELINE_SCHEMA_VERSION",
     "Case",
@@ -207,14 +209,7 @@ _METRIC_KEYS = ("tokens_per_s", "peak_memory_bytes", "fits")
 
 def load_baseline(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     """Case name -> metrics of a baseline file written by `write_baseline`."""
-    path = Path(path)
-    if not path.exists():
-        raise SuiteError(f"baseline {str(path)!r} does not exist; create it with "
-                         f"`autoplan check SUITE --baseline {path} --update`")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise SuiteError(f"baseline {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    data = read_json(path, "baseline", SuiteError, f"create it with `autoplan check SUITE --baseline {path} --update`")
     if not isinstance(data, Mapping) or not isinstance(data.get("cases"), Mapping):
         raise SuiteError(f"baseline {str(path)!r} must be an object with a 'cases' object")
     if data.get("schema_version") != BASELINE_SCHEMA_VERSION:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autoplan._files import read_json
+
 __all__ = [
     "PLAN_SCHEMA_VERSION",
     "RANK_ORDERS",
@@ -209,13 +211,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
-        path = Path(path)
-        if not path.exists():
-            raise PlanError(f"plan file {str(path)!r} does not exist; create one with `autoplan suggest --out {path}`")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"plan file {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+        data = read_json(path, "plan file", PlanError, f"create one with `autoplan suggest --out {path}`")
         plan = cls.from_dict(data)
         problems = validate(plan)
         if problems:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
+from autoplan._files import read_json
 from autoplan.plan import Plan
 from autoplan.schedule import Action, ActionKind, make_schedule, simulate
 
@@ -191,13 +192,7 @@ def predicted_timeline(plan: Plan, *, comm: bool = True) -> Timeline:
 
 def load_trace(path: str | os.PathLike) -> dict[str, Any]:
     """Read a Chrome trace JSON (an object with "traceEvents", or a bare event list)."""
-    path = Path(path)
-    if not path.exists():
-        raise TimelineError(f"trace file {str(path)!r} does not exist; write one with `autoplan run PLAN --trace {path}`")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise TimelineError(f"trace file {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    data = read_json(path, "trace file", TimelineError, f"write one with `autoplan run PLAN --trace {path}`")
     if isinstance(data, list):
         data = {"traceEvents": data}
     if not isinstance(data, Mapping) or not isinstance(data.get("traceEvents"), list):
