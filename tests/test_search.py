@@ -194,3 +194,19 @@ def test_pre_cut_bound_never_exceeds_a_simulated_step(schedule):
 
             step = simulate(make_schedule(schedule, p, m), duration).makespan_s
             assert bound <= step * (1 + 1e-9), (p, m, cuts)
+
+
+def test_cpu_ranks_sharing_cores_slow_down_timed_blocks(monkeypatch):
+    import dataclasses as dc
+
+    from autoplan.cost.time import cpu_sharing
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    profile = autoplan.profile("gpt:num_layers=2,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16",
+                               batch_size=1, seq_len=16)
+    timed = profile.with_blocks([dc.replace(b, fwd_time_s=1e-3, bwd_time_s=2e-3) for b in profile.blocks])
+    timed = dc.replace(timed, extra={**timed.extra, "threads": 1})
+    four, two = parse_cluster("1x4xcpu"), parse_cluster("1x2xcpu")
+    assert cpu_sharing(timed, four.gpu, four) == 2.0  # 4 single-threaded ranks on 2 cores
+    assert cpu_sharing(timed, two.gpu, two) == 1.0
+    assert cpu_sharing(profile, four.gpu, four) == 1.0  # analytic profiles already share the peak

@@ -23,6 +23,7 @@ time is the bytes they move over the GPU's memory bandwidth (roofline model, Wil
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,7 @@ from autoplan.cluster import GPU, Cluster, allgather_time_s, allreduce_time_s, p
 from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
 
-__all__ = ["E_ATTENTION", "E_GEMM", "W_HALF", "BlockTimes", "block_times", "cut_transfer_time_s", "cut_transfer_times_s", "dp_sync_time_s", "efficiency",
+__all__ = ["E_ATTENTION", "E_GEMM", "W_HALF", "BlockTimes", "block_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s", "dp_sync_time_s", "efficiency",
            "optimizer_time_s", "tp_sharded"]
 
 # Fitted by benchmarks/validate_published.py --fit (see docs/calibration.md).
@@ -79,9 +80,26 @@ def _scale(profile: ModelProfile, cfg: ParallelConfig) -> float:
     return cfg.micro_batch_size / profile.batch_size
 
 
+def cpu_sharing(profile: ModelProfile, gpu: GPU, cluster: Cluster) -> float:
+    """How much slower a CPU-timed block runs when the cluster's ranks share this machine's cores.
+
+    A `cpu` cluster splits the machine among the ranks of a node (cluster/devices.py, `cpu_device`),
+    so each rank has cores / ranks of it. A block timed with T threads then runs about
+    T / (cores per rank) times slower when every rank computes at once (processor sharing; the
+    bound of the ramp-up and ramp-down phases, where fewer ranks compete, is not modelled, so this
+    errs towards predicting too slow).
+    """
+    threads = profile.extra.get("threads")
+    if gpu.name != "cpu" or not profile.is_timed or not threads:
+        return 1.0
+    cores_per_rank = (os.cpu_count() or 1) / cluster.gpus_per_node
+    return max(1.0, threads / cores_per_rank)
+
+
 def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: ParallelConfig, dtype: str) -> BlockTimes:
     """Seconds per micro-batch per block on `gpu` under `cfg` (see [Note: achievable throughput])."""
     f = _scale(profile, cfg)
+    sharing = cpu_sharing(profile, gpu, cluster)
     peak = gpu.peak(dtype)
     width = (profile.hidden_size or 4096) / cfg.tp
     eff = efficiency(width)
@@ -103,8 +121,8 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             elif cfg.recompute == "selective":
                 recompute_flops = b.attention_core_fwd_flops * f / shard  # Korthikanti et al. 2022, Sec. 5
         if profile.is_timed and b.fwd_time_s is not None:
-            fwd[i] = b.fwd_time_s * f / shard
-            bwd[i] = b.bwd_time_s * f / shard + (fwd[i] * recompute_flops / fwd_flops if fwd_flops else 0.0)
+            fwd[i] = b.fwd_time_s * f / shard * sharing
+            bwd[i] = b.bwd_time_s * f / shard * sharing + (fwd[i] * recompute_flops / fwd_flops if fwd_flops else 0.0)
         else:
             # Memory-bound floor: a block reads its input and writes its output at least once per
             # pass (roofline, Williams et al. 2009); backward moves about twice as much.

@@ -621,7 +621,7 @@ def profile_traced(
         vocab_size=info.get("vocab_size"),
         num_layers=info.get("num_layers"),
         torch_version=torch.__version__,
-        extra={"tracer_note": traced.note},
+        extra={"tracer_note": traced.note, **({"threads": torch.get_num_threads()} if device == "cpu" else {})},
     )
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
