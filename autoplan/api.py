@@ -72,7 +72,10 @@ def profile_with_graph(
             example_inputs = tuple(example_inputs) if example_inputs is not None else inputs
         else:
             seq_len = seq_len or spec.config.max_seq_len
-            module = zoo.build_model(spec, device="meta")
+            try:
+                module = zoo.build_model(spec, device="meta")
+            except RuntimeError as exc:  # e.g. "Storage size calculation overflowed" for absurd sizes
+                raise ValueError(f"cannot build {spec.name}: {str(exc).strip().splitlines()[0]}; check its sizes") from None
             example_inputs = zoo.example_inputs(spec, batch_size, seq_len, device="meta")
             example_target = zoo.example_targets(spec, batch_size, seq_len, device="meta")
             loss_fn = zoo.lm_loss

@@ -139,7 +139,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from autoplan.runtime import run_plan
 
     return run_plan(args.plan, model=args.model, steps=args.steps, nproc=args.nproc, trace_path=args.trace,
-                    metrics_path=args.metrics, seed=args.seed, timeout_s=args.timeout)
+                    metrics_path=args.metrics, seed=args.seed, timeout_s=args.timeout,
+                    checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", help="write one JSON object per step (step, loss, step_time_s, predicted_step_time_s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any rank waits on another before failing")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (step-N/ dirs; shared by all ranks)")
+    p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint every K steps (and after the last)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
     p.set_defaults(func=cmd_run)
 
     from autoplan.report.commands import register

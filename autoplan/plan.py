@@ -196,18 +196,20 @@ class Plan:
         if version != PLAN_SCHEMA_VERSION:
             raise PlanError(f"plan schema version {version!r} is not supported (this autoplan reads version "
                             f"{PLAN_SCHEMA_VERSION}); re-create the plan with `autoplan suggest`")
-        try:
-            d = dict(data)
-            d["job"] = Job(**d["job"])
-            d["predicted"] = Predicted(**d["predicted"])
-            d["stages"] = tuple(StagePlan(**{**s, "memory": MemoryBreakdown(**s["memory"])}) for s in d["stages"])
-            d["block_names"] = tuple(d["block_names"])
-            d["notes"] = tuple(d.get("notes", ()))
-            return cls(**d)
-        except KeyError as exc:
-            raise PlanError(f"plan is missing field {exc.args[0]!r}") from None
-        except TypeError as exc:
-            raise PlanError(f"plan has a malformed field: {str(exc).splitlines()[0]}") from None
+        d = _typed(cls, data, "plan", nested={"job", "predicted", "stages", "cluster"})
+        d["job"] = Job(**_typed(Job, d["job"], "plan.job"))
+        d["predicted"] = Predicted(**_typed(Predicted, d["predicted"], "plan.predicted"))
+        if not isinstance(d["stages"], (list, tuple)):
+            raise PlanError("plan.stages must be a list of stages")
+        stages = []
+        for i, raw in enumerate(d["stages"]):
+            stage = _typed(StagePlan, raw, f"plan.stages[{i}]", nested={"memory"})
+            stage["memory"] = MemoryBreakdown(**_typed(MemoryBreakdown, stage["memory"], f"plan.stages[{i}].memory"))
+            stages.append(StagePlan(**stage))
+        d["stages"] = tuple(stages)
+        d["block_names"] = tuple(d["block_names"])
+        d["notes"] = tuple(d.get("notes", ()))
+        return cls(**d)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
@@ -217,6 +219,50 @@ class Plan:
         if problems:
             raise PlanError(f"plan file {str(path)!r} is inconsistent: {problems[0]}")
         return plan
+
+
+_SCALARS = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _typed(cls: type, raw: Any, where: str, nested: set[str] = frozenset()) -> dict[str, Any]:
+    """`raw` as keyword arguments for dataclass `cls`, each field checked against its annotation
+    (`int`, `float`, `str`, `bool`, `X | None`, tuples and dicts); PlanError names the first bad one.
+    Fields in `nested` are only checked for presence (the caller builds them)."""
+    if not isinstance(raw, Mapping):
+        raise PlanError(f"{where} must be a JSON object, got {type(raw).__name__}")
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                continue
+            raise PlanError(f"{where} is missing field {f.name!r}")
+        value = raw[f.name]
+        out[f.name] = value
+        if f.name in nested:
+            continue
+        annotation = str(f.type).replace(" ", "")
+        optional = annotation.endswith("|None")
+        base = annotation.removesuffix("|None")
+        if value is None and optional:
+            continue
+        if base in _SCALARS:
+            ok = isinstance(value, _SCALARS[base]) and (base == "bool" or not isinstance(value, bool))
+            ok = ok and not (base == "float" and isinstance(value, float) and value != value)  # NaN
+        elif base.startswith("tuple["):
+            ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+        elif base.startswith("dict["):
+            ok = isinstance(value, Mapping) and (
+                not base.startswith("dict[str,float]")
+                or all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()))
+        else:
+            ok = True
+        if not ok:
+            raise PlanError(f"{where}.{f.name} = {value!r} is not a valid {base}; re-create the plan with "
+                            "`autoplan suggest --out`")
+    unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise PlanError(f"{where} has an unknown field {sorted(unknown)[0]!r}")
+    return out
 
 
 def validate(plan: Plan) -> list[str]:

@@ -181,7 +181,7 @@ def test_run_plan_refuses_bad_checkpoint_arguments(tmp_path, capsys, straight):
                            pp=2)
     assert run_plan(other_plan, checkpoint_dir=straight[0] / "ckpt", resume=True) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 5 and all(line.startswith("error: ") for line in lines), lines
+    assert len(lines) == 5 and all(line.startswith("autoplan: error: ") for line in lines), lines
     assert "fingerprint" in lines[-1]
 
 
@@ -251,7 +251,7 @@ def test_a_rank_killed_mid_step_makes_every_other_rank_exit_nonzero_ten_times_ou
         durations.append(time.monotonic() - start)
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert code == 1 and durations[-1] < 60, (rep, durations[-1], line)
-        assert line.startswith(f"error: rank {victim} was killed by signal SIGKILL"), (rep, line)
+        assert line.startswith(f"autoplan: error: rank {victim} was killed by signal SIGKILL"), (rep, line)
         assert "stopped by the launcher" not in line and "exited cleanly" not in line, (rep, line)
         assert line.count("exit code 1") == 3, (rep, line)
     print("kill-mid-step durations (s):", [round(d, 1) for d in durations])
@@ -265,5 +265,5 @@ def test_a_hung_rank_is_caught_by_timeouts_and_stopped_by_the_launcher(capsys):
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 1 and elapsed < 30, (elapsed, line)
     # Rank 0 waits on rank 1, times out after 3 s and fails; rank 1 (hung) is stopped by the launcher.
-    assert line.startswith("error: rank 0 failed: "), line
+    assert line.startswith("autoplan: error: rank 0 failed: "), line
     assert "rank 1: stopped by the launcher" in line, line

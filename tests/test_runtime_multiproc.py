@@ -220,7 +220,7 @@ def test_launcher_names_the_failing_rank(tmp_path, capsys):
     code = run_plan(plan, steps=3, _fail_at=(1, 1), timeout_s=20)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and time.monotonic() - start < 90
-    assert err[-1].startswith("error: rank 1 failed") and "injected failure at step 1" in err[-1]
+    assert err[-1].startswith("autoplan: error: rank 1 failed") and "injected failure at step 1" in err[-1]
 
 
 @pytest.mark.timeout(60)
@@ -230,7 +230,7 @@ def test_launcher_refuses_bad_input_before_communication(tmp_path, capsys):
     assert run_plan(plan, nproc=4) == 2
     assert run_plan(plan, model="gpt:num_layers=4,hidden_size=64,num_heads=4,vocab_size=64,max_seq_len=16") == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 3 and all(line.startswith("error: ") for line in lines)
+    assert len(lines) == 3 and all(line.startswith("autoplan: error: ") for line in lines)
     assert "does not exist" in lines[0] and "needs 2" in lines[1] and "fingerprint" in lines[2]
 
 

@@ -172,6 +172,10 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
     """
     import torch.distributed as dist
 
+    plan = getattr(pm, "plan", None)
+    if plan is not None and getattr(plan, "tp", 1) > 1:  # every rank refuses, before any file or barrier
+        raise CheckpointError(f"checkpoints of tensor-parallel plans (tp = {plan.tp}) are not supported yet: "
+                              "the tp shards share names; checkpoint a tp = 1 plan")
     root = Path(directory)
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0

@@ -57,7 +57,7 @@ FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "autoplan.r
 
 
 def _error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print(f"autoplan: error: {message}", file=sys.stderr, flush=True)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -263,7 +263,7 @@ def _spawned(rank: int, world_size: int, port: int, payload: dict, error_dir: st
             os.replace(tmp, Path(error_dir) / f"rank-{rank}.json")
         except OSError:
             pass
-        print(f"error: rank {rank} failed: {line}", file=sys.stderr, flush=True)
+        print(f"autoplan: error: rank {rank} failed: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
     sys.stdout.flush()
@@ -385,6 +385,9 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
         if (checkpoint_every is not None or resume) and not checkpoint_dir:
             raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR")
         if checkpoint_dir is not None:
+            if plan.tp > 1:
+                raise ValueError(f"--checkpoint-dir: checkpoints of tensor-parallel plans (tp = {plan.tp}) are not "
+                                 "supported yet")
             checkpoint_dir = str(checkpoint_dir)
             if Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
                 raise ValueError(f"--checkpoint-dir {checkpoint_dir!r} exists and is not a directory")

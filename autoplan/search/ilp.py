@@ -160,12 +160,13 @@ def solve_ilp(
         scale = max(abs(cap), max((abs(a) for a, _ in terms), default=0.0), 1.0)
         prob += lin([(a / scale, v) for a, v in terms]) <= cap / scale, f"mem_{g}"
 
+    start = None
     if warm_start:
         start = solve_dp(p)
         if start is not None and not violations(p, start.boundaries, per_rank=per_rank):
             _set_start(start.boundaries, y, u, pos)
         else:
-            warm_start = False
+            start, warm_start = None, False
 
     with warnings.catch_warnings():
         # PuLP 3.x deprecates the bundled-CBC wrapper in favour of PuLP 4's; pyproject pins < 4.
@@ -173,7 +174,15 @@ def solve_ilp(
         solver = pulp.PULP_CBC_CMD(
             msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=1e-10, warmStart=warm_start, threads=threads
         )
-    prob.solve(solver)
+    try:
+        prob.solve(solver)
+    except pulp.PulpSolverError:
+        # CBC killed at its time limit sometimes leaves no solution file; that is a time-out, not an
+        # error: keep the DP's incumbent when there is one, as a time-limited CBC run would.
+        if start is not None:
+            return make_cuts(p, start.boundaries, optimal=False)
+        raise TimeoutError(f"CBC stopped without a cutting of {n} blocks into {num_stages} stages within "
+                           f"{time_limit_s} s; feasibility unknown") from None
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         if prob.status == pulp.LpStatusInfeasible:
             return None

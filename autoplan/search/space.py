@@ -47,6 +47,9 @@ __all__ = ["PINS", "PlanningError", "SearchResult", "search_plans"]
 PINS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero",
         "sequence_parallel", "rank_order")
 _DEFAULT_MBS = (1, 2, 4, 8)
+MAX_MICROBATCHES = 4096
+"""Micro-batches per replica per step above which a configuration is not considered: schedules are
+lists of O(m) actions per rank, and real runs use far fewer (Megatron-LM's published runs: <= 512)."""
 _DEFAULT_V = (2, 3, 4, 6)
 
 
@@ -69,7 +72,8 @@ class SearchResult:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -> None:
@@ -151,6 +155,8 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict)
                 if per_replica % mbs:
                     continue
                 m = per_replica // mbs
+                if m > MAX_MICROBATCHES:
+                    continue  # see MAX_MICROBATCHES
                 for schedule, v in _schedules(profile, pp, m, pins):
                     orders = [pins["rank_order"]] if pins.get("rank_order") else (
                         ["tp-dp-pp", "tp-pp-dp"] if pp > 1 and dp > 1 and cluster.num_nodes > 1 else ["tp-dp-pp"])
@@ -194,6 +200,9 @@ def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spe
     _check_pins(profile, cluster, job, pins)
     if top < 1:
         raise PlanningError(f"--top {top} must be at least 1")
+    if profile.flops <= 0 and not profile.is_timed:
+        raise PlanningError(f"{profile.model_name} has no FLOPs to place (no matmuls were traced); there is nothing "
+                            "to plan")
     ctx = SearchContext(profile, cluster, job, model_spec)
     all_pinned = all(k in pins for k in ("tp", "pp", "dp", "micro_batch_size", "schedule", "recompute", "zero"))
 
@@ -223,7 +232,16 @@ def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spe
         ramp = (cfg.pp - 1) / cfg.virtual_stages / (3 if cfg.schedule == "zb-h1" else 1)
         estimate = bound * (cfg.num_microbatches + ramp) / cfg.num_microbatches
         candidates.append((estimate, bound, len(candidates), cfg))
+    if considered == 0 and not pins:
+        raise PlanningError(f"no tp x pp x dp split of {cluster.num_gpus} GPUs (tp <= {cluster.gpus_per_node} per node, "
+                            f"pp <= {profile.num_blocks} blocks) has a data-parallel degree dividing the global batch "
+                            f"{job.global_batch}; use a global batch that is a multiple of the data-parallel degree, "
+                            "or fewer GPUs")
     if not candidates:
+        per_replica_min = job.global_batch * cluster.gpus_per_node // cluster.num_gpus
+        if per_replica_min > MAX_MICROBATCHES * max(_DEFAULT_MBS):
+            raise PlanningError(f"global batch {job.global_batch} needs more than {MAX_MICROBATCHES} micro-batches "
+                                "per replica on this cluster; use a smaller batch or more GPUs")
         _raise_no_plan(profile, cluster, job, pins)
     candidates.sort()
 
