@@ -199,7 +199,9 @@ def test_pre_cut_bound_never_exceeds_a_simulated_step(schedule):
 def test_cpu_ranks_sharing_cores_slow_down_timed_blocks(monkeypatch):
     import dataclasses as dc
 
+    from autoplan.cost.sharing import simulate_shared_cores
     from autoplan.cost.time import cpu_sharing
+    from autoplan.schedule import make_schedule, simulate
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     profile = autoplan.profile("gpt:num_layers=2,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16",
@@ -207,6 +209,16 @@ def test_cpu_ranks_sharing_cores_slow_down_timed_blocks(monkeypatch):
     timed = profile.with_blocks([dc.replace(b, fwd_time_s=1e-3, bwd_time_s=2e-3) for b in profile.blocks])
     timed = dc.replace(timed, extra={**timed.extra, "threads": 1})
     four, two = parse_cluster("1x4xcpu"), parse_cluster("1x2xcpu")
-    assert cpu_sharing(timed, four.gpu, four) == 2.0  # 4 single-threaded ranks on 2 cores
-    assert cpu_sharing(timed, two.gpu, two) == 1.0
-    assert cpu_sharing(profile, four.gpu, four) == 1.0  # analytic profiles already share the peak
+    assert cpu_sharing(timed, four.gpu, four) == (1.0, 2.0)  # 4 single-threaded ranks on 2 cores
+    assert cpu_sharing(timed, two.gpu, two) is None
+    assert cpu_sharing(profile, four.gpu, four) is None  # analytic profiles already share the peak
+
+    # 4 ranks always busy on 2 cores (GPipe with many micro-batches) run about twice as slow; a single
+    # rank alone is not slowed at all.
+    schedule = make_schedule("gpipe", 4, 32)
+    alone = simulate(schedule, lambda a: 1.0).makespan_s
+    shared = simulate_shared_cores(schedule, lambda a: 1.0, None, None, threads_per_rank=1.0, cores=2.0).makespan_s
+    assert 1.5 * alone < shared < 2.05 * alone
+    single = make_schedule("1f1b", 1, 4)
+    assert simulate_shared_cores(single, lambda a: 1.0, None, None, 1.0, 2.0).makespan_s == simulate(
+        single, lambda a: 1.0).makespan_s

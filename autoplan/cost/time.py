@@ -80,26 +80,22 @@ def _scale(profile: ModelProfile, cfg: ParallelConfig) -> float:
     return cfg.micro_batch_size / profile.batch_size
 
 
-def cpu_sharing(profile: ModelProfile, gpu: GPU, cluster: Cluster) -> float:
-    """How much slower a CPU-timed block runs when the cluster's ranks share this machine's cores.
-
-    A `cpu` cluster splits the machine among the ranks of a node (cluster/devices.py, `cpu_device`),
-    so each rank has cores / ranks of it. A block timed with T threads then runs about
-    T / (cores per rank) times slower when every rank computes at once (processor sharing; the
-    bound of the ramp-up and ramp-down phases, where fewer ranks compete, is not modelled, so this
-    errs towards predicting too slow).
-    """
+def cpu_sharing(profile: ModelProfile, gpu: GPU, cluster: Cluster) -> tuple[float, float] | None:
+    """(threads per rank, cores) when the cluster's ranks share this machine's CPU cores and the
+    profile was timed here, else None; see cost/sharing.py. (An analytic `cpu` profile already gives
+    each rank its share of the machine's peak: cluster/devices.py, `cpu_device`.)"""
     threads = profile.extra.get("threads")
     if gpu.name != "cpu" or not profile.is_timed or not threads:
-        return 1.0
-    cores_per_rank = (os.cpu_count() or 1) / cluster.gpus_per_node
-    return max(1.0, threads / cores_per_rank)
+        return None
+    cores = float(os.cpu_count() or 1)
+    if threads * cluster.gpus_per_node <= cores:
+        return None
+    return float(threads), cores
 
 
 def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: ParallelConfig, dtype: str) -> BlockTimes:
     """Seconds per micro-batch per block on `gpu` under `cfg` (see [Note: achievable throughput])."""
     f = _scale(profile, cfg)
-    sharing = cpu_sharing(profile, gpu, cluster)
     peak = gpu.peak(dtype)
     width = (profile.hidden_size or 4096) / cfg.tp
     eff = efficiency(width)
@@ -121,8 +117,8 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             elif cfg.recompute == "selective":
                 recompute_flops = b.attention_core_fwd_flops * f / shard  # Korthikanti et al. 2022, Sec. 5
         if profile.is_timed and b.fwd_time_s is not None:
-            fwd[i] = b.fwd_time_s * f / shard * sharing
-            bwd[i] = b.bwd_time_s * f / shard * sharing + (fwd[i] * recompute_flops / fwd_flops if fwd_flops else 0.0)
+            fwd[i] = b.fwd_time_s * f / shard
+            bwd[i] = b.bwd_time_s * f / shard + (fwd[i] * recompute_flops / fwd_flops if fwd_flops else 0.0)
         else:
             # Memory-bound floor: a block reads its input and writes its output at least once per
             # pass (roofline, Williams et al. 2009); backward moves about twice as much.

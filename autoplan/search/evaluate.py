@@ -24,9 +24,11 @@ from autoplan.cost.memory import (
     param_counts,
     rank_memory,
 )
+from autoplan.cost.sharing import simulate_shared_cores
 from autoplan.cost.time import (
     BlockTimes,
     block_times,
+    cpu_sharing,
     cut_transfer_time_s,
     cut_transfer_times_s,
     dp_sync_time_s,
@@ -290,7 +292,11 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         tails.append(exposed + opt)
 
     schedule = make_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
-    sim = simulate(schedule, compute_time, comm_time if cfg.pp > 1 else None, tails)
+    sharing = cpu_sharing(profile, pp_gpus[0], cluster)
+    if sharing is None:
+        sim = simulate(schedule, compute_time, comm_time if cfg.pp > 1 else None, tails)
+    else:
+        sim = simulate_shared_cores(schedule, compute_time, comm_time if cfg.pp > 1 else None, tails, *sharing)
     step = sim.makespan_s
 
     memories: list[MemoryBreakdown] = []
