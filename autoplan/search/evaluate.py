@@ -202,17 +202,21 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
     link_s = ctx.link_times(cfg)
     problem = CutProblem(block_time_s=total, cut_time_s=link_s, block_static_bytes=static, block_act_bytes=acts,
                          inflight=inflight, capacity_bytes=capacity, legal_cut=ctx.legal)
-    cuts = solve_dp(problem)
+    # The tie-break pass (partition.py [Note: DP tie-break]) only matters for plans that get
+    # simulated; feasibility and the bound need just the bottleneck.
+    cuts = solve_dp(problem, refine=False)
     if cuts is None:
         if require_fit:
             return None
-        relaxed = CutProblem(block_time_s=total, cut_time_s=link_s, block_static_bytes=static, block_act_bytes=acts,
+        # Every dimension pinned: report the plan even though it does not fit, cut for time alone.
+        problem = CutProblem(block_time_s=total, cut_time_s=link_s, block_static_bytes=static, block_act_bytes=acts,
                              inflight=inflight, capacity_bytes=np.full(num_stages, np.inf), legal_cut=ctx.legal)
-        cuts = solve_dp(relaxed)
+        cuts = solve_dp(problem, refine=False)
         if cuts is None:
             return None
     if _step_lower_bound(cfg, cuts, stage_times) >= cutoff_s:
         raise Dominated
+    cuts = solve_dp(problem)  # same bottleneck, ties broken as [Note: DP tie-break] says
     return Evaluation(cfg, _make_plan(ctx, cfg, cuts, stage_times, pp_gpus, inflight, static, acts))
 
 
