@@ -440,12 +440,12 @@ def _time_block(traced: TracedModel, index: int, inputs: list[Any], device: str,
         return [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                 for x in real_inputs]
 
+    # Gradients are left to accumulate between repeats: in training every micro-batch after the
+    # first adds into existing .grad (read, add, write), which costs more than the first write.
     def forward_backward() -> None:
         outs = [o for o in (_tensors_in(sub(*leaves())) or []) if o.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-        for p in sub.parameters():
-            p.grad = None
 
     # Forward as training runs it (recording autograd); backward = (forward + backward) - forward.
     def forward_autograd() -> Any:
