@@ -35,12 +35,20 @@ __all__ = [
     "PlanError",
     "Predicted",
     "StagePlan",
+    "layout_rank",
     "validate",
 ]
 
 PLAN_SCHEMA_VERSION = 1
 RECOMPUTE = ("none", "selective", "full")
 RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
+
+
+def layout_rank(rank_order: str, tp: int, pp: int, dp: int, pp_index: int, dp_index: int, tp_index: int) -> int:
+    """Global rank of a (pp, dp, tp) coordinate under `rank_order`; see [Note: rank layout]."""
+    if rank_order == "tp-dp-pp":
+        return tp_index + tp * (dp_index + dp * pp_index)
+    return tp_index + tp * (pp_index + pp * dp_index)
 
 
 class PlanError(ValueError):
@@ -160,9 +168,7 @@ class Plan:
 
     def rank(self, pp_index: int, dp_index: int, tp_index: int = 0) -> int:
         """Global rank of a (pp, dp, tp) coordinate; see [Note: rank layout]."""
-        if self.rank_order == "tp-dp-pp":
-            return tp_index + self.tp * (dp_index + self.dp * pp_index)
-        return tp_index + self.tp * (pp_index + self.pp * dp_index)
+        return layout_rank(self.rank_order, self.tp, self.pp, self.dp, pp_index, dp_index, tp_index)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp_index, dp_index, tp_index) of a global rank."""

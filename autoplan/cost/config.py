@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoplan.plan import layout_rank
+
 __all__ = ["ParallelConfig"]
 
 
@@ -40,9 +42,7 @@ class ParallelConfig:
         return self.pp * self.virtual_stages
 
     def rank(self, pp_index: int, dp_index: int, tp_index: int = 0) -> int:
-        if self.rank_order == "tp-dp-pp":
-            return tp_index + self.tp * (dp_index + self.dp * pp_index)
-        return tp_index + self.tp * (pp_index + self.pp * dp_index)
+        return layout_rank(self.rank_order, self.tp, self.pp, self.dp, pp_index, dp_index, tp_index)
 
     def describe(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""

@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from autoplan.graph.blocks import Block, CrossingTensor, CutCandidate, ModelProfile
-from autoplan.graph.trace import TracedModel, append_loss, crossing_values, extract_submodule, trace_model
+from autoplan.graph.trace import TracedModel, crossing_values, extract_submodule, trace_with_loss
 
 __all__ = ["ProfileError", "flop_counter", "model_fingerprint", "profile_model", "profile_traced"]
 
@@ -657,13 +657,8 @@ def profile_model(
         raise ProfileError(f"unknown device '{device}'; use meta, cpu or cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ProfileError("--device cuda was asked for but torch sees no CUDA device; use --device meta or cpu")
-    traced = trace_model(model, example_inputs, leaf_modules=leaf_modules, tracer=tracer)
-    inputs = list(example_inputs)
-    if loss_fn is not None:
-        if example_target is None:
-            raise ProfileError("loss_fn needs example_target")
-        traced = append_loss(traced, loss_fn)
-        inputs.append(example_target)
+    traced, inputs = trace_with_loss(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
+                                     leaf_modules=leaf_modules, tracer=tracer)
     merged = _model_info(model)
     merged.update({k: v for k, v in (info or {}).items() if v is not None})
     fingerprint = model_fingerprint(model)

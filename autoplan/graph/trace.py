@@ -39,6 +39,7 @@ from torch import nn
 
 __all__ = [
     "TraceError", "TracedModel", "extract_submodule", "find_layer_container", "retarget_device", "trace_model",
+    "trace_with_loss",
 ]
 
 
@@ -395,6 +396,21 @@ def append_loss(traced: TracedModel, loss_fn: Any, target_name: str = "target") 
     traced.node_block[loss.name] = traced.num_blocks - 1
     traced.input_names = [n.name for n in graph.nodes if n.op == "placeholder"]
     return traced
+
+
+def trace_with_loss(model: nn.Module, example_inputs: Sequence[Any], *, loss_fn: Any = None,
+                    example_target: Any = None, leaf_modules: Sequence[str] = (),
+                    tracer: str = "auto") -> tuple[TracedModel, list[Any]]:
+    """`trace_model`, then `append_loss` when a loss is given; returns the traced model and the
+    graph's inputs (the example inputs, plus the target when a loss was appended)."""
+    traced = trace_model(model, example_inputs, leaf_modules=leaf_modules, tracer=tracer)
+    inputs = list(example_inputs)
+    if loss_fn is not None:
+        if example_target is None:
+            raise TraceError("a loss_fn needs example_target (a target for the example batch)")
+        traced = append_loss(traced, loss_fn)
+        inputs.append(example_target)
+    return traced, inputs
 
 
 # --------------------------------------------------------------------------------------------

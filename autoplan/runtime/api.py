@@ -33,7 +33,7 @@ from torch import nn
 
 from autoplan.graph import zoo
 from autoplan.graph.profile import model_fingerprint
-from autoplan.graph.trace import append_loss, retarget_device, trace_model
+from autoplan.graph.trace import retarget_device, trace_with_loss
 from autoplan.plan import Plan
 from autoplan.runtime.comm import P2P
 from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
@@ -296,13 +296,8 @@ def partition(
     if example_target is not None:
         example_target = _with_batch(example_target, batch, plan.micro_batch_size)
 
-    traced = trace_model(model, example_inputs, leaf_modules=leaf_modules, tracer=tracer)
-    graph_inputs = list(example_inputs)
-    if loss_fn is not None:
-        if example_target is None:
-            raise PartitionError("a loss_fn needs example_target (a target of the example batch)")
-        traced = append_loss(traced, loss_fn)
-        graph_inputs.append(example_target)
+    traced, graph_inputs = trace_with_loss(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
+                                           leaf_modules=leaf_modules, tracer=tracer)
     _check_tp_tracing(traced, tp_plan)
     if tuple(traced.block_names) != tuple(plan.block_names):
         raise PartitionError(f"the model traces into {len(traced.block_names)} blocks but the plan names "
