@@ -46,6 +46,7 @@ from autoplan.runtime.parallel import (
     build_layout,
     tensor_parallel_plan,
 )
+from autoplan.runtime.precision import MixedPrecision
 from autoplan.runtime.split import (
     build_stage_modules,
     materialize_stages,
@@ -91,6 +92,7 @@ def check_model(model: nn.Module, plan: Plan) -> dict[str, str]:
     if fingerprint != plan.model_fingerprint:
         raise PartitionError(f"the plan was made for model {plan.model!r} (fingerprint {plan.model_fingerprint}) but this "
                              f"model's fingerprint is {fingerprint}; re-plan with `autoplan suggest` for this model")
+    _compute_dtype(plan)
     if plan.tp == 1:
         return {}
     try:
@@ -113,6 +115,31 @@ def _check_tp_tracing(traced, tp_plan: Mapping[str, str]) -> None:
                                  f"{traced.tracer}); trace the {TP_SUPPORTED} with the default fx tracer and leaf modules")
 
 
+def _compute_dtype(plan: Plan) -> torch.dtype:
+    """The plan's compute dtype: fp32, or bf16 with fp32 masters ([Note: mixed precision] in precision.py)."""
+    dtype = getattr(torch, plan.job.dtype, None)
+    if dtype not in (torch.float32, torch.bfloat16):
+        hint = " (fp16 needs loss scaling, which the runtime does not do)" if dtype == torch.float16 else ""
+        raise PartitionError(f"the runtime runs plans in bfloat16 or float32, not {plan.job.dtype}{hint}; "
+                             f"re-plan with --dtype bf16")
+    return dtype
+
+
+def _recompute_runner(traced, plan: Plan, spec, module):
+    """The stage's runner for plan.recompute (recompute.py), or None to run the module whole."""
+    if plan.recompute == "none":
+        return None
+    from autoplan.graph.profile import _block_kind
+    from autoplan.graph.trace import extract_submodule
+    from autoplan.runtime.recompute import recompute_runner
+
+    def kind(block: int) -> str:
+        return _block_kind(traced, block, extract_submodule(traced, block, block)[0])
+
+    return recompute_runner(traced, module, spec.first_block, spec.end_block, spec.inputs, spec.outputs,
+                            plan.recompute, kind)
+
+
 def _with_batch(value: Any, batch: int | None, size: int) -> Any:
     if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != batch or batch == size:
         return value
@@ -129,7 +156,7 @@ class PartitionedModel:
 
     def __init__(self, *, plan: Plan, layout: ParallelLayout, stages: dict[int, Stage], executor: PipelineExecutor,
                  input_names: Sequence[str], aliases: Mapping[str, str], device: torch.device,
-                 batch_size_of_example: int | None):
+                 batch_size_of_example: int | None, precision: MixedPrecision | None = None):
         self.plan = plan
         self.layout = layout
         self.stages = stages
@@ -138,6 +165,8 @@ class PartitionedModel:
         self.aliases = dict(aliases)
         """Every name of a tied parameter -> its first name in the model."""
         self.device = device
+        self.precision = precision
+        """bf16 working copies with fp32 masters (precision.py), or None for an fp32 plan."""
         self._params = self._collect_params()
 
     # ---- parameters ----------------------------------------------------------------------------
@@ -146,6 +175,8 @@ class PartitionedModel:
         out = []
         for index in sorted(self.stages):
             for name, p in self.stages[index].module.named_parameters():
+                if self.precision is not None:  # the fp32 master: what users optimize and save
+                    p = self.precision.master_of.get(id(p), p)
                 if id(p) not in seen:
                     seen.add(id(p))
                     out.append((name, p))
@@ -164,6 +195,9 @@ class PartitionedModel:
     def zero_grad(self) -> None:
         for _, p in self._params:
             p.grad = None
+        for stage in self.stages.values():
+            for p in stage.params:
+                p.grad = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {name: p.detach() for name, p in self._params}
@@ -198,6 +232,8 @@ class PartitionedModel:
                 source = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
                 tensor = tensor.to_local()
             tensor.copy_(source)
+        if self.precision is not None:
+            self.precision.refresh()
         if strict and missing:
             raise KeyError(f"state dict has no entry for {len(missing)} local tensors, e.g. {missing[0]!r}")
         return missing
@@ -247,7 +283,11 @@ class PartitionedModel:
         """
         if zero_grad:
             self.zero_grad()
+        if self.precision is not None:
+            self.precision.refresh()  # the optimizer stepped the fp32 masters since the last step
         loss = self.executor.run(self._microbatches(inputs, target))
+        if self.precision is not None:
+            self.precision.flush_grads()
         params = dict(self._params)
         for name, group in self.layout.tie_groups.items():
             local = [p for n, p in self._params if self.aliases.get(n) == name]
@@ -351,13 +391,19 @@ def partition(
         print("warning: the plan has sequence_parallel but the runtime runs tp without it (activations "
               "replicated over the tp group): same numerics, more activation memory than planned",
               file=sys.stderr, flush=True)
-    stages = {i: Stage(specs[i], module) for i, module in mine.items()}
+    compute_dtype = _compute_dtype(plan)
+    precision = MixedPrecision(list(mine.values()), compute_dtype) if compute_dtype != torch.float32 else None
+    stages = {i: Stage(specs[i], module, runner=_recompute_runner(traced, plan, specs[i], module))
+              for i, module in mine.items()}
     schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
     executor = PipelineExecutor(
         stages, schedule.with_comms()[layout.pp_index], num_stages=plan.num_stages,
         num_microbatches=plan.num_microbatches, rank_of_stage=lambda s: layout.stage_rank[s],
-        comm=P2P(device, plan.num_stages, plan.num_microbatches, timeout), split_backward=schedule.split_backward(),
+        comm=P2P(device, plan.num_stages, plan.num_microbatches, timeout,
+                 wire_dtype=None if precision is None else compute_dtype),
+        split_backward=schedule.split_backward(),
+        on_weight_grads=None if precision is None else precision.flush_grads,
     )
     return PartitionedModel(plan=plan, layout=layout, stages=stages, executor=executor,
                             input_names=traced.input_names, aliases=aliases, device=device,
-                            batch_size_of_example=batch)
+                            batch_size_of_example=batch, precision=precision)

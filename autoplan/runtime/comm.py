@@ -50,8 +50,11 @@ class P2P:
     """isend / irecv of crossing values with tags; tracks outstanding sends."""
 
     def __init__(self, device: torch.device, num_stages: int, num_microbatches: int,
-                 timeout: timedelta = timedelta(seconds=60)):
+                 timeout: timedelta = timedelta(seconds=60), wire_dtype: torch.dtype | None = None):
         self.device = device
+        self.wire_dtype = wire_dtype
+        """Floating-point values travel and arrive in this dtype (the plan's compute dtype under
+        mixed precision, runtime/precision.py; the graph's own dtypes were found in fp32)."""
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         self.timeout = timeout
@@ -70,7 +73,10 @@ class P2P:
         for i, t in enumerate(tensors):
             if t is None:
                 continue
-            t = t.detach().contiguous()
+            t = t.detach()
+            if self.wire_dtype is not None and t.is_floating_point():
+                t = t.to(self.wire_dtype)
+            t = t.contiguous()
             work = dist.isend(t, dst=dst, tag=self._tag(kind, stage, microbatch, i))
             self._pending_sends.append((work, f"send of {kind} values of stage {stage}, micro-batch {microbatch} "
                                               f"to rank {dst}"))
@@ -86,7 +92,10 @@ class P2P:
             if spec is None or not spec.is_tensor:
                 out.append(None)
                 continue
-            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            dtype = spec.dtype
+            if self.wire_dtype is not None and dtype is not None and dtype.is_floating_point:
+                dtype = self.wire_dtype
+            buf = torch.empty(spec.shape, dtype=dtype, device=self.device)
             works.append(dist.irecv(buf, src=src, tag=self._tag(kind, stage, microbatch, i)))
             out.append(buf)
         for w in works:

@@ -43,10 +43,15 @@ class Stage:
     spec: StageSpec
     module: nn.Module
     params: list[nn.Parameter] = field(default_factory=list)
+    runner: Callable[..., Any] | None = None
+    """Runs the stage in place of `module` (recompute.RecomputeRunner: same inputs and outputs)."""
 
     def __post_init__(self) -> None:
         if not self.params:
             self.params = [p for p in self.module.parameters() if p.requires_grad]
+
+    def __call__(self, *args: Any) -> Any:
+        return (self.runner or self.module)(*args)
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,8 @@ class PipelineExecutor:
 
     def __init__(self, stages: Mapping[int, Stage], actions: Sequence[Action], *, num_stages: int,
                  num_microbatches: int, rank_of_stage: Callable[[int], int], comm: P2P,
-                 split_backward: bool, loss_scale: float | None = None):
+                 split_backward: bool, loss_scale: float | None = None,
+                 on_weight_grads: Callable[[], None] | None = None):
         self.stages = dict(stages)
         self.actions = tuple(actions)
         self.num_stages = num_stages
@@ -85,6 +91,9 @@ class PipelineExecutor:
         self.split_backward = split_backward
         self.loss_scale = 1.0 / num_microbatches if loss_scale is None else loss_scale
         self.last_trace: list[ActionRecord] = []
+        self.on_weight_grads = on_weight_grads
+        """Called after each W action (zb-h1), whose weight gradients autograd does not accumulate
+        itself: mixed precision moves them to the fp32 masters (precision.py)."""
 
     # ------------------------------------------------------------------------------------------
     def run(self, microbatches: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
@@ -131,12 +140,12 @@ class PipelineExecutor:
         data = self._data[m]
         for name in spec.data_inputs:
             env[name] = data[name]
-        out = stage.module(*[env[n] for n in spec.inputs])
+        out = stage(*[env[n] for n in spec.inputs])
         produced = dict(zip(spec.outputs, out if isinstance(out, (tuple, list)) else (out,)))
         if s == self.num_stages - 1:
             loss = produced[spec.outputs[0]] * self.loss_scale
             state.sent = [loss]
-            detached = loss.detach()
+            detached = loss.detach().float()  # a bf16 loss is summed over micro-batches in fp32
             self._loss = detached if self._loss is None else self._loss + detached
         else:
             state.sent = [produced[cv.name] if cv.name in produced else env[cv.name] for cv in spec.send]
@@ -186,7 +195,8 @@ class PipelineExecutor:
             if g is None and not last:
                 continue
             outputs.append(v)
-            out_grads.append(g)
+            # A gradient arrives in the wire dtype; backward wants the output's own.
+            out_grads.append(g if g is None or g.dtype == v.dtype else g.to(v.dtype))
         leaves = [v for v in inputs if v is not None]
         if self.split_backward and leaves and outputs:
             from torch.distributed.pipelining._backward import stage_backward_input
@@ -220,3 +230,5 @@ class PipelineExecutor:
 
         stage_backward_weight(iter(self.stages[s].params), state.param_groups)
         del self._state[(s, m)]
+        if self.on_weight_grads is not None:
+            self.on_weight_grads()

@@ -1,0 +1,94 @@
+"""Mixed precision as Megatron-LM runs it: bf16 weights and compute, fp32 master weights and gradients.
+
+[Note: mixed precision]
+A plan with dtype bfloat16 is run the way the cost model counts it (cost/memory.py [Note: bytes per
+parameter]) and the profile measures it (every floating tensor in bf16), not with `torch.autocast`,
+which would keep a bf16 copy of every weight per micro-batch in flight (the casts are saved for
+backward), and fp32 residual streams:
+
+- The stage modules compute with bf16 *working* parameters and buffers; activations, the values sent
+  between stages and their gradients are bf16.
+- Each working parameter has an fp32 *master* (Micikevicius et al. 2018, "Mixed Precision Training",
+  Sec. 3.1). The masters are what the user sees: `PartitionedModel.named_parameters()`, what the
+  optimizer steps, what `state_dict` and checkpoints hold.
+- Gradients accumulate over micro-batches in fp32 on the master (`master.grad`), as Megatron-LM's
+  `main_grad` with `accumulate_allreduce_grads_in_fp32`: a post-accumulate-grad hook adds each bf16
+  gradient as soon as autograd produces it and frees it; weight gradients that zb-h1 computes
+  outside autograd's accumulation are moved by `flush_grads`. The dp all-reduce then runs on fp32.
+- `refresh` copies the masters into the working parameters at the start of every step (after the
+  previous step's optimizer update).
+
+Bytes per parameter: 2 (bf16 weight) + 4 (fp32 gradient) + 4 (fp32 master) + 8 (Adam's moments) = 18,
+Megatron-LM's figure for this setup; the cost model counts 16 (ZeRO's 2 + 2 + 12, with bf16
+gradients), 2 bytes per parameter less (docs/status.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["MixedPrecision"]
+
+
+class MixedPrecision:
+    """bf16 working copies of the floating parameters and buffers of `modules`, with fp32 masters."""
+
+    def __init__(self, modules: Sequence[nn.Module], dtype: torch.dtype):
+        self.dtype = dtype
+        self.master_of: dict[int, nn.Parameter] = {}
+        """id(working parameter) -> its fp32 master."""
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        working_of: dict[int, nn.Parameter] = {}
+        seen_modules: set[int] = set()
+        for root in modules:
+            for mod in root.modules():
+                if id(mod) in seen_modules:
+                    continue
+                seen_modules.add(id(mod))
+                for name, p in list(mod._parameters.items()):
+                    if p is None or not p.is_floating_point():
+                        continue
+                    if id(p) in self.master_of:  # already a working copy (a module reached twice)
+                        continue
+                    working = working_of.get(id(p))
+                    if working is None:  # first sight of this master (tied parameters share one)
+                        working = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                        working_of[id(p)] = working
+                        self.master_of[id(working)] = p
+                        self._pairs.append((p, working))
+                        if working.requires_grad:
+                            working.register_post_accumulate_grad_hook(self._accumulate)
+                    mod._parameters[name] = working
+                for name, b in list(mod._buffers.items()):
+                    if b is not None and b.is_floating_point() and b.dtype != dtype:
+                        mod._buffers[name] = b.to(dtype)
+
+    def _accumulate(self, working: torch.Tensor) -> None:
+        master = self.master_of[id(working)]
+        grad = working.grad
+        if grad is None:
+            return
+        if master.grad is None:
+            master.grad = grad.to(master.dtype)
+        else:
+            master.grad.add_(grad)
+        working.grad = None
+
+    def flush_grads(self) -> None:
+        """Move any gradient still on a working parameter (zb-h1's W) into its master."""
+        for _, working in self._pairs:
+            if working.grad is not None:
+                self._accumulate(working)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Working parameters <- masters (bf16 rounding of the fp32 values)."""
+        for master, working in self._pairs:
+            working.copy_(master)
+
+    def masters(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+        """The master of each working parameter (others unchanged)."""
+        return [self.master_of.get(id(p), p) for p in params]
