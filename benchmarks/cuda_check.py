@@ -86,7 +86,7 @@ def _train(plan, steps: int) -> dict:
     device = torch.device("cuda", 0)
     torch.cuda.reset_peak_memory_stats(device)
     pm = partition(plan.model, plan, device=device)
-    optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-4)
     vocab = zoo.model_info(plan.model)["vocab_size"]
     times, losses = [], []
     for step in range(steps):

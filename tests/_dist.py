@@ -99,7 +99,7 @@ def make_plan(model_name: str, fingerprint: str, block_names, *, pp: int, dp: in
     ends = list(cuts) if cuts is not None else [round(n * (k + 1) / num_stages) for k in range(num_stages)]
     starts = [0, *ends[:-1]]
     stages = tuple(StagePlan(index=k, pp_rank=k % pp, first_block=starts[k], end_block=ends[k]) for k in range(num_stages))
-    zero = Predicted(step_time_s=0.0, tokens_per_s=0.0, model_tflops_per_gpu=0.0, hardware_tflops_per_gpu=0.0,
+    nothing = Predicted(step_time_s=0.0, tokens_per_s=0.0, model_tflops_per_gpu=0.0, hardware_tflops_per_gpu=0.0,
                      mfu=0.0, hfu=0.0, peak_memory_bytes=0.0, bubble_fraction=0.0)
     return Plan(model=model_name, model_fingerprint=fingerprint,
                 cluster=parse_cluster(f"1x{pp * dp * tp}xcpu").to_dict(),
@@ -107,4 +107,4 @@ def make_plan(model_name: str, fingerprint: str, block_names, *, pp: int, dp: in
                 tp=tp, pp=pp, dp=dp, virtual_stages=virtual_stages, micro_batch_size=micro_batch_size,
                 num_microbatches=num_microbatches, schedule=schedule, recompute=recompute, zero=zero,
                 sequence_parallel=False, rank_order="tp-dp-pp", stages=stages, block_names=tuple(block_names),
-                fits=False, predicted=zero)
+                fits=False, predicted=nothing)

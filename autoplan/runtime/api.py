@@ -44,6 +44,7 @@ from autoplan.runtime.parallel import (
     all_reduce_grads,
     apply_tensor_parallel,
     build_layout,
+    reduce_grads_to_owners,
     tensor_parallel_plan,
 )
 from autoplan.runtime.precision import MixedPrecision
@@ -167,6 +168,8 @@ class PartitionedModel:
         self.device = device
         self.precision = precision
         """bf16 working copies with fp32 masters (precision.py), or None for an fp32 plan."""
+        self._grad_owner: dict[int, int] | None = None
+        """ZeRO-2 (set by `make_optimizer`): id(parameter) -> dp index of the rank that steps it."""
         self._params = self._collect_params()
 
     # ---- parameters ----------------------------------------------------------------------------
@@ -238,6 +241,35 @@ class PartitionedModel:
             raise KeyError(f"state dict has no entry for {len(missing)} local tensors, e.g. {missing[0]!r}")
         return missing
 
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                       **kwargs: Any) -> torch.optim.Optimizer:
+        """The optimizer over this rank's parameters, sharded as the plan's ZeRO stage says.
+
+        zero = 0 (or dp = 1): `optimizer_class(self.parameters(), **kwargs)`, replicated on the dp
+        replicas. zero >= 1: torch's `ZeroRedundancyOptimizer` over the dp group (Rajbhandari et
+        al. 2020, ZeRO stage 1): each replica keeps the optimizer state of its share of the
+        parameters, steps those and broadcasts them to the other replicas. zero = 2 also shards
+        the gradients: `step` reduces each gradient to the replica that owns it (instead of an
+        all-reduce) and frees it elsewhere, so between steps only the owned gradients are held
+        (during the pipelined backward every gradient still exists in full: the reduction runs
+        after the last micro-batch, not bucket by bucket as DeepSpeed's does)."""
+        if self.plan.zero == 0 or self.layout.dp_group is None:
+            return optimizer_class(self.parameters(), **kwargs)
+        if self.plan.tp > 1:  # torch's ZeroRedundancyOptimizer broadcasts plain tensors, not DTensor shards
+            if dist.get_rank() == 0:
+                print(f"warning: the plan has zero = {self.plan.zero} with tp = {self.plan.tp}; the runtime keeps a "
+                      "replicated optimizer there: same numerics, more optimizer memory than planned",
+                      file=sys.stderr, flush=True)
+            return optimizer_class(self.parameters(), **kwargs)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(list(self.parameters()), optimizer_class=optimizer_class,
+                                            process_group=self.layout.dp_group, **kwargs)
+        if self.plan.zero >= 2:
+            shards = optimizer._partition_parameters()  # the shard each dp rank steps, per param group
+            self._grad_owner = {id(p): r for r, groups in enumerate(shards) for g in groups for p in g["params"]}
+        return optimizer
+
     @property
     def last_trace(self) -> list[ActionRecord]:
         """(action, start, end) of every action of the last step, in this rank's order."""
@@ -292,7 +324,10 @@ class PartitionedModel:
         for name, group in self.layout.tie_groups.items():
             local = [p for n, p in self._params if self.aliases.get(n) == name]
             all_reduce_grads(local, group, average=False)
-        all_reduce_grads(params.values(), self.layout.dp_group, average=True)
+        if self._grad_owner is not None:  # ZeRO-2: each gradient only where its optimizer shard is
+            reduce_grads_to_owners(params.values(), self._grad_owner, self.layout.dp_group)
+        else:
+            all_reduce_grads(params.values(), self.layout.dp_group, average=True)
         if loss is not None and self.layout.dp_group is not None:
             dist.all_reduce(loss, group=self.layout.dp_group)
             loss /= self.plan.dp

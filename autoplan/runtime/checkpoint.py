@@ -8,7 +8,9 @@ Format (plain per-rank `torch.save` files plus a JSON manifest; not torch.distri
 
 Each rank serializes its stages' parameters (and persistent buffers) and its AdamW state keyed by
 the parameter's *name* in the model, never by optimizer index. Only ranks with dp index 0 (and
-tp index 0) write: the other replicas hold identical copies. So a checkpoint saved under one plan
+tp index 0) write: the other replicas hold identical copies. Under ZeRO (a ZeroRedundancyOptimizer)
+every replica also writes the optimizer state of its shard, and replica 0 the parameters; loading
+merges the files by name, so the shards need not line up with the reader's. So a checkpoint saved under one plan
 loads under any other plan of the same model (pp = 2 -> pp = 4, other cuts) and into a plain
 single-process model (`load_full_state_dict`).
 
@@ -110,8 +112,23 @@ def _param_names(pm) -> dict[int, str]:
     return {id(p): name for name, p in pm.named_parameters()}
 
 
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state: a ZeroRedundancyOptimizer's local shard (ZeRO), or
+    the optimizer itself."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def _is_sharded(optimizer: torch.optim.Optimizer | None) -> bool:
+    return optimizer is not None and local_optimizer(optimizer) is not optimizer
+
+
 def named_optimizer_state(pm, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name: {"state": {name: {...}}, "param_groups": [...]}."""
+    """The optimizer's state keyed by parameter name: {"state": {name: {...}}, "param_groups": [...]}.
+
+    Of a ZeRO optimizer, this rank's shard: the files of all dp ranks together hold the whole."""
+    optimizer = local_optimizer(optimizer)
     names = _param_names(pm)
     state: dict[str, dict[str, Any]] = {}
     groups = []
@@ -133,7 +150,9 @@ def _rank_payload(pm, optimizer, step: int, extra: Mapping[str, Any] | None) -> 
     return {
         "format": CHECKPOINT_FORMAT,
         "step": step,
-        "params": {name: t.detach().cpu().clone() for name, t in pm.state_dict().items()},
+        # A ZeRO shard writer of dp index > 0 adds its optimizer shard only: replica 0 has the params.
+        "params": ({name: t.detach().cpu().clone() for name, t in pm.state_dict().items()}
+                   if _dp_index(pm) == 0 else {}),
         "optimizer": None if optimizer is None else named_optimizer_state(pm, optimizer),
         "aliases": dict(getattr(pm, "aliases", {})),
         "rng": {"torch": torch.get_rng_state()},
@@ -141,9 +160,14 @@ def _rank_payload(pm, optimizer, step: int, extra: Mapping[str, Any] | None) -> 
     }
 
 
-def _is_writer(pm) -> bool:
+def _dp_index(pm) -> int:
+    return getattr(getattr(pm, "layout", None), "dp_index", 0)
+
+
+def _is_writer(pm, optimizer: torch.optim.Optimizer | None = None) -> bool:
+    """Replica 0 writes (tp index 0); under ZeRO every replica writes its optimizer shard."""
     layout = getattr(pm, "layout", None)
-    return layout is None or (getattr(layout, "dp_index", 0) == 0 and getattr(layout, "tp_index", 0) == 0)
+    return layout is None or ((_dp_index(pm) == 0 or _is_sharded(optimizer)) and getattr(layout, "tp_index", 0) == 0)
 
 
 def _barrier(timeout: timedelta) -> None:
@@ -190,7 +214,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
         tmp.mkdir()
     _barrier(timeout)
     buf = io.BytesIO()
-    if _is_writer(pm):
+    if _is_writer(pm, optimizer):
         torch.save(_rank_payload(pm, optimizer, step, extra), buf)
         _atomic_write(tmp / rank_file_name(rank), buf.getvalue(), kill_midway=_kill_midway)
     _barrier(timeout)
@@ -365,6 +389,7 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
             raise CheckpointError(f"checkpoint entry {name!r} has shape {tuple(source.shape)}, the model "
                                   f"{tuple(tensor.shape)}; is it of another model?")
     if optimizer is not None:
+        optimizer = local_optimizer(optimizer)  # under ZeRO: the shard this rank steps, found by name
         sd = optimizer.state_dict()
         names = _param_names(pm)
         index = 0

@@ -147,7 +147,7 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     rank = dist.get_rank()
     device = default_device()
     pm = partition(spec, plan, device=device, seed=seed, timeout=timeout)
-    optimizer = torch.optim.AdamW(pm.parameters(), lr=lr)
+    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=lr)
     batch, seq_len = plan.job.global_batch, plan.job.seq_len
     vocab = zoo.model_info(spec)["vocab_size"]
     loss_src = plan.rank(plan.pp - 1, 0, 0)

@@ -9,9 +9,9 @@ a step:
   first (Megatron-LM's embedding group, Shoeybi et al. 2019, Sec 3), so both copies take the same
   optimizer step and stay equal.
 - Then every gradient is averaged over the dp group (one all-reduce per dtype over a flat buffer,
-  as DDP's buckets do). ZeRO plans (zero = 1 or 2) are run the same way for now: a plain
-  all-reduce of full gradients with a replicated optimizer, not reduce-scatter + all-gather with
-  sharded optimizer state, so their memory saving is not realized (the numerics are identical).
+  as DDP's buckets do). Under ZeRO-2 (`PartitionedModel.make_optimizer`) each gradient is instead
+  reduced to the one replica whose optimizer shard steps it (one reduce per owner over a flat
+  buffer; together a reduce-scatter) and freed on the others (`reduce_grads_to_owners`).
 
 Tensor parallelism (tp > 1) is torch's own `torch.distributed.tensor.parallel`, Megatron-style
 (Shoeybi et al. 2019, Sec 3) on the built-in models' layers, over the mesh's "tp" axis:
@@ -45,7 +45,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = ["ParallelLayout", "TensorParallelError", "all_reduce_grads", "apply_tensor_parallel", "build_layout",
-           "local_tensor", "tensor_parallel_plan"]
+           "local_tensor", "reduce_grads_to_owners", "tensor_parallel_plan"]
 
 
 class TensorParallelError(ValueError):
@@ -200,3 +200,30 @@ def all_reduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup | 
             flat /= size
         for local, g in zip(grads, _unflatten_dense_tensors(flat, grads)):
             local.copy_(g)
+
+
+def reduce_grads_to_owners(params: Iterable[nn.Parameter], owner: Mapping[int, int],
+                           group: dist.ProcessGroup | None) -> None:
+    """ZeRO-2: average each `.grad` over `group` onto the rank (index in the group) that owns the
+    parameter (`owner[id(p)]`) and free it on the others. One reduce per (owner, dtype) over a
+    flat buffer: together the reduce-scatter of ZeRO (Rajbhandari et al. 2020, Sec. 5.2)."""
+    if group is None:
+        return
+    me = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    buckets: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        buckets.setdefault((owner[id(p)], p.grad.dtype), []).append(p)
+    for (dst, _), plist in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        grads = [p.grad for p in plist]
+        flat = _flatten_dense_tensors(grads)
+        dist.reduce(flat, dst=dist.get_global_rank(group, dst), group=group)
+        if me == dst:
+            flat /= size
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
+        else:
+            for p in plist:
+                p.grad = None

@@ -1,0 +1,106 @@
+"""ZeRO plans run with sharded optimizer state (stage 1) and sharded gradients (stage 2): the same
+training as a replicated optimizer, with each dp replica holding only its share of the state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import run_ranks
+from test_runtime_multiproc import GPT, _data
+from test_runtime_precision import _plan_with
+
+pytestmark = pytest.mark.multiproc
+
+STEPS = 3
+
+
+def _train(rank, world_size, plans, checkpoint_root=None):
+    from autoplan.runtime import checkpoint as ckpt
+    from autoplan.runtime import partition
+    from autoplan.runtime.checkpoint import local_optimizer
+
+    out = []
+    for i, plan in enumerate(plans):
+        pm = partition(GPT, plan, device="cpu")
+        optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-2)
+        losses = []
+        for step in range(STEPS):
+            ids, tgt = _data(64, plan.job.global_batch, seed=step)
+            loss = pm.step(ids, target=tgt)
+            grads_held = sum(p.grad.numel() for p in pm.parameters() if p.grad is not None)
+            optimizer.step()
+            losses.append(None if loss is None else float(loss))
+        state = local_optimizer(optimizer).state
+        saved = None
+        if checkpoint_root is not None:
+            path = ckpt.save_checkpoint(f"{checkpoint_root}/{i}", STEPS, pm, optimizer)
+            saved = str(path)
+        out.append({
+            "losses": losses,
+            "params": {n: p.detach().clone() for n, p in pm.named_parameters()},
+            "state_numel": sum(v.numel() for s in state.values() for k, v in s.items() if k == "exp_avg"),
+            "param_numel": sum(p.numel() for p in pm.parameters()),
+            "grads_held": grads_held,
+            "optimizer": type(optimizer).__name__,
+            "checkpoint": saved,
+        })
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_zero_1_and_2_train_like_a_replicated_optimizer_with_sharded_state(tmp_path):
+    plans = [_plan_with(GPT, 2, dp=2, zero=z) for z in (0, 1, 2)]
+    results = run_ranks(_train, 4, plans, str(tmp_path), timeout_s=140)
+    for z in (1, 2):
+        for res in results.values():
+            base, zero = res[0], res[z]
+            assert zero["optimizer"] == "ZeroRedundancyOptimizer"
+            if base["losses"][0] is not None:  # ranks of the last stage
+                assert zero["losses"] == pytest.approx(base["losses"], rel=1e-5)
+            for name, value in base["params"].items():
+                torch.testing.assert_close(zero["params"][name], value, rtol=1e-5, atol=1e-6)
+    # Each replica of a stage holds a part of the optimizer state, together all of it once.
+    for pp_index in (0, 1):
+        ranks = [r for r in results if plans[1].coords(r)[0] == pp_index]
+        for z in (1, 2):
+            shares = [results[r][z]["state_numel"] for r in ranks]
+            assert sum(shares) == results[ranks[0]][z]["param_numel"] and all(0 < s < sum(shares) for s in shares)
+            assert results[ranks[0]][0]["state_numel"] == results[ranks[0]][0]["param_numel"]
+        # ZeRO-2: after the step's reduction each replica keeps only the gradients it steps.
+        held = [results[r][2]["grads_held"] for r in ranks]
+        assert sum(held) == results[ranks[0]][2]["param_numel"]
+        assert [results[r][1]["grads_held"] for r in ranks] == [results[ranks[0]][1]["param_numel"]] * 2
+
+
+@pytest.mark.timeout(150)
+def test_zero_checkpoint_holds_every_shard_and_restores_into_another_layout(tmp_path):
+    from autoplan.runtime.checkpoint import load_checkpoint
+
+    plan = _plan_with(GPT, 2, dp=2, zero=1)
+    results = run_ranks(_train, 4, [plan], str(tmp_path), timeout_s=140)
+    path = results[0][0]["checkpoint"]
+    ckpt = load_checkpoint(path)
+    # Every parameter has its full AdamW state in the checkpoint, from whichever replica owned it.
+    model_params = {n for r in results.values() for n in r[0]["params"]}
+    assert set(ckpt.optimizer_state) >= model_params
+    assert set(ckpt.params) >= model_params
+    for name in model_params:
+        assert ckpt.optimizer_state[name]["exp_avg"].shape == ckpt.params[name].shape
+    # ... and loads into a plan without ZeRO (2 ranks, replicated optimizer), every state found by name.
+    other = _plan_with(GPT, 2, dp=1, zero=0)
+    restored = run_ranks(_restore, 2, other, path, timeout_s=100)
+    for rank, states in restored.items():
+        assert states, f"rank {rank} restored nothing"
+        for name, exp_avg in states.items():
+            torch.testing.assert_close(exp_avg, ckpt.optimizer_state[name]["exp_avg"])
+
+
+def _restore(rank, world_size, plan, path):
+    from autoplan.runtime import checkpoint as ckpt
+    from autoplan.runtime import partition
+
+    pm = partition(GPT, plan, device="cpu")
+    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    ckpt.restore(ckpt.load_checkpoint(path), pm, optimizer, strict=True)
+    names = {id(p): n for n, p in pm.named_parameters()}
+    return {names[id(p)]: s["exp_avg"].clone() for p, s in optimizer.state.items()}
