@@ -3,6 +3,7 @@ partitioned model. The CLI calls these functions and nothing else."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.profile import Progress, profile_model
 from autoplan.graph.trace import TracedModel
 from autoplan.plan import Job, Plan
+from autoplan.search._gc import gc_paused
 from autoplan.search.space import SearchResult, search_plans
 
 __all__ = ["ProfiledModel", "parse_dtype", "profile", "profile_with_graph", "suggest", "suggest_with_stats"]
@@ -62,6 +64,17 @@ def profile_with_graph(
     progress: Progress | None = None,
 ) -> ProfiledModel:
     """Build (for a spec), trace and profile a model; see `profile`."""
+    # Analytic profiling builds on meta and runs on fake tensors (no memory to reclaim) and
+    # allocates heavily, torch._dynamo's import included; see search/_gc.py. Timed profiling
+    # allocates real tensors, so the collector stays on there.
+    with gc_paused() if device == "meta" else contextlib.nullcontext():
+        return _profile_with_graph(model, batch_size=batch_size, seq_len=seq_len, example_inputs=example_inputs,
+                                   loss_fn=loss_fn, example_target=example_target, dtype=dtype, device=device,
+                                   leaf_modules=leaf_modules, tracer=tracer, cache_dir=cache_dir, progress=progress)
+
+
+def _profile_with_graph(model, *, batch_size, seq_len, example_inputs, loss_fn, example_target, dtype, device,
+                        leaf_modules, tracer, cache_dir, progress) -> ProfiledModel:
     torch_dtype = parse_dtype(dtype)
     spec = None
     info: dict[str, int | None] = {}

@@ -462,6 +462,83 @@ def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
     return Path(os.environ.get("AUTOPLAN_CACHE_DIR", Path.home() / ".cache" / "autoplan")) / "profiles"
 
 
+def _read_cached(path: Path, fingerprint: str, *, timed: bool) -> ModelProfile | None:
+    if not path.exists():
+        return None
+    try:
+        cached = ModelProfile.from_dict(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError):
+        return None  # a stale or damaged cache entry is re-measured and rewritten
+    if cached.fingerprint != fingerprint or (timed and not cached.is_timed):
+        return None
+    return cached
+
+
+def _write_cached(path: Path, profile: ModelProfile) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one writer per file name; replace is atomic
+        tmp.write_text(profile.to_json())
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only or full cache directory costs the next run a re-profile, nothing else
+
+
+def _source_digest(paths: set[str]) -> str | None:
+    h = hashlib.sha1()
+    for path in sorted(paths):
+        try:
+            h.update(path.encode() + b"\0" + Path(path).read_bytes())
+        except OSError:
+            return None
+    return h.hexdigest()
+
+
+def _code_files(traced: TracedModel) -> set[str] | None:
+    """Source files whose code decides what the traced graph computes, besides torch itself (whose
+    version is in the key): autoplan's graph package (the profiler, the tracer, the zoo) and the
+    file of every module class and called function outside torch. None when some code has no file
+    (defined in a REPL or generated): then the profile is not cached, since an edit could not be seen."""
+    import sys
+
+    files = {str(Path(__file__).resolve().parent / name) for name in ("profile.py", "trace.py", "blocks.py")}
+    objects: list[Any] = [type(m) for m in {type(m): m for m in traced.gm.modules()}.values()]
+    objects += [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
+    for obj in objects:
+        module_name = getattr(obj, "__module__", None) or ""
+        if module_name == "torch" or module_name.startswith(("torch.", "_operator", "operator", "builtins")):
+            continue
+        if type(obj).__name__ == "OpOverload" or isinstance(obj, type) and issubclass(obj, fx.GraphModule):
+            continue
+        module = sys.modules.get(module_name)
+        path = getattr(module, "__file__", None)
+        if not path:
+            return None
+        files.add(path)
+    return files
+
+
+def _analytic_key(traced: TracedModel, example_inputs: Sequence[Any], *, model_name: str, fingerprint: str,
+                  dtype: torch.dtype | None, info: dict[str, int | None], batch_size: int | None,
+                  seq_len: int | None) -> str | None:
+    """Cache key of an analytic (fake-tensor) profile, or None when it cannot be cached safely.
+
+    The result depends on the graph (its code, blocks and the parameter shapes in the model
+    fingerprint), the code it calls (`_code_files`), the input shapes and dtypes, the dtype, the
+    config numbers in `info`, torch (kernel choice, FLOP formulas) and autoplan."""
+    from autoplan import __version__
+
+    files = _code_files(traced)
+    digest = _source_digest(files) if files is not None else None
+    if digest is None:
+        return None
+    inputs = [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
+    parts = ["analytic", fingerprint, model_name, traced.tracer, traced.note, traced.block_names, traced.gm.code,
+             inputs, str(dtype), sorted((k, v) for k, v in info.items()), batch_size, seq_len, torch.__version__,
+             __version__, digest]
+    return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:20]
+
+
 # --------------------------------------------------------------------------------------------
 # Entry points
 
@@ -518,6 +595,17 @@ def profile_traced(
 ) -> ModelProfile:
     """Profile a traced model (see the module docstring). `dtype=None` keeps the model's dtypes."""
     info = dict(info or {})
+    analytic_file = None
+    if device == "meta":
+        key = _analytic_key(traced, example_inputs, model_name=model_name, fingerprint=fingerprint, dtype=dtype,
+                            info=info, batch_size=batch_size, seq_len=seq_len)
+        if key is not None:
+            analytic_file = _cache_dir(cache_dir) / f"analytic-{key}.json"
+            cached = _read_cached(analytic_file, fingerprint, timed=False)
+            if cached is not None:
+                if progress is not None:
+                    progress(traced.num_blocks, traced.num_blocks, traced.block_names[-1])
+                return cached
     run = _run_fake(traced, example_inputs, dtype)
     cuts = _cut_candidates(traced, run)
     first_input = next((x for x in example_inputs if isinstance(x, torch.Tensor)), None)
@@ -541,13 +629,9 @@ def profile_traced(
                         torch.__version__]).encode()
         ).hexdigest()[:20]
         cache_file = _cache_dir(cache_dir) / f"{key}.json"
-        if cache_file.exists():
-            try:
-                cached = ModelProfile.from_dict(json.loads(cache_file.read_text()))
-                if cached.fingerprint == fingerprint and cached.is_timed:
-                    return cached
-            except (ValueError, KeyError, TypeError):
-                pass  # a stale or damaged cache entry is re-measured and rewritten
+        cached = _read_cached(cache_file, fingerprint, timed=True)
+        if cached is not None:
+            return cached
 
     costs: dict[str, _BlockCost] = {}
     seen_params: set[int] = set()
@@ -623,11 +707,9 @@ def profile_traced(
         torch_version=torch.__version__,
         extra={"tracer_note": traced.note, **({"threads": torch.get_num_threads()} if device == "cpu" else {})},
     )
-    if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(".tmp")
-        tmp.write_text(profile.to_json())
-        tmp.replace(cache_file)
+    for path in (cache_file, analytic_file):
+        if path is not None:
+            _write_cached(path, profile)
     return profile
 
 

@@ -248,12 +248,26 @@ class GPTLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def _embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, without its normal_ initialization when built on meta.
+
+    `build_model` constructs every model on meta, where values do not exist and `materialize`
+    initializes by name later. nn.Embedding's own init calls normal_, whose meta kernel is a Python
+    reference wrapped by torch._disable_dynamo, which imports torch._dynamo on first use (about 1 s
+    on a 2-core machine, measured with torch 2.13 and -X importtime) for nothing. Passing the weight
+    skips reset_parameters (torch/nn/modules/sparse.py); off meta the usual init runs.
+    """
+    if torch.empty(0).device.type == "meta":
+        return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+    return nn.Embedding(num_embeddings, dim)
+
+
 class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.pos_embeddings = nn.Embedding(config.max_seq_len, config.hidden_size)
+        self.tok_embeddings = _embedding(config.vocab_size, config.hidden_size)
+        self.pos_embeddings = _embedding(config.max_seq_len, config.hidden_size)
         self.layers = nn.ModuleList(GPTLayer(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -300,7 +314,14 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, max_seq_len: int, head_dim: int, theta: float) -> None:
         super().__init__()
         self.max_seq_len, self.head_dim, self.theta = max_seq_len, head_dim, theta
-        cos, sin = _rope_tables(max_seq_len, head_dim, theta)
+        if torch.empty(0).device.type == "meta":
+            # Built on meta (`build_model`): there are no values to compute, and computing them
+            # runs meta reference kernels once per layer (about 5 ms each, plus torch._dynamo's
+            # import, see `_embedding`). `reset_buffers` fills them after materialization.
+            cos = torch.empty(max_seq_len, head_dim, dtype=torch.float32)
+            sin = torch.empty(max_seq_len, head_dim, dtype=torch.float32)
+        else:
+            cos, sin = _rope_tables(max_seq_len, head_dim, theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -383,7 +404,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tok_embeddings = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -275,30 +275,30 @@ def _interleaved_one_f_one_b(
     # The bubble shrinks by v: (1/v)(p - 1)/m of the ideal time (SC'21 Sec 2.2.2).
     p, m, v = num_ranks, num_microbatches, virtual_stages
     total = m * v
-
-    def chunk_and_mb(k: int, backward: bool) -> tuple[int, int]:
+    # The k-th forward (backward) of every rank visits the same (chunk, micro-batch) pair; only the
+    # stage, chunk * p + r, depends on the rank. So the pairs are listed once, not per rank.
+    fwd_cm = []
+    bwd_cm = []
+    for k in range(total):
         group, within = divmod(k, p * v)
-        chunk = within // p
-        if backward:
-            chunk = v - 1 - chunk
-        return chunk, group * p + within % p
+        chunk, mb = within // p, group * p + within % p
+        fwd_cm.append((chunk * p, mb))
+        bwd_cm.append(((v - 1 - chunk) * p, mb))
+    new = tuple.__new__
+    F, B = ActionKind.F, ActionKind.B
 
     out = []
     for r in range(p):
         num_warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
-
-        def fwd(k: int, r: int = r) -> Action:
-            chunk, mb = chunk_and_mb(k, backward=False)
-            return Action(ActionKind.F, chunk * p + r, mb)
-
-        def bwd(k: int, r: int = r) -> Action:
-            chunk, mb = chunk_and_mb(k, backward=True)
-            return Action(ActionKind.B, chunk * p + r, mb)
-
-        seq = [fwd(k) for k in range(num_warmup)]
-        for k in range(total - num_warmup):
-            seq += [fwd(num_warmup + k), bwd(k)]
-        seq += [bwd(k) for k in range(total - num_warmup, total)]
+        fwds = [new(Action, (F, base + r, mb)) for base, mb in fwd_cm]
+        bwds = [new(Action, (B, base + r, mb)) for base, mb in bwd_cm]
+        seq = fwds[:num_warmup]
+        steady = total - num_warmup
+        pairs: list[Action] = [None] * (2 * steady)  # type: ignore[list-item]
+        pairs[0::2] = fwds[num_warmup:]
+        pairs[1::2] = bwds[:steady]
+        seq += pairs
+        seq += bwds[steady:]
         out.append(seq)
     return out
 

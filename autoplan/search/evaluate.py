@@ -37,7 +37,7 @@ from autoplan.cost.time import (
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import Job, MemoryBreakdown, Plan, Predicted, StagePlan
 from autoplan.schedule import ActionKind, make_schedule, simulate
-from autoplan.search.partition import CutProblem, Cuts, solve_dp
+from autoplan.search.partition import CutProblem, Cuts, DPSolver
 
 __all__ = ["Dominated", "Evaluation", "SearchContext", "evaluate", "min_gpus_needed", "schedule_inflight"]
 
@@ -70,27 +70,22 @@ def _interleaved_inflight(pp: int, m: int, v: int) -> tuple[int, ...]:
     (p - r - 1) * 2 + (v - 1) * p warm-up forwards, then one forward and one backward at a time,
     micro-batches in groups of p through the chunks (backwards through them in reverse)."""
     total = m * v
+    k = np.arange(total)
+    fwd_chunk = (k % (pp * v)) // pp  # the k-th forward's chunk; the k-th backward's is v - 1 - it
+    fwd_count = np.zeros((v, total + 1), dtype=np.int64)  # [c, i]: forwards of chunk c among the first i
+    bwd_count = np.zeros((v, total + 1), dtype=np.int64)
+    np.cumsum(fwd_chunk[None, :] == np.arange(v)[:, None], axis=1, out=fwd_count[:, 1:])
+    np.cumsum((v - 1 - fwd_chunk)[None, :] == np.arange(v)[:, None], axis=1, out=bwd_count[:, 1:])
     peaks = [0] * (pp * v)
     for r in range(pp):
         warmup = min((pp - r - 1) * 2 + (v - 1) * pp, total)
-        held = [0] * v
-        peak = [0] * v
-
-        def chunk(k: int, backward: bool) -> int:
-            c = (k % (pp * v)) // pp
-            return v - 1 - c if backward else c
-
-        for k in range(warmup):
-            c = chunk(k, False)
-            held[c] += 1
-            peak[c] = max(peak[c], held[c])
-        for k in range(total - warmup):
-            c = chunk(warmup + k, False)
-            held[c] += 1
-            peak[c] = max(peak[c], held[c])
-            held[chunk(k, True)] -= 1
+        # Right after forward i (the only moments a chunk's count grows), the backwards done are
+        # the first max(i - warmup, 0): in the steady phase forward warmup + j precedes backward j.
+        held = fwd_count[fwd_chunk, k + 1] - bwd_count[fwd_chunk, np.maximum(k - warmup, 0)]
+        peak = np.zeros(v, dtype=np.int64)
+        np.maximum.at(peak, fwd_chunk, held)
         for c in range(v):
-            peaks[c * pp + r] = peak[c]
+            peaks[c * pp + r] = int(peak[c])
     return tuple(peaks)
 
 
@@ -204,19 +199,21 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
                          inflight=inflight, capacity_bytes=capacity, legal_cut=ctx.legal)
     # The tie-break pass (partition.py [Note: DP tie-break]) only matters for plans that get
     # simulated; feasibility and the bound need just the bottleneck.
-    cuts = solve_dp(problem, refine=False)
+    solver = DPSolver(problem)
+    cuts = solver.solve(refine=False)
     if cuts is None:
         if require_fit:
             return None
         # Every dimension pinned: report the plan even though it does not fit, cut for time alone.
         problem = CutProblem(block_time_s=total, cut_time_s=link_s, block_static_bytes=static, block_act_bytes=acts,
                              inflight=inflight, capacity_bytes=np.full(num_stages, np.inf), legal_cut=ctx.legal)
-        cuts = solve_dp(problem, refine=False)
+        solver = DPSolver(problem)
+        cuts = solver.solve(refine=False)
         if cuts is None:
             return None
     if _step_lower_bound(cfg, cuts, stage_times) >= cutoff_s:
         raise Dominated
-    cuts = solve_dp(problem)  # same bottleneck, ties broken as [Note: DP tie-break] says
+    cuts = solver.solve()  # same bottleneck (first pass reused), ties broken as [Note: DP tie-break] says
     return Evaluation(cfg, _make_plan(ctx, cfg, cuts, stage_times, pp_gpus, inflight, static, acts))
 
 

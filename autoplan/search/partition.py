@@ -38,6 +38,7 @@ import numpy as np
 __all__ = [
     "CutProblem",
     "Cuts",
+    "DPSolver",
     "balanced_by",
     "brute_force",
     "equal_layers",
@@ -293,66 +294,132 @@ def solve_dp(problem: CutProblem, *, refine: bool = True) -> Cuts | None:
     window where every other stage can still be non-empty: i in [k, n-S+k], j in [k+1, n-S+k+1].
     Cost O(S (n-S+1)^2) numpy work.
     """
-    p = problem
-    n, num_stages = p.num_blocks, p.num_stages
-    pre = _Prefix(p)
-    c, ca = p.cut_time_s, p.cut_act_bytes
-    width = n - num_stages + 1  # start (and end) positions a stage can take
-    # Full (n+1, n+1) matrices indexed [start i, end j]; each stage reads a (width, width) window.
-    cut_pair = c[:, None] + c[None, :]
-    static = pre.static[None, :] - pre.static[:, None]
-    act = (pre.act[None, :] - pre.act[:, None]) + (ca[:, None] + ca[None, :])
-    # i < j within a window is "row r <= column s" (window k: i = k + r, j = k + 1 + s).
-    order_ok = np.triu(np.ones((width, width), dtype=bool))
-    legal_end = p.legal_boundaries()
-    shared_time = (pre.time[0][None, :] - pre.time[0][:, None]) + cut_pair if pre.time.shape[0] == 1 else None
+    return DPSolver(problem).solve(refine=refine)
 
-    def window(k: int) -> tuple[np.ndarray, np.ndarray]:
-        rows, cols = slice(k, k + width), slice(k + 1, k + 1 + width)
-        if shared_time is None:
-            t = pre.time[k]
-            time = (t[None, cols] - t[rows, None]) + cut_pair[rows, cols]
+
+# Elements of (stage, start, end) float arrays built at once: 32 MiB, so a chunk amortizes numpy's
+# per-call overhead over many stages without the memory growing as S (n - S)^2 for long chains.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+class DPSolver:
+    """`solve_dp` for one problem, keeping the min-max pass so that asking for the unrefined and
+    then the refined cutting (the search does: feasibility and a bound first, the tie-break only
+    for plans it simulates) runs the first pass once."""
+
+    def __init__(self, problem: CutProblem) -> None:
+        p = self.problem = problem
+        n, num_stages = p.num_blocks, p.num_stages
+        pre = _Prefix(p)
+        c, ca = p.cut_time_s, p.cut_act_bytes
+        self.width = width = n - num_stages + 1  # start (and end) positions a stage can take
+        # Full (n+1, n+1) matrices indexed [start i, end j]; stage k reads the (width, width)
+        # window rows k.., columns k+1.., i.e. a view that moves one step down the diagonal per
+        # stage (`_windows`).
+        cut_pair = c[:, None] + c[None, :]
+        self._static = pre.static[None, :] - pre.static[:, None]
+        self._act = (pre.act[None, :] - pre.act[:, None]) + (ca[:, None] + ca[None, :])
+        if pre.time.shape[0] == 1:
+            self._time = (pre.time[0][None, :] - pre.time[0][:, None]) + cut_pair
+            self._time_rows = None
         else:
-            time = shared_time[rows, cols]
-        mem = static[rows, cols] + p.inflight[k] * act[rows, cols]
-        feasible = order_ok & (mem <= p.capacity_bytes[k]) & legal_end[None, cols]
-        return time, feasible
+            self._time = None
+            self._time_rows = (pre.time, cut_pair)
+        # i < j within a window is "row r <= column s" (window k: i = k + r, j = k + 1 + s).
+        self._order_ok = np.triu(np.ones((width, width), dtype=bool))
+        legal_end = p.legal_boundaries()
+        self._legal_end = np.lib.stride_tricks.as_strided(
+            legal_end[1:], shape=(num_stages, width), strides=(legal_end.strides[0],) * 2, writeable=False)
+        self._chunk = max(1, _CHUNK_ELEMENTS // (width * width))
+        self._cached: list[np.ndarray] | None = None
+        self._first: tuple[float, np.ndarray] | None = None
 
-    windows = [window(k) for k in range(num_stages)]
-    cols_idx = np.arange(width)
+    def _windows(self, full: np.ndarray, k0: int, k1: int) -> np.ndarray:
+        """(k1 - k0, width, width) view of windows k0..k1-1 of an (n+1, n+1) matrix."""
+        s0, s1 = full.strides
+        return np.lib.stride_tricks.as_strided(
+            full[k0:, k0 + 1:], shape=(k1 - k0, self.width, self.width), strides=(s0 + s1, s0, s1), writeable=False)
 
-    def run(combine: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> tuple[float, np.ndarray]:
-        """best_k[end] = min over start of combine(best_{k-1}[start], time_k(start, end)).
+    def _masked_time(self, k0: int, k1: int) -> np.ndarray:
+        """Stage time of windows k0..k1-1, +inf where the stage does not fit or cannot end there.
+        Element by element the same arithmetic as the stage model's (`_stage_time`, `_stage_mem`)."""
+        p = self.problem
+        if self._time is not None:
+            time = self._windows(self._time, k0, k1)
+        else:
+            rows, cut_pair = self._time_rows
+            time = np.stack([
+                (rows[k][None, k + 1:k + 1 + self.width] - rows[k][k:k + self.width, None])
+                + cut_pair[k:k + self.width, k + 1:k + 1 + self.width]
+                for k in range(k0, k1)])
+        mem = self._windows(self._static, k0, k1) + p.inflight[k0:k1, None, None] * self._windows(self._act, k0, k1)
+        feasible = (mem <= p.capacity_bytes[k0:k1, None, None]) & self._order_ok & self._legal_end[k0:k1, None, :]
+        return np.where(feasible, time, np.inf)
+
+    def _chunks(self):
+        """Yield (first stage, masked times of a run of stages); kept when small enough to reuse."""
+        if self._cached is not None:
+            yield from self._cached
+            return
+        num_stages = self.problem.num_stages
+        keep = num_stages * self.width * self.width <= 2 * _CHUNK_ELEMENTS
+        kept = []
+        for k0 in range(0, num_stages, self._chunk):
+            item = (k0, self._masked_time(k0, min(k0 + self._chunk, num_stages)))
+            if keep:
+                kept.append(item)
+            yield item
+        if keep:
+            self._cached = kept
+
+    def _run(self, combine: Callable[[np.ndarray, np.ndarray], np.ndarray],
+             limit: float | None = None) -> tuple[float, np.ndarray]:
+        """best_k[end] = min over start of combine(best_{k-1}[start], time_k(start, end)), over
+        stages no slower than `limit` when given.
 
         Window k's end column s is boundary k+1+s, which is window k+1's start row s, so the
-        vector carries over between stages without reindexing."""
+        vector carries over between stages without reindexing. Infeasible entries are +inf and
+        both combines (max, sum of squares) keep +inf, so masking before combining is exact."""
+        width = self.width
+        cols_idx = np.arange(width)
         best = np.zeros(width)
         best[1:] = np.inf  # before stage 0 only boundary 0 (window row 0) is reachable
-        arg = np.empty((num_stages, width), dtype=np.int64)
-        for k in range(num_stages):
-            time, feasible = windows[k]
-            cand = np.where(feasible, combine(best[:, None], time), np.inf)
-            arg[k] = np.argmin(cand, axis=0)
-            best = cand[arg[k], cols_idx]
+        arg = np.empty((self.problem.num_stages, width), dtype=np.int64)
+        for k0, masked in self._chunks():
+            if limit is not None:
+                masked = np.where(masked <= limit, masked, np.inf)
+            for j in range(masked.shape[0]):
+                cand = combine(best[:, None], masked[j])
+                a = arg[k0 + j]
+                np.argmin(cand, axis=0, out=a)
+                best = cand[a, cols_idx]
         return float(best[width - 1]), arg
 
-    bottleneck, arg = run(lambda prev, t: np.maximum(prev, t))
-    if not np.isfinite(bottleneck):
-        return None
-    if refine:
-        # Second pass: among stages no slower than the optimum, minimize the sum of squares.
-        windows = [(t, f & (t <= bottleneck)) for t, f in windows]
-        _, arg = run(lambda prev, t: prev + t * t)
-    boundaries = [n]
-    s = width - 1  # column of boundary n in the last window
-    for k in range(num_stages - 1, -1, -1):
-        r = int(arg[k][s])  # start row in window k: boundary k + r
-        boundaries.append(k + r)
-        s = r  # boundary k + r is column r of window k-1
-    boundaries.reverse()
-    cuts = make_cuts(p, boundaries, optimal=True)
-    assert cuts.bottleneck_s == bottleneck, (cuts.bottleneck_s, bottleneck)
-    return cuts
+    def bottleneck(self) -> tuple[float, np.ndarray]:
+        if self._first is None:
+            self._first = self._run(np.maximum)
+        return self._first
+
+    def solve(self, *, refine: bool = True) -> Cuts | None:
+        """The optimal cutting (see `solve_dp`), or None when none fits."""
+        p = self.problem
+        n, num_stages = p.num_blocks, p.num_stages
+        bottleneck, arg = self.bottleneck()
+        if not np.isfinite(bottleneck):
+            return None
+        if refine:
+            # Second pass: among stages no slower than the optimum, minimize the sum of squares.
+            _, arg = self._run(lambda prev, t: prev + t * t, limit=bottleneck)
+        boundaries = [n]
+        s = self.width - 1  # column of boundary n in the last window
+        for k in range(num_stages - 1, -1, -1):
+            r = int(arg[k][s])  # start row in window k: boundary k + r
+            boundaries.append(k + r)
+            s = r  # boundary k + r is column r of window k-1
+        boundaries.reverse()
+        cuts = make_cuts(p, boundaries, optimal=True)
+        assert cuts.bottleneck_s == bottleneck, (cuts.bottleneck_s, bottleneck)
+        return cuts
 
 
 def brute_force(problem: CutProblem, *, per_rank: bool = False) -> Cuts | None:

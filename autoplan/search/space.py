@@ -40,6 +40,7 @@ from autoplan.cost.time import block_times
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import RECOMPUTE, Job, Plan
 from autoplan.schedule import SCHEDULES
+from autoplan.search._gc import gc_paused
 from autoplan.search.evaluate import Dominated, SearchContext, evaluate, min_gpus_needed
 
 __all__ = ["PINS", "PlanningError", "SearchResult", "search_plans"]
@@ -196,6 +197,13 @@ def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spe
                  pins: dict | None = None, progress: Callable[[int, int, str], None] | None = None) -> SearchResult:
     """The `top` fastest plans that fit, ranked by simulated step time."""
     started = time.perf_counter()
+    with gc_paused():  # see search/_gc.py: the search allocates much and creates no cycles
+        return _search_plans(profile, cluster, job, model_spec=model_spec, top=top, pins=pins, progress=progress,
+                             started=started)
+
+
+def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spec: str, top: int,
+                  pins: dict | None, progress: Callable[[int, int, str], None] | None, started: float) -> SearchResult:
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
     _check_pins(profile, cluster, job, pins)
     if top < 1:
