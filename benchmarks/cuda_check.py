@@ -12,7 +12,9 @@ Part 2 (end to end, NCCL, one rank): `autoplan.suggest` plans a model on `1x1x<g
 analytic profile, and from the profile timed on this GPU), and each plan is trained for `--steps`
 steps through `autoplan.partition` (the executor, AdamW), with a recompute=full variant pinned too.
 Printed per plan: predicted and measured median step time (after 2 warm-up steps), and predicted
-and measured peak memory (`torch.cuda.max_memory_allocated`). Then `autoplan run --nproc 1` runs
+and measured peak memory (`torch.cuda.max_memory_allocated` above what was allocated before the
+plan was built; the prediction includes the allowance for CUDA context, NCCL and fragmentation,
+which the allocator's count does not see). Then `autoplan run --nproc 1` runs
 the first plan through the CLI, to show the launcher path on NCCL.
 
 Needs CUDA; exits 2 with a message where there is none.
@@ -21,6 +23,7 @@ Needs CUDA; exits 2 with a message where there is none.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -84,6 +87,9 @@ def _train(plan, steps: int) -> dict:
     from autoplan.runtime.launch import synthetic_batch
 
     device = torch.device("cuda", 0)
+    gc.collect()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated(device)  # whatever earlier parts left behind
     torch.cuda.reset_peak_memory_stats(device)
     pm = partition(plan.model, plan, device=device)
     optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-4)
@@ -98,7 +104,7 @@ def _train(plan, steps: int) -> dict:
         torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device) - baseline
     del pm, optimizer
     torch.cuda.empty_cache()
     return {"measured_step_s": statistics.median(times[2:]), "peak_memory_bytes": peak, "losses": losses}
@@ -153,6 +159,10 @@ def main() -> int:
               f"{row['predicted_peak_memory_bytes'] / 2**30:.1f} GiB measured {row['peak_memory_bytes'] / 2**30:.1f} GiB; "
               f"loss {measured['losses'][0]:.3f} -> {measured['losses'][-1]:.3f}", flush=True)
         plans.append(plan)
+        memory = plan.stages[0].memory
+        print("  predicted memory, GiB: " + ", ".join(
+            f"{k} {getattr(memory, k + '_bytes') / 2**30:.1f}"
+            for k in ("weights", "grads", "optimizer", "activations", "buffers", "allowance")), flush=True)
     out["runs"] = runs
     if dist.is_initialized():
         dist.destroy_process_group()
