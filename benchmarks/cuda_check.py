@@ -92,7 +92,7 @@ def _train(plan, steps: int) -> dict:
     baseline = torch.cuda.memory_allocated(device)  # whatever earlier parts left behind
     torch.cuda.reset_peak_memory_stats(device)
     pm = partition(plan.model, plan, device=device)
-    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-4)
+    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-4, fused=True)  # as `autoplan run` on CUDA
     vocab = zoo.model_info(plan.model)["vocab_size"]
     times, losses = [], []
     for step in range(steps):
@@ -105,9 +105,16 @@ def _train(plan, steps: int) -> dict:
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
     peak = torch.cuda.max_memory_allocated(device) - baseline
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(3):
+        optimizer.step()
+    torch.cuda.synchronize(device)
+    optimizer_s = (time.perf_counter() - start) / 3
     del pm, optimizer
     torch.cuda.empty_cache()
-    return {"measured_step_s": statistics.median(times[2:]), "peak_memory_bytes": peak, "losses": losses}
+    return {"measured_step_s": statistics.median(times[2:]), "peak_memory_bytes": peak, "losses": losses,
+            "measured_optimizer_s": optimizer_s}
 
 
 def main() -> int:
@@ -116,6 +123,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json")
     parser.add_argument("--skip-profiles", action="store_true")
+    parser.add_argument("--blocks", action="store_true", help="print every block of the run's timed profile")
     args = parser.parse_args()
     import torch
 
@@ -144,9 +152,17 @@ def main() -> int:
     variants = [("analytic", "meta", {}), ("timed", "cuda", {}), ("analytic, full recompute", "meta",
                                                                  {"recompute": "full"})]
     for label, profile_device, pins in variants:
-        result, _ = suggest_with_stats(RUN_MODEL, cluster, global_batch=RUN_BATCH, seq_len=SEQ, dtype="bf16",
+        result, profiled = suggest_with_stats(RUN_MODEL, cluster, global_batch=RUN_BATCH, seq_len=SEQ, dtype="bf16",
                                        profile_device=profile_device, top=1, **pins)
         plan = result.plans[0]
+        prof = profiled.profile
+        if prof.is_timed and args.blocks:
+            for b in prof.blocks:
+                print(f"    {b.name:<12} {b.kind:<9} fwd {1e3 * b.fwd_time_s:7.3f} ms  bwd {1e3 * b.bwd_time_s:7.3f} ms")
+        if prof.is_timed:
+            print(f"  timed profile, batch {prof.batch_size}: sum of block fwd "
+                  f"{1e3 * sum(b.fwd_time_s for b in prof.blocks):.1f} ms, bwd {1e3 * sum(b.bwd_time_s for b in prof.blocks):.1f} ms",
+                  flush=True)
         measured = _train(plan, args.steps)
         row = {"variant": label, "model": RUN_MODEL, "micro_batch_size": plan.micro_batch_size,
                "num_microbatches": plan.num_microbatches, "recompute": plan.recompute,
@@ -157,8 +173,12 @@ def main() -> int:
               f"step predicted {row['predicted_step_s']:.3f} s measured {row['measured_step_s']:.3f} s "
               f"(pred/meas {row['predicted_step_s'] / row['measured_step_s']:.2f}); peak memory predicted "
               f"{row['predicted_peak_memory_bytes'] / 2**30:.1f} GiB measured {row['peak_memory_bytes'] / 2**30:.1f} GiB; "
-              f"loss {measured['losses'][0]:.3f} -> {measured['losses'][-1]:.3f}", flush=True)
+              f"loss {measured['losses'][0]:.3f} -> {measured['losses'][-1]:.3f}; optimizer step measured "
+              f"{measured['measured_optimizer_s']:.3f} s", flush=True)
         plans.append(plan)
+        print("  predicted step, s: " + ", ".join(f"{k} {v:.3f}" for k, v in plan.predicted.breakdown.items())
+              + f"; per micro-batch fwd {1e3 * plan.stages[0].fwd_time_s:.1f} ms, bwd {1e3 * plan.stages[0].bwd_time_s:.1f} ms",
+              flush=True)
         memory = plan.stages[0].memory
         print("  predicted memory, GiB: " + ", ".join(
             f"{k} {getattr(memory, k + '_bytes') / 2**30:.1f}"
