@@ -132,28 +132,54 @@ def test_pp2_tp2_and_dp2_tp2_match_reference_with_sharded_parameters():
         _check(spec, plan, results, i)
 
 
-def _sp_warning(rank, world_size, plan):
-    import contextlib
-    import io
+def _sp_cases(rank, world_size, cases):
+    from torch.distributed.tensor import DTensor
 
     from autoplan.runtime import partition
 
-    ids, tgt = _data(plan.job.global_batch)
-    err = io.StringIO()  # the forkserver's children may not write to the test's captured fds
-    with contextlib.redirect_stderr(err):
-        loss = float(partition(GPT, plan, device="cpu").step(ids, target=tgt))
-    return loss, err.getvalue()
+    out = []
+    for spec, plan in cases:
+        ids, tgt = _data(plan.job.global_batch)
+        shapes = []
+        isend = torch.distributed.isend
+
+        def recording_isend(t, *args, _isend=isend, _shapes=shapes, **kwargs):
+            _shapes.append(tuple(t.shape))
+            return _isend(t, *args, **kwargs)
+
+        torch.distributed.isend = recording_isend
+        try:
+            pm = partition(spec, plan, device="cpu")
+            loss = pm.step(ids, target=tgt)
+        finally:
+            torch.distributed.isend = isend
+        grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                 for n, p in pm.named_parameters()}
+        out.append({"loss": None if loss is None else float(loss), "grads": grads, "sent_shapes": shapes})
+    return out
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(60)
-def test_sequence_parallel_plan_runs_without_sp_and_warns_once():
-    plan = _plan(GPT, pp=1, tp=2, sequence_parallel=True)
-    results = run_ranks(_sp_warning, 2, plan, timeout_s=50)
-    assert results[0][0] == pytest.approx(_reference(GPT, plan)[0], rel=1e-4) and results[0][0] == results[1][0]
-    err = [line for r in results.values() for line in r[1].splitlines() if "sequence_parallel" in line]
-    assert len(err) == 1 and err[0].startswith("warning: ")
-
+@pytest.mark.timeout(120)
+def test_sequence_parallel_matches_reference_and_sends_a_slice_of_the_sequence():
+    cases = [(GPT, _plan(GPT, pp=2, sequence_parallel=True)),  # cut between layers 1 and 2: sharded
+             (LLAMA, _plan(LLAMA, pp=2, schedule="zb-h1", sequence_parallel=True)),
+             (GPT, _plan(GPT, pp=1, dp=2, sequence_parallel=True))]
+    results = run_ranks(_sp_cases, 4, cases, timeout_s=110)
+    for i, (spec, plan) in enumerate(cases):
+        ref_loss, ref_grads = _reference(spec, plan)
+        losses = [r[i]["loss"] for r in results.values() if r[i]["loss"] is not None]
+        assert len(losses) == plan.dp * plan.tp and all(loss == pytest.approx(ref_loss, rel=1e-4) for loss in losses)
+        seen = set()
+        for rank, rank_results in results.items():
+            for name, grad in rank_results[i]["grads"].items():
+                torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6,
+                                           msg=lambda m, n=name, r=rank, c=spec: f"{c} sp rank {r} {n}: {m}")
+                seen.add(name)
+        assert {n for n, _ in zoo.build_model(spec, device="meta").named_parameters()} <= seen
+    # GPT blocks: embedding, 4 layers, norm, output; pp = 2 cuts after layer 1 (block 2), so the
+    # activations sent are (micro-batch 2, seq 16 / tp 2, hidden 32).
+    assert {s for r in results.values() for s in r[0]["sent_shapes"]} == {(2, 8, 32)}
 
 # ---- refusals (no process group) ---------------------------------------------------------------
 

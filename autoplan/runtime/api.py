@@ -45,6 +45,7 @@ from autoplan.runtime.parallel import (
     apply_tensor_parallel,
     build_layout,
     reduce_grads_to_owners,
+    sequence_parallel_layers,
     tensor_parallel_plan,
 )
 from autoplan.runtime.precision import MixedPrecision
@@ -124,6 +125,28 @@ def _compute_dtype(plan: Plan) -> torch.dtype:
         raise PartitionError(f"the runtime runs plans in bfloat16 or float32, not {plan.job.dtype}{hint}; "
                              f"re-plan with --dtype bf16")
     return dtype
+
+
+def _sequence_sharded(spec, layer_blocks: set[int], tp: int):
+    """`spec` with the values that cross a cut between two transformer layers split along the
+    sequence (dim 1) over tp ([Note: sequence parallelism] in parallel.py)."""
+    import dataclasses
+
+    def split(values, block_before: int):
+        if block_before not in layer_blocks or block_before + 1 not in layer_blocks:
+            return values
+        out = []
+        for cv in values:
+            if cv.is_tensor and len(cv.shape) >= 2:
+                if cv.shape[1] % tp:
+                    raise PartitionError(f"sequence parallelism needs tp = {tp} to divide the sequence length "
+                                         f"{cv.shape[1]}; plan without --sequence-parallel or with another tp")
+                cv = dataclasses.replace(cv, shape=(cv.shape[0], cv.shape[1] // tp, *cv.shape[2:]))
+            out.append(cv)
+        return tuple(out)
+
+    return dataclasses.replace(spec, recv=split(spec.recv, spec.first_block - 1),
+                               send=split(spec.send, spec.end_block - 1))
 
 
 def _recompute_runner(traced, plan: Plan, spec, module):
@@ -415,17 +438,23 @@ def partition(
 
     mine = {s.index: all_modules[s.index] for s in plan.stages if s.pp_rank == layout.pp_index}
     on_meta = any(p.device.type == "meta" for m in mine.values() for p in m.parameters())
+    sequence_parallel = bool(tp_plan) and plan.sequence_parallel
+    layers = sequence_parallel_layers(model) if sequence_parallel else []
+
+    def shard(module: nn.Module) -> None:
+        apply_tensor_parallel(module, tp_plan, layout.tp_mesh, sequence_parallel=sequence_parallel,
+                              model_layers=layers)
+
     if tp_plan and on_meta:  # shard on meta, then allocate only the shards (see materialize_stages)
         for module in mine.values():
-            apply_tensor_parallel(module, tp_plan, layout.tp_mesh)
+            shard(module)
     materialize_stages(list(mine.values()), device, seed=seed, aliases=aliases)
     if tp_plan and not on_meta:  # real weights: each rank keeps its slice of the moved tensors
         for module in mine.values():
-            apply_tensor_parallel(module, tp_plan, layout.tp_mesh)
-    if plan.tp > 1 and plan.sequence_parallel and rank == 0:
-        print("warning: the plan has sequence_parallel but the runtime runs tp without it (activations "
-              "replicated over the tp group): same numerics, more activation memory than planned",
-              file=sys.stderr, flush=True)
+            shard(module)
+    if sequence_parallel:  # between two layers only this rank's 1/tp of the sequence crosses a cut
+        layer_blocks = {i for i, name in enumerate(traced.block_names) if name in set(layers)}
+        specs = [_sequence_sharded(spec, layer_blocks, plan.tp) for spec in specs]
     compute_dtype = _compute_dtype(plan)
     precision = MixedPrecision(list(mine.values()), compute_dtype) if compute_dtype != torch.float32 else None
     stages = {i: Stage(specs[i], module, runner=_recompute_runner(traced, plan, specs[i], module))

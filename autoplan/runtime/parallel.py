@@ -29,9 +29,9 @@ Embeddings, norms and the LM head stay replicated: their gradients come out whol
 every tp rank (the column-parallel inputs all-reduce their gradients in backward), so they need no
 tp reduction. Sharded parameters are `DTensor`s (`Shard(0)` for column-parallel weights and
 biases, `Shard(1)` for row-parallel weights); their gradients are DTensors with the same
-placement, and the dp all-reduce works on their local shards. Sequence parallelism is not
-executed: a plan with sequence_parallel runs without it (one warning line), same numerics, more
-activation memory than planned. Other models (including Hugging Face ones) are refused with tp > 1.
+placement, and the dp all-reduce works on their local shards. Sequence parallelism (plans with
+sequence_parallel) is run as [Note: sequence parallelism] in `_apply_sequence_parallel` says.
+Other models (including Hugging Face ones) are refused with tp > 1.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = ["ParallelLayout", "TensorParallelError", "all_reduce_grads", "apply_tensor_parallel", "build_layout",
-           "local_tensor", "reduce_grads_to_owners", "tensor_parallel_plan"]
+           "local_tensor", "reduce_grads_to_owners", "sequence_parallel_layers", "tensor_parallel_plan"]
 
 
 class TensorParallelError(ValueError):
@@ -96,11 +96,16 @@ def tensor_parallel_plan(model: nn.Module, tp: int) -> dict[str, str]:
     return out
 
 
-def apply_tensor_parallel(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh) -> list[str]:
+def apply_tensor_parallel(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh, *,
+                          sequence_parallel: bool = False, model_layers: Sequence[str] = ()) -> list[str]:
     """Shard the linears of `tp_plan` found in `module` (a stage; paths as in the model) over
     `tp_mesh` with torch's ColwiseParallel / RowwiseParallel; returns the paths sharded.
 
-    Works on meta (nothing is communicated: every rank keeps its own slice of what it holds)."""
+    With `sequence_parallel`, also lays the layers out as [Note: sequence parallelism] says;
+    `model_layers` lists every transformer layer of the model in order (the first takes a whole
+    sequence, the last gives one back). Works on meta (nothing is communicated: every rank keeps
+    its own slice of what it holds)."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     done = []
@@ -109,11 +114,64 @@ def apply_tensor_parallel(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh
             target = module.get_submodule(path)
         except AttributeError:
             continue
-        parallel = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+        if style == "colwise":
+            parallel = ColwiseParallel()
+        elif sequence_parallel:  # reduce-scatter along the sequence instead of all-reduce
+            parallel = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        else:
+            parallel = RowwiseParallel()
         parallel.src_data_rank = None  # every rank builds the same weights: take the local slice, no scatter
         parallelize_module(target, tp_mesh, parallel)
         done.append(path)
+    if sequence_parallel:
+        _apply_sequence_parallel(module, tp_mesh, model_layers)
     return done
+
+
+_SP_LAYER_CLASSES = ("GPTLayer", "LlamaLayer")
+
+
+def _apply_sequence_parallel(module: nn.Module, tp_mesh, model_layers: Sequence[str]) -> None:
+    """[Note: sequence parallelism] (Korthikanti et al. 2022, Sec. 4.2.2), with torch's parallel styles
+    as torchtitan applies them to its Llama:
+
+    - Between layers the residual stream is this rank's 1/tp of the sequence, a plain tensor of
+      shape (b, s/tp, h): that is also what crosses a pipeline cut between two layers.
+    - Inside a layer it is a DTensor Shard(1); the norms run on it (`SequenceParallel`: their
+      weights are replicated DTensors, whose gradients DTensor sums over the tp group); the
+      attention and MLP take the whole sequence (`PrepareModuleInput`: an all-gather, a
+      reduce-scatter in backward), and their row-parallel projections reduce-scatter back to
+      Shard(1) (`RowwiseParallel(output_layouts=Shard(1))`), where plain tp all-reduces.
+    - The model's first layer takes the whole sequence (the embedding output, replicated) and keeps
+      its slice; its last layer gathers the sequence back for the final norm and the head, which
+      stay replicated.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    first, last = (model_layers[0], model_layers[-1]) if model_layers else (None, None)
+    for path, layer in module.named_modules():
+        if type(layer).__name__ not in _SP_LAYER_CLASSES:
+            continue
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                    use_local_output=True)
+        parallelize_module(layer, tp_mesh, {"attention_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
+                                            "attention": gather, "mlp": gather})
+        parallelize_module(layer, tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate() if path == first else Shard(1),), desired_input_layouts=(Shard(1),)))
+        parallelize_module(layer, tp_mesh, PrepareModuleOutput(
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate() if path == last else Shard(1),),
+            use_local_output=True))
+
+
+def sequence_parallel_layers(model: nn.Module) -> list[str]:
+    """Paths of the model's transformer layers that sequence parallelism lays out, in order."""
+    return [path for path, m in model.named_modules() if type(m).__name__ in _SP_LAYER_CLASSES]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
