@@ -97,7 +97,8 @@ def _check(spec, plan, results, i):
     full = zoo.build_model(spec, device="meta")
     assert {n for n, _ in full.named_parameters()} <= seen
     # Memory: the sharded linears hold 1/tp of their weights (and column-parallel biases); the
-    # row-parallel bias is a replicated DTensor; everything else is a plain, whole tensor.
+    # row-parallel bias is a replicated DTensor; the token embedding and head hold 1/tp of the
+    # vocabulary; everything else (norms, position embeddings) is a plain, whole tensor.
     tp_plan = tensor_parallel_plan(full, plan.tp)
     by_name = dict(full.named_parameters(remove_duplicate=False))
     for rank, rank_results in results.items():
@@ -106,7 +107,7 @@ def _check(spec, plan, results, i):
         for name in res["local_numel"]:
             module, _, local = name.rpartition(".")
             if module in tp_plan:
-                colwise = tp_plan[module] == "colwise"
+                colwise = tp_plan[module] in ("colwise", "vocab-embedding", "vocab-head")  # rows sharded
                 expected[name] = "S(0)" if colwise else ("S(1)" if local == "weight" else "R")
         assert res["placements"] == expected and expected, rank
         for name, numel in res["local_numel"].items():
@@ -187,11 +188,12 @@ def test_sequence_parallel_matches_reference_and_sends_a_slice_of_the_sequence()
 def test_tp_plan_shards_the_megatron_linears_of_both_families():
     gpt = tensor_parallel_plan(zoo.build_model(GPT, device="meta"), 2)
     assert gpt["layers.0.attention.qkv"] == "colwise" and gpt["layers.3.mlp.fc2"] == "rowwise"
-    assert len(gpt) == 4 * 4 and not any(k.startswith(("tok_", "output", "norm")) for k in gpt)
+    assert len(gpt) == 4 * 4 + 2 and gpt["tok_embeddings"] == "vocab-embedding" and gpt["output"] == "vocab-head"
+    assert not any(k.startswith(("pos_", "norm")) for k in gpt)
     llama = tensor_parallel_plan(zoo.build_model(LLAMA, device="meta"), 2)
     assert {k.rpartition(".")[2]: v for k, v in llama.items()} == {
         "wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise", "w1": "colwise", "w3": "colwise",
-        "w2": "rowwise"}
+        "w2": "rowwise", "tok_embeddings": "vocab-embedding", "output": "vocab-head"}
 
 
 def test_tp_refuses_non_zoo_models_and_indivisible_heads():

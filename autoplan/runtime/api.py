@@ -44,6 +44,7 @@ from autoplan.runtime.parallel import (
     all_reduce_grads,
     apply_tensor_parallel,
     build_layout,
+    grad_like_param,
     reduce_grads_to_owners,
     sequence_parallel_layers,
     tensor_parallel_plan,
@@ -110,7 +111,12 @@ def _check_tp_tracing(traced, tp_plan: Mapping[str, str]) -> None:
     if not tp_plan:
         return
     called = [n.target for n in traced.gm.graph.nodes if n.op == "call_module"]
-    for path in tp_plan:
+    for path, style in tp_plan.items():
+        if style.startswith("vocab-"):  # the embedding and the head are called themselves
+            if path not in called:
+                raise PartitionError(f"vocabulary-parallel execution needs '{path}' called whole by the traced graph "
+                                     f"(traced with {traced.tracer}); trace with the default fx tracer")
+            continue
         parent = path.rpartition(".")[0]
         if not any(parent == t or parent.startswith(t + ".") for t in called):
             raise PartitionError(f"tensor parallelism needs '{parent}' called whole by the traced graph (traced with "
@@ -343,6 +349,9 @@ class PartitionedModel:
         loss = self.executor.run(self._microbatches(inputs, target))
         if self.precision is not None:
             self.precision.flush_grads()
+        for _, p in self._params:
+            if p.grad is not None:
+                p.grad = grad_like_param(p, p.grad)
         params = dict(self._params)
         for name, group in self.layout.tie_groups.items():
             local = [p for n, p in self._params if self.aliases.get(n) == name]

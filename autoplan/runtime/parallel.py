@@ -25,9 +25,13 @@ The zoo's attention infers head counts from the weight shapes and lays the fused
 heads unchanged. Row-parallel outputs are all-reduced and returned as plain (replicated) tensors
 (`use_local_output=True`), so everything between the sharded linears (norms, residuals, the
 activations sent between pipeline stages) is a plain tensor, identical on the tp ranks of a stage.
-Embeddings, norms and the LM head stay replicated: their gradients come out whole and equal on
-every tp rank (the column-parallel inputs all-reduce their gradients in backward), so they need no
-tp reduction. Sharded parameters are `DTensor`s (`Shard(0)` for column-parallel weights and
+The token embedding and the LM head are vocabulary-parallel (Megatron-LM's VocabParallelEmbedding
+and column-parallel output layer): each tp rank holds 1/tp of the vocabulary rows; the embedding's
+masked lookups are all-reduced, and the logits gathered so the loss is computed whole on every tp
+rank (not Megatron's vocab-parallel cross entropy: the full logits exist on each rank). A tied head
+shares the embedding's sharded weight. Norms and position embeddings stay replicated: their
+gradients come out whole and equal on every tp rank (the column-parallel inputs all-reduce their
+gradients in backward), so they need no tp reduction. Sharded parameters are `DTensor`s (`Shard(0)` for column-parallel weights and
 biases, `Shard(1)` for row-parallel weights); their gradients are DTensors with the same
 placement, and the dp all-reduce works on their local shards. Sequence parallelism (plans with
 sequence_parallel) is run as [Note: sequence parallelism] in `_apply_sequence_parallel` says.
@@ -45,7 +49,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = ["ParallelLayout", "TensorParallelError", "all_reduce_grads", "apply_tensor_parallel", "build_layout",
-           "local_tensor", "reduce_grads_to_owners", "sequence_parallel_layers", "tensor_parallel_plan"]
+           "grad_like_param", "local_tensor", "reduce_grads_to_owners", "sequence_parallel_layers", "tensor_parallel_plan"]
 
 
 class TensorParallelError(ValueError):
@@ -93,6 +97,17 @@ def tensor_parallel_plan(model: nn.Module, tp: int) -> dict[str, str]:
     if not out:
         raise TensorParallelError(f"tensor-parallel execution (tp > 1) supports the {TP_SUPPORTED}; "
                                   f"{type(model).__name__} has none of their layers; plan with tp = 1")
+    # Vocabulary-parallel embedding and head (Shoeybi et al. 2019, Sec. 3), as the cost model counts them.
+    for path, module in model.named_modules():
+        if type(module).__name__ not in ("GPTModel", "LlamaModel"):
+            continue
+        prefix = f"{path}." if path else ""
+        vocab = module.tok_embeddings.num_embeddings
+        if vocab % tp:
+            raise TensorParallelError(f"tp = {tp} does not divide vocab_size = {vocab}; pad the vocabulary to a "
+                                      f"multiple of tp (Megatron-LM pads to 128 * tp) or plan with another tp")
+        out[prefix + "tok_embeddings"] = "vocab-embedding"
+        out[prefix + "output"] = "vocab-head"
     return out
 
 
@@ -105,9 +120,21 @@ def apply_tensor_parallel(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh
     `model_layers` lists every transformer layer of the model in order (the first takes a whole
     sequence, the last gives one back). Works on meta (nothing is communicated: every rank keeps
     its own slice of what it holds)."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    # parallelize_module gives each module its own parameter, which would untie a head that shares
+    # the embedding's weight; they are tied again afterwards.
+    tied = []
+    for path, style in tp_plan.items():
+        if style == "vocab-head":
+            embedding_path = path.rpartition(".")[0] + (".tok_embeddings" if "." in path else "tok_embeddings")
+            try:
+                head, embedding = module.get_submodule(path), module.get_submodule(embedding_path)
+            except AttributeError:
+                continue
+            if head.weight is embedding.weight:
+                tied.append((head, embedding))
     done = []
     for path, style in tp_plan.items():
         try:
@@ -116,6 +143,10 @@ def apply_tensor_parallel(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh
             continue
         if style == "colwise":
             parallel = ColwiseParallel()
+        elif style == "vocab-embedding":  # rows of the table; masked lookups, outputs all-reduced
+            parallel = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif style == "vocab-head":  # columns of the logits, gathered for the (replicated) loss
+            parallel = ColwiseParallel(output_layouts=Replicate())
         elif sequence_parallel:  # reduce-scatter along the sequence instead of all-reduce
             parallel = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
         else:
@@ -125,6 +156,8 @@ def apply_tensor_parallel(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh
         done.append(path)
     if sequence_parallel:
         _apply_sequence_parallel(module, tp_mesh, model_layers)
+    for head, embedding in tied:  # both shard the vocabulary rows (Shard(0)): one DTensor serves both
+        head.weight = embedding.weight
     return done
 
 
@@ -172,6 +205,17 @@ def _apply_sequence_parallel(module: nn.Module, tp_mesh, model_layers: Sequence[
 def sequence_parallel_layers(model: nn.Module) -> list[str]:
     """Paths of the model's transformer layers that sequence parallelism lays out, in order."""
     return [path for path, m in model.named_modules() if type(m).__name__ in _SP_LAYER_CLASSES]
+
+
+def grad_like_param(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """`grad` laid out as `param`: DTensor's embedding backward returns a Replicate gradient for a
+    row-sharded (vocabulary-parallel) table; the optimizer and the reductions need the param's own
+    placement (Replicate -> Shard is a local slice, no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -67,10 +67,13 @@ class MixedPrecision:
                         mod._buffers[name] = b.to(dtype)
 
     def _accumulate(self, working: torch.Tensor) -> None:
+        from autoplan.runtime.parallel import grad_like_param
+
         master = self.master_of[id(working)]
         grad = working.grad
         if grad is None:
             return
+        grad = grad_like_param(working, grad)
         if master.grad is None:
             master.grad = grad.to(master.dtype)
         else:
