@@ -208,3 +208,59 @@ def test_tp_refuses_non_zoo_models_and_indivisible_heads():
         check_model(zoo.build_model(gqa, device="meta"), _plan(gqa, pp=1, tp=2))
     with pytest.raises(PartitionError, match="num_heads = 4"):
         check_model(zoo.build_model(GPT, device="meta"), _plan(GPT, pp=1, tp=8))
+
+
+# ---- checkpoints of tensor-parallel plans --------------------------------------------------------
+
+
+def _train_and_save(rank, world_size, plan, directory):
+    from autoplan.runtime import checkpoint as ckpt
+    from autoplan.runtime import partition
+
+    pm = partition(plan.model, plan, device="cpu")
+    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    for step in range(2):
+        ids, tgt = _data(plan.job.global_batch, seed=step)
+        pm.step(ids, target=tgt)
+        optimizer.step()
+    ckpt.save_checkpoint(directory, 2, pm, optimizer)
+    return True
+
+
+def _restore_and_read(rank, world_size, plan, directory):
+    from torch.distributed.tensor import DTensor
+
+    from autoplan.runtime import checkpoint as ckpt
+    from autoplan.runtime import partition
+
+    pm = partition(plan.model, plan, device="cpu", seed=5)  # other weights: the restore must replace them
+    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    ckpt.restore(ckpt.load_checkpoint(directory), pm, optimizer, strict=True)
+
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+
+    names = {id(p): n for n, p in pm.named_parameters()}
+    return ({n: whole(p).clone() for n, p in pm.named_parameters()},
+            {names[id(p)]: whole(s["exp_avg"]).clone() for p, s in optimizer.state.items()})
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_tensor_parallel_checkpoint_holds_whole_tensors_and_restores_under_another_tp(tmp_path):
+    from autoplan.runtime.checkpoint import load_checkpoint
+
+    saved_plan = _plan(GPT, pp=2, tp=2, sequence_parallel=True)
+    run_ranks(_train_and_save, 4, saved_plan, str(tmp_path), timeout_s=100)
+    ckpt = load_checkpoint(tmp_path)
+    full = dict(zoo.build_model(GPT, device="meta").named_parameters())
+    for name, p in full.items():  # whole tensors under the model's names, never 1/tp shards
+        assert tuple(ckpt.params[name].shape) == tuple(p.shape), name
+        assert tuple(ckpt.optimizer_state[name]["exp_avg"].shape) == tuple(p.shape), name
+    for plan in (_plan(GPT, pp=4, tp=1), _plan(GPT, pp=1, tp=2, dp=2)):
+        results = run_ranks(_restore_and_read, 4, plan, str(tmp_path), timeout_s=100)
+        for params, exp_avgs in results.values():
+            for name, value in params.items():
+                torch.testing.assert_close(value, ckpt.lookup(name), rtol=0, atol=0)
+            for name, value in exp_avgs.items():
+                torch.testing.assert_close(value, ckpt.lookup(name, ckpt.optimizer_state)["exp_avg"], rtol=0, atol=0)

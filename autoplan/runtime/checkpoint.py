@@ -10,7 +10,9 @@ Each rank serializes its stages' parameters (and persistent buffers) and its Ada
 the parameter's *name* in the model, never by optimizer index. Only ranks with dp index 0 (and
 tp index 0) write: the other replicas hold identical copies. Under ZeRO (a ZeroRedundancyOptimizer)
 every replica also writes the optimizer state of its shard, and replica 0 the parameters; loading
-merges the files by name, so the shards need not line up with the reader's. So a checkpoint saved under one plan
+merges the files by name, so the shards need not line up with the reader's. Tensor-parallel shards
+(DTensors) are gathered whole before writing and sliced again on restore, so files hold whole
+tensors and a tp = 2 checkpoint loads under tp = 1 or 4. So a checkpoint saved under one plan
 loads under any other plan of the same model (pp = 2 -> pp = 4, other cuts) and into a plain
 single-process model (`load_full_state_dict`).
 
@@ -146,14 +148,31 @@ def named_optimizer_state(pm, optimizer: torch.optim.Optimizer) -> dict[str, Any
     return {"state": state, "param_groups": groups}
 
 
+def _whole(value: Any) -> Any:
+    """A tensor-parallel shard (DTensor) gathered whole on the CPU (a collective over its tp group:
+    every tp rank calls it in the same order); any other tensor copied to the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
 def _rank_payload(pm, optimizer, step: int, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """This rank's file. Called on every rank: tensor-parallel shards are gathered whole (so a
+    checkpoint holds whole tensors under model names and loads under any tp), and only writers
+    write the result."""
+    params = {name: _whole(t) for name, t in pm.state_dict().items()}
+    opt = None
+    if optimizer is not None:
+        opt = named_optimizer_state(pm, optimizer)
+        opt["state"] = {name: {k: _whole(v) for k, v in state.items()} for name, state in opt["state"].items()}
     return {
         "format": CHECKPOINT_FORMAT,
         "step": step,
         # A ZeRO shard writer of dp index > 0 adds its optimizer shard only: replica 0 has the params.
-        "params": ({name: t.detach().cpu().clone() for name, t in pm.state_dict().items()}
-                   if _dp_index(pm) == 0 else {}),
-        "optimizer": None if optimizer is None else named_optimizer_state(pm, optimizer),
+        "params": params if _dp_index(pm) == 0 else {},
+        "optimizer": opt,
         "aliases": dict(getattr(pm, "aliases", {})),
         "rng": {"torch": torch.get_rng_state()},
         "extra": dict(extra or {}),
@@ -196,10 +215,6 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
     """
     import torch.distributed as dist
 
-    plan = getattr(pm, "plan", None)
-    if plan is not None and getattr(plan, "tp", 1) > 1:  # every rank refuses, before any file or barrier
-        raise CheckpointError(f"checkpoints of tensor-parallel plans (tp = {plan.tp}) are not supported yet: "
-                              "the tp shards share names; checkpoint a tp = 1 plan")
     root = Path(directory)
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
@@ -214,8 +229,9 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
         tmp.mkdir()
     _barrier(timeout)
     buf = io.BytesIO()
+    payload = _rank_payload(pm, optimizer, step, extra)  # every rank: tp shards are gathered collectively
     if _is_writer(pm, optimizer):
-        torch.save(_rank_payload(pm, optimizer, step, extra), buf)
+        torch.save(payload, buf)
         _atomic_write(tmp / rank_file_name(rank), buf.getvalue(), kill_midway=_kill_midway)
     _barrier(timeout)
     if rank == 0:
@@ -402,7 +418,7 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
                     if strict and ckpt.optimizer_state:
                         raise CheckpointError(f"checkpoint {str(ckpt.path)!r} has no optimizer state for {name!r}")
                 else:
-                    state[index] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in source.items()}
+                    state[index] = {k: _like_param(p, v) for k, v in source.items()}
                 index += 1
         sd["state"] = state
         if len(ckpt.param_groups) == len(sd["param_groups"]):
@@ -414,6 +430,19 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
         if saved and "torch" in saved:
             torch.set_rng_state(saved["torch"])
     return ckpt.step
+
+
+def _like_param(param: torch.Tensor, value: Any) -> Any:
+    """A whole optimizer-state tensor from a checkpoint, as this rank's piece of `param`'s state: a
+    tensor of the parameter's shape becomes a DTensor laid out as a sharded parameter (each rank
+    keeps its own slice; no communication); anything else is copied as is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(param, DTensor) and tuple(value.shape) == tuple(param.shape):
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value.clone()
 
 
 def iter_rank_files(path: str | os.PathLike) -> Iterator[Path]:

@@ -387,9 +387,6 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
         if (checkpoint_every is not None or resume) and not checkpoint_dir:
             raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR")
         if checkpoint_dir is not None:
-            if plan.tp > 1:
-                raise ValueError(f"--checkpoint-dir: checkpoints of tensor-parallel plans (tp = {plan.tp}) are not "
-                                 "supported yet")
             checkpoint_dir = str(checkpoint_dir)
             if Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
                 raise ValueError(f"--checkpoint-dir {checkpoint_dir!r} exists and is not a directory")
