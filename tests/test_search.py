@@ -222,3 +222,61 @@ def test_cpu_ranks_sharing_cores_slow_down_timed_blocks(monkeypatch):
     single = make_schedule("1f1b", 1, 4)
     assert simulate_shared_cores(single, lambda a: 1.0, None, None, 1.0, 2.0).makespan_s == simulate(
         single, lambda a: 1.0).makespan_s
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+def test_simulated_step_lower_bound_never_exceeds_the_simulation(schedule):
+    """The search skips simulating a configuration when this bound reaches the cutoff, so it must
+    never exceed what the simulator returns (random stage times, transfers and tails)."""
+    import random
+
+    from autoplan.cost.config import ParallelConfig
+    from autoplan.schedule import ActionKind, make_schedule, simulate
+    from autoplan.search.evaluate import simulated_step_lower_bound
+
+    rng = random.Random(1)
+    for _ in range(60):
+        p = rng.randint(1, 4)
+        v = rng.randint(2, 3) if schedule == "interleaved-1f1b" and p > 1 else 1
+        m = p * rng.randint(1, 4) if v > 1 else rng.randint(1, 6)
+        name = schedule if v > 1 or schedule != "interleaved-1f1b" else "1f1b"
+        cfg = ParallelConfig(tp=1, pp=p, dp=1, micro_batch_size=1, num_microbatches=m, schedule=name,
+                             virtual_stages=v)
+        s = cfg.num_stages
+        durations = {ActionKind.F: [rng.uniform(0.1, 1.0) for _ in range(s)],
+                     ActionKind.B: [rng.uniform(0.1, 2.0) for _ in range(s)]}
+        if name == "zb-h1":
+            durations[ActionKind.W] = [rng.uniform(0.1, 1.0) for _ in range(s)]
+        delays_f = [rng.uniform(0.0, 0.2) if p > 1 else 0.0 for _ in range(s - 1)]
+        delays_b = [rng.uniform(0.0, 0.2) if p > 1 else 0.0 for _ in range(s - 1)]
+        tails = [rng.uniform(0.0, 1.0) for _ in range(p)]
+
+        def comm(src, dst, kind, delays_f=delays_f, delays_b=delays_b):
+            return delays_f[dst - 1] if kind == ActionKind.F else delays_b[dst]
+
+        step = simulate(make_schedule(name, p, m, v), durations, comm, tails).makespan_s
+        bound = simulated_step_lower_bound(cfg, durations, delays_f, delays_b, tails)
+        assert bound <= step * (1 + 1e-12), (name, p, m, v)
+
+
+def test_simulated_step_lower_bound_is_exact_for_equal_1f1b_stages():
+    from autoplan.cost.config import ParallelConfig
+    from autoplan.schedule import ActionKind
+    from autoplan.search.evaluate import simulated_step_lower_bound
+
+    p, m = 4, 8
+    cfg = ParallelConfig(tp=1, pp=p, dp=1, micro_batch_size=1, num_microbatches=m, schedule="1f1b")
+    durations = {ActionKind.F: [1.0] * p, ActionKind.B: [2.0] * p}
+    bound = simulated_step_lower_bound(cfg, durations, [0.0] * (p - 1), [0.0] * (p - 1), [0.0] * p)
+    assert bound == (m + p - 1) * 3.0  # Narayanan et al. 2021, Sec. 2.2.1
+
+
+def test_search_results_do_not_depend_on_the_pruning(monkeypatch):
+    """Skipping simulations by the bound, and reusing cuts and simulations across configurations,
+    give exactly the plans an unpruned search finds."""
+    import autoplan.search.evaluate as evaluate_mod
+
+    pruned, _ = suggest_with_stats(SMALL, "2x4xA100-80GB", global_batch=32, seq_len=512, top=4)
+    monkeypatch.setattr(evaluate_mod, "simulated_step_lower_bound", lambda *args: 0.0)
+    unpruned, _ = suggest_with_stats(SMALL, "2x4xA100-80GB", global_batch=32, seq_len=512, top=4)
+    assert [p.to_dict() for p in pruned.plans] == [p.to_dict() for p in unpruned.plans]

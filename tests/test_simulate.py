@@ -160,3 +160,46 @@ def test_large_simulation_runs() -> None:
     # Speed is reported by benchmarks, not asserted; this only checks the 64 x 256 case works.
     result = simulate(make_schedule("1f1b", 64, 256), f1_b2)
     assert result.bubble_fraction == pytest.approx(63 / (256 + 63))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+def test_duration_table_matches_callback(name: str) -> None:
+    """The per-stage table path replays the same walk with the same arithmetic: identical numbers."""
+    import random
+
+    rng = random.Random(7)
+    for p in (1, 2, 3, 4):
+        for m in (1, 2, 4, 8):
+            for v in ((2, 3) if name == "interleaved-1f1b" else (1,)):
+                if name == "interleaved-1f1b" and m % p:
+                    continue
+                schedule = make_schedule(name, p, m, v)
+                table = {k: [rng.uniform(0.1, 2.0) for _ in range(schedule.num_stages)] for k in (F, B, W)}
+                delays: dict[tuple[int, int], float] = {}
+
+                def comm(src: int, dst: int, kind: ActionKind, delays=delays) -> float:
+                    return delays.setdefault((src, dst), rng.uniform(0.0, 0.3))
+
+                tails = [rng.uniform(0.0, 1.0) for _ in range(p)]
+                called = simulate(schedule, lambda a, table=table: table[a.kind][a.stage], comm, tails)
+                tabled = simulate(schedule, table, comm, tails)
+                for field in ("makespan_s", "busy_s", "idle_s", "bubble_fraction", "peak_inflight", "compute_end_s",
+                              "tail_s"):
+                    assert getattr(tabled, field) == getattr(called, field), (name, p, m, v, field)
+                assert tabled.timeline == called.timeline
+
+
+def test_deadlock_found_before_any_duration_is_asked() -> None:
+    good = make_schedule("1f1b", 2, 2)
+    broken = Schedule(
+        good.name, 2, 2, 2, (tuple(Action.parse(t) for t in ["0F0", "0B1", "0F1", "0B0"]), good.actions[1])
+    )
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(broken, {F: [1.0, 1.0], B: [2.0, 2.0]})
+
+
+def test_unsimulable_action_named() -> None:
+    good = make_schedule("1f1b", 2, 2)
+    bad = Schedule(good.name, 2, 2, 2, (good.actions[0], (*good.actions[1][:-1], Action(B, 5, 0))))
+    with pytest.raises(ScheduleError, match="cannot simulate 5B0"):
+        simulate(bad, f1_b2)

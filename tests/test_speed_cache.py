@@ -109,3 +109,52 @@ def test_gc_paused_restores_state(enabled):
         assert gc.isenabled() == enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_gc_pause_hands_objects_to_the_old_generation():
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with gc_paused():
+            kept = [[i] for i in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() == 0  # nothing stays frozen
+        assert all(gc.is_tracked(x) for x in kept[:10])
+        assert gc.get_count()[0] < 1000  # not left for a young collection to walk
+        # Objects a program froze itself stay frozen.
+        gc.freeze()
+        frozen = gc.get_freeze_count()
+        with gc_paused():
+            pass
+        assert gc.get_freeze_count() == frozen
+        gc.unfreeze()
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_stage_stats_match_the_stage_model():
+    from autoplan.search.partition import _Prefix, _stage_mem, _stage_time, stage_stats
+
+    rng = np.random.default_rng(5)
+    for two_d in (False, True):
+        for _ in range(30):
+            n = int(rng.integers(2, 12))
+            s = int(rng.integers(1, n + 1))
+            problem = CutProblem(
+                block_time_s=rng.random((s, n)) if two_d else rng.random(n), cut_time_s=rng.random(n + 1),
+                block_static_bytes=rng.random(n), block_act_bytes=rng.random(n), inflight=rng.integers(1, 4, s),
+                capacity_bytes=np.full(s, np.inf), cut_act_bytes=rng.random(n + 1))
+            inner = sorted(rng.choice(np.arange(1, n), size=s - 1, replace=False).tolist())
+            b = (0, *inner, n)
+            times, mems = stage_stats(problem, b)
+            pre = _Prefix(problem)
+            assert times.tolist() == [_stage_time(pre, problem, k, b[k], b[k + 1]) for k in range(s)]
+            assert mems.tolist() == [_stage_mem(pre, problem, k, b[k], b[k + 1]) for k in range(s)]
+
+
+def test_lazy_fake_parameters_count_tied_weights_once(tmp_path):
+    """Fakes are made on first use; tied parameters still count once and every block its bytes."""
+    spec = "gpt:num_layers=3,hidden_size=64,num_heads=4,vocab_size=128,max_seq_len=64"
+    prof = profile_with_graph(spec, seq_len=32, cache_dir=tmp_path).profile
+    model = zoo.build_model(zoo.parse_model_spec(spec), device="meta")
+    assert sum(b.num_params for b in prof.blocks) == sum(p.numel() for p in model.parameters())
+    assert all(b.param_bytes >= 2 * b.num_params for b in prof.blocks)

@@ -105,11 +105,13 @@ def _working_bytes(profile: ModelProfile, cfg: ParallelConfig, blocks: Sequence[
 
 def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str,
                 stage_ranges: Sequence[tuple[int, int]], stage_inflight: Sequence[float],
-                static: np.ndarray | None = None, acts: np.ndarray | None = None) -> MemoryBreakdown:
+                static: np.ndarray | None = None, acts: np.ndarray | None = None,
+                params: np.ndarray | None = None) -> MemoryBreakdown:
     """Peak memory of one GPU holding the given stages (its virtual stages) with the given
-    micro-batches in flight on each."""
+    micro-batches in flight on each. `acts` and `params` (`block_act_bytes`, `param_counts`) may be
+    passed when the caller has them."""
     weights_b, grads_b, optim_b = BYTES_PER_PARAM(dtype)
-    params = param_counts(profile, cfg)
+    params = param_counts(profile, cfg) if params is None else params
     acts = block_act_bytes(profile, cfg) if acts is None else acts
     f = cfg.micro_batch_size / profile.batch_size
     num_params = sum(params[a:b].sum() for a, b in stage_ranges)

@@ -110,11 +110,56 @@ def _fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return torch.empty(tuple(t.shape), dtype=target, device="cpu")
 
 
+class _LazyFakes(dict):
+    """Fake parameters and buffers by name, each made on first use.
+
+    A 96-layer model has about a thousand parameters, but identical layers are run once
+    (`_run_fake`) and measured once (`profile_traced`), so most fakes would never be read; making
+    one costs a FakeTensorMode dispatch (about 0.1 ms). Tied parameters (one object under several
+    names) get one fake, as in the module; every buffer name gets its own."""
+
+    def __init__(self, mode: FakeTensorMode, gm: fx.GraphModule, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.mode = mode
+        self.dtype = dtype
+        self.owner: dict[int, str] = {}
+        """id(original parameter) -> first name it has in the traced module (to spot sharing)."""
+        self.sources: dict[str, tuple[torch.Tensor, bool]] = {}  # name -> (original, is a parameter)
+        self.alias: dict[str, str] = {}  # tied parameter name -> its first name
+        for name, p in gm.named_parameters(remove_duplicate=False):
+            if id(p) in self.owner:
+                self.alias[name] = self.owner[id(p)]
+            else:
+                self.owner[id(p)] = name
+            self.sources[name] = (p, True)
+        for name, b in gm.named_buffers(remove_duplicate=False):
+            self.sources[name] = (b, False)
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if name in self.alias:
+            value = self[self.alias[name]]
+        else:
+            original, is_param = self.sources[name]  # KeyError for a name that is neither
+            with self.mode:
+                if is_param:
+                    value = _fake_like(original, self.dtype).requires_grad_(original.requires_grad)
+                else:
+                    value = _fake_like(original, self.dtype if original.is_floating_point() else None)
+        self[name] = value
+        return value
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of the fake for `name`, without making it."""
+        original, _ = self.sources[name]
+        target = self.dtype if (self.dtype is not None and original.is_floating_point()) else original.dtype
+        return original.numel() * target.itemsize
+
+
 @dataclass
 class _FakeRun:
     mode: FakeTensorMode
-    params: dict[str, torch.Tensor]
-    """Fake parameters and buffers by (duplicate-free) name in the traced module."""
+    params: _LazyFakes
+    """Fake parameters and buffers by (duplicate-free) name in the traced module, made on first use."""
     values: dict[str, Any]
     """Fake value of every graph node, after a forward of the whole model."""
     param_owner: dict[int, str]
@@ -124,17 +169,9 @@ class _FakeRun:
 def _run_fake(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.dtype | None) -> _FakeRun:
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     gm = traced.gm
-    params: dict[str, torch.Tensor] = {}
-    owner: dict[int, str] = {}
+    params = _LazyFakes(mode, gm, dtype)
+    owner = params.owner
     with mode:
-        for name, p in gm.named_parameters(remove_duplicate=False):
-            if id(p) in owner:
-                params[name] = params[owner[id(p)]]
-                continue
-            owner[id(p)] = name
-            params[name] = _fake_like(p, dtype).requires_grad_(p.requires_grad)
-        for name, b in gm.named_buffers(remove_duplicate=False):
-            params[name] = _fake_like(b, dtype if b.is_floating_point() else None)
         inputs = [_fake_like(x, dtype) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
     values: dict[str, Any] = {}
@@ -162,33 +199,32 @@ def _run_fake(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.d
 
     class Recorder(fx.Interpreter):
         def call_module(self, target: str, args: Any, kwargs: Any) -> Any:
+            module = self.fetch_attr(target)
             if target not in structure:
-                module = self.fetch_attr(target)
                 structure[target] = (type(module).__qualname__,
                                      tuple((n, tuple(p.shape)) for n, p in module.named_parameters()))
             key = (structure[target], describe(args), describe(kwargs))
             if key not in shape_cache:
-                shape_cache[key] = super().call_module(target, args, kwargs)
+                own = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+                own += [n for n, _ in module.named_buffers(remove_duplicate=False)]
+                local = {n: params[f"{target}.{n}"] for n in own}
+                shape_cache[key] = torch.func.functional_call(module, local, tuple(args), dict(kwargs), strict=False)
                 return shape_cache[key]
             return fresh(shape_cache[key])
+
+        def get_attr(self, target: str, args: Any, kwargs: Any) -> Any:
+            if target in params.sources:
+                return params[target]
+            return super().get_attr(target, args, kwargs)
 
         def run_node(self, n: fx.Node) -> Any:
             result = super().run_node(n)
             values[n.name] = result
             return result
 
-    class Runner(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gm = gm
-
-        def forward(self, *args: Any) -> Any:
-            return Recorder(self.gm).run(*args)
-
-    runner = Runner()
     with mode, torch.no_grad():
         try:
-            torch.func.functional_call(runner, {f"gm.{k}": v for k, v in params.items()}, tuple(inputs), strict=False)
+            Recorder(gm).run(*inputs)
         except Exception as exc:
             if os.environ.get("AUTOPLAN_DEBUG"):  # show the full traceback when debugging a model
                 raise
@@ -641,7 +677,7 @@ def profile_traced(
             return cached
 
     costs: dict[str, _BlockCost] = {}
-    seen_params: set[int] = set()
+    seen_params: set[str] = set()
     blocks: list[Block] = []
     for index in range(traced.num_blocks):
         sub, input_names, output_names = extract_submodule(traced, index, index)
@@ -652,9 +688,8 @@ def profile_traced(
                 fake_inputs.append(_fake_like(x, dtype) if isinstance(x, torch.Tensor)
                                    and not isinstance(x, torch._subclasses.FakeTensor) else x)
         fp = _block_fingerprint(traced, index, sub, fake_inputs)
-        params = _block_params(sub, run)
         if fp not in costs:
-            costs[fp] = _measure_block(sub, fake_inputs, params, hidden, run)
+            costs[fp] = _measure_block(sub, fake_inputs, _block_params(sub, run), hidden, run)
             if device != "meta" and fp not in timed:
                 timed[fp] = _time_block(traced, index, fake_inputs, device, dtype, warmup, repeats)
         cost = costs[fp]
@@ -662,10 +697,10 @@ def profile_traced(
         num_params = 0
         param_bytes = 0
         for name, p in sub.named_parameters(remove_duplicate=True):
-            fake = run.params[name]
-            param_bytes += _nbytes(fake)
-            if id(fake) not in seen_params:
-                seen_params.add(id(fake))
+            param_bytes += run.params.nbytes(name)
+            first = run.params.alias.get(name, name)  # tied parameters share one identity
+            if first not in seen_params:
+                seen_params.add(first)
                 num_params += p.numel()
         kind = _block_kind(traced, index, sub)
         if index < len(cuts):

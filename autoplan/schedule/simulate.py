@@ -5,15 +5,19 @@ Semantics: each rank runs its compute actions strictly in list order; an action 
 Dependencies are those of `compute_deps` (F(s) on F(s-1); B(s) on B(s+1), or on F(s) at the last
 stage, and on F(s); W(s) on B(s)). Communication is asynchronous: it delays the consumer but does
 not occupy either rank's compute. Ranks are advanced with a work list (a blocked rank is parked on
-the one action it waits for and woken when that action is placed), so the cost is O(number of
-actions) plus one ``compute_time_s`` call per action.
+the one action it waits for and woken when that action is placed). Which action waits for which
+does not depend on the durations, so the work list's order is found once per schedule (`_walk`)
+and each simulation replays it: O(number of actions), with one ``compute_time_s`` call per action,
+or none when the durations come as a per-stage table.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from autoplan.schedule.actions import Action, ActionKind, Schedule, ScheduleError
 
@@ -66,7 +70,8 @@ class SimResult:
         """Every compute action, rank by rank in execution order (not sorted by time)."""
         if not self._raw_timeline:
             return ()
-        actions, starts, ends = self._raw_timeline
+        raw = self._raw_timeline
+        actions, starts, ends = raw.materialize() if isinstance(raw, _LazyTimeline) else raw
         return tuple(
             ActionTiming(a, r, st, en)
             for r in range(len(actions))
@@ -78,18 +83,77 @@ class SimResult:
         return tuple(e + t for e, t in zip(self.compute_end_s, self.tail_s))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Compiled:
     """Schedule-only data the simulation needs, computed once per schedule."""
 
-    # Per rank: (action, key of its own end time, dep key, dep delay slot, dep key, dep delay slot).
-    # Keys index a flat end-time list; key ``num_keys`` is a sentinel always finished at 0.
-    ops: tuple[tuple[tuple[Action, int, int, int, int, int], ...], ...]
+    # Per rank, per action: (key of its own end time, dep key, dep delay slot, dep key, dep delay
+    # slot, index of its duration in a flat (kind, stage) table: F of stage s at s, B at
+    # num_stages + s, W at 2 num_stages + s). Keys index a flat end-time list; key ``num_keys`` is a
+    # sentinel always finished at 0.
+    ops: tuple[tuple[tuple[int, int, int, int, int, int], ...], ...]
     num_keys: int
     cross_f_stages: tuple[int, ...]  # stages s >= 1 whose F input comes from another rank
     cross_b_stages: tuple[int, ...]  # stages s whose B input (from s + 1) comes from another rank
     peak_inflight: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
+    runs: tuple[tuple[int, int, int], ...]
+    """The work-list walk (see `_walk`) as (rank, first op, end op) runs, in the order it visits them.
+    Which op waits for which depends only on the schedule, never on the durations, so the walk is
+    the same for every simulation of the schedule: it is found once here and replayed."""
+    table_runs: tuple[tuple[int, tuple[tuple[int, int, int, int, int, int], ...]], ...]
+    """`runs` as (rank, its ops in the run)."""
+    stuck: dict[int, int]
+    """rank -> index of the op it deadlocks at (empty for a schedule that finishes)."""
+
+
+def _walk(ops: tuple, num_keys: int, num_ranks: int) -> tuple[tuple[tuple[int, int, int], ...], dict[int, int]]:
+    """Ranks advanced with a work list: a rank runs ops until one waits for an op not yet placed,
+    parks on it and is woken when that op is placed. Returns the runs and the deadlocked ranks."""
+    placed = [False] * num_keys + [True]
+    waiters: list[list[int] | None] = [None] * (num_keys + 1)
+    ptr = [0] * num_ranks
+    runs = []
+    work = list(range(num_ranks - 1, -1, -1))
+    while work:
+        rank = work.pop()
+        rank_ops = ops[rank]
+        first = i = ptr[rank]
+        n = len(rank_ops)
+        while i < n:
+            own, dep1, _, dep2, _, _ = rank_ops[i]
+            blocked = dep1 if not placed[dep1] else dep2 if not placed[dep2] else -1
+            if blocked >= 0:
+                w = waiters[blocked]
+                if w is None:
+                    waiters[blocked] = [rank]
+                else:
+                    w.append(rank)
+                break
+            placed[own] = True
+            w = waiters[own]
+            if w is not None:
+                work.extend(w)
+                waiters[own] = None
+            i += 1
+        ptr[rank] = i
+        runs.append((rank, first, i))
+    stuck = {r: ptr[r] for r in range(num_ranks) if ptr[r] < len(ops[r])}
+    return tuple(runs), stuck
+
+
+_KIND_CODE = {ActionKind.F: 0, ActionKind.B: 1, ActionKind.W: 2}
+
+
+def _raise_unsimulable(schedule: Schedule) -> None:
+    """Raise for the first action (rank by rank, in list order) the simulator cannot run."""
+    num_stages, num_mb = schedule.num_stages, schedule.num_microbatches
+    for rank_actions in schedule.actions:
+        for a in rank_actions:
+            kind, s, mb = a
+            if not (0 <= s < num_stages and 0 <= mb < num_mb) or kind not in _KIND_CODE:
+                raise ScheduleError(f"cannot simulate {a} (num_stages={num_stages}, num_microbatches={num_mb})")
+    raise AssertionError("no action to reject")  # pragma: no cover
 
 
 # Small: a compiled 64-rank x 256-micro-batch schedule is a few MB, and a search reuses few shapes.
@@ -105,47 +169,56 @@ def _compile(schedule: Schedule) -> _Compiled:
     sm = num_stages * num_mb
     # Under looped placement neighbouring stages share a rank only when there is one rank.
     cross = schedule.num_ranks > 1
-    F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
     # Delay slots: 0 = no delay; 1 + s = F transfer into stage s; 1 + num_stages + s = B into s.
+    # Built with numpy per rank (a schedule has O(m v p) actions; a Python loop over them cost
+    # about 3 us each): code 0 = F, 1 = B, 2 = W.
     ops = []
+    codes, stages = [], []
     for rank_actions in schedule.actions:
-        rank_ops = []
-        for a in rank_actions:
-            kind, s, mb = a
-            if not (0 <= s < num_stages and 0 <= mb < num_mb) or kind not in (F, B, W):
-                raise ScheduleError(
-                    f"cannot simulate {a} (num_stages={num_stages}, num_microbatches={num_mb})"
-                )
-            f_key = s * num_mb + mb
-            if kind is F:
-                if s == 0:
-                    rank_ops.append((a, f_key, none, 0, none, 0))
-                else:
-                    rank_ops.append((a, f_key, f_key - num_mb, (1 + s) if cross else 0, none, 0))
-            elif kind is B:
-                if s == last:
-                    rank_ops.append((a, f_key + sm, f_key, 0, none, 0))
-                else:
-                    slot = (1 + num_stages + s) if cross else 0
-                    rank_ops.append((a, f_key + sm, f_key + sm + num_mb, slot, f_key, 0))
-            else:
-                rank_ops.append((a, f_key + 2 * sm, f_key + sm, 0, none, 0))
-        ops.append(tuple(rank_ops))
+        if not rank_actions:
+            ops.append(())
+            continue
+        kinds, st, mbs = zip(*rank_actions)
+        try:
+            code = np.array([_KIND_CODE[k] for k in kinds])
+        except KeyError:
+            _raise_unsimulable(schedule)
+        st, mb = np.array(st), np.array(mbs)
+        if not ((st >= 0) & (st < num_stages) & (mb >= 0) & (mb < num_mb)).all():
+            _raise_unsimulable(schedule)
+        f_key = st * num_mb + mb
+        is_f, is_b = code == 0, code == 1
+        first, at_last = st == 0, st == last
+        own = f_key + code * sm
+        dep1 = np.where(is_f, np.where(first, none, f_key - num_mb),
+                        np.where(is_b, np.where(at_last, f_key, f_key + sm + num_mb), f_key + sm))
+        if cross:
+            slot1 = np.where(is_f & ~first, 1 + st, 0) + np.where(is_b & ~at_last, 1 + num_stages + st, 0)
+        else:
+            slot1 = np.zeros_like(st)
+        dep2 = np.where(is_b & ~at_last, f_key, none)
+        ops.append(tuple(zip(own.tolist(), dep1.tolist(), slot1.tolist(), dep2.tolist(), [0] * len(st),
+                             (code * num_stages + st).tolist())))
+        codes.append(code)
+        stages.append(st)
 
-    split = schedule.split_backward()
-    release = ActionKind.W if split else ActionKind.B
+    # Peak in flight per stage: a stage's actions all run on one rank in list order, so the running
+    # count (+1 per F, -1 per releasing B or W) in list order is the count over time.
     peak = [0] * num_stages
-    inflight = [0] * num_stages
-    for rank_actions in schedule.actions:
-        # A stage's actions all run on one rank in list order, so the running count in list order
-        # is the count over time.
-        for a in rank_actions:
-            if a.kind is ActionKind.F:
-                inflight[a.stage] += 1
-                if inflight[a.stage] > peak[a.stage]:
-                    peak[a.stage] = inflight[a.stage]
-            elif a.kind is release:
-                inflight[a.stage] -= 1
+    if codes:
+        code, st = np.concatenate(codes), np.concatenate(stages)
+        release = 2 if (code == 2).any() else 1
+        delta = np.where(code == 0, 1, np.where(code == release, -1, 0))
+        order = np.argsort(st, kind="stable")  # group by stage, list order kept within a stage
+        st_sorted = st[order]
+        running = np.cumsum(delta[order])
+        starts = np.flatnonzero(np.r_[True, st_sorted[1:] != st_sorted[:-1]])
+        before = np.where(starts > 0, running[starts - 1], 0)
+        running -= np.repeat(before, np.diff(np.r_[starts, len(st_sorted)]))
+        for stage, value in zip(st_sorted[starts].tolist(), np.maximum.reduceat(running, starts).tolist()):
+            peak[stage] = max(0, value)
+    runs, stuck = _walk(tuple(ops), num_keys, schedule.num_ranks)
+    table_runs = tuple((rank, ops[rank][first:end]) for rank, first, end in runs)
     return _Compiled(
         ops=tuple(ops),
         num_keys=num_keys,
@@ -153,24 +226,28 @@ def _compile(schedule: Schedule) -> _Compiled:
         cross_b_stages=tuple(range(last)) if cross else (),
         peak_inflight=tuple(peak),
         actions=schedule.actions,
+        runs=runs,
+        table_runs=table_runs,
+        stuck=stuck,
     )
 
 
 def simulate(
     schedule: Schedule,
-    compute_time_s: Callable[[Action], float],
+    compute_time_s: Callable[[Action], float] | Mapping[ActionKind, Sequence[float]],
     comm_time_s: Callable[[int, int, ActionKind], float] | None = None,
     rank_tail_s: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate one step of ``schedule``.
 
-    ``compute_time_s(action)``: seconds of an F, B or W action. ``comm_time_s(src_stage,
-    dst_stage, kind)``: seconds to move the tensor of ``kind`` (F: activation, B: gradient) from
-    ``src_stage`` to ``dst_stage``; asked only for stages on different ranks (once per stage
-    pair); None means free. ``rank_tail_s[r]``: work after rank r's last compute action that does
-    not overlap it (non-overlapped DP gradient reduction, optimizer step); the makespan is the
-    max over ranks of compute end plus tail. All times must be >= 0. Raises `ScheduleError`
-    (with the grid) on deadlock.
+    ``compute_time_s(action)``: seconds of an F, B or W action; or, when every action of a kind
+    on a stage takes as long, a mapping kind -> per-stage seconds (faster: no call per action).
+    ``comm_time_s(src_stage, dst_stage, kind)``: seconds to move the tensor of ``kind`` (F:
+    activation, B: gradient) from ``src_stage`` to ``dst_stage``; asked only for stages on
+    different ranks (once per stage pair); None means free. ``rank_tail_s[r]``: work after rank
+    r's last compute action that does not overlap it (non-overlapped DP gradient reduction,
+    optimizer step); the makespan is the max over ranks of compute end plus tail. All times must
+    be >= 0. Raises `ScheduleError` (with the grid) on deadlock.
     """
     compiled = _compile(schedule)
     num_ranks, num_stages = schedule.num_ranks, schedule.num_stages
@@ -180,6 +257,14 @@ def simulate(
         tails = tuple(float(t) for t in rank_tail_s)
         if len(tails) != num_ranks:
             raise ValueError(f"rank_tail_s has {len(tails)} entries for num_ranks={num_ranks}")
+    stuck = compiled.stuck
+    if stuck:
+        raise ScheduleError(
+            "deadlock in simulation: "
+            + ", ".join(f"rank {r} waits at step {i} ({compiled.actions[r][i]})" for r, i in stuck.items())
+            + "\n"
+            + schedule.format_grid(stuck)
+        )
 
     delays = [0.0] * (1 + 2 * num_stages)
     if comm_time_s is not None:
@@ -188,44 +273,41 @@ def simulate(
         for s in compiled.cross_b_stages:
             delays[1 + num_stages + s] = float(comm_time_s(s + 1, s, ActionKind.B))
 
-    num_keys = compiled.num_keys
-    ends = [-1.0] * num_keys + [0.0]  # -1: not placed yet; last slot: "no dependency"
-    waiters: list[list[int] | None] = [None] * (num_keys + 1)
-    rank_ops = compiled.ops
-    ptr = [0] * num_ranks
+    if callable(compute_time_s):
+        starts, end_lists, free, busy = _replay_calls(compiled, compute_time_s, delays, num_ranks)
+        raw = (compiled.actions, starts, end_lists)
+
+    else:
+        table = [0.0] * (3 * num_stages)
+        for kind, base in ((ActionKind.F, 0), (ActionKind.B, num_stages), (ActionKind.W, 2 * num_stages)):
+            values = compute_time_s.get(kind)
+            if values is not None:
+                table[base:base + num_stages] = [float(v) for v in values]
+        free, busy, ends = _replay_table(compiled, table, delays, num_ranks)
+        raw = _LazyTimeline(compiled, table, delays, num_ranks)
+        starts = [[_first_start(compiled.ops[r][0], ends, delays)] if compiled.ops[r] else [] for r in range(num_ranks)]
+    return _result(compiled, free, busy, tails, starts, raw)
+
+
+def _replay_calls(compiled: _Compiled, compute_time_s: Callable[[Action], float], delays: list[float],
+                  num_ranks: int) -> tuple[list[list[float]], list[list[float]], list[float], list[float]]:
+    """The event walk with one ``compute_time_s`` call per action, recording every start and end.
+
+    Each action starts at max(rank free, end of each dependency + its transfer delay); the runs
+    replay the work list's order, and busy time is summed per run as the work list did."""
+    ends = [-1.0] * compiled.num_keys + [0.0]  # last slot: "no dependency", finished at 0
     free = [0.0] * num_ranks
     busy = [0.0] * num_ranks
-    first_start = [-1.0] * num_ranks
     starts: list[list[float]] = [[] for _ in range(num_ranks)]
     end_lists: list[list[float]] = [[] for _ in range(num_ranks)]
-
-    work = list(range(num_ranks - 1, -1, -1))
-    while work:
-        rank = work.pop()
-        ops = rank_ops[rank]
-        i, n, t = ptr[rank], len(ops), free[rank]
+    rank_ops, actions = compiled.ops, compiled.actions
+    for rank, first, last in compiled.runs:
+        t = free[rank]
         rank_starts, rank_ends = starts[rank], end_lists[rank]
         rank_busy = 0.0
-        while i < n:
-            action, own, dep1, slot1, dep2, slot2 = ops[i]
-            e1 = ends[dep1]
-            if e1 < 0.0:
-                w = waiters[dep1]
-                if w is None:
-                    waiters[dep1] = [rank]
-                else:
-                    w.append(rank)
-                break
-            e2 = ends[dep2]
-            if e2 < 0.0:
-                w = waiters[dep2]
-                if w is None:
-                    waiters[dep2] = [rank]
-                else:
-                    w.append(rank)
-                break
-            start = e1 + delays[slot1]
-            e2 += delays[slot2]
+        for (own, dep1, slot1, dep2, slot2, _), action in zip(rank_ops[rank][first:last], actions[rank][first:last]):
+            start = ends[dep1] + delays[slot1]
+            e2 = ends[dep2] + delays[slot2]
             if e2 > start:
                 start = e2
             if t > start:
@@ -236,24 +318,88 @@ def simulate(
             rank_starts.append(start)
             rank_ends.append(t)
             rank_busy += dur
-            w = waiters[own]
-            if w is not None:
-                work.extend(w)
-                waiters[own] = None
-            i += 1
-        ptr[rank] = i
         free[rank] = t
         busy[rank] += rank_busy
+    return starts, end_lists, free, busy
 
-    stuck = {r: ptr[r] for r in range(num_ranks) if ptr[r] < len(rank_ops[r])}
-    if stuck:
-        raise ScheduleError(
-            "deadlock in simulation: "
-            + ", ".join(f"rank {r} waits at step {i} ({rank_ops[r][i][0]})" for r, i in stuck.items())
-            + "\n"
-            + schedule.format_grid(stuck)
-        )
 
+def _replay_table(compiled: _Compiled, table: list[float], delays: list[float], num_ranks: int,
+                  record: tuple[list[list[float]], list[list[float]]] | None = None
+                  ) -> tuple[list[float], list[float], list[float]]:
+    """`_replay_calls` with durations from a flat (kind, stage) table; records starts and ends only
+    when asked (the search needs just the totals; `SimResult.timeline` replays with recording)."""
+    ends = [-1.0] * compiled.num_keys + [0.0]
+    free = [0.0] * num_ranks
+    busy = [0.0] * num_ranks
+    for rank, rank_ops in compiled.table_runs:
+        t = free[rank]
+        rank_busy = 0.0
+        if record is None:
+            for own, dep1, slot1, dep2, slot2, d in rank_ops:
+                start = ends[dep1] + delays[slot1]
+                e2 = ends[dep2] + delays[slot2]
+                if e2 > start:
+                    start = e2
+                if t > start:
+                    start = t
+                dur = table[d]
+                t = start + dur
+                ends[own] = t
+                rank_busy += dur
+        else:
+            rank_starts, rank_ends = record[0][rank], record[1][rank]
+            for own, dep1, slot1, dep2, slot2, d in rank_ops:
+                start = ends[dep1] + delays[slot1]
+                e2 = ends[dep2] + delays[slot2]
+                if e2 > start:
+                    start = e2
+                if t > start:
+                    start = t
+                dur = table[d]
+                t = start + dur
+                ends[own] = t
+                rank_starts.append(start)
+                rank_ends.append(t)
+                rank_busy += dur
+        free[rank] = t
+        busy[rank] += rank_busy
+    return free, busy, ends
+
+
+class _LazyTimeline:
+    """What `SimResult.timeline` needs to replay a table simulation with recording."""
+
+    def __init__(self, compiled: _Compiled, table: list[float], delays: list[float], num_ranks: int) -> None:
+        self.args = (compiled, table, delays, num_ranks)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def materialize(self) -> tuple:
+        compiled, table, delays, num_ranks = self.args
+        record: tuple[list[list[float]], list[list[float]]] = ([[] for _ in range(num_ranks)],
+                                                                [[] for _ in range(num_ranks)])
+        _replay_table(compiled, table, delays, num_ranks, record)
+        return compiled.actions, record[0], record[1]
+
+
+def _first_start(op: tuple, ends: list[float], delays: list[float]) -> float:
+    """Start of a rank's first op (the rank is free at 0), by the replays' own arithmetic."""
+    _, dep1, slot1, dep2, slot2, _ = op
+    start = ends[dep1] + delays[slot1]
+    e2 = ends[dep2] + delays[slot2]
+    if e2 > start:
+        start = e2
+    if start < 0.0:
+        start = 0.0
+    return start
+
+
+def _result(compiled: _Compiled, free: list[float], busy: list[float], tails: tuple[float, ...],
+            starts: list[list[float]], raw) -> SimResult:
+    """Totals of a replay; ``starts[r]`` holds at least rank r's first start when it has actions."""
+    num_ranks = len(free)
+    first_start = [-1.0] * num_ranks
     for r in range(num_ranks):
         if starts[r]:
             first_start[r] = starts[r][0]
@@ -270,5 +416,5 @@ def simulate(
         peak_inflight=compiled.peak_inflight,
         compute_end_s=compute_end,
         tail_s=tails,
-        _raw_timeline=(compiled.actions, starts, end_lists),
+        _raw_timeline=raw,
     )

@@ -36,7 +36,7 @@ from autoplan.cost.time import (
 )
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import Job, MemoryBreakdown, Plan, Predicted, StagePlan
-from autoplan.schedule import ActionKind, make_schedule, simulate
+from autoplan.schedule import ActionKind, SimResult, make_schedule, simulate
 from autoplan.search.partition import CutProblem, Cuts, DPSolver
 
 __all__ = ["Dominated", "Evaluation", "SearchContext", "evaluate", "min_gpus_needed", "schedule_inflight"]
@@ -113,6 +113,16 @@ class SearchContext:
         # Model FLOPs per sequence (forward + backward, no recompute), for MFU.
         self.model_flops_per_seq = profile.flops / profile.batch_size
         self._cache: dict[tuple, object] = {}
+        # Per boundary bytes (the cuts' `num_bytes` sums tensors on every access) and largest output.
+        self.cut_num_bytes = [c.num_bytes for c in profile.cuts]
+        self.largest_output_bytes = max(b.output_bytes for b in profile.blocks)
+        self.cut_cache: dict[tuple, _CutCache] = {}
+        self.infeasible: set[tuple] = set()
+        self.simulations: dict[tuple, SimResult] = {}
+        # (tp, micro-batch size, boundary, src rank, dst rank) -> P2P seconds (`cut_transfer_time_s`
+        # depends on the configuration through tp and the micro-batch size only).
+        self.transfers: dict[tuple, float] = {}
+        self._pass_arrays: dict[int, tuple] = {}  # id(BlockTimes) -> sums (the object kept alive)
 
     def cached(self, key: tuple, make):
         """Per-search memo: ladder rungs and base configurations share most inputs."""
@@ -131,6 +141,38 @@ class SearchContext:
     def act_bytes(self, cfg: ParallelConfig) -> np.ndarray:
         key = ("acts", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel)
         return self.cached(key, lambda: block_act_bytes(self.profile, cfg))
+
+    def pass_times(self, stage_times: list[BlockTimes], ranges: list[tuple[int, int]]) -> tuple[list[float], list[float]]:
+        """Per stage: forward and backward seconds, TP communication included (each the sum over
+        its blocks of fwd_s + tp_fwd_s, resp. bwd_s + tp_bwd_s; the element-wise sums are made once
+        per `BlockTimes`)."""
+        fwd, bwd = [], []
+        for t, (a, b) in zip(stage_times, ranges, strict=True):
+            sums = self._pass_arrays.get(id(t))
+            if sums is None:
+                sums = self._pass_arrays[id(t)] = (t.fwd_s + t.tp_fwd_s, t.bwd_s + t.tp_bwd_s, t)
+            fwd.append(float(sums[0][a:b].sum()))
+            bwd.append(float(sums[1][a:b].sum()))
+        return fwd, bwd
+
+    def params(self, cfg: ParallelConfig) -> np.ndarray:
+        return self.cached(("params", cfg.tp), lambda: param_counts(self.profile, cfg))
+
+    def reserve(self, cfg: ParallelConfig) -> float:
+        """Bytes reserved per GPU for buffers (receive buffers, backward transients) before cutting:
+        the largest boundary and block output anywhere, so the reserve never under-counts the stage
+        it lands on; with full recompute also the largest block's full activations."""
+        key = ("reserve", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel)
+
+        def make() -> float:
+            f = cfg.micro_batch_size / self.profile.batch_size
+            cut_bytes = np.array([0.0] + [nb * f for nb in self.cut_num_bytes] + [0.0])
+            reserve = 2 * 2 * cut_bytes.max() + 2 * (self.largest_output_bytes * f)
+            if cfg.recompute == "full":
+                reserve += float(np.max(self.act_bytes(_no_recompute(cfg))))
+            return reserve
+
+        return self.cached(key, make)
 
     def link_times(self, cfg: ParallelConfig) -> np.ndarray:
         src, dst = cfg.rank(0, 0), cfg.rank(1 % cfg.pp, 0)
@@ -155,6 +197,39 @@ def _stage_gpus(cluster: Cluster, cfg: ParallelConfig) -> list:
                  for d in range(cfg.dp) for t in range(cfg.tp)}
         gpus.append(min(types.values(), key=lambda g: (g.peak_flops.get("bf16", 0.0), g.mem_bytes)))
     return gpus
+
+
+class _CutCache:
+    """The unrefined and refined cuttings of one problem, each solved at most once. The solver (and
+    its masked tables, up to tens of MB) is dropped once the refined cutting is known; a later
+    refined request without it (rare: another configuration with the same problem) solves anew."""
+
+    def __init__(self, problem: CutProblem) -> None:
+        self.problem = problem
+        self._solver: DPSolver | None = DPSolver(problem)
+        self._unrefined: Cuts | None = None
+        self._refined: Cuts | None = None
+        self._solved = False
+
+    def unrefined(self) -> Cuts | None:
+        if not self._solved:
+            assert self._solver is not None
+            self._unrefined = self._solver.solve(refine=False)
+            self._solved = True
+            if self._unrefined is None:
+                self._solver = None
+        return self._unrefined
+
+    def refined(self) -> Cuts | None:
+        if self._refined is None:
+            solver = self._solver if self._solver is not None else DPSolver(self.problem)
+            self._refined = solver.solve()
+            self._solver = None
+        return self._refined
+
+    def release(self) -> None:
+        """Drop the solver's tables (kept only while a refined request may follow soon)."""
+        self._solver = None
 
 
 class Dominated(Exception):
@@ -182,26 +257,28 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
     static = ctx.static_bytes(cfg)
     acts = ctx.act_bytes(cfg)
     inflight = np.array(schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages), dtype=float)
-    f = cfg.micro_batch_size / profile.batch_size
-    cut_bytes = np.array([0.0] + [c.num_bytes * f for c in profile.cuts] + [0.0])
-    # Reserve for buffers (receive buffers, backward transients) before cutting: the largest
-    # boundary and block output anywhere, so the reserve never under-counts the stage it lands on.
-    largest_out = max(b.output_bytes for b in profile.blocks) * f
-    reserve = 2 * 2 * cut_bytes.max() + 2 * largest_out
-    if cfg.recompute == "full":
-        reserve += float(np.max(ctx.act_bytes(_no_recompute(cfg))))
-    capacity = np.array([(pp_gpus[k % cfg.pp].mem_bytes - allowance_bytes(pp_gpus[k % cfg.pp]) - reserve)
+    capacity = np.array([(pp_gpus[k % cfg.pp].mem_bytes - allowance_bytes(pp_gpus[k % cfg.pp]) - ctx.reserve(cfg))
                          / cfg.virtual_stages for k in range(num_stages)])
     # A stage's boundary costs its P2P time once (the transfer itself overlaps compute in the
     # simulator; this steers cuts away from boundaries that carry large tensors).
     link_s = ctx.link_times(cfg)
-    problem = CutProblem(block_time_s=total, cut_time_s=link_s, block_static_bytes=static, block_act_bytes=acts,
-                         inflight=inflight, capacity_bytes=capacity, legal_cut=ctx.legal)
+    # Configurations often pose the same cutting problem (both rank orders when the pipeline's
+    # links are alike, e.g. tp = a whole node), or the same memory problem with other times; the
+    # answers are reused by value (`_CutCache`), which gives bit-identical cuts.
+    mem_key = (static.tobytes(), acts.tobytes(), inflight.tobytes(), capacity.tobytes())
+    if mem_key in ctx.infeasible and require_fit:
+        return None  # no cutting fits this memory problem, whatever the times
+    key = (total.tobytes(), link_s.tobytes(), *mem_key)
+    cache = ctx.cut_cache.get(key)
+    if cache is None:
+        problem = CutProblem(block_time_s=total, cut_time_s=link_s, block_static_bytes=static, block_act_bytes=acts,
+                             inflight=inflight, capacity_bytes=capacity, legal_cut=ctx.legal)
+        cache = ctx.cut_cache[key] = _CutCache(problem)
     # The tie-break pass (partition.py [Note: DP tie-break]) only matters for plans that get
     # simulated; feasibility and the bound need just the bottleneck.
-    solver = DPSolver(problem)
-    cuts = solver.solve(refine=False)
+    cuts = cache.unrefined()
     if cuts is None:
+        ctx.infeasible.add(mem_key)
         if require_fit:
             return None
         # Every dimension pinned: report the plan even though it does not fit, cut for time alone.
@@ -211,13 +288,31 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
         cuts = solver.solve(refine=False)
         if cuts is None:
             return None
-    if _step_lower_bound(cfg, cuts, stage_times) >= cutoff_s:
+        cache = None
+    if _step_lower_bound(ctx, cfg, cuts, stage_times) >= cutoff_s:
+        if cache is not None:
+            cache.release()
         raise Dominated
-    cuts = solver.solve()  # same bottleneck (first pass reused), ties broken as [Note: DP tie-break] says
-    return Evaluation(cfg, _make_plan(ctx, cfg, cuts, stage_times, pp_gpus, inflight, static, acts))
+    # Same bottleneck (first pass reused), ties broken as [Note: DP tie-break] says.
+    cuts = cache.refined() if cache is not None else solver.solve()
+    plan = _make_plan(ctx, cfg, cuts, stage_times, pp_gpus, inflight, static, acts, cutoff_s=cutoff_s)
+    if isinstance(plan, _Unsimulated):
+        # Its step time is at least the cutoff, so the search would not keep it; it goes on down
+        # the ladder exactly when a simulated plan that does not fit would have.
+        if plan.fits or not require_fit:
+            raise Dominated
+        return None
+    return Evaluation(cfg, plan)
 
 
-def _step_lower_bound(cfg: ParallelConfig, cuts: Cuts, stage_times: list[BlockTimes]) -> float:
+@dataclass(frozen=True)
+class _Unsimulated:
+    """`_make_plan` stopped before simulating: the step time provably reaches the cutoff."""
+
+    fits: bool
+
+
+def _step_lower_bound(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: list[BlockTimes]) -> float:
     """A lower bound on the step time of a cut configuration, without simulating it.
 
     Pipeline rank r cannot start before micro-batch 0 has passed the forwards of the stages before
@@ -226,8 +321,7 @@ def _step_lower_bound(cfg: ParallelConfig, cuts: Cuts, stage_times: list[BlockTi
     and the tail only add. For equal stages under 1F1B this is exactly (m + p - 1)(F + B).
     """
     ranges = cuts.stage_ranges()
-    fwd = [float((t.fwd_s[a:b] + t.tp_fwd_s[a:b]).sum()) for t, (a, b) in zip(stage_times, ranges, strict=True)]
-    bwd = [float((t.bwd_s[a:b] + t.tp_bwd_s[a:b]).sum()) for t, (a, b) in zip(stage_times, ranges, strict=True)]
+    fwd, bwd = ctx.pass_times(stage_times, ranges)
     m = cfg.num_microbatches
     trailing = cfg.schedule != "zb-h1"
     bound = 0.0
@@ -244,12 +338,12 @@ def _no_recompute(cfg: ParallelConfig) -> ParallelConfig:
 
 
 def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: list[BlockTimes], pp_gpus: list,
-               inflight: np.ndarray, static: np.ndarray, acts: np.ndarray) -> Plan:
+               inflight: np.ndarray, static: np.ndarray, acts: np.ndarray,
+               cutoff_s: float = float("inf")) -> Plan | _Unsimulated:
     profile, cluster, job = ctx.profile, ctx.cluster, ctx.job
     ranges = cuts.stage_ranges()
     num_stages = cfg.num_stages
-    fwd_s = [float((t.fwd_s[a:b] + t.tp_fwd_s[a:b]).sum()) for t, (a, b) in zip(stage_times, ranges, strict=True)]
-    bwd_s = [float((t.bwd_s[a:b] + t.tp_bwd_s[a:b]).sum()) for t, (a, b) in zip(stage_times, ranges, strict=True)]
+    fwd_s, bwd_s = ctx.pass_times(stage_times, ranges)
     split = cfg.schedule == "zb-h1"
 
     durations = {ActionKind.F: fwd_s, ActionKind.B: bwd_s}
@@ -264,17 +358,17 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
     def compute_time(action) -> float:
         return durations[action.kind][action.stage]
 
-    comm_cache: dict[tuple[int, int], float] = {}
+    comm_cache = ctx.transfers  # shared by configurations: the same cuts and ranks recur
 
     def comm_time(src_stage: int, dst_stage: int, kind) -> float:
-        key = (src_stage, dst_stage)
+        boundary = ranges[max(src_stage, dst_stage)][0]  # first block of the later stage
+        src, dst = cfg.rank(src_stage % cfg.pp, 0), cfg.rank(dst_stage % cfg.pp, 0)
+        key = (cfg.tp, cfg.micro_batch_size, boundary, src, dst)
         if key not in comm_cache:
-            boundary = ranges[max(src_stage, dst_stage)][0]  # first block of the later stage
-            comm_cache[key] = cut_transfer_time_s(profile, cluster, cfg, boundary - 1,
-                                                  cfg.rank(src_stage % cfg.pp, 0), cfg.rank(dst_stage % cfg.pp, 0))
+            comm_cache[key] = cut_transfer_time_s(profile, cluster, cfg, boundary - 1, src, dst)
         return comm_cache[key]
 
-    params = param_counts(profile, cfg)
+    params = ctx.params(cfg)
     _, grad_b, _ = BYTES_PER_PARAM(job.dtype)
     tails = []
     dp_exposed = []
@@ -292,19 +386,34 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         optim_s.append(opt)
         tails.append(exposed + opt)
 
-    schedule = make_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
+    delays_f = [comm_time(s - 1, s, ActionKind.F) if cfg.pp > 1 else 0.0 for s in range(1, num_stages)]
+    delays_b = [comm_time(s + 1, s, ActionKind.B) if cfg.pp > 1 else 0.0 for s in range(num_stages - 1)]
+    if cutoff_s < float("inf"):
+        bound = simulated_step_lower_bound(cfg, durations, delays_f, delays_b, tails)
+        # The margin covers rounding: the bound adds the same terms as the simulator in another order.
+        if bound > cutoff_s * (1 + 1e-9):
+            memories = _memories(ctx, cfg, ranges, pp_gpus,
+                                 schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages),
+                                 static, acts)
+            return _Unsimulated(all(m.total_bytes <= pp_gpus[p].mem_bytes for p, m in enumerate(memories)))
+
     sharing = cpu_sharing(profile, pp_gpus[0], cluster)
-    if sharing is None:
-        sim = simulate(schedule, compute_time, comm_time if cfg.pp > 1 else None, tails)
-    else:
-        sim = simulate_shared_cores(schedule, compute_time, comm_time if cfg.pp > 1 else None, tails, *sharing)
+    # The simulation is a function of the schedule, the stage durations, the transfer delays and
+    # the tails alone, which configurations often share (both rank orders when their links are
+    # alike): reuse it by value.
+    sim_key = (cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages,
+               *(tuple(v) for v in durations.values()), tuple(delays_f), tuple(delays_b), tuple(tails), sharing)
+    sim = ctx.simulations.get(sim_key)
+    if sim is None:
+        schedule = make_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
+        if sharing is None:
+            sim = simulate(schedule, durations, comm_time if cfg.pp > 1 else None, tails)
+        else:
+            sim = simulate_shared_cores(schedule, compute_time, comm_time if cfg.pp > 1 else None, tails, *sharing)
+        ctx.simulations[sim_key] = sim
     step = sim.makespan_s
 
-    memories: list[MemoryBreakdown] = []
-    for p in range(cfg.pp):
-        mine = [k for k in range(num_stages) if k % cfg.pp == p]
-        memories.append(rank_memory(profile, cfg, pp_gpus[p], job.dtype, [ranges[k] for k in mine],
-                                    [sim.peak_inflight[k] for k in mine], static=static, acts=acts))
+    memories = _memories(ctx, cfg, ranges, pp_gpus, sim.peak_inflight, static, acts)
     fits = all(m.total_bytes <= pp_gpus[p].mem_bytes for p, m in enumerate(memories))
 
     num_gpus = cfg.num_gpus
@@ -358,6 +467,56 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         sequence_parallel=cfg.sequence_parallel, rank_order=cfg.rank_order, stages=stages,
         block_names=tuple(b.name for b in profile.blocks), fits=fits, predicted=predicted,
     )
+
+
+def _memories(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[int, int]], pp_gpus: list,
+              peak_inflight: tuple[int, ...], static: np.ndarray, acts: np.ndarray) -> list[MemoryBreakdown]:
+    """Peak memory of each pipeline rank."""
+    memories: list[MemoryBreakdown] = []
+    for p in range(cfg.pp):
+        mine = [k for k in range(cfg.num_stages) if k % cfg.pp == p]
+        memories.append(rank_memory(ctx.profile, cfg, pp_gpus[p], ctx.job.dtype, [ranges[k] for k in mine],
+                                    [peak_inflight[k] for k in mine], static=static, acts=acts,
+                                    params=ctx.params(cfg)))
+    return memories
+
+
+def simulated_step_lower_bound(cfg: ParallelConfig, durations: dict, delays_f: list[float], delays_b: list[float],
+                               tails: list[float]) -> float:
+    """A lower bound on what `simulate` returns for this configuration's schedule, from two kinds of
+    dependency paths of its event model (schedule/simulate.py) instead of the whole event walk.
+
+    `durations[kind][k]`: seconds of an action of that kind on stage k; `delays_f[s - 1]`: the P2P
+    time into stage s's forward, `delays_b[s]`: into stage s's backward; `tails[r]`: rank r's tail.
+    Stage k lives on rank k % pp. Every schedule starts rank r with F(r, 0) (chunk 0), which waits
+    for F(0, 0) -> F(1, 0) -> ... -> F(r - 1, 0) and the transfers between them; the rank then runs
+    all its actions one after another: end_r >= A_r + busy_r. Under GPipe, 1F1B and interleaved
+    1F1B rank r ends with B(r, m - 1) (the last micro-batch's chunk-0 backward), and the backwards
+    B(r - 1, m - 1) ... B(q, m - 1) of ranks r - 1 ... q follow it through their transfers, so
+    end_q >= A_r + busy_r + (those backwards and transfers) for q < r. (Zero-bubble H1 ends with
+    W passes, so only the first kind of path is used there.) The step is at least max_q end_q +
+    tail_q. With equal stages and free communication this is (m + p - 1)(F + B) for 1F1B, the
+    exact 1F1B step (Narayanan et al. 2021, Sec. 2.2.1).
+    """
+    p, m, num_stages = cfg.pp, cfg.num_microbatches, cfg.num_stages
+    fwd, bwd = durations[ActionKind.F], durations[ActionKind.B]
+    w = durations.get(ActionKind.W)
+    per_stage = [fwd[k] + bwd[k] + (w[k] if w is not None else 0.0) for k in range(num_stages)]
+    ends = [0.0] * p
+    start = 0.0  # A_r: earliest start of rank r's first action
+    for r in range(p):
+        if r > 0:
+            start += fwd[r - 1] + delays_f[r - 1]
+        ends[r] = start + m * sum(per_stage[r::p])
+    lower = list(ends)
+    if cfg.schedule != "zb-h1":
+        for r in range(1, p):
+            t = ends[r]
+            for q in range(r - 1, -1, -1):
+                t += delays_b[q] + bwd[q]
+                if t > lower[q]:
+                    lower[q] = t
+    return max(e + tail for e, tail in zip(lower, tails, strict=True))
 
 
 def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dict[str, float], step: float,

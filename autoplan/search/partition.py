@@ -229,8 +229,18 @@ def stage_stats(
     """(time_s, mem_bytes) per stage of a cutting, under [Note: the stage model]."""
     b = _check_boundaries(problem, boundaries)
     pre = _Prefix(problem)
-    times = np.array([_stage_time(pre, problem, k, b[k], b[k + 1]) for k in range(problem.num_stages)])
-    mems = np.array([_stage_mem(pre, problem, k, b[k], b[k + 1]) for k in range(problem.num_stages)])
+    # `_stage_time` and `_stage_mem` for every stage at once: the same element-wise operations in
+    # the same order, so the same numbers.
+    a, e = np.array(b[:-1]), np.array(b[1:])
+    t = pre.time[0] if pre.time.shape[0] == 1 else pre.time
+    c, ca = problem.cut_time_s, problem.cut_act_bytes
+    if t.ndim == 1:
+        times = (t[e] - t[a]) + (c[a] + c[e])
+    else:
+        k = np.arange(problem.num_stages)
+        times = (t[k, e] - t[k, a]) + (c[a] + c[e])
+    act = (pre.act[e] - pre.act[a]) + (ca[a] + ca[e])
+    mems = (pre.static[e] - pre.static[a]) + problem.inflight * act
     return times, mems
 
 
@@ -325,11 +335,12 @@ class DPSolver:
         else:
             self._time = None
             self._time_rows = (pre.time, cut_pair)
-        # i < j within a window is "row r <= column s" (window k: i = k + r, j = k + 1 + s).
-        self._order_ok = np.triu(np.ones((width, width), dtype=bool))
-        legal_end = p.legal_boundaries()
-        self._legal_end = np.lib.stride_tricks.as_strided(
-            legal_end[1:], shape=(num_stages, width), strides=(legal_end.strides[0],) * 2, writeable=False)
+        # i < j within a window is "row r <= column s" (window k: i = k + r, j = k + 1 + s); the
+        # masks below mark what is not allowed.
+        self._order_bad = np.tril(np.ones((width, width), dtype=bool), -1)  # start after end
+        illegal_end = ~p.legal_boundaries()
+        self._legal_end_bad = np.lib.stride_tricks.as_strided(
+            illegal_end[1:], shape=(num_stages, width), strides=(illegal_end.strides[0],) * 2, writeable=False)
         self._chunk = max(1, _CHUNK_ELEMENTS // (width * width))
         self._cached: list[np.ndarray] | None = None
         self._first: tuple[float, np.ndarray] | None = None
@@ -352,9 +363,16 @@ class DPSolver:
                 (rows[k][None, k + 1:k + 1 + self.width] - rows[k][k:k + self.width, None])
                 + cut_pair[k:k + self.width, k + 1:k + 1 + self.width]
                 for k in range(k0, k1)])
-        mem = self._windows(self._static, k0, k1) + p.inflight[k0:k1, None, None] * self._windows(self._act, k0, k1)
-        feasible = (mem <= p.capacity_bytes[k0:k1, None, None]) & self._order_ok & self._legal_end[k0:k1, None, :]
-        return np.where(feasible, time, np.inf)
+        # In place, two arrays instead of six: a fresh process pays a page fault per new page, and
+        # these are the search's largest arrays. (static + inflight * act, as `_stage_mem` adds.)
+        out = np.multiply(p.inflight[k0:k1, None, None], self._windows(self._act, k0, k1))
+        out += self._windows(self._static, k0, k1)
+        bad = np.greater(out, p.capacity_bytes[k0:k1, None, None])
+        bad |= self._order_bad
+        bad |= self._legal_end_bad[k0:k1, None, :]
+        np.copyto(out, time)
+        np.copyto(out, np.inf, where=bad)
+        return out
 
     def _chunks(self):
         """Yield (first stage, masked times of a run of stages); kept when small enough to reuse."""

@@ -193,6 +193,14 @@ def _ladder(cfg: ParallelConfig, pins: dict) -> list[ParallelConfig]:
     return [dataclasses.replace(cfg, recompute=r, zero=zero, sequence_parallel=sp) for r in recomputes]
 
 
+def _frugal(cfg: ParallelConfig, pins: dict) -> ParallelConfig:
+    """The last rung of `_ladder` (the least memory), without making the others."""
+    recompute = pins["recompute"] if pins.get("recompute") else RECOMPUTE[-1]
+    zero = pins["zero"] if pins.get("zero") is not None else (1 if cfg.dp > 1 else 0)
+    sp = pins["sequence_parallel"] if pins.get("sequence_parallel") is not None else cfg.tp > 1
+    return dataclasses.replace(cfg, recompute=recompute, zero=zero, sequence_parallel=sp)
+
+
 def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spec: str, top: int = 5,
                  pins: dict | None = None, progress: Callable[[int, int, str], None] | None = None) -> SearchResult:
     """The `top` fastest plans that fit, ranked by simulated step time."""
@@ -223,7 +231,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     fwd_share_cache: dict[tuple, float] = {}
     for cfg in _base_configs(profile, cluster, job, pins):
         considered += 1
-        frugal = _ladder(cfg, pins)[-1]
+        frugal = _frugal(cfg, pins)
         key = (cfg.tp, cfg.dp, frugal.zero)
         if key not in static_cache:
             static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
@@ -233,7 +241,9 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         if tkey not in time_cache:
             slowest = min(cluster.gpu_types, key=lambda g: g.peak(job.dtype))
             time_cache[tkey] = float(block_times(profile, slowest, cluster, cfg, job.dtype).total_s.sum())
-        bound = pre_cut_bound(cfg, time_cache[tkey], fwd_share_cache.setdefault(tkey, _fwd_share(ctx, cfg)))
+        if tkey not in fwd_share_cache:
+            fwd_share_cache[tkey] = _fwd_share(ctx, cfg)
+        bound = pre_cut_bound(cfg, time_cache[tkey], fwd_share_cache[tkey])
         # Order by an estimate with the schedule's bubble (equal stages: (p-1)/v of the ideal time
         # for 1F1B/interleaved, about a third of that for zero-bubble H1, Qi et al. 2024 Table 2)
         # so good plans come first and the valid bound prunes early.
