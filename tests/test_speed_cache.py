@@ -158,3 +158,21 @@ def test_lazy_fake_parameters_count_tied_weights_once(tmp_path):
     model = zoo.build_model(zoo.parse_model_spec(spec), device="meta")
     assert sum(b.num_params for b in prof.blocks) == sum(p.numel() for p in model.parameters())
     assert all(b.param_bytes >= 2 * b.num_params for b in prof.blocks)
+
+
+def test_dp_band_matches_full_windows(monkeypatch):
+    """[Note: DP band]: keeping only the starts that can fit gives the very same cuttings."""
+    rng = np.random.default_rng(6)
+    problems = []
+    for _ in range(150):
+        n = int(rng.integers(3, 30))
+        s = int(rng.integers(1, n + 1))
+        problems.append(CutProblem(
+            block_time_s=rng.integers(1, 5, n).astype(float), cut_time_s=rng.random(n + 1) * 0.5,
+            block_static_bytes=rng.integers(0, 5, n).astype(float), block_act_bytes=rng.integers(0, 5, n).astype(float),
+            inflight=rng.integers(1, 4, s).astype(float), capacity_bytes=rng.uniform(5.0, 40.0, s),
+            legal_cut=rng.random(n - 1) < 0.9))
+    banded = [(DPSolver(p).band, solve_dp(p), solve_dp(p, refine=False)) for p in problems]
+    assert any(band < p.num_blocks - p.num_stages + 1 for (band, _, _), p in zip(banded, problems))
+    monkeypatch.setattr(DPSolver, "_band", lambda self: self.width)
+    assert [(solve_dp(p), solve_dp(p, refine=False)) for p in problems] == [b[1:] for b in banded]

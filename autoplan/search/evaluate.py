@@ -289,7 +289,7 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
         if cuts is None:
             return None
         cache = None
-    if _step_lower_bound(ctx, cfg, cuts, stage_times) >= cutoff_s:
+    if cutoff_s < float("inf") and _step_lower_bound(ctx, cfg, cuts, stage_times) >= cutoff_s:
         if cache is not None:
             cache.release()
         raise Dominated
@@ -359,10 +359,11 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         return durations[action.kind][action.stage]
 
     comm_cache = ctx.transfers  # shared by configurations: the same cuts and ranks recur
+    pp_ranks = [cfg.rank(p, 0) for p in range(cfg.pp)]
 
     def comm_time(src_stage: int, dst_stage: int, kind) -> float:
         boundary = ranges[max(src_stage, dst_stage)][0]  # first block of the later stage
-        src, dst = cfg.rank(src_stage % cfg.pp, 0), cfg.rank(dst_stage % cfg.pp, 0)
+        src, dst = pp_ranks[src_stage % cfg.pp], pp_ranks[dst_stage % cfg.pp]
         key = (cfg.tp, cfg.micro_batch_size, boundary, src, dst)
         if key not in comm_cache:
             comm_cache[key] = cut_transfer_time_s(profile, cluster, cfg, boundary - 1, src, dst)

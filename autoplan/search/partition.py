@@ -307,6 +307,17 @@ def solve_dp(problem: CutProblem, *, refine: bool = True) -> Cuts | None:
     return DPSolver(problem).solve(refine=refine)
 
 
+# [Note: DP band]
+# A stage can hold only so many blocks before its memory exceeds every stage's capacity: with
+# non-negative activation bytes, the memory of blocks [i, j) is at least the same expression with
+# the smallest in-flight count, and the capacity at most the largest one, so any [i, j) longer
+# than the longest span fitting that relaxed test is infeasible for every stage. When that span,
+# `band`, is shorter than the window width, each window keeps only the `band` starts that can
+# reach each end: layout [stage, e, end column s] with start row r = s - (band - 1) + e (rows
+# with r < 0 masked), so `argmin` over e still picks the smallest start among equal values. The
+# excluded entries are +inf in the full windows, so values, argmins and cuts are the same; the
+# work falls from S * width^2 to S * band * width (gpt3-175b: band 20-40 of width up to 96).
+
 # Elements of (stage, start, end) float arrays built at once: 32 MiB, so a chunk amortizes numpy's
 # per-call overhead over many stages without the memory growing as S (n - S)^2 for long chains.
 _CHUNK_ELEMENTS = 1 << 22
@@ -341,13 +352,49 @@ class DPSolver:
         illegal_end = ~p.legal_boundaries()
         self._legal_end_bad = np.lib.stride_tricks.as_strided(
             illegal_end[1:], shape=(num_stages, width), strides=(illegal_end.strides[0],) * 2, writeable=False)
-        self._chunk = max(1, _CHUNK_ELEMENTS // (width * width))
+        self.band = self._band()
+        if self.band < width:
+            self._use_band()
+        self._chunk = max(1, _CHUNK_ELEMENTS // (self.band * width))
         self._cached: list[np.ndarray] | None = None
         self._first: tuple[float, np.ndarray] | None = None
+
+    def _band(self) -> int:
+        """How many starts per end the windows need: the most blocks any stage can hold in memory,
+        or the whole width. [Note: DP band]"""
+        p = self.problem
+        width = self.width
+        if (self._time is None or (p.block_act_bytes < 0).any() or (p.cut_act_bytes < 0).any()
+                or (p.inflight < 0).any()):
+            return width
+        # The same two operations as `_masked_time`, with the smallest in-flight count and the
+        # largest capacity: a stage that fails this fails on every stage position.
+        mem = np.multiply(p.inflight.min(), self._act)
+        mem += self._static
+        idx = np.arange(p.num_blocks + 1)
+        length = idx[None, :] - idx[:, None]
+        fits = (mem <= p.capacity_bytes.max()) & (length > 0)
+        longest = int(length[fits].max()) if fits.any() else 1
+        return max(1, min(width, longest))
+
+    def _use_band(self) -> None:
+        """Switch the windows to the banded layout of [Note: DP band]."""
+        b, width = self.band, self.width
+
+        def pad(full: np.ndarray) -> np.ndarray:
+            return np.concatenate([np.zeros((b - 1, full.shape[1])), full])
+
+        self._time, self._static, self._act = pad(self._time), pad(self._static), pad(self._act)
+        e, s = np.arange(b)[:, None], np.arange(width)[None, :]
+        self._order_bad = s + e < b - 1  # start before boundary 0
 
     def _windows(self, full: np.ndarray, k0: int, k1: int) -> np.ndarray:
         """(k1 - k0, width, width) view of windows k0..k1-1 of an (n+1, n+1) matrix."""
         s0, s1 = full.strides
+        if self.band < self.width:  # padded matrices, [k, e, s] = full[k0 + k + e + s, k0 + k + 1 + s]
+            return np.lib.stride_tricks.as_strided(
+                full[k0:, k0 + 1:], shape=(k1 - k0, self.band, self.width), strides=(s0 + s1, s0, s0 + s1),
+                writeable=False)
         return np.lib.stride_tricks.as_strided(
             full[k0:, k0 + 1:], shape=(k1 - k0, self.width, self.width), strides=(s0 + s1, s0, s1), writeable=False)
 
@@ -380,7 +427,7 @@ class DPSolver:
             yield from self._cached
             return
         num_stages = self.problem.num_stages
-        keep = num_stages * self.width * self.width <= 2 * _CHUNK_ELEMENTS
+        keep = num_stages * self.band * self.width <= 2 * _CHUNK_ELEMENTS
         kept = []
         for k0 in range(0, num_stages, self._chunk):
             item = (k0, self._masked_time(k0, min(k0 + self._chunk, num_stages)))
@@ -403,11 +450,23 @@ class DPSolver:
         best = np.zeros(width)
         best[1:] = np.inf  # before stage 0 only boundary 0 (window row 0) is reachable
         arg = np.empty((self.problem.num_stages, width), dtype=np.int64)
+        band = self.band < width
+        if band:
+            # Row e of the band is start row s - (band - 1) + e of end column s: a view of `best`
+            # behind band - 1 leading infs, refreshed in place each stage.
+            padded = np.full(self.band - 1 + width, np.inf)
+            shifted = np.lib.stride_tricks.as_strided(padded, shape=(self.band, width),
+                                                      strides=(padded.strides[0],) * 2, writeable=False)
         for k0, masked in self._chunks():
             if limit is not None:
                 masked = np.where(masked <= limit, masked, np.inf)
             for j in range(masked.shape[0]):
-                cand = combine(best[:, None], masked[j])
+                if band:
+                    padded[self.band - 1:] = best
+                    prev = shifted
+                else:
+                    prev = best[:, None]
+                cand = combine(prev, masked[j])
                 a = arg[k0 + j]
                 np.argmin(cand, axis=0, out=a)
                 best = cand[a, cols_idx]
@@ -432,6 +491,8 @@ class DPSolver:
         s = self.width - 1  # column of boundary n in the last window
         for k in range(num_stages - 1, -1, -1):
             r = int(arg[k][s])  # start row in window k: boundary k + r
+            if self.band < self.width:
+                r += s - (self.band - 1)  # the band's row e is start row s - (band - 1) + e
             boundaries.append(k + r)
             s = r  # boundary k + r is column r of window k-1
         boundaries.reverse()
