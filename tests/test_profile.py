@@ -174,3 +174,20 @@ def test_inputs_the_model_rejects_are_one_line_errors():
     model = zoo.build_model(GPT_SMALL)
     with pytest.raises(profile_mod.ProfileError, match="rejects the example inputs"):
         profile_model(model, (torch.zeros(2, 3, 4, device="meta"),))
+
+
+def test_deferred_code_block_runs_like_an_eager_one():
+    """Profiling extracts blocks with their code generated on first call; they behave the same."""
+    from autoplan.graph.trace import extract_submodule
+
+    spec = "gpt:num_layers=2,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16"
+    model = zoo.build_model(zoo.parse_model_spec(spec), device="cpu")
+    ids = torch.randint(0, 64, (2, 16))
+    traced = trace_model(model, (ids,))
+    eager, inputs, outputs = extract_submodule(traced, 0, 1)
+    deferred, inputs2, outputs2 = extract_submodule(traced, 0, 1, defer_code=True)
+    assert (inputs, outputs) == (inputs2, outputs2)
+    assert [n.format_node() for n in deferred.graph.nodes] == [n.format_node() for n in eager.graph.nodes]
+    assert dict(deferred.named_parameters()).keys() == dict(eager.named_parameters()).keys()
+    torch.testing.assert_close(deferred(ids), eager(ids))
+    assert deferred.code == eager.code

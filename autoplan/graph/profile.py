@@ -680,7 +680,7 @@ def profile_traced(
     seen_params: set[str] = set()
     blocks: list[Block] = []
     for index in range(traced.num_blocks):
-        sub, input_names, output_names = extract_submodule(traced, index, index)
+        sub, input_names, output_names = extract_submodule(traced, index, index, defer_code=True)
         inputs = [run.values[n] for n in input_names]
         fake_inputs = []
         with run.mode:
