@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -10,7 +11,27 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "recorded_sends", "run_ranks"]
+
+
+@contextlib.contextmanager
+def recorded_sends():
+    """Inside a rank: every tensor passed to torch.distributed.isend (the runtime's P2P sends) is
+    appended to the yielded list before it is sent."""
+    import torch.distributed as dist
+
+    sent: list = []
+    isend = dist.isend
+
+    def recording_isend(tensor, *args, **kwargs):
+        sent.append(tensor)
+        return isend(tensor, *args, **kwargs)
+
+    dist.isend = recording_isend
+    try:
+        yield sent
+    finally:
+        dist.isend = isend
 
 
 def free_port() -> int:

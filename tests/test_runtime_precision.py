@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from _dist import make_plan, run_ranks
+from _dist import make_plan, recorded_sends, run_ranks
 from test_runtime_multiproc import GPT, LLAMA, _build, _data, _plan
 
 from autoplan.graph import zoo
@@ -29,20 +29,11 @@ def _run(rank, world_size, cases):
     for kind, plan in cases:
         model, loss_fn, vocab = _build(kind)
         ids, tgt = _data(vocab, plan.job.global_batch)
-        sent_dtypes = set()
-        isend = torch.distributed.isend
-
-        def recording_isend(t, *args, _isend=isend, _sent=sent_dtypes, **kwargs):
-            _sent.add(str(t.dtype))
-            return _isend(t, *args, **kwargs)
-
-        torch.distributed.isend = recording_isend
-        try:
+        with recorded_sends() as sent:
             pm = partition(model, plan, example_inputs=(ids[:1],), loss_fn=loss_fn, example_target=tgt[:1],
                            device="cpu")
             loss = pm.step(ids, target=tgt)
-        finally:
-            torch.distributed.isend = isend
+        sent_dtypes = {str(t.dtype) for t in sent}
         out.append({
             "loss": None if loss is None else float(loss),
             "grads": {n: p.grad.clone() for n, p in pm.named_parameters()},

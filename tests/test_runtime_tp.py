@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist import make_plan, run_ranks
+from _dist import make_plan, recorded_sends, run_ranks
 from models import SkipModel
 
 from autoplan.graph import zoo
@@ -141,19 +141,10 @@ def _sp_cases(rank, world_size, cases):
     out = []
     for spec, plan in cases:
         ids, tgt = _data(plan.job.global_batch)
-        shapes = []
-        isend = torch.distributed.isend
-
-        def recording_isend(t, *args, _isend=isend, _shapes=shapes, **kwargs):
-            _shapes.append(tuple(t.shape))
-            return _isend(t, *args, **kwargs)
-
-        torch.distributed.isend = recording_isend
-        try:
+        with recorded_sends() as sent:
             pm = partition(spec, plan, device="cpu")
             loss = pm.step(ids, target=tgt)
-        finally:
-            torch.distributed.isend = isend
+        shapes = [tuple(t.shape) for t in sent]
         grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                  for n, p in pm.named_parameters()}
         out.append({"loss": None if loss is None else float(loss), "grads": grads, "sent_shapes": shapes})

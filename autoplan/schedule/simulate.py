@@ -334,6 +334,8 @@ def _replay_table(compiled: _Compiled, table: list[float], delays: list[float], 
     for rank, rank_ops in compiled.table_runs:
         t = free[rank]
         rank_busy = 0.0
+        # The loop is written twice on purpose: the search runs the first, with no per-action
+        # branch on recording; only timelines (reports) take the second.
         if record is None:
             for own, dep1, slot1, dep2, slot2, d in rank_ops:
                 start = ends[dep1] + delays[slot1]
