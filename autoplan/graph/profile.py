@@ -355,7 +355,7 @@ def _measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, tor
     )
 
 
-def _block_kind(traced: TracedModel, index: int, sub: fx.GraphModule) -> str:
+def block_kind(traced: TracedModel, index: int, sub: fx.GraphModule) -> str:
     """Classify a block by its position, its modules' classes and (for export graphs, which have no
     submodules) the ATen ops it calls."""
     name = traced.block_names[index].lower()
@@ -702,7 +702,7 @@ def profile_traced(
             if first not in seen_params:
                 seen_params.add(first)
                 num_params += p.numel()
-        kind = _block_kind(traced, index, sub)
+        kind = block_kind(traced, index, sub)
         if index < len(cuts):
             output_bytes = cuts[index].num_bytes
         else:

@@ -497,6 +497,10 @@ def materialize(
 # ---------------------------------------------------------------------------------------------
 # Presets (published sizes)
 
+# Shared by every Llama 3 size (Dubey et al. 2024, Table 3; vocabulary, context and RoPE theta from
+# the HF configs, as the presets below cite).
+_LLAMA3 = {"num_kv_heads": 8, "vocab_size": 128256, "max_seq_len": 8192, "rope_theta": 500000.0}
+
 PRESETS: dict[str, ModelConfig] = {
     # GPT-2: Radford et al. 2019, Table 2 (117M and 1542M rows; 12 and 25 heads from the HF configs
     # `gpt2`, `gpt2-xl`); vocabulary 50257, context 1024.
@@ -521,36 +525,9 @@ PRESETS: dict[str, ModelConfig] = {
     # heads, 8 KV heads, RoPE theta 500000); vocabulary 128256 and pre-training context 8192 from the
     # HF configs meta-llama/Meta-Llama-3-{8B,70B} (405B: Llama-3.1-405B, context before long-context
     # extension).
-    "llama3-8b": LlamaConfig(
-        num_layers=32,
-        hidden_size=4096,
-        num_heads=32,
-        num_kv_heads=8,
-        ffn_hidden_size=14336,
-        vocab_size=128256,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-    "llama3-70b": LlamaConfig(
-        num_layers=80,
-        hidden_size=8192,
-        num_heads=64,
-        num_kv_heads=8,
-        ffn_hidden_size=28672,
-        vocab_size=128256,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-    "llama3-405b": LlamaConfig(
-        num_layers=126,
-        hidden_size=16384,
-        num_heads=128,
-        num_kv_heads=8,
-        ffn_hidden_size=53248,
-        vocab_size=128256,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
+    "llama3-8b": LlamaConfig(num_layers=32, hidden_size=4096, num_heads=32, ffn_hidden_size=14336, **_LLAMA3),
+    "llama3-70b": LlamaConfig(num_layers=80, hidden_size=8192, num_heads=64, ffn_hidden_size=28672, **_LLAMA3),
+    "llama3-405b": LlamaConfig(num_layers=126, hidden_size=16384, num_heads=128, ffn_hidden_size=53248, **_LLAMA3),
 }
 
 _FAMILIES: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig}

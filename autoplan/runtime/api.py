@@ -159,15 +159,10 @@ def _recompute_runner(traced, plan: Plan, spec, module):
     """The stage's runner for plan.recompute (recompute.py), or None to run the module whole."""
     if plan.recompute == "none":
         return None
-    from autoplan.graph.profile import _block_kind
-    from autoplan.graph.trace import extract_submodule
     from autoplan.runtime.recompute import recompute_runner
 
-    def kind(block: int) -> str:
-        return _block_kind(traced, block, extract_submodule(traced, block, block)[0])
-
     return recompute_runner(traced, module, spec.first_block, spec.end_block, spec.inputs, spec.outputs,
-                            plan.recompute, kind)
+                            plan.recompute)
 
 
 def _with_batch(value: Any, batch: int | None, size: int) -> Any:
@@ -349,9 +344,10 @@ class PartitionedModel:
         loss = self.executor.run(self._microbatches(inputs, target))
         if self.precision is not None:
             self.precision.flush_grads()
-        for _, p in self._params:
-            if p.grad is not None:
-                p.grad = grad_like_param(p, p.grad)
+        if self.plan.tp > 1:  # DTensor gradients laid out as their parameters (see grad_like_param)
+            for _, p in self._params:
+                if p.grad is not None:
+                    p.grad = grad_like_param(p, p.grad)
         params = dict(self._params)
         for name, group in self.layout.tie_groups.items():
             local = [p for n, p in self._params if self.aliases.get(n) == name]

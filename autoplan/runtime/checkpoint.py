@@ -229,8 +229,11 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
         tmp.mkdir()
     _barrier(timeout)
     buf = io.BytesIO()
-    payload = _rank_payload(pm, optimizer, step, extra)  # every rank: tp shards are gathered collectively
-    if _is_writer(pm, optimizer):
+    writer = _is_writer(pm, optimizer)
+    # A tp shard is gathered by a collective every rank of its tp group joins, writer or not.
+    if writer or getattr(getattr(pm, "plan", None), "tp", 1) > 1:
+        payload = _rank_payload(pm, optimizer, step, extra)
+    if writer:
         torch.save(payload, buf)
         _atomic_write(tmp / rank_file_name(rank), buf.getvalue(), kill_midway=_kill_midway)
     _barrier(timeout)

@@ -128,7 +128,7 @@ def apply_tensor_parallel(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh
     tied = []
     for path, style in tp_plan.items():
         if style == "vocab-head":
-            embedding_path = path.rpartition(".")[0] + (".tok_embeddings" if "." in path else "tok_embeddings")
+            embedding_path = path.removesuffix("output") + "tok_embeddings"  # same model prefix
             try:
                 head, embedding = module.get_submodule(path), module.get_submodule(embedding_path)
             except AttributeError:

@@ -25,10 +25,12 @@ gradients), 2 bytes per parameter less (docs/status.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from autoplan.runtime.parallel import grad_like_param
 
 __all__ = ["MixedPrecision"]
 
@@ -67,8 +69,6 @@ class MixedPrecision:
                         mod._buffers[name] = b.to(dtype)
 
     def _accumulate(self, working: torch.Tensor) -> None:
-        from autoplan.runtime.parallel import grad_like_param
-
         master = self.master_of[id(working)]
         grad = working.grad
         if grad is None:
@@ -91,7 +91,3 @@ class MixedPrecision:
         """Working parameters <- masters (bf16 rounding of the fp32 values)."""
         for master, working in self._pairs:
             working.copy_(master)
-
-    def masters(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-        """The master of each working parameter (others unchanged)."""
-        return [self.master_of.get(id(p), p) for p in params]

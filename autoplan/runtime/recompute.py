@@ -20,7 +20,7 @@ the tests check against a run without recomputation, together with the bytes sav
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch.nn.functional as F  # noqa: N812 (torch's own convention)
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from autoplan.graph.profile import block_kind
 from autoplan.graph.trace import TracedModel, extract_submodule
 
 __all__ = ["RECOMPUTED_KINDS", "RecomputeRunner", "recompute_runner"]
@@ -92,8 +93,7 @@ class RecomputeRunner:
 
 
 def recompute_runner(traced: TracedModel, stage_module: fx.GraphModule, first_block: int, end_block: int,
-                     inputs: Sequence[str], outputs: Sequence[str], mode: str,
-                     block_kind: Callable[[int], str]) -> RecomputeRunner | None:
+                     inputs: Sequence[str], outputs: Sequence[str], mode: str) -> RecomputeRunner | None:
     """A runner for a stage built by `extract_submodule(traced, first_block, end_block - 1)`, or None
     when `mode` is "none" or the stage has no block to recompute (it then runs as a whole).
 
@@ -101,14 +101,17 @@ def recompute_runner(traced: TracedModel, stage_module: fx.GraphModule, first_bl
     refer to the stage's modules and parameters, not copies."""
     if mode not in ("none", "selective", "full"):
         raise ValueError(f"unknown recompute mode {mode!r}; use none, selective or full")
-    if mode == "none" or not any(block_kind(b) in RECOMPUTED_KINDS for b in range(first_block, end_block)):
+    if mode == "none":
         return None
     # The stage's graph keeps the traced graph's node names, so the traced block of every node
-    # carries over; cutting it per block reuses extract_submodule with the stage as the root.
+    # carries over; cutting it per block reuses extract_submodule with the stage as the root, and
+    # each piece is classified as the profile classified its block.
     view = dataclasses.replace(traced, gm=stage_module)
     pieces = []
     for block in range(first_block, end_block):
         module, piece_inputs, piece_outputs = extract_submodule(view, block, block)
         pieces.append(_Piece(block, module, tuple(piece_inputs), tuple(piece_outputs),
-                             block_kind(block) in RECOMPUTED_KINDS))
+                             block_kind(traced, block, module) in RECOMPUTED_KINDS))
+    if not any(piece.recomputed for piece in pieces):
+        return None
     return RecomputeRunner(pieces, inputs, outputs, mode)
