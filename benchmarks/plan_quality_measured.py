@@ -1,6 +1,7 @@
 """Measured step time of autoplan's cuts against two common cuttings, on CPU ranks.
 
     python benchmarks/plan_quality_measured.py [--ranks 4] [--rounds 3] [--steps 4] [--json out.json]
+        [--trace-dir DIR]
 
 A gpt with a 256k vocabulary on `1xNxcpu`, pp = N (4 by default), 1F1B. At h = 256 and s = 32 its
 head costs about 82 layers, so the model has 300 layers: with fewer than three times the head's cost
@@ -36,6 +37,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--json")
+    parser.add_argument("--trace-dir", help="write each run's Chrome trace (actions, gradient syncs, optimizer) here")
     args = parser.parse_args()
     import torch
 
@@ -43,6 +45,8 @@ def main() -> int:
     from autoplan.cost.config import ParallelConfig
     from autoplan.cost.memory import param_counts
     from autoplan.runtime import run_plan
+    from autoplan.cluster import parse_cluster
+    from autoplan.search.evaluate import SearchContext, evaluate_cuts
     from autoplan.search.partition import balanced_by, equal_layers
 
     pp = args.ranks
@@ -60,6 +64,8 @@ def main() -> int:
             "parameters": balanced_by(param_counts(profiled.profile, cfg), pp),
             "equal layers": equal_layers(profiled.profile.num_blocks, pp),
         }
+        ctx = SearchContext(profiled.profile, parse_cluster(f"1x{pp}xcpu"), plan.job, args.model)
+        predicted = {name: evaluate_cuts(ctx, cfg, b).predicted.step_time_s for name, b in cuttings.items()}
         paths = {}
         for name, boundaries in cuttings.items():
             stages = tuple(dataclasses.replace(s, first_block=a, end_block=b, first_block_name=plan.block_names[a],
@@ -70,20 +76,25 @@ def main() -> int:
         for round_index in range(args.rounds):
             for name, path in paths.items():
                 metrics = f"{tmp}/{name}-{round_index}.jsonl"
-                if run_plan(path, steps=args.steps, nproc=pp, metrics_path=metrics) != 0:
+                trace = None
+                if args.trace_dir:
+                    os.makedirs(args.trace_dir, exist_ok=True)
+                    trace = os.path.join(args.trace_dir, f"{name.replace(' ', '_')}-{round_index}.json")
+                if run_plan(path, steps=args.steps, nproc=pp, metrics_path=metrics, trace_path=trace) != 0:
                     return 1
                 with open(metrics) as f:
                     times = [json.loads(line)["step_time_s"] for line in f][1:]
                 samples.setdefault(name, []).append(statistics.median(times))
     rows = [{"cuts": name, "boundaries": list(cuttings[name]), "round_medians_s": samples[name],
-             "median_step_s": statistics.median(samples[name])} for name in cuttings]
+             "median_step_s": statistics.median(samples[name]), "predicted_step_s": predicted[name]}
+            for name in cuttings]
     base = rows[0]["median_step_s"]
     print(f"{pp} ranks, {args.rounds} alternating rounds of {args.steps} steps")
-    print(f"{'cuts':<14} {'boundaries':<28} {'median step':>12} {'vs autoplan':>12}  rounds")
+    print(f"{'cuts':<14} {'boundaries':<28} {'median step':>12} {'vs autoplan':>12} {'predicted':>10}  rounds")
     for r in rows:
         rounds = " ".join(f"{t:.3f}" for t in r["round_medians_s"])
         print(f"{r['cuts']:<14} {str(r['boundaries']):<28} {r['median_step_s']:>11.3f}s "
-              f"{r['median_step_s'] / base:>11.2f}x  {rounds}")
+              f"{r['median_step_s'] / base:>11.2f}x {r['predicted_step_s']:>9.3f}s  {rounds}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

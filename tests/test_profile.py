@@ -170,6 +170,44 @@ def test_timed_profile_is_cached(monkeypatch, tmp_path):
     assert again.blocks == prof.blocks
 
 
+def test_tied_head_names_the_block_it_shares_with():
+    gpt = autoplan.profile(GPT_SMALL, batch_size=1, seq_len=16)
+    head = gpt.blocks[-1]
+    assert head.tied_to_block == 0 and head.tied_params == 128 * 64  # the embedding's vocab x hidden table
+    assert all(b.tied_params == 0 and b.tied_to_block is None for b in gpt.blocks[:-1])
+    untied = autoplan.profile(GPT_SMALL + ",tie_embeddings=False", batch_size=1, seq_len=16)
+    assert all(b.tied_params == 0 for b in untied.blocks)
+
+
+def test_repeated_blocks_are_timed_as_a_chain_of_copies():
+    mib = 2**20
+    assert profile_mod.chain_length(3 * mib, occurrences=300, cache_bytes=32 * mib) == 22  # ceil(64 / 3)
+    assert profile_mod.chain_length(3 * mib, occurrences=8, cache_bytes=32 * mib) == 8  # all fit: warm, as run
+    assert profile_mod.chain_length(262 * mib, occurrences=1, cache_bytes=32 * mib) == 1
+    assert profile_mod.chain_length(0, occurrences=10_000, cache_bytes=32 * mib) == profile_mod._MAX_CHAIN
+    assert profile_mod.last_level_cache_bytes("cpu") >= 2**20
+
+
+def test_timed_profile_fits_a_fixed_part_from_two_batch_sizes(monkeypatch, tmp_path):
+    calls = []
+    original = profile_mod._time_block
+
+    def record(traced, index, inputs, *args):
+        calls.append((index, inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) else None, args[-1]))
+        return original(traced, index, inputs, *args)
+
+    monkeypatch.setattr(profile_mod, "_time_block", record)
+    prof = autoplan.profile(GPT_SMALL, batch_size=2, seq_len=16, device="cpu", dtype="fp32", cache_dir=tmp_path)
+    assert prof.extra["batch_scaling"] == "affine"
+    unique = len({b.fingerprint for b in prof.blocks})
+    assert len(calls) == 2 * unique  # each distinct block at batch 2 and at batch 4
+    assert sorted({c[1] for c in calls if c[0] == 0}) == [2, 4]
+    layer_calls = [c for c in calls if prof.blocks[c[0]].kind == "layer"]
+    assert {c[2] for c in layer_calls} == {3}  # three identical layers: timed as a run of three copies
+    for b in prof.blocks:
+        assert 0.0 <= b.fwd_time_fixed_s <= b.fwd_time_s and 0.0 <= b.bwd_time_fixed_s <= b.bwd_time_s
+
+
 def test_inputs_the_model_rejects_are_one_line_errors():
     model = zoo.build_model(GPT_SMALL)
     with pytest.raises(profile_mod.ProfileError, match="rejects the example inputs"):

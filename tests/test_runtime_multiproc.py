@@ -250,3 +250,7 @@ def test_launcher_trains_and_writes_metrics_and_trace(tmp_path, capfd):
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
     assert any(e["name"] == "1B3" for e in events)
+    # The step's tail after the pipeline: the tied head's gradient summed with the embedding's
+    # (first and last rank), then the optimizer, on every rank and every step.
+    tails = {(e["pid"], e["args"]["step"], e["name"]) for e in events if e["ph"] == "X"}
+    assert all((r, s, name) in tails for r in (0, 1) for s in range(3) for name in ("TIED_GRAD_SYNC", "OPTIMIZER"))

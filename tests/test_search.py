@@ -280,3 +280,41 @@ def test_search_results_do_not_depend_on_the_pruning(monkeypatch):
     monkeypatch.setattr(evaluate_mod, "simulated_step_lower_bound", lambda *args: 0.0)
     unpruned, _ = suggest_with_stats(SMALL, "2x4xA100-80GB", global_batch=32, seq_len=512, top=4)
     assert [p.to_dict() for p in pruned.plans] == [p.to_dict() for p in unpruned.plans]
+
+
+def test_timed_blocks_scale_as_a_fixed_part_plus_a_part_per_sample():
+    import dataclasses as dc
+
+    from autoplan.cost.config import ParallelConfig
+    from autoplan.cost.time import block_times
+
+    profile = autoplan.profile("gpt:num_layers=2,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16",
+                               batch_size=1, seq_len=16)
+    # A block whose forward is 1 ms fixed + 1 ms per sample and whose backward is all fixed (a dense
+    # embedding gradient), timed at batch 1.
+    timed = profile.with_blocks([dc.replace(b, fwd_time_s=2e-3, fwd_time_fixed_s=1e-3, bwd_time_s=5e-3,
+                                            bwd_time_fixed_s=5e-3) for b in profile.blocks])
+    cluster = parse_cluster("1x1xcpu")
+    for mb in (1, 4):
+        cfg = ParallelConfig(tp=1, pp=1, dp=1, micro_batch_size=mb, num_microbatches=1, schedule="1f1b")
+        t = block_times(timed, cluster.gpu, cluster, cfg, "fp32")
+        assert t.fwd_s[0] == pytest.approx(1e-3 + mb * 1e-3) and t.bwd_s[0] == pytest.approx(5e-3)
+    linear = profile.with_blocks([dc.replace(b, fwd_time_s=2e-3, bwd_time_s=5e-3) for b in profile.blocks])
+    cfg = ParallelConfig(tp=1, pp=1, dp=1, micro_batch_size=4, num_microbatches=1, schedule="1f1b")
+    assert block_times(linear, cluster.gpu, cluster, cfg, "fp32").bwd_s[0] == pytest.approx(20e-3)
+
+
+def test_a_tied_head_on_another_rank_adds_its_gradient_sum_to_the_step():
+    from autoplan.cluster import allreduce_time_s
+
+    spec = "gpt:num_layers=4,hidden_size=256,num_heads=4,vocab_size=32000,max_seq_len=128"
+    pins = dict(tp=1, dp=1, micro_batch_size=1, schedule="1f1b", recompute="none", zero=0)
+    two = autoplan.suggest(spec, "1x2xA100-80GB", global_batch=8, seq_len=128, pp=2, **pins)[0]
+    # bf16 gradients of the 32000 x 256 table, summed between the first and the last rank.
+    expected = allreduce_time_s(two.cluster_obj(), [0, 1], 32000 * 256 * 2)
+    assert two.predicted.breakdown["tied_grad_sync_s"] == pytest.approx(expected) and expected > 0
+    one = autoplan.suggest(spec, "1x1xA100-80GB", global_batch=8, seq_len=128, pp=1, **pins)[0]
+    assert one.predicted.breakdown["tied_grad_sync_s"] == 0.0  # both copies on one rank: nothing to sum
+    untied = autoplan.suggest(spec + ",tie_embeddings=False", "1x2xA100-80GB", global_batch=8, seq_len=128, pp=2,
+                              **pins)[0]
+    assert untied.predicted.breakdown["tied_grad_sync_s"] == 0.0

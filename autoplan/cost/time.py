@@ -33,7 +33,7 @@ from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
 
 __all__ = ["E_ATTENTION", "E_GEMM", "W_HALF", "BlockTimes", "block_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s", "dp_sync_time_s", "efficiency",
-           "optimizer_time_s", "tp_sharded"]
+           "optimizer_time_s", "tied_sync_times_s", "tp_sharded"]
 
 # Fitted by benchmarks/validate_published.py --fit (see docs/calibration.md).
 E_GEMM = 0.60
@@ -117,8 +117,11 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             elif cfg.recompute == "selective":
                 recompute_flops = b.attention_core_fwd_flops * f / shard  # Korthikanti et al. 2022, Sec. 5
         if profile.is_timed and b.fwd_time_s is not None:
-            fwd[i] = b.fwd_time_s * f / shard
-            bwd[i] = b.bwd_time_s * f / shard + (fwd[i] * recompute_flops / fwd_flops if fwd_flops else 0.0)
+            # Affine in the batch: a fixed part (weights read, weight gradients written) plus a part
+            # per sample ([Note: batch scaling] in graph/profile.py).
+            fwd[i] = (b.fwd_time_fixed_s + (b.fwd_time_s - b.fwd_time_fixed_s) * f) / shard
+            bwd[i] = ((b.bwd_time_fixed_s + (b.bwd_time_s - b.bwd_time_fixed_s) * f) / shard
+                      + (fwd[i] * recompute_flops / fwd_flops if fwd_flops else 0.0))
         else:
             # Memory-bound floor: a block reads its input and writes its output at least once per
             # pass (roofline, Williams et al. 2009); backward moves about twice as much.
@@ -182,6 +185,31 @@ def dp_sync_time_s(cluster: Cluster, cfg: ParallelConfig, pp_index: int, grad_by
         return 0.0
     ranks = [cfg.rank(pp_index, d, 0) for d in range(cfg.dp)]
     return allreduce_time_s(cluster, ranks, grad_bytes)
+
+
+def tied_sync_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, ranges: list[tuple[int, int]],
+                      grad_bytes_per_param: float) -> list[float]:
+    """Seconds each pipeline rank spends summing the gradients of tied parameters with the other rank
+    that holds a copy, per step: a tied head on the last stage and its embedding on the first
+    all-reduce the shared weight's gradient, as Megatron-LM's embedding group does (Shoeybi et al.
+    2019, Sec. 3; Narayanan et al. 2021). Nothing when both copies sit on one rank."""
+    times = [0.0] * cfg.pp
+    rank_of_block = {}
+    for k, (a, b) in enumerate(ranges):
+        for i in range(a, b):
+            rank_of_block[i] = k % cfg.pp
+    for i, block in enumerate(profile.blocks):
+        if not block.tied_params or block.tied_to_block is None:
+            continue
+        mine, theirs = rank_of_block[i], rank_of_block[block.tied_to_block]
+        if mine == theirs:
+            continue
+        shard = cfg.tp if tp_sharded(block.kind) else 1
+        seconds = allreduce_time_s(cluster, [cfg.rank(mine, 0, 0), cfg.rank(theirs, 0, 0)],
+                                   block.tied_params * grad_bytes_per_param / shard)
+        times[mine] += seconds
+        times[theirs] += seconds
+    return times
 
 
 # Bytes an Adam step reads and writes per parameter with mixed precision: fp32 master weight,

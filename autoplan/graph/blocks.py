@@ -65,8 +65,19 @@ class Block:
     """Measured forward time on `ModelProfile.device` (median), when timed."""
     bwd_time_s: float | None = None
     """Measured backward time on `ModelProfile.device` (median), when timed."""
+    fwd_time_fixed_s: float = 0.0
+    """Part of `fwd_time_s` that does not grow with the batch (weight reads, kernel launches): at batch
+    b the forward takes fixed + (fwd_time_s - fixed) * b / batch_size. Timed profiles fit it from two
+    batch sizes ([Note: batch scaling] in graph/profile.py); 0 scales linearly."""
+    bwd_time_fixed_s: float = 0.0
+    """The same for `bwd_time_s` (a 256k-vocabulary embedding's dense weight gradient: all of it)."""
     fingerprint: str = ""
     """Hash of the block's structure and input shapes; equal fingerprints were profiled once."""
+    tied_params: int = 0
+    """Parameters this block shares with block `tied_to_block` (a head tied to the embedding). When the
+    two sit on different pipeline ranks, each holds a copy and their gradients are summed every step."""
+    tied_to_block: int | None = None
+    """Index of the earlier block that owns the shared parameters, if any."""
 
     @property
     def flops(self) -> float:

@@ -17,12 +17,14 @@ Per block (see `blocks.Block`):
   profiled once.
 
 Timed profiling (`device="cpu"` or `"cuda"`) materializes one block at a time with random
-weights, times forward and backward (warm-up, repeats, median; CUDA events on GPUs) and caches the
-result as JSON keyed by model fingerprint, device name, shapes, dtype and torch version.
+weights, times forward and backward (warm-up, repeats, median; CUDA events on GPUs; a repeated block
+as a run of its copies, [Note: timing in context]) and caches the result as JSON keyed by model
+fingerprint, device name, shapes, dtype, torch version and timing method.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -465,15 +467,87 @@ def _time_fn(fn: Callable[[], Any], device: str, warmup: int, repeats: int) -> f
     return statistics.median(samples)
 
 
+def last_level_cache_bytes(device: str) -> int:
+    """Size of the device's last-level cache: the CPU's highest cache level from sysfs (Linux), a
+    GPU's L2 from its properties; 32 MiB when unknown."""
+    fallback = 32 * 2**20
+    if device.startswith("cuda"):
+        try:
+            return int(torch.cuda.get_device_properties(torch.device(device)).L2_cache_size) or fallback
+        except (RuntimeError, AttributeError, AssertionError):
+            return fallback
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        number = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size or 0)
+        if level >= 3 and number > best:
+            best = number
+    return best or fallback
+
+
+def chain_length(block_weight_bytes: int, occurrences: int, cache_bytes: int) -> int:
+    """How many copies of a repeated block to time back to back (see [Note: timing in context])."""
+    needed = -(-2 * cache_bytes // max(block_weight_bytes, 1))  # ceil(2 x LLC / weights)
+    return int(max(1, min(occurrences, needed, _MAX_CHAIN)))
+
+
+# [Note: timing in context]
+# A block timed alone, call after call, keeps its weights in the last-level cache; inside a stage
+# its neighbours evict them, so every micro-batch reads them from memory again. On this 2-core
+# machine one h = 256 gpt layer (3 MB) took 8.2 ms warm and 11.5 ms flushed, while the 262 MB head
+# took the same either way (`benchmarks/cache_effect_cpu.py`): isolated timing made the head look
+# 1.4x heavier in layers than it runs, and the cutting put too few layers beside it. So a block
+# that repeats is timed as a run of distinct copies, as a stage runs it: all forwards, then the
+# backwards in reverse order, seconds divided by the copies. The run is as long as the repeats,
+# up to the copies whose weights fill twice the last-level cache (twice, because adaptive
+# replacement policies keep part of a working set only just larger than the cache). A model whose
+# repeated blocks fit in cache all together is therefore timed warm, as it runs.
+_MAX_CHAIN = 256
+_TIMING_METHOD = "chain-affine-v1"  # in the timed cache key: a new method re-times
+_CACHED_FIELDS = "tied-v1"  # in both cache keys: profiles cached before a Block field existed are redone
+
+
+# [Note: batch scaling]
+# The cost model scales a profile to each micro-batch size. Linear scaling (DESIGN.md) holds for
+# compute-bound blocks, not for a block whose weights dominate its traffic: a 256k-vocabulary
+# embedding's backward writes its dense 262 MB weight gradient whatever the batch (186 ms at batch 1
+# and 188 ms at batch 2 on this 2-core machine, one thread), so linear scaling counted it twice at
+# micro-batch 2. Timed profiles therefore time each block at the profile's batch b and at 2b and fit
+# t(b) = fixed + per_sample * b (the roofline's two terms, Williams et al. 2009: weight bytes are paid
+# once per call, activation work per sample). A model that rejects a doubled batch keeps linear
+# scaling, and the profile says so in `extra["batch_scaling"]`.
+
+
+def _run_doubled(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.dtype | None,
+                 batch_size: int) -> _FakeRun | None:
+    """The fake run at twice the batch (inputs whose first dimension is the batch, repeated), or None
+    when the traced model rejects it (shapes baked in by torch.export, a batch-bound reshape)."""
+    doubled = [torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch_size else x
+               for x in example_inputs]
+    try:
+        return _run_fake(traced, doubled, dtype)
+    except ProfileError:
+        return None
+
+
 def _time_block(traced: TracedModel, index: int, inputs: list[Any], device: str, dtype: torch.dtype | None,
-                warmup: int, repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of block `index` on a real device."""
+                warmup: int, repeats: int, occurrences: int = 1) -> tuple[float, float]:
+    """Median forward and backward seconds of block `index` on a real device, run as a chain of up
+    to `occurrences` copies ([Note: timing in context])."""
     import copy
 
     sub, _, _ = extract_submodule(traced, index, index)
     sub = copy.deepcopy(sub) if not any(p.device.type == "meta" for p in sub.parameters()) else sub
     generator = torch.Generator().manual_seed(index)
     _materialize_block(sub, device, dtype, generator)
+    weight_bytes = sum(p.numel() * p.element_size() for p in sub.parameters())
+    copies = [sub] + [copy.deepcopy(sub) for _ in range(chain_length(weight_bytes, occurrences,
+                                                                      last_level_cache_bytes(device)) - 1)]
     real_inputs = [_real_like(x, device, generator) for x in inputs]
     for x in real_inputs:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and dtype is not None and x.dtype != dtype:
@@ -486,16 +560,16 @@ def _time_block(traced: TracedModel, index: int, inputs: list[Any], device: str,
     # Gradients are left to accumulate between repeats: in training every micro-batch after the
     # first adds into existing .grad (read, add, write), which costs more than the first write.
     def forward_backward() -> None:
-        outs = [o for o in (_tensors_in(sub(*leaves())) or []) if o.requires_grad]
-        if outs:
+        outs = [o for c in copies for o in (_tensors_in(c(*leaves())) or []) if o.requires_grad]
+        if outs:  # autograd runs the copies' backwards newest first, as a stage's backward does
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
     # Forward as training runs it (recording autograd); backward = (forward + backward) - forward.
     def forward_autograd() -> Any:
-        return sub(*leaves())
+        return [c(*leaves()) for c in copies]
 
-    fwd_s = _time_fn(forward_autograd, device, warmup, repeats)
-    total_s = _time_fn(forward_backward, device, warmup, repeats)
+    fwd_s = _time_fn(forward_autograd, device, warmup, repeats) / len(copies)
+    total_s = _time_fn(forward_backward, device, warmup, repeats) / len(copies)
     return fwd_s, max(total_s - fwd_s, 0.0)
 
 
@@ -578,7 +652,7 @@ def _analytic_key(traced: TracedModel, example_inputs: Sequence[Any], *, model_n
     inputs = [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
     parts = ["analytic", fingerprint, model_name, traced.tracer, traced.note, traced.block_names, traced.gm.code,
              inputs, str(dtype), sorted((k, v) for k, v in info.items()), batch_size, seq_len, torch.__version__,
-             __version__, digest]
+             __version__, digest, _CACHED_FIELDS]
     return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
@@ -669,7 +743,7 @@ def profile_traced(
         device_name = _device_name(device)
         key = hashlib.sha1(
             json.dumps([fingerprint, traced.block_names, device_name, batch_size, seq_len, str(dtype),
-                        torch.__version__]).encode()
+                        torch.__version__, _TIMING_METHOD, _CACHED_FIELDS]).encode()
         ).hexdigest()[:20]
         cache_file = _cache_dir(cache_dir) / f"{key}.json"
         cached = _read_cached(cache_file, fingerprint, timed=True)
@@ -677,7 +751,10 @@ def profile_traced(
             return cached
 
     costs: dict[str, _BlockCost] = {}
+    to_time: dict[str, tuple[int, list[Any]]] = {}  # fingerprint -> first block and its inputs
+    occurrences: dict[str, int] = {}
     seen_params: set[str] = set()
+    owner_block: dict[str, int] = {}  # a parameter's first name -> the block that owns it
     blocks: list[Block] = []
     for index in range(traced.num_blocks):
         sub, input_names, output_names = extract_submodule(traced, index, index, defer_code=True)
@@ -690,18 +767,25 @@ def profile_traced(
         fp = _block_fingerprint(traced, index, sub, fake_inputs)
         if fp not in costs:
             costs[fp] = _measure_block(sub, fake_inputs, _block_params(sub, run), hidden, run)
-            if device != "meta" and fp not in timed:
-                timed[fp] = _time_block(traced, index, fake_inputs, device, dtype, warmup, repeats)
+            if device != "meta":
+                to_time[fp] = (index, input_names, fake_inputs)
+        occurrences[fp] = occurrences.get(fp, 0) + 1
         cost = costs[fp]
 
         num_params = 0
         param_bytes = 0
+        tied_params = 0
+        tied_to: int | None = None
         for name, p in sub.named_parameters(remove_duplicate=True):
             param_bytes += run.params.nbytes(name)
             first = run.params.alias.get(name, name)  # tied parameters share one identity
             if first not in seen_params:
                 seen_params.add(first)
+                owner_block[first] = index
                 num_params += p.numel()
+            elif owner_block[first] != index:  # a copy of an earlier block's parameter (a tied head)
+                tied_params += p.numel()
+                tied_to = owner_block[first] if tied_to is None else tied_to
         kind = block_kind(traced, index, sub)
         if index < len(cuts):
             output_bytes = cuts[index].num_bytes
@@ -724,12 +808,31 @@ def profile_traced(
             # Flash attention keeps no s x s tensor, so selective recompute frees only its
             # output and log-sum-exp, which the next projection keeps anyway: we count none.
             attention_core_saved_bytes=0,
-            fwd_time_s=timed[fp][0] if fp in timed else None,
-            bwd_time_s=timed[fp][1] if fp in timed else None,
             fingerprint=fp,
+            tied_params=tied_params,
+            tied_to_block=tied_to,
         ))
         if progress is not None:
-            progress(index + 1, traced.num_blocks, traced.block_names[index])
+            progress(index + 1, traced.num_blocks + len(to_time), traced.block_names[index])
+    # Timed after the pass over all blocks, which counts how often each one repeats.
+    doubled = _run_doubled(traced, example_inputs, dtype, batch_size) if to_time else None
+    fixed: dict[str, tuple[float, float]] = {}
+    for done, (fp, (index, input_names, fake_inputs)) in enumerate(to_time.items()):
+        if progress is not None:
+            progress(traced.num_blocks + done, traced.num_blocks + len(to_time), f"timing {traced.block_names[index]}")
+        timed[fp] = _time_block(traced, index, fake_inputs, device, dtype, warmup, repeats, occurrences[fp])
+        if doubled is not None:
+            twice = _time_block(traced, index, [doubled.values[n] for n in input_names], device, dtype, warmup,
+                                repeats, occurrences[fp])
+            # t(b) = fixed + per_sample * b, from b and 2b: fixed = 2 t(b) - t(2b), kept in [0, t(b)].
+            fixed[fp] = tuple(min(max(2 * t1 - t2, 0.0), t1) for t1, t2 in zip(timed[fp], twice))
+    if timed:
+        blocks = [dataclasses.replace(b, fwd_time_s=timed[b.fingerprint][0], bwd_time_s=timed[b.fingerprint][1],
+                                      fwd_time_fixed_s=fixed.get(b.fingerprint, (0.0, 0.0))[0],
+                                      bwd_time_fixed_s=fixed.get(b.fingerprint, (0.0, 0.0))[1])
+                  for b in blocks]
+        if progress is not None:
+            progress(traced.num_blocks + len(to_time), traced.num_blocks + len(to_time), "timed")
 
     profile = ModelProfile(
         model_name=model_name,
@@ -747,7 +850,9 @@ def profile_traced(
         vocab_size=info.get("vocab_size"),
         num_layers=info.get("num_layers"),
         torch_version=torch.__version__,
-        extra={"tracer_note": traced.note, **({"threads": torch.get_num_threads()} if device == "cpu" else {})},
+        extra={"tracer_note": traced.note, **({"threads": torch.get_num_threads()} if device == "cpu" else {}),
+               **({"batch_scaling": "affine" if fixed else "linear (the model rejects a doubled batch)"}
+                  if timed else {})},
     )
     for path in (cache_file, analytic_file):
         if path is not None:

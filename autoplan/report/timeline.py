@@ -51,6 +51,7 @@ _COLORS = {
     "RECV_B": "#b07aa1",
     "SEND_F": "#9c755f",
     "SEND_B": "#b07aa1",
+    "TIED": "#ff9da7",
     "DP": "#e15759",
     "OPT": "#f28e2b",
 }
@@ -71,7 +72,8 @@ class Box:
     action: str
     """Action string ("2F5", "1RECV_F3") or a tail label ("DP", "OPT")."""
     kind: str
-    """F, B, W, SEND_F, RECV_F, SEND_B, RECV_B, DP (exposed gradient reduction), OPT (optimizer)."""
+    """F, B, W, SEND_F, RECV_F, SEND_B, RECV_B, TIED (tied-gradient sum), DP (exposed gradient reduction),
+    OPT (optimizer)."""
     start_s: float
     end_s: float
 
@@ -158,8 +160,12 @@ def predicted_timeline(plan: Plan, *, comm: bool = True) -> Timeline:
     breakdown = plan.predicted.breakdown or {}
     dp_s = float(breakdown.get("dp_comm_exposed_s", 0.0))
     opt_s = float(breakdown.get("optimizer_s", 0.0))
+    # A tied head's gradient is summed with its embedding's: the first block is on the first rank and
+    # the last block on the last rank (the plan keeps the slowest such sum; cost/time.py).
+    tied_s = float(breakdown.get("tied_grad_sync_s", 0.0))
+    tied = [tied_s if rank in (0, plan.pp - 1) else 0.0 for rank in range(plan.pp)]
     sim = simulate(schedule, lambda a: durations[a.kind][a.stage], comm_time if num_bytes is not None else None,
-                   [dp_s + opt_s] * plan.pp)
+                   [tied[rank] + dp_s + opt_s for rank in range(plan.pp)])
 
     compute_end: dict[tuple[ActionKind, int, int], float] = {}
     boxes_by_rank: list[list[Box]] = [[] for _ in range(plan.pp)]
@@ -182,6 +188,9 @@ def predicted_timeline(plan: Plan, *, comm: bool = True) -> Timeline:
             boxes_by_rank[rank].append(Box(rank, str(Action(recv, dst, mb)), recv.value, end,
                                            end + comm_time(stage, dst, kind)))
     for rank, end in enumerate(sim.compute_end_s):
+        if tied[rank] > 0:
+            boxes_by_rank[rank].append(Box(rank, "TIED", "TIED", end, end + tied[rank]))
+            end += tied[rank]
         if dp_s > 0:
             boxes_by_rank[rank].append(Box(rank, "DP", "DP", end, end + dp_s))
         if opt_s > 0:
@@ -200,7 +209,13 @@ def load_trace(path: str | os.PathLike) -> dict[str, Any]:
     return dict(data)
 
 
+# The step's tail as `autoplan run --trace` names it (runtime/launch.py) -> the timeline's kinds.
+_TAIL_EVENTS = {"TIED_GRAD_SYNC": "TIED", "DP_GRAD_SYNC": "DP", "OPTIMIZER": "OPT"}
+
+
 def _action_kind(name: str) -> str | None:
+    if name in _TAIL_EVENTS:
+        return _TAIL_EVENTS[name]
     try:
         return Action.parse(name).kind.value
     except ValueError:
@@ -343,7 +358,7 @@ def to_svg(timelines: Sequence[Timeline], plan: Plan | None = None, *, width: in
     legend = []
     lx = left
     for kind, label in (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("RECV_F", "P2P act"),
-                        ("RECV_B", "P2P grad"), ("DP", "DP reduce"), ("OPT", "optimizer")):
+                        ("RECV_B", "P2P grad"), ("TIED", "tied grads"), ("DP", "DP reduce"), ("OPT", "optimizer")):
         legend.append(f'<rect x="{lx}" y="{y}" width="12" height="12" fill="{_COLORS[kind]}"/>'
                       f'<text x="{lx + 16}" y="{y + 10}" font-size="11">{label}</text>')
         lx += 110
@@ -414,7 +429,7 @@ def to_png(timelines: Sequence[Timeline], path: str | os.PathLike, plan: Plan | 
     axes[-1, 0].set_xlabel(f"time ({unit})")
     handles = [Patch(color=_COLORS[k], label=label) for k, label in
                (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("RECV_F", "P2P act"),
-                ("RECV_B", "P2P grad"), ("DP", "DP reduce"), ("OPT", "optimizer"))]
+                ("RECV_B", "P2P grad"), ("TIED", "tied grads"), ("DP", "DP reduce"), ("OPT", "optimizer"))]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     if plan is not None:
         fig.suptitle(_title(plan, ()), fontsize=11)

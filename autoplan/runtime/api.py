@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -193,6 +194,8 @@ class PartitionedModel:
         self.precision = precision
         """bf16 working copies with fp32 masters (precision.py), or None for an fp32 plan."""
         self._grad_owner: dict[int, int] | None = None
+        self.last_reductions: list[tuple[str, float, float]] = []
+        """(phase, start, end) of the last step's gradient reductions after the pipeline (perf_counter)."""
         """ZeRO-2 (set by `make_optimizer`): id(parameter) -> dp index of the rank that steps it."""
         self._params = self._collect_params()
 
@@ -349,13 +352,20 @@ class PartitionedModel:
                 if p.grad is not None:
                     p.grad = grad_like_param(p, p.grad)
         params = dict(self._params)
+        tie_start = time.perf_counter()
         for name, group in self.layout.tie_groups.items():
             local = [p for n, p in self._params if self.aliases.get(n) == name]
             all_reduce_grads(local, group, average=False)
+        dp_start = time.perf_counter()
         if self._grad_owner is not None:  # ZeRO-2: each gradient only where its optimizer shard is
             reduce_grads_to_owners(params.values(), self._grad_owner, self.layout.dp_group)
         else:
             all_reduce_grads(params.values(), self.layout.dp_group, average=True)
+        dp_end = time.perf_counter()
+        # The step's tail after the pipeline, for traces (the cost model's `tails`).
+        self.last_reductions = [(phase, a, b) for phase, a, b, present in (
+            ("TIED_GRAD_SYNC", tie_start, dp_start, bool(self.layout.tie_groups)),
+            ("DP_GRAD_SYNC", dp_start, dp_end, self.layout.dp_group is not None)) if present]
         if loss is not None and self.layout.dp_group is not None:
             dist.all_reduce(loss, group=self.layout.dp_group)
             loss /= self.plan.dp

@@ -147,9 +147,11 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     rank = dist.get_rank()
     device = default_device()
     pm = partition(spec, plan, device=device, seed=seed, timeout=timeout)
-    # On CUDA, torch's fused AdamW: one kernel over all parameters (as Megatron's fused Adam);
-    # the default foreach version measured 3.5x the memory-bound time on an H100 (docs/status.md).
-    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=lr, **({"fused": True} if device.type == "cuda" else {}))
+    # torch's fused AdamW: one pass over each parameter (as Megatron's fused Adam). The default
+    # foreach version measured 3.5x the memory-bound time on an H100 (docs/status.md); on CPU the
+    # default per-tensor loop took 8-9x the fused step for 65M parameters on one thread (0.56-0.63 s
+    # against 0.062-0.075 s, `python benchmarks/optimizer_cpu.py`): the step's tail, on the critical path.
+    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=lr, fused=True)
     batch, seq_len = plan.job.global_batch, plan.job.seq_len
     vocab = zoo.model_info(spec)["vocab_size"]
     loss_src = plan.rank(plan.pp - 1, 0, 0)
@@ -200,15 +202,18 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
         loss = pm.step(ids, target=targets)
         if any(f.hits("kill-mid-step", rank, step) for f in faults):
             _sigkill_self()  # fewer P2P transfers than asked for: die before the collectives
+        optimizer_start = time.perf_counter()
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time_s = time.perf_counter() - start
+        tail = [*pm.last_reductions, ("OPTIMIZER", optimizer_start, start + step_time_s)]
         # One collective: the loss (only its owner contributes) and the slowest rank's step time.
         report = torch.tensor([float(loss) if rank == loss_src else -float("inf"), step_time_s], device=device)
         dist.all_reduce(report, op=dist.ReduceOp.MAX)
         loss_value, step_time_s = float(report[0]), float(report[1])
         events += [(str(r.action), r.start_s + clock_offset, r.end_s + clock_offset, step) for r in pm.last_trace]
+        events += [(phase, a + clock_offset, b + clock_offset, step) for phase, a, b in tail]
         if rank == 0:
             print(f"step {step}  loss {loss_value:.4f}  step {step_time_s:.3f} s  "
                   f"predicted {plan.predicted.step_time_s:.3f} s", flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,13 +34,14 @@ from autoplan.cost.time import (
     cut_transfer_times_s,
     dp_sync_time_s,
     optimizer_time_s,
+    tied_sync_times_s,
 )
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import Job, MemoryBreakdown, Plan, Predicted, StagePlan
 from autoplan.schedule import ActionKind, SimResult, make_schedule, simulate
-from autoplan.search.partition import CutProblem, Cuts, DPSolver
+from autoplan.search.partition import CutProblem, Cuts, DPSolver, make_cuts
 
-__all__ = ["Dominated", "Evaluation", "SearchContext", "evaluate", "min_gpus_needed", "schedule_inflight"]
+__all__ = ["Dominated", "Evaluation", "SearchContext", "evaluate", "evaluate_cuts", "min_gpus_needed", "schedule_inflight"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -305,6 +307,24 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
     return Evaluation(cfg, plan)
 
 
+def evaluate_cuts(ctx: SearchContext, cfg: ParallelConfig, boundaries: Sequence[int]) -> Plan:
+    """The plan for `cfg` with the stage boundaries given (not searched), scored by the same simulation:
+    how baselines such as parameter-balanced or equal-layer cuts would do. Memory is reported, not enforced."""
+    num_stages = cfg.num_stages
+    pp_gpus = _stage_gpus(ctx.cluster, cfg)
+    times_by_type = {gpu.name: ctx.block_times(gpu, cfg) for gpu in pp_gpus}
+    stage_times = [times_by_type[pp_gpus[k % cfg.pp].name] for k in range(num_stages)]
+    static, acts = ctx.static_bytes(cfg), ctx.act_bytes(cfg)
+    inflight = np.array(schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages), dtype=float)
+    problem = CutProblem(block_time_s=stage_times[0].total_s, cut_time_s=ctx.link_times(cfg), block_static_bytes=static,
+                         block_act_bytes=acts, inflight=inflight, capacity_bytes=np.full(num_stages, np.inf),
+                         legal_cut=ctx.legal)
+    plan = _make_plan(ctx, cfg, make_cuts(problem, boundaries, optimal=False), stage_times, pp_gpus, inflight, static,
+                      acts)
+    assert isinstance(plan, Plan)  # no cutoff: always simulated
+    return plan
+
+
 @dataclass(frozen=True)
 class _Unsimulated:
     """`_make_plan` stopped before simulating: the step time provably reaches the cutoff."""
@@ -374,6 +394,7 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
     tails = []
     dp_exposed = []
     optim_s = []
+    tied_s = tied_sync_times_s(profile, cluster, cfg, ranges, grad_b)
     for p in range(cfg.pp):
         mine = [k for k in range(num_stages) if k % cfg.pp == p]
         rank_params = float(sum(params[ranges[k][0]:ranges[k][1]].sum() for k in mine))
@@ -385,7 +406,7 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         opt = optimizer_time_s(pp_gpus[p], rank_params / (cfg.dp if cfg.zero >= 1 else 1))
         dp_exposed.append(exposed)
         optim_s.append(opt)
-        tails.append(exposed + opt)
+        tails.append(tied_s[p] + exposed + opt)  # the order the runtime does them in (runtime/api.py, step)
 
     delays_f = [comm_time(s - 1, s, ActionKind.F) if cfg.pp > 1 else 0.0 for s in range(1, num_stages)]
     delays_b = [comm_time(s + 1, s, ActionKind.B) if cfg.pp > 1 else 0.0 for s in range(num_stages - 1)]
@@ -434,6 +455,7 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         "compute_s": compute_total - tp_total,
         "tp_comm_s": tp_total,
         "bubble_s": max(0.0, step - busy - max(tails)),
+        "tied_grad_sync_s": max(tied_s),
         "dp_comm_exposed_s": max(dp_exposed),
         "optimizer_s": max(optim_s),
     }
