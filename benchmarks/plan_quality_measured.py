@@ -42,10 +42,10 @@ def main() -> int:
     import torch
 
     from autoplan.api import suggest_with_stats
+    from autoplan.cluster import parse_cluster
     from autoplan.cost.config import ParallelConfig
     from autoplan.cost.memory import param_counts
     from autoplan.runtime import run_plan
-    from autoplan.cluster import parse_cluster
     from autoplan.search.evaluate import SearchContext, evaluate_cuts
     from autoplan.search.partition import balanced_by, equal_layers
 
