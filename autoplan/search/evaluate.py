@@ -39,7 +39,7 @@ from autoplan.cost.time import (
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import Job, MemoryBreakdown, Plan, Predicted, StagePlan
 from autoplan.schedule import ActionKind, SimResult, make_schedule, simulate
-from autoplan.search.partition import CutProblem, Cuts, DPSolver, make_cuts
+from autoplan.search.partition import CutProblem, Cuts, DPSolver, climb_boundaries, make_cuts
 
 __all__ = ["Dominated", "Evaluation", "SearchContext", "evaluate", "evaluate_cuts", "min_gpus_needed", "schedule_inflight"]
 
@@ -251,6 +251,12 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
     if num_stages > n:
         return None
     pp_gpus = _stage_gpus(cluster, cfg)
+    sharing = cpu_sharing(profile, pp_gpus[0], cluster) is not None and num_stages > 1
+    if sharing:
+        # The bounds below assume the DP's cutting is the one simulated; under shared cores a local
+        # search may find a faster one ([Note: cutting under shared cores]). Such clusters are a
+        # machine's few ranks: simulate every configuration.
+        cutoff_s = float("inf")
     times_by_type = {gpu.name: ctx.block_times(gpu, cfg) for gpu in pp_gpus}
     stage_times = [times_by_type[pp_gpus[k % cfg.pp].name] for k in range(num_stages)]
     homogeneous = len(times_by_type) == 1
@@ -297,6 +303,17 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
         raise Dominated
     # Same bottleneck (first pass reused), ties broken as [Note: DP tie-break] says.
     cuts = cache.refined() if cache is not None else solver.solve()
+    if sharing:
+        cut_problem = cache.problem if cache is not None else problem
+
+        def simulated_step_s(boundaries: tuple[int, ...]) -> float:
+            plan = _make_plan(ctx, cfg, make_cuts(cut_problem, boundaries, optimal=False), stage_times, pp_gpus,
+                              inflight, static, acts)
+            assert isinstance(plan, Plan)  # no cutoff: always simulated
+            return plan.predicted.step_time_s
+
+        boundaries, _ = climb_boundaries(cut_problem, cuts.boundaries, simulated_step_s)
+        cuts = make_cuts(cut_problem, boundaries, optimal=False)
     plan = _make_plan(ctx, cfg, cuts, stage_times, pp_gpus, inflight, static, acts, cutoff_s=cutoff_s)
     if isinstance(plan, _Unsimulated):
         # Its step time is at least the cutoff, so the search would not keep it; it goes on down
