@@ -85,6 +85,8 @@ def main() -> int:
                 with open(metrics) as f:
                     times = [json.loads(line)["step_time_s"] for line in f][1:]
                 samples.setdefault(name, []).append(statistics.median(times))
+            print(f"round {round_index + 1}/{args.rounds}: "
+                  + ", ".join(f"{name} {samples[name][-1]:.3f}s" for name in paths), flush=True)
     rows = [{"cuts": name, "boundaries": list(cuttings[name]), "round_medians_s": samples[name],
              "median_step_s": statistics.median(samples[name]), "predicted_step_s": predicted[name]}
             for name in cuttings]

@@ -332,3 +332,33 @@ def test_ilp_time_limit_keeps_dp_incumbent_or_raises() -> None:
         assert "feasibility unknown" in str(e)
     else:
         assert cold is not None and cold.bottleneck_s >= dp.bottleneck_s * (1 - 1e-9)
+
+
+def test_climb_never_worsens_the_start_and_follows_its_objective():
+    import numpy as np
+
+    from autoplan.search.partition import CutProblem, climb_boundaries, solve_dp, stage_stats, violations
+
+    n, stages = 40, 4
+    legal = np.ones(n - 1, dtype=bool)
+    legal[9] = False  # boundary 10 may not be cut
+    problem = CutProblem(block_time_s=np.ones(n), cut_time_s=np.zeros(n + 1), block_static_bytes=np.ones(n),
+                         block_act_bytes=np.zeros(n), inflight=np.ones(stages), capacity_bytes=np.full(stages, 16.0),
+                         legal_cut=legal)
+    start = solve_dp(problem).boundaries
+
+    def slowest(b):
+        return float(stage_stats(problem, b)[0].max())
+
+    # On the DP's own objective the DP's optimum cannot be improved.
+    assert climb_boundaries(problem, start, slowest)[1] == slowest(start)
+
+    # An objective that also charges the first stage three times (a ramp that leaves cores idle) moves
+    # the first boundary left, within the legal cuts and the memory capacity.
+    def ramp(b):
+        times = stage_stats(problem, b)[0]
+        return float(times.max() + 3 * times[0])
+
+    best, seconds = climb_boundaries(problem, start, ramp)
+    assert seconds < ramp(start) and seconds == ramp(best)
+    assert best[1] < start[1] and not violations(problem, best)

@@ -318,3 +318,29 @@ def test_a_tied_head_on_another_rank_adds_its_gradient_sum_to_the_step():
     untied = autoplan.suggest(spec + ",tie_embeddings=False", "1x2xA100-80GB", global_batch=8, seq_len=128, pp=2,
                               **pins)[0]
     assert untied.predicted.breakdown["tied_grad_sync_s"] == 0.0
+
+
+def test_search_under_shared_cores_keeps_the_faster_simulated_cutting(monkeypatch):
+    import dataclasses as dc
+
+    from autoplan.cost.config import ParallelConfig
+    from autoplan.plan import Job
+    from autoplan.search import evaluate as evaluate_mod
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    profile = autoplan.profile("gpt:num_layers=24,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16",
+                               batch_size=1, seq_len=16, dtype="fp32")
+    timed = profile.with_blocks([dc.replace(b, fwd_time_s=1e-3, bwd_time_s=2e-3) for b in profile.blocks])
+    timed = dc.replace(timed, extra={**timed.extra, "threads": 1})
+    cfg = ParallelConfig(tp=1, pp=4, dp=1, micro_batch_size=1, num_microbatches=4, schedule="1f1b")
+
+    def plan_with(climb):
+        monkeypatch.setattr(evaluate_mod, "climb_boundaries", climb)
+        ctx = SearchContext(timed, parse_cluster("1x4xcpu"), Job(global_batch=4, seq_len=16, dtype="float32"), "gpt")
+        return evaluate(ctx, cfg).plan
+
+    searched = plan_with(evaluate_mod.climb_boundaries)
+    dp_only = plan_with(lambda problem, start, step_time_s, **_: (start, step_time_s(start)))
+    # 4 ranks on 2 cores: a lighter first stage shortens the ramps where a core idles.
+    assert searched.predicted.step_time_s < dp_only.predicted.step_time_s
+    assert searched.stages[0].end_block < dp_only.stages[0].end_block
