@@ -155,8 +155,14 @@ def suggest_with_stats(
     else:
         raise ValueError(f"cluster must be a spec string or a Cluster, got {type(cluster).__name__}")
     torch_dtype = parse_dtype(dtype)
-    # Profile one sequence; every per-micro-batch quantity scales linearly with the batch.
-    profiled = profile_with_graph(model, batch_size=1, seq_len=seq_len, example_inputs=example_inputs,
+    # Profile one sequence; every analytic per-micro-batch quantity scales linearly with the batch.
+    # Timed blocks do not ([Note: batch scaling] in graph/profile.py): with the micro-batch size
+    # pinned, a zoo model is timed at that size, so the plan's block times are measured, not scaled.
+    batch = 1
+    pinned_mbs = pins.get("micro_batch_size")
+    if profile_device != "meta" and example_inputs is None and isinstance(pinned_mbs, int) and pinned_mbs > 1:
+        batch = pinned_mbs
+    profiled = profile_with_graph(model, batch_size=batch, seq_len=seq_len, example_inputs=example_inputs,
                                   loss_fn=loss_fn, example_target=example_target, dtype=torch_dtype,
                                   device=profile_device, leaf_modules=leaf_modules, progress=progress)
     prof = profiled.profile
