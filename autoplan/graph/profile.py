@@ -751,7 +751,7 @@ def profile_traced(
             return cached
 
     costs: dict[str, _BlockCost] = {}
-    to_time: dict[str, tuple[int, list[Any]]] = {}  # fingerprint -> first block and its inputs
+    to_time: dict[str, tuple[int, list[str], list[Any]]] = {}  # fingerprint -> first block, its input names, inputs
     occurrences: dict[str, int] = {}
     seen_params: set[str] = set()
     owner_block: dict[str, int] = {}  # a parameter's first name -> the block that owns it
