@@ -23,6 +23,7 @@ time is the bytes they move over the GPU's memory bandwidth (roofline model, Wil
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 
@@ -194,14 +195,15 @@ def tied_sync_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConf
     all-reduce the shared weight's gradient, as Megatron-LM's embedding group does (Shoeybi et al.
     2019, Sec. 3; Narayanan et al. 2021). Nothing when both copies sit on one rank."""
     times = [0.0] * cfg.pp
-    rank_of_block = {}
-    for k, (a, b) in enumerate(ranges):
-        for i in range(a, b):
-            rank_of_block[i] = k % cfg.pp
+    starts = [a for a, _ in ranges]
+
+    def rank_of(block_index: int) -> int:
+        return (bisect.bisect_right(starts, block_index) - 1) % cfg.pp
+
     for i, block in enumerate(profile.blocks):
         if not block.tied_params or block.tied_to_block is None:
             continue
-        mine, theirs = rank_of_block[i], rank_of_block[block.tied_to_block]
+        mine, theirs = rank_of(i), rank_of(block.tied_to_block)
         if mine == theirs:
             continue
         shard = cfg.tp if tp_sharded(block.kind) else 1

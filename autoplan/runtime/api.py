@@ -363,9 +363,11 @@ class PartitionedModel:
             all_reduce_grads(params.values(), self.layout.dp_group, average=True)
         dp_end = time.perf_counter()
         # The step's tail after the pipeline, for traces (the cost model's `tails`).
-        self.last_reductions = [(phase, a, b) for phase, a, b, present in (
-            ("TIED_GRAD_SYNC", tie_start, dp_start, bool(self.layout.tie_groups)),
-            ("DP_GRAD_SYNC", dp_start, dp_end, self.layout.dp_group is not None)) if present]
+        self.last_reductions = []
+        if self.layout.tie_groups:
+            self.last_reductions.append(("TIED_GRAD_SYNC", tie_start, dp_start))
+        if self.layout.dp_group is not None:
+            self.last_reductions.append(("DP_GRAD_SYNC", dp_start, dp_end))
         if loss is not None and self.layout.dp_group is not None:
             dist.all_reduce(loss, group=self.layout.dp_group)
             loss /= self.plan.dp

@@ -238,6 +238,46 @@ class Dominated(Exception):
     """The configuration provably cannot beat `cutoff_s` (raised before simulating it)."""
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """What every cutting of one configuration is scored with: per-stage block times, bytes, links."""
+
+    pp_gpus: list
+    stage_times: list[BlockTimes]
+    total: np.ndarray
+    """(n,) block times when every stage's device is alike, else (S, n)."""
+    static: np.ndarray
+    acts: np.ndarray
+    inflight: np.ndarray
+    link_s: np.ndarray
+
+    def problem(self, ctx: SearchContext, capacity: np.ndarray) -> CutProblem:
+        return CutProblem(block_time_s=self.total, cut_time_s=self.link_s, block_static_bytes=self.static,
+                          block_act_bytes=self.acts, inflight=self.inflight, capacity_bytes=capacity,
+                          legal_cut=ctx.legal)
+
+
+def _inputs(ctx: SearchContext, cfg: ParallelConfig) -> _Inputs:
+    pp_gpus = _stage_gpus(ctx.cluster, cfg)
+    times_by_type = {gpu.name: ctx.block_times(gpu, cfg) for gpu in pp_gpus}
+    stage_times = [times_by_type[pp_gpus[k % cfg.pp].name] for k in range(cfg.num_stages)]
+    total = stage_times[0].total_s if len(times_by_type) == 1 else np.stack([t.total_s for t in stage_times])
+    inflight = np.array(schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages), dtype=float)
+    # A stage's boundary costs its P2P time once (the transfer itself overlaps compute in the
+    # simulator; this steers cuts away from boundaries that carry large tensors).
+    return _Inputs(pp_gpus, stage_times, total, ctx.static_bytes(cfg), ctx.act_bytes(cfg), inflight,
+                   ctx.link_times(cfg))
+
+
+def _simulated_plan(ctx: SearchContext, cfg: ParallelConfig, inputs: _Inputs, problem: CutProblem,
+                    boundaries: Sequence[int]) -> Plan:
+    """The plan for these boundaries, always simulated (no cutoff)."""
+    plan = _make_plan(ctx, cfg, make_cuts(problem, boundaries, optimal=False), inputs.stage_times, inputs.pp_gpus,
+                      inputs.inflight, inputs.static, inputs.acts)
+    assert isinstance(plan, Plan)
+    return plan
+
+
 def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = True,
              cutoff_s: float = float("inf")) -> Evaluation | None:
     """The plan for `cfg`, or None when no cutting fits in memory (and `require_fit`).
@@ -250,38 +290,27 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
     num_stages = cfg.num_stages
     if num_stages > n:
         return None
-    pp_gpus = _stage_gpus(cluster, cfg)
+    inputs = _inputs(ctx, cfg)
+    pp_gpus, stage_times = inputs.pp_gpus, inputs.stage_times
+    static, acts, inflight = inputs.static, inputs.acts, inputs.inflight
     sharing = cpu_sharing(profile, pp_gpus[0], cluster) is not None and num_stages > 1
     if sharing:
         # The bounds below assume the DP's cutting is the one simulated; under shared cores a local
         # search may find a faster one ([Note: cutting under shared cores]). Such clusters are a
         # machine's few ranks: simulate every configuration.
         cutoff_s = float("inf")
-    times_by_type = {gpu.name: ctx.block_times(gpu, cfg) for gpu in pp_gpus}
-    stage_times = [times_by_type[pp_gpus[k % cfg.pp].name] for k in range(num_stages)]
-    homogeneous = len(times_by_type) == 1
-    total = stage_times[0].total_s if homogeneous else np.stack([t.total_s for t in stage_times])
-
-    static = ctx.static_bytes(cfg)
-    acts = ctx.act_bytes(cfg)
-    inflight = np.array(schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages), dtype=float)
     capacity = np.array([(pp_gpus[k % cfg.pp].mem_bytes - allowance_bytes(pp_gpus[k % cfg.pp]) - ctx.reserve(cfg))
                          / cfg.virtual_stages for k in range(num_stages)])
-    # A stage's boundary costs its P2P time once (the transfer itself overlaps compute in the
-    # simulator; this steers cuts away from boundaries that carry large tensors).
-    link_s = ctx.link_times(cfg)
     # Configurations often pose the same cutting problem (both rank orders when the pipeline's
     # links are alike, e.g. tp = a whole node), or the same memory problem with other times; the
     # answers are reused by value (`_CutCache`), which gives bit-identical cuts.
     mem_key = (static.tobytes(), acts.tobytes(), inflight.tobytes(), capacity.tobytes())
     if mem_key in ctx.infeasible and require_fit:
         return None  # no cutting fits this memory problem, whatever the times
-    key = (total.tobytes(), link_s.tobytes(), *mem_key)
+    key = (inputs.total.tobytes(), inputs.link_s.tobytes(), *mem_key)
     cache = ctx.cut_cache.get(key)
     if cache is None:
-        problem = CutProblem(block_time_s=total, cut_time_s=link_s, block_static_bytes=static, block_act_bytes=acts,
-                             inflight=inflight, capacity_bytes=capacity, legal_cut=ctx.legal)
-        cache = ctx.cut_cache[key] = _CutCache(problem)
+        cache = ctx.cut_cache[key] = _CutCache(inputs.problem(ctx, capacity))
     # The tie-break pass (partition.py [Note: DP tie-break]) only matters for plans that get
     # simulated; feasibility and the bound need just the bottleneck.
     cuts = cache.unrefined()
@@ -290,8 +319,7 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
         if require_fit:
             return None
         # Every dimension pinned: report the plan even though it does not fit, cut for time alone.
-        problem = CutProblem(block_time_s=total, cut_time_s=link_s, block_static_bytes=static, block_act_bytes=acts,
-                             inflight=inflight, capacity_bytes=np.full(num_stages, np.inf), legal_cut=ctx.legal)
+        problem = inputs.problem(ctx, np.full(num_stages, np.inf))
         solver = DPSolver(problem)
         cuts = solver.solve(refine=False)
         if cuts is None:
@@ -305,14 +333,9 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
     cuts = cache.refined() if cache is not None else solver.solve()
     if sharing:
         cut_problem = cache.problem if cache is not None else problem
-
-        def simulated_step_s(boundaries: tuple[int, ...]) -> float:
-            plan = _make_plan(ctx, cfg, make_cuts(cut_problem, boundaries, optimal=False), stage_times, pp_gpus,
-                              inflight, static, acts)
-            assert isinstance(plan, Plan)  # no cutoff: always simulated
-            return plan.predicted.step_time_s
-
-        boundaries, _ = climb_boundaries(cut_problem, cuts.boundaries, simulated_step_s)
+        boundaries, _ = climb_boundaries(
+            cut_problem, cuts.boundaries,
+            lambda b: _simulated_plan(ctx, cfg, inputs, cut_problem, b).predicted.step_time_s)
         cuts = make_cuts(cut_problem, boundaries, optimal=False)
     plan = _make_plan(ctx, cfg, cuts, stage_times, pp_gpus, inflight, static, acts, cutoff_s=cutoff_s)
     if isinstance(plan, _Unsimulated):
@@ -327,19 +350,8 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
 def evaluate_cuts(ctx: SearchContext, cfg: ParallelConfig, boundaries: Sequence[int]) -> Plan:
     """The plan for `cfg` with the stage boundaries given (not searched), scored by the same simulation:
     how baselines such as parameter-balanced or equal-layer cuts would do. Memory is reported, not enforced."""
-    num_stages = cfg.num_stages
-    pp_gpus = _stage_gpus(ctx.cluster, cfg)
-    times_by_type = {gpu.name: ctx.block_times(gpu, cfg) for gpu in pp_gpus}
-    stage_times = [times_by_type[pp_gpus[k % cfg.pp].name] for k in range(num_stages)]
-    static, acts = ctx.static_bytes(cfg), ctx.act_bytes(cfg)
-    inflight = np.array(schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages), dtype=float)
-    problem = CutProblem(block_time_s=stage_times[0].total_s, cut_time_s=ctx.link_times(cfg), block_static_bytes=static,
-                         block_act_bytes=acts, inflight=inflight, capacity_bytes=np.full(num_stages, np.inf),
-                         legal_cut=ctx.legal)
-    plan = _make_plan(ctx, cfg, make_cuts(problem, boundaries, optimal=False), stage_times, pp_gpus, inflight, static,
-                      acts)
-    assert isinstance(plan, Plan)  # no cutoff: always simulated
-    return plan
+    inputs = _inputs(ctx, cfg)
+    return _simulated_plan(ctx, cfg, inputs, inputs.problem(ctx, np.full(cfg.num_stages, np.inf)), boundaries)
 
 
 @dataclass(frozen=True)
