@@ -344,3 +344,19 @@ def test_search_under_shared_cores_keeps_the_faster_simulated_cutting(monkeypatc
     # 4 ranks on 2 cores: a lighter first stage shortens the ramps where a core idles.
     assert searched.predicted.step_time_s < dp_only.predicted.step_time_s
     assert searched.stages[0].end_block < dp_only.stages[0].end_block
+
+
+def test_evaluate_cuts_scores_given_boundaries_as_the_search_does():
+    from autoplan.cost.config import ParallelConfig
+    from autoplan.plan import Job
+    from autoplan.search.evaluate import evaluate_cuts
+
+    profile = autoplan.profile(SMALL, batch_size=1, seq_len=512)
+    ctx = SearchContext(profile, parse_cluster("1x4xA100-80GB"), Job(global_batch=16, seq_len=512), SMALL)
+    cfg = ParallelConfig(tp=1, pp=4, dp=1, micro_batch_size=1, num_microbatches=16, schedule="1f1b")
+    searched = evaluate(ctx, cfg).plan
+    again = evaluate_cuts(ctx, cfg, searched.boundaries)
+    assert again.boundaries == searched.boundaries
+    assert again.predicted.step_time_s == searched.predicted.step_time_s
+    equal = evaluate_cuts(ctx, cfg, [0, 3, 6, 9, profile.num_blocks])
+    assert equal.predicted.step_time_s >= searched.predicted.step_time_s
