@@ -477,13 +477,13 @@ def last_level_cache_bytes(device: str) -> int:
         except (RuntimeError, AttributeError, AssertionError):
             return fallback
     best = 0
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}  # sysfs writes sizes like "32768K"
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
             level = int((index / "level").read_text())
             size = (index / "size").read_text().strip()
         except (OSError, ValueError):
             continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
         number = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size or 0)
         if level >= 3 and number > best:
             best = number

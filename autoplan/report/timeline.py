@@ -55,6 +55,9 @@ _COLORS = {
     "DP": "#e15759",
     "OPT": "#f28e2b",
 }
+# Kinds in the legend of both renderings (SVG and PNG), in drawing order.
+_LEGEND = (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("RECV_F", "P2P act"), ("RECV_B", "P2P grad"),
+           ("TIED", "tied grads"), ("DP", "DP reduce"), ("OPT", "optimizer"))
 _OTHER_COLOR = "#bab0ac"
 _THIN_KINDS = frozenset({"RECV_F", "RECV_B", "SEND_F", "SEND_B"})
 
@@ -357,8 +360,7 @@ def to_svg(timelines: Sequence[Timeline], plan: Plan | None = None, *, width: in
     y += 26
     legend = []
     lx = left
-    for kind, label in (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("RECV_F", "P2P act"),
-                        ("RECV_B", "P2P grad"), ("TIED", "tied grads"), ("DP", "DP reduce"), ("OPT", "optimizer")):
+    for kind, label in _LEGEND:
         legend.append(f'<rect x="{lx}" y="{y}" width="12" height="12" fill="{_COLORS[kind]}"/>'
                       f'<text x="{lx + 16}" y="{y + 10}" font-size="11">{label}</text>')
         lx += 110
@@ -427,9 +429,7 @@ def to_png(timelines: Sequence[Timeline], path: str | os.PathLike, plan: Plan | 
         ax.set_title(f"{t.label}: step {_fmt_s(t.step_time_s)}, bubble {t.bubble_fraction:.1%}", fontsize=10)
         ax.set_facecolor("#f4f4f4")
     axes[-1, 0].set_xlabel(f"time ({unit})")
-    handles = [Patch(color=_COLORS[k], label=label) for k, label in
-               (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("RECV_F", "P2P act"),
-                ("RECV_B", "P2P grad"), ("TIED", "tied grads"), ("DP", "DP reduce"), ("OPT", "optimizer"))]
+    handles = [Patch(color=_COLORS[k], label=label) for k, label in _LEGEND]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     if plan is not None:
         fig.suptitle(_title(plan, ()), fontsize=11)

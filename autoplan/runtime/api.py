@@ -194,9 +194,9 @@ class PartitionedModel:
         self.precision = precision
         """bf16 working copies with fp32 masters (precision.py), or None for an fp32 plan."""
         self._grad_owner: dict[int, int] | None = None
+        """ZeRO-2 (set by `make_optimizer`): id(parameter) -> dp index of the rank that steps it."""
         self.last_reductions: list[tuple[str, float, float]] = []
         """(phase, start, end) of the last step's gradient reductions after the pipeline (perf_counter)."""
-        """ZeRO-2 (set by `make_optimizer`): id(parameter) -> dp index of the rank that steps it."""
         self._params = self._collect_params()
 
     # ---- parameters ----------------------------------------------------------------------------
