@@ -4,6 +4,7 @@ partitioned model. The CLI calls these functions and nothing else."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,8 +16,9 @@ from torch import nn
 from autoplan.cluster import Cluster, parse_cluster
 from autoplan.graph import zoo
 from autoplan.graph.blocks import ModelProfile
-from autoplan.graph.profile import Progress, profile_model
-from autoplan.graph.trace import TracedModel
+from autoplan.graph.profile import Progress, _model_info, model_fingerprint, profile_traced
+from autoplan.graph.source import ModelSource, ModuleSource, as_source, trace_with_target
+from autoplan.graph.trace import TracedModel, trace_model
 from autoplan.plan import Job, Plan
 from autoplan.search._gc import gc_paused
 from autoplan.search.space import SearchResult, search_plans
@@ -38,18 +40,23 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class ProfiledModel:
-    """A model with its graph and profile, and how to make its inputs (used by the runtime)."""
+    """A model with its graph and profile, and the source that rebuilds it (used by the runtime)."""
 
     model: nn.Module
     traced: TracedModel
     profile: ModelProfile
     example_inputs: tuple
-    spec: zoo.ModelSpec | None
+    source: ModelSource
     loss_fn: Callable[..., torch.Tensor] | None
+
+    @property
+    def spec(self) -> zoo.ModelSpec | None:
+        """The zoo / file spec, for callers of the first wave."""
+        return getattr(self.source, "model_spec", None)
 
 
 def profile_with_graph(
-    model: str | nn.Module,
+    model: str | nn.Module | ModelSource,
     *,
     batch_size: int = 1,
     seq_len: int | None = None,
@@ -76,39 +83,37 @@ def profile_with_graph(
 def _profile_with_graph(model, *, batch_size, seq_len, example_inputs, loss_fn, example_target, dtype, device,
                         leaf_modules, tracer, cache_dir, progress) -> ProfiledModel:
     torch_dtype = parse_dtype(dtype)
-    spec = None
-    info: dict[str, int | None] = {}
-    if isinstance(model, str):
-        spec = zoo.parse_model_spec(model)
-        if spec.family == "file":
-            module, inputs = zoo.load_user_model(spec, device="meta")
-            example_inputs = tuple(example_inputs) if example_inputs is not None else inputs
-        else:
-            seq_len = seq_len or spec.config.max_seq_len
-            try:
-                module = zoo.build_model(spec, device="meta")
-            except RuntimeError as exc:  # e.g. "Storage size calculation overflowed" for absurd sizes
-                raise ValueError(f"cannot build {spec.name}: {str(exc).strip().splitlines()[0]}; check its sizes") from None
-            example_inputs = zoo.example_inputs(spec, batch_size, seq_len, device="meta")
-            example_target = zoo.example_targets(spec, batch_size, seq_len, device="meta")
-            loss_fn = zoo.lm_loss
-            info = {k: v for k, v in zoo.model_info(spec).items() if isinstance(v, int)}
-        name = spec.name
-    elif isinstance(model, nn.Module):
-        if example_inputs is None:
-            raise ValueError("profiling an nn.Module needs example_inputs, e.g. example_inputs=(torch.randint(0, V, (1, 128)),)")
-        module = model
-        name = type(model).__name__
-    else:
-        raise ValueError(f"model must be a spec string or an nn.Module, got {type(model).__name__}")
-    if batch_size < 1:
+    if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch size {batch_size} must be at least 1")
-    prof, traced = profile_model(
-        module, tuple(example_inputs), loss_fn=loss_fn, example_target=example_target, model_name=name,
-        dtype=torch_dtype, device=device, leaf_modules=leaf_modules, tracer=tracer, info=info,
-        cache_dir=cache_dir, progress=progress,
-    )
-    return ProfiledModel(module, traced, prof, tuple(example_inputs), spec, loss_fn)
+    source = as_source(model, example_inputs, loss_fn)
+    module = source.build("meta")
+    if isinstance(source, ModuleSource):
+        # The caller's inputs as given: their batch dimension is the profiled batch.
+        inputs = source.examples
+        seq_len = seq_len or source.default_seq_len
+    elif example_inputs is not None:
+        inputs = tuple(example_inputs)
+    else:
+        seq_len = seq_len or source.default_seq_len
+        source.check_seq_len(seq_len)
+        inputs = source.example_inputs(batch_size, seq_len, device="meta")
+    loss = loss_fn or source.loss_fn
+    if isinstance(source, ModuleSource) and loss_fn is None:
+        loss = None  # an API model without a loss is profiled as given (its head's cost only)
+    if loss is None:
+        traced = trace_model(module, inputs, leaf_modules=leaf_modules, tracer=tracer)
+        graph_inputs = list(inputs)
+    else:
+        traced, graph_inputs, _ = trace_with_target(
+            module, inputs, loss, example_target=example_target, leaf_modules=leaf_modules, tracer=tracer,
+            target_maker=lambda out, rows: source.target(out.shape, out.dtype, rows, device="meta"))
+    info = _model_info(module)
+    info.update({k: v for k, v in source.info.items() if v is not None})
+    rows = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), batch_size)
+    prof = profile_traced(traced, graph_inputs, model_name=source.name, fingerprint=model_fingerprint(module),
+                          dtype=torch_dtype, device=device, info=info, batch_size=rows, seq_len=seq_len or 1,
+                          cache_dir=cache_dir, progress=progress)
+    return ProfiledModel(module, traced, prof, tuple(inputs), source, loss)
 
 
 def profile(model: str | nn.Module, **kwargs: Any) -> ModelProfile:
@@ -139,6 +144,7 @@ def suggest_with_stats(
     inter_node_bw_gbps: float | None = None,
     profile_device: str = "meta",
     leaf_modules: Sequence[str] = (),
+    tracer: str = "auto",
     progress: Progress | None = None,
     search_progress: Progress | None = None,
     **pins: Any,
@@ -164,11 +170,14 @@ def suggest_with_stats(
         batch = pinned_mbs
     profiled = profile_with_graph(model, batch_size=batch, seq_len=seq_len, example_inputs=example_inputs,
                                   loss_fn=loss_fn, example_target=example_target, dtype=torch_dtype,
-                                  device=profile_device, leaf_modules=leaf_modules, progress=progress)
+                                  device=profile_device, leaf_modules=leaf_modules, tracer=tracer, progress=progress)
     prof = profiled.profile
     job = Job(global_batch=global_batch, seq_len=seq_len or prof.seq_len, dtype=_dtype_name(torch_dtype))
-    spec_text = model if isinstance(model, str) else type(model).__name__
-    result = search_plans(prof, cluster_obj, job, model_spec=spec_text, top=top, pins=pins, progress=search_progress)
+    source = profiled.source
+    result = search_plans(prof, cluster_obj, job, model_spec=source.spec, top=top, pins=pins, progress=search_progress)
+    # What `run` needs to rebuild and trace the model as planned; it refuses a file changed since.
+    recorded = dict(model_digest=source.file_digest() or "", leaf_modules=tuple(leaf_modules), tracer=tracer)
+    result = dataclasses.replace(result, plans=[dataclasses.replace(p, **recorded) for p in result.plans])
     return result, profiled
 
 

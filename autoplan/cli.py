@@ -48,7 +48,8 @@ def _progress_callback(enabled: bool):
 
 def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> None:
     p.add_argument("--model", default=default_model, required=default_model is None,
-                   help="model spec: NAME[:key=value,...] (gpt, llama or a preset such as llama3-8b) or path/to/file.py:function")
+                   help="model spec: NAME[:key=value,...] (gpt, llama or a preset such as llama3-8b), path/to/file.py:function, "
+                        "hf:PATH (a Hugging Face config.json or its directory) or hf:MODEL_TYPE:key=value,...")
     p.add_argument("--leaf-modules", default="", help="comma-separated module paths that become blocks, e.g. 'layers.*.attention,layers.*.mlp'")
     p.add_argument("--tracer", default="auto", choices=["auto", "fx", "export", "modules"], help="force a tracer (default: try fx, export, module boundaries)")
     p.add_argument("--dtype", default="bf16", help="compute dtype of activations and weights: bf16, fp16 or fp32 (default bf16)")
@@ -90,6 +91,8 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     from autoplan import api
     from autoplan.report.tables import plans_table, stages_table
 
+    if args.seq_len is None and args.model == DEFAULT_SUGGEST["model"]:
+        args.seq_len = DEFAULT_SUGGEST["seq_len"]  # the default job (README): llama3-8b at 4096 tokens
     if args.sweep_gpus:
         from autoplan.report.commands import run_sweep
 
@@ -109,7 +112,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         result, profiled = api.suggest_with_stats(
             args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, top=args.top,
             dtype=args.dtype, intra_node_bw_gbps=args.intra_node_bw, inter_node_bw_gbps=args.inter_node_bw,
-            leaf_modules=leaf, progress=callback, search_progress=search_callback, **_pins(args))
+            leaf_modules=leaf, tracer=args.tracer, progress=callback, search_progress=search_callback, **_pins(args))
     finally:
         if progress is not None:
             progress.stop()
@@ -127,6 +130,8 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     console.print(plans_table(result.plans))
     console.print(stages_table(best))
     console.print(f"best plan is bound by: {best.predicted.bound}")
+    for note in result.notes:  # e.g. why tensor parallelism was not considered
+        console.print(f"note: {note}")
     console.print(f"[dim]searched {result.configs_considered} configurations, evaluated {result.configs_evaluated} in "
                   f"{result.time_s:.2f} s; MFU counts model FLOPs without recompute (PaLM, Chowdhery et al. 2022, "
                   f"App. B)[/dim]")
@@ -140,7 +145,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     return run_plan(args.plan, model=args.model, steps=args.steps, nproc=args.nproc, trace_path=args.trace,
                     metrics_path=args.metrics, seed=args.seed, timeout_s=args.timeout,
-                    checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume)
+                    checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                    data=args.data)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="trace a model and print what each block costs")
     _add_model_args(p, default_model=None)
     p.add_argument("--batch", type=int, default=1, help="micro-batch size to profile at (default 1)")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's max_seq_len)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's own length)")
     p.add_argument("--device", default="meta", help="meta (analytic, no memory), cpu or cuda (time every block)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=cmd_profile)
@@ -161,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default=DEFAULT_SUGGEST["cluster"],
                    help="preset (dgx-h100, 4xdgx-a100), NODESxGPUSxGPU (128x8xA100-80GB) or a YAML file")
     p.add_argument("--global-batch", type=int, default=DEFAULT_SUGGEST["global_batch"], help="sequences per optimizer step")
-    p.add_argument("--seq-len", type=int, default=DEFAULT_SUGGEST["seq_len"], help="tokens per sequence")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default: the model's own length, e.g. its max_seq_len / "
+                        "max_position_embeddings or its example inputs'; 4096 for the default llama3-8b job)")
     p.add_argument("--top", type=int, default=5, help="how many plans to list (default 5)")
     p.add_argument("--json", action="store_true", help="print {plans, search} as JSON")
     p.add_argument("--out", help="write the best plan to this JSON file (for `autoplan run`)")
@@ -182,12 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_suggest)
 
     p = sub.add_parser("run", help="train N steps of a plan through autoplan's pipeline executor",
-                       description="Trains on synthetic data (fixed seed) and prints the loss and the measured and "
+                       description="Trains on synthetic data (fixed seed; --data for your own) and prints the loss and the measured and "
                                    "predicted step time. --nproc N spawns N local processes (gloo on CPU); under "
                                    "`torchrun ... -m autoplan run plan.json` each process runs one rank.")
     p.add_argument("plan", help="plan JSON written by `autoplan suggest --out`")
     p.add_argument("--model", help="model spec to build (default: the one the plan names)")
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--data", metavar="FILE.py:FUNCTION",
+                   help="real data: FUNCTION(step, batch_size, seq_len) returns (inputs, target) of the global batch "
+                        "(default: synthetic batches shaped like the model's example inputs)")
     p.add_argument("--nproc", type=int, help="spawn this many local processes (must equal the plan's GPU count)")
     p.add_argument("--trace", help="write the measured per-action timeline (Chrome trace JSON)")
     p.add_argument("--metrics", help="write one JSON object per step (step, loss, step_time_s, predicted_step_time_s)")

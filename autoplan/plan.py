@@ -147,6 +147,12 @@ class Plan:
     predicted: Predicted
     schema_version: int = PLAN_SCHEMA_VERSION
     notes: tuple[str, ...] = ()
+    model_digest: str = ""
+    """sha256 of the file the model comes from (a model file, a Hugging Face config.json), else empty."""
+    leaf_modules: tuple[str, ...] = ()
+    """`--leaf-modules` the model was traced with: the runtime traces it the same way."""
+    tracer: str = "auto"
+    """`--tracer` the model was traced with (auto, fx, export or modules)."""
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -215,6 +221,7 @@ class Plan:
         d["stages"] = tuple(stages)
         d["block_names"] = tuple(d["block_names"])
         d["notes"] = tuple(d.get("notes", ()))
+        d["leaf_modules"] = tuple(d.get("leaf_modules", ()))
         return cls(**d)
 
     @classmethod
@@ -296,6 +303,8 @@ def validate(plan: Plan) -> list[str]:
         problems.append(f"recompute {plan.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if plan.zero not in (0, 1, 2):
         problems.append(f"zero {plan.zero!r} must be 0, 1 or 2")
+    if plan.tracer not in ("auto", "fx", "export", "modules"):
+        problems.append(f"tracer {plan.tracer!r} is not one of auto, fx, export, modules")
     if plan.rank_order not in RANK_ORDERS:
         problems.append(f"rank_order {plan.rank_order!r} is not one of {', '.join(RANK_ORDERS)}")
     from autoplan.schedule import SCHEDULES

@@ -99,9 +99,15 @@ def run_ranks(job: Callable, world_size: int, *args: Any, timeout_s: float = 60.
         return {r: (p.exitcode, *results.get(r, (None, None))) for r, p in enumerate(procs)}
     if hung:
         raise TimeoutError(f"ranks {hung} still running after {timeout_s} s; results: {results}")
-    for r, (status, value) in sorted(results.items()):
-        if status != "ok":
-            raise AssertionError(f"rank {r} failed: {value}")
+    failed = {r: value for r, (status, value) in sorted(results.items()) if status != "ok"}
+    if failed:
+        # A peer's failure shows up on the others as a broken connection: name the cause first.
+        def is_echo(text: str) -> bool:
+            return any(k in text.splitlines()[0] for k in ("Connection", "P2PTimeout", "Read error", "timed out"))
+
+        first = min(failed, key=lambda r: (is_echo(failed[r]), r))
+        others = "; ".join(f"rank {r}: {failed[r].splitlines()[0][:200]}" for r in failed if r != first)
+        raise AssertionError(f"rank {first} failed: {failed[first]}" + (f"\n(also {others})" if others else ""))
     missing = [r for r in range(world_size) if r not in results]
     assert not missing, f"ranks {missing} exited without a result (exit codes {[p.exitcode for p in procs]})"
     return {r: v for r, (_, v) in results.items()}

@@ -10,7 +10,7 @@ from models import SkipModel
 from autoplan.graph import zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import append_loss, trace_model
-from autoplan.runtime.api import PartitionError, check_model
+from autoplan.runtime.api import PartitionError, _check_tp_tracing, check_model
 from autoplan.runtime.split import (
     build_stage_modules,
     materialize_stages,
@@ -89,5 +89,5 @@ def test_partition_refuses_foreign_models_and_tp_plans():
     skip = SkipModel()
     skip_traced = trace_model(skip, (torch.randint(0, 64, (2, 8)),))
     skip_plan = make_plan("skip", model_fingerprint(skip), skip_traced.block_names, pp=2, tp=2)
-    with pytest.raises(PartitionError, match="tensor-parallel execution .* supports the built-in gpt and llama"):
-        check_model(skip, skip_plan)
+    with pytest.raises(PartitionError, match="no tensor-parallel layout: .*fused q/k/v projection"):
+        _check_tp_tracing(skip_traced, check_model(skip, skip_plan))

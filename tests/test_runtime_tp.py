@@ -1,5 +1,6 @@
-"""Tensor-parallel execution (tp > 1) on gloo ranks: numerics against a single-process reference,
-1/tp of the sharded parameters per rank, state-dict loading, and refusals.
+"""Tensor-parallel execution (tp > 1) of the zoo models on gloo ranks (torch's parallel styles on
+the fx leaf layers): numerics against a single-process reference, 1/tp of the sharded parameters
+per rank, state-dict loading, and refusals. Models outside the zoo: test_sharding.py.
 
 One 4-rank spawn runs every multi-rank case (process start-up dominates on a small CPU box).
 """
@@ -10,11 +11,12 @@ import pytest
 import torch
 from _dist import make_plan, recorded_sends, run_ranks
 from models import SkipModel
+from torch import nn
 
 from autoplan.graph import zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import trace_model
-from autoplan.runtime.api import PartitionError, check_model
+from autoplan.runtime.api import PartitionError, _check_tp_tracing, check_model
 from autoplan.runtime.parallel import tensor_parallel_plan
 
 GPT = "gpt:num_layers=4,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16"
@@ -187,12 +189,17 @@ def test_tp_plan_shards_the_megatron_linears_of_both_families():
         "w2": "rowwise", "tok_embeddings": "vocab-embedding", "output": "vocab-head"}
 
 
-def test_tp_refuses_non_zoo_models_and_indivisible_heads():
+def test_tp_refuses_models_without_a_layout_and_indivisible_heads():
+    # Its fused qkv is laid out [q | k | v], which the fx graph (layers called whole) cannot split by
+    # heads, and it has no MLP: nothing left to shard.
     model = SkipModel()
     traced = trace_model(model, (torch.randint(0, 64, (2, 8)),))
     plan = make_plan("skip", model_fingerprint(model), traced.block_names, pp=1, tp=2)
-    with pytest.raises(PartitionError, match="supports the built-in gpt and llama") as info:
-        check_model(model, plan)
+    with pytest.raises(PartitionError, match="no tensor-parallel layout: .*fused q/k/v projection") as info:
+        _check_tp_tracing(traced, check_model(model, plan))
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 10))
+    with pytest.raises(PartitionError, match="no tensor-parallel layout: none of its 1 linear layers"):
+        check_model(conv, make_plan("conv", model_fingerprint(conv), ("a",), pp=1, tp=2), (torch.randn(1, 3, 8, 8),))
     assert "\n" not in str(info.value)
     gqa = "llama:num_layers=2,hidden_size=32,num_heads=4,num_kv_heads=1,vocab_size=64,max_seq_len=16"
     with pytest.raises(PartitionError, match="num_kv_heads = 1"):

@@ -348,7 +348,7 @@ def test_file_spec_loads(user_file):
     [
         ("nope", "has no function 'nope'"),
         ("boom", "boom() raised RuntimeError: no weights here"),
-        ("wrong", "must return (nn.Module, example_inputs tuple), got int"),
+        ("wrong", "must return (nn.Module, example_inputs tuple) or (nn.Module, example_inputs, loss_fn), got int"),
     ],
 )
 def test_file_spec_errors(user_file, function, fragment):

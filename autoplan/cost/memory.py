@@ -27,7 +27,7 @@ import numpy as np
 
 from autoplan.cluster import GPU
 from autoplan.cost.config import ParallelConfig
-from autoplan.cost.time import tp_sharded
+from autoplan.cost.time import tp_divisor, tp_sharded
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import MemoryBreakdown
 
@@ -53,9 +53,9 @@ def allowance_bytes(gpu: GPU) -> float:
 
 
 def param_counts(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
-    """Parameters each block puts on one GPU (tied copies included; TP-sharded kinds divided)."""
+    """Parameters each block puts on one GPU (tied copies included; divided by `tp_divisor`)."""
     itemsize = 2 if profile.dtype in ("bfloat16", "float16") else 4
-    return np.array([b.param_bytes / itemsize / (cfg.tp if tp_sharded(b.kind) else 1) for b in profile.blocks])
+    return np.array([b.param_bytes / itemsize / tp_divisor(profile, i, cfg.tp) for i, b in enumerate(profile.blocks)])
 
 
 def block_static_bytes(profile: ModelProfile, cfg: ParallelConfig, dtype: str) -> np.ndarray:

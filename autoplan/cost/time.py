@@ -34,7 +34,7 @@ from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
 
 __all__ = ["E_ATTENTION", "E_GEMM", "W_HALF", "BlockTimes", "block_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s", "dp_sync_time_s", "efficiency",
-           "optimizer_time_s", "tied_sync_times_s", "tp_sharded"]
+           "optimizer_time_s", "tied_sync_times_s", "tp_divisor", "tp_sharded"]
 
 # Fitted by benchmarks/validate_published.py --fit (see docs/calibration.md).
 E_GEMM = 0.60
@@ -49,6 +49,20 @@ _RECOMPUTED_KINDS = {"layer", "attention", "mlp"}
 
 def tp_sharded(kind: str) -> bool:
     return kind in _TP_SHARDED_KINDS
+
+
+def tp_divisor(profile: ModelProfile, index: int, tp: int) -> float:
+    """How many ways tp splits block `index`'s weights and compute: tp for a kind Megatron shards
+    (Shoeybi et al. 2019, Sec. 3), less for a layer whose layout (graph/sharding.py) leaves part of
+    it replicated (a layer with an unshardable attention): with a share s of its parameters sharded,
+    1 / (s / tp + 1 - s), Amdahl's law over the layer (parameters standing in for FLOPs)."""
+    block = profile.blocks[index]
+    if tp == 1 or not tp_sharded(block.kind):
+        return 1.0
+    shares = (profile.extra.get("tensor_parallel") or {}).get("block_sharded_share")
+    if block.kind != "layer" or not shares or index >= len(shares) or shares[index] <= 0:
+        return float(tp)
+    return 1.0 / (shares[index] / tp + 1.0 - shares[index])
 
 
 def efficiency(width: float) -> float:
@@ -108,7 +122,7 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
     tp_bwd = np.zeros(n)
     tp_ranks = list(range(cfg.tp))  # a TP group is tp consecutive ranks in one node
     for i, b in enumerate(profile.blocks):
-        shard = cfg.tp if tp_sharded(b.kind) else 1
+        shard = tp_divisor(profile, i, cfg.tp)
         fwd_flops = b.fwd_flops * f / shard
         bwd_flops = b.bwd_flops * f / shard
         recompute_flops = 0.0
@@ -206,7 +220,7 @@ def tied_sync_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConf
         mine, theirs = rank_of(i), rank_of(block.tied_to_block)
         if mine == theirs:
             continue
-        shard = cfg.tp if tp_sharded(block.kind) else 1
+        shard = tp_divisor(profile, i, cfg.tp)
         seconds = allreduce_time_s(cluster, [cfg.rank(mine, 0, 0), cfg.rank(theirs, 0, 0)],
                                    block.tied_params * grad_bytes_per_param / shard)
         times[mine] += seconds

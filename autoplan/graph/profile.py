@@ -45,7 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from autoplan.graph.blocks import Block, CrossingTensor, CutCandidate, ModelProfile
 from autoplan.graph.trace import TracedModel, crossing_values, extract_submodule, trace_with_loss
 
-__all__ = ["ProfileError", "flop_counter", "model_fingerprint", "profile_model", "profile_traced"]
+__all__ = ["ProfileError", "fake_output", "flop_counter", "model_fingerprint", "profile_model", "profile_traced"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -84,13 +84,26 @@ def flop_counter() -> FlopCounterMode:
     kernel computes the same math, so it gets the same formula (counting the full s x s score
     matrix, as FlopCounterMode does for the CUDA kernels and as Megatron's 4*b*s^2*h term does).
     """
-    return FlopCounterMode(
-        display=False,
-        custom_mapping={
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flop,
-        },
-    )
+    mapping = {
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flop,
+    }
+    # transformers' grouped GEMM of mixture-of-experts layers (its integrations/moe.py), when loaded.
+    moe = getattr(torch.ops, "transformers", None)
+    if moe is not None and hasattr(moe, "grouped_mm_fallback"):
+        mapping[moe.grouped_mm_fallback] = _grouped_mm_flop
+        mapping[moe.grouped_mm_fallback_backward] = _grouped_mm_backward_flop
+    return FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+def _grouped_mm_flop(input_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """Rows (S, K) sorted by expert against expert matrices (E, K, N): each row meets one K x N
+    matrix, 2 FLOPs per multiply-add (the convention of torch.utils.flop_counter)."""
+    return 2 * input_shape[0] * input_shape[1] * weight_shape[-1]
+
+
+def _grouped_mm_backward_flop(input_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _grouped_mm_flop(input_shape, weight_shape)  # the input's gradient and the weights'
 
 
 def _attention_flops(counter: FlopCounterMode) -> float:
@@ -235,6 +248,13 @@ def _run_fake(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.d
     return _FakeRun(mode, params, values, owner)
 
 
+def fake_output(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.dtype | None = None) -> Any:
+    """What the traced graph returns for `example_inputs` (fake tensors: shapes and dtypes only)."""
+    run = _run_fake(traced, example_inputs, dtype)
+    output = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    return run.values[output.name]
+
+
 def _tensors_in(value: Any) -> list[torch.Tensor] | None:
     """Tensors in a value, or None when it holds something that is not a tensor."""
     if isinstance(value, torch.Tensor):
@@ -373,7 +393,8 @@ def block_kind(traced: TracedModel, index: int, sub: fx.GraphModule) -> str:
         return "attention"
     if any(k in leaf_name for k in ("mlp", "ffn", "feed_forward", "feedforward")):
         return "mlp"
-    if traced.layer_container is not None and name.startswith(traced.layer_container.lower() + "."):
+    containers = traced.layer_containers or ([traced.layer_container] if traced.layer_container is not None else [])
+    if any(name.startswith(c.lower() + ".") for c in containers):
         return "layer"
     if index == 0:
         return "embedding"
@@ -588,7 +609,36 @@ def _read_cached(path: Path, fingerprint: str, *, timed: bool) -> ModelProfile |
         return None  # a stale or damaged cache entry is re-measured and rewritten
     if cached.fingerprint != fingerprint or (timed and not cached.is_timed):
         return None
+    if "tensor_parallel" not in cached.extra:  # cached before layouts were recorded
+        return None
     return cached
+
+
+def _tensor_parallel(traced: TracedModel, example_inputs: Sequence[Any]) -> dict[str, Any]:
+    """The tensor-parallel layout as the runtime would run this graph (graph/sharding.py), as JSON:
+    the counts every tp must divide, whether sequence parallelism applies, why no tp is possible."""
+    from autoplan.graph.sharding import find_layout, for_graph
+
+    layout = find_layout(traced.gm, example_inputs)
+    summary = (for_graph(layout, traced) if layout else layout).summary()
+    # Per block, the share of its parameters the layout shards (1/tp on each rank): 1 for a layer
+    # whose attention and MLP are both sharded, about 2/3 for one whose attention stays replicated.
+    shares = []
+    for paths in traced.block_modules or [[] for _ in traced.block_names]:
+        params = {id(p): (p.numel(), owner in layout) for path in paths
+                  for owner, m in _named_modules_under(traced.gm, path) for p in m.parameters(recurse=False)}
+        total = sum(n for n, _ in params.values())
+        shares.append(round(sum(n for n, sharded in params.values() if sharded) / total, 4) if total else 0.0)
+    summary["block_sharded_share"] = shares
+    return summary
+
+
+def _named_modules_under(gm: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    try:
+        module = gm.get_submodule(path)
+    except AttributeError:
+        return []
+    return [(f"{path}.{name}" if name else path, m) for name, m in module.named_modules()]
 
 
 def _write_cached(path: Path, profile: ModelProfile) -> None:
@@ -694,6 +744,13 @@ def model_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def _check_device(device: str) -> None:
+    if device not in ("meta", "cpu") and not device.startswith("cuda"):
+        raise ProfileError(f"unknown device '{device}'; use meta, cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ProfileError("--device cuda was asked for but torch sees no CUDA device; use --device meta or cpu")
+
+
 def profile_traced(
     traced: TracedModel,
     example_inputs: Sequence[Any],
@@ -711,6 +768,7 @@ def profile_traced(
     progress: Progress | None = None,
 ) -> ModelProfile:
     """Profile a traced model (see the module docstring). `dtype=None` keeps the model's dtypes."""
+    _check_device(device)
     info = dict(info or {})
     analytic_file = None
     if device == "meta":
@@ -850,7 +908,8 @@ def profile_traced(
         vocab_size=info.get("vocab_size"),
         num_layers=info.get("num_layers"),
         torch_version=torch.__version__,
-        extra={"tracer_note": traced.note, **({"threads": torch.get_num_threads()} if device == "cpu" else {}),
+        extra={"tracer_note": traced.note, "tensor_parallel": _tensor_parallel(traced, example_inputs),
+               **({"threads": torch.get_num_threads()} if device == "cpu" else {}),
                **({"batch_scaling": "affine" if fixed else "linear (the model rejects a doubled batch)"}
                   if timed else {})},
     )
@@ -882,10 +941,7 @@ def profile_model(
     With `loss_fn` and `example_target`, the loss is appended to the graph (in the last block), so
     its FLOPs and saved tensors (e.g. the fp32 log-softmax of a large vocabulary) are counted.
     """
-    if device not in ("meta", "cpu") and not device.startswith("cuda"):
-        raise ProfileError(f"unknown device '{device}'; use meta, cpu or cuda")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ProfileError("--device cuda was asked for but torch sees no CUDA device; use --device meta or cpu")
+    _check_device(device)
     traced, inputs = trace_with_loss(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
                                      leaf_modules=leaf_modules, tracer=tracer)
     merged = _model_info(model)

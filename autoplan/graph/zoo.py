@@ -47,6 +47,7 @@ __all__ = [
     "example_targets",
     "init_weights",
     "lm_loss",
+    "load_function",
     "load_user_model",
     "materialize",
     "model_info",
@@ -673,18 +674,11 @@ def _as_spec(spec: str | ModelSpec | ModelConfig) -> ModelSpec:
 # Building
 
 
-def load_user_model(
-    spec: str | ModelSpec | ModelConfig, device: torch.device | str = "meta"
-) -> tuple[nn.Module, tuple]:
-    """(module, example_inputs) for any spec. File specs: import the file and call FUNCTION()
-    under `torch.device(device)`; built-in specs: the model and (input_ids,) of batch 1 and a
-    sequence of min(max_seq_len, 128)."""
+def load_function(spec: str | ModelSpec) -> typing.Callable:
+    """Import `path/to/file.py` of a file spec and return its FUNCTION (one-line errors)."""
     spec = _as_spec(spec)
     if spec.family != "file":
-        model = build_model(spec, device=device)
-        return model, example_inputs(
-            spec, batch_size=1, seq_len=min(spec.config.max_seq_len, 128), device=device
-        )
+        raise ModelSpecError(f"{spec.text!r} names no file; expected path/to/file.py:FUNCTION")
     mod_name = f"autoplan_user_model_{zlib.crc32(str(Path(spec.path).resolve()).encode()):08x}"
     try:
         import_spec = importlib.util.spec_from_file_location(mod_name, spec.path)
@@ -705,20 +699,37 @@ def load_user_model(
             f"{spec.path!r} has no function {spec.function!r}{_did_you_mean(spec.function, defined)}"
             f" defined: {', '.join(defined) or 'none'}"
         )
+    return fn
+
+
+def load_user_model(
+    spec: str | ModelSpec | ModelConfig, device: torch.device | str = "meta", *, with_loss: bool = False
+) -> tuple:
+    """(module, example_inputs) for any spec, or (module, example_inputs, loss_fn or None) with
+    `with_loss`. File specs: import the file and call FUNCTION() under `torch.device(device)`; it
+    returns (module, example_inputs) or (module, example_inputs, loss_fn). Built-in specs: the
+    model and (input_ids,) of batch 1 and a sequence of min(max_seq_len, 128)."""
+    spec = _as_spec(spec)
+    if spec.family != "file":
+        model = build_model(spec, device=device)
+        inputs = example_inputs(spec, batch_size=1, seq_len=min(spec.config.max_seq_len, 128), device=device)
+        return (model, inputs, lm_loss) if with_loss else (model, inputs)
+    fn = load_function(spec)
     try:
         with torch.device(device):
             result = fn()
     except Exception as e:
         raise ModelSpecError(f"{spec.name}() raised {type(e).__name__}: {e}") from e
-    if isinstance(result, tuple | list) and len(result) == 2 and isinstance(result[0], nn.Module):
-        module, inputs = result
+    if isinstance(result, tuple | list) and len(result) in (2, 3) and isinstance(result[0], nn.Module):
+        module, inputs, *rest = result
+        loss_fn = rest[0] if rest else None
         if isinstance(inputs, Tensor):
             inputs = (inputs,)
-        if isinstance(inputs, tuple | list):
-            return module, tuple(inputs)
+        if isinstance(inputs, tuple | list) and (loss_fn is None or callable(loss_fn)):
+            return (module, tuple(inputs), loss_fn) if with_loss else (module, tuple(inputs))
     raise ModelSpecError(
-        f"{spec.name}() must return (nn.Module, example_inputs tuple), got {type(result).__name__}; "
-        f"return e.g. (model, (torch.randint(0, 100, (2, 16)),))"
+        f"{spec.name}() must return (nn.Module, example_inputs tuple) or (nn.Module, example_inputs, loss_fn), "
+        f"got {type(result).__name__}; return e.g. (model, (torch.randint(0, 100, (2, 16)),))"
     )
 
 

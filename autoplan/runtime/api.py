@@ -11,12 +11,13 @@ slice) or this replica's batch (micro_batch_size * num_microbatches rows), split
 micro-batches, runs the plan's schedule, and reduces gradients (tied copies, then dp) before it
 returns, so an optimizer step can follow at once. It zeroes gradients first unless told not to.
 
-With tp > 1 (built-in gpt / llama models only; see parallel.py) the attention and MLP linears of
-this rank's stages are sharded with torch's ColwiseParallel / RowwiseParallel over the plan's "tp"
-mesh axis; those parameters (and their gradients) are `DTensor`s under their usual names:
-`.to_local()` is this rank's shard, `.full_tensor()` gathers the whole (a collective over the tp
-group). Every other parameter (embeddings, norms, head) is a plain replicated tensor. Every tp rank
-of the last stage returns the loss.
+With tp > 1 the attention and MLP linears that the model's graph shows (graph/sharding.py: any
+model, no table of classes) are sharded over the plan's "tp" mesh axis: with torch's
+ColwiseParallel / RowwiseParallel where the traced graph calls those modules whole (fx leaves), or
+by running the stage in DTensor where the graph inlines them (torch.export; see parallel.py).
+Sharded parameters (and their gradients) are `DTensor`s under their usual names: `.to_local()` is
+this rank's shard, `.full_tensor()` gathers the whole (a collective over the tp group). Every tp
+rank of the last stage returns the loss.
 """
 
 from __future__ import annotations
@@ -32,14 +33,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoplan.graph import zoo
 from autoplan.graph.profile import model_fingerprint
-from autoplan.graph.trace import retarget_device, trace_with_loss
+from autoplan.graph.source import ModelSource, OutputTemplate, as_source, trace_with_target
+from autoplan.graph.trace import retarget_device
 from autoplan.plan import Plan
 from autoplan.runtime.comm import P2P
 from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
 from autoplan.runtime.parallel import (
-    TP_SUPPORTED,
     ParallelLayout,
     TensorParallelError,
     all_reduce_grads,
@@ -47,7 +47,6 @@ from autoplan.runtime.parallel import (
     build_layout,
     grad_like_param,
     reduce_grads_to_owners,
-    sequence_parallel_layers,
     tensor_parallel_plan,
 )
 from autoplan.runtime.precision import MixedPrecision
@@ -75,23 +74,34 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
-    """Initialize the default process group from the torchrun environment (NCCL on CUDA, else gloo)."""
+def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT, *, world_size: int | None = None) -> None:
+    """Initialize the default process group from the torchrun environment (NCCL on CUDA, else gloo).
+
+    Without RANK/WORLD_SIZE in the environment, a plan of one process (`world_size` 1) gets a
+    process group of its own (an in-memory store: no port, no launcher), so a one-GPU plan runs in
+    a plain Python process."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise PartitionError("no process group and no RANK/WORLD_SIZE in the environment; launch with "
-                             "`torchrun --nproc-per-node N -m autoplan run plan.json` or `autoplan run --nproc N`")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        if world_size != 1:
+            raise PartitionError("no process group and no RANK/WORLD_SIZE in the environment; launch with "
+                                 "`torchrun --nproc-per-node N -m autoplan run plan.json` or `autoplan run --nproc N`")
+        if backend == "nccl":
+            torch.cuda.set_device(default_device())
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
     if backend == "nccl":
         torch.cuda.set_device(default_device())
     dist.init_process_group(backend, timeout=timeout)
 
 
-def check_model(model: nn.Module, plan: Plan) -> dict[str, str]:
+def check_model(model: nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None) -> Mapping[str, str]:
     """Refuse (one line) a model the plan was not made for, or a plan the runtime cannot run.
 
-    Returns the tensor-parallel plan (linear path -> "colwise" / "rowwise"; empty for tp = 1)."""
+    Returns the tensor-parallel layout (graph/sharding.py: module path -> "colwise" / "rowwise" /
+    "vocab-embedding" / "vocab-head"; empty for tp = 1), found by running the model on
+    `example_inputs` (token ids when None and the model starts with an embedding)."""
     fingerprint = model_fingerprint(model)
     if fingerprint != plan.model_fingerprint:
         raise PartitionError(f"the plan was made for model {plan.model!r} (fingerprint {plan.model_fingerprint}) but this "
@@ -100,28 +110,28 @@ def check_model(model: nn.Module, plan: Plan) -> dict[str, str]:
     if plan.tp == 1:
         return {}
     try:
-        return tensor_parallel_plan(model, plan.tp)
+        return tensor_parallel_plan(model, plan.tp, example_inputs)
     except TensorParallelError as exc:
         raise PartitionError(str(exc)) from None
 
 
-def _check_tp_tracing(traced, tp_plan: Mapping[str, str]) -> None:
-    """Sharded linears must run inside modules the graph calls whole (the zoo layers as fx leaf
-    modules): torch's parallel styles work by module hooks, and a graph that inlines the attention
-    would reshape sharded outputs with full-model head counts."""
+def _check_tp_tracing(traced, tp_plan: Mapping[str, str], sequence_parallel: bool = False) -> Mapping[str, str]:
+    """The layout as the traced graph runs it (`sharding.for_graph`): torch's parallel styles
+    (module hooks) where the graph calls the sharded modules whole (fx leaf modules), else the
+    stage in DTensor ([Note: tensor parallelism on an inlined graph] in parallel.py), where
+    sequence parallelism is refused."""
     if not tp_plan:
-        return
-    called = [n.target for n in traced.gm.graph.nodes if n.op == "call_module"]
-    for path, style in tp_plan.items():
-        if style.startswith("vocab-"):  # the embedding and the head are called themselves
-            if path not in called:
-                raise PartitionError(f"vocabulary-parallel execution needs '{path}' called whole by the traced graph "
-                                     f"(traced with {traced.tracer}); trace with the default fx tracer")
-            continue
-        parent = path.rpartition(".")[0]
-        if not any(parent == t or parent.startswith(t + ".") for t in called):
-            raise PartitionError(f"tensor parallelism needs '{parent}' called whole by the traced graph (traced with "
-                                 f"{traced.tracer}); trace the {TP_SUPPORTED} with the default fx tracer and leaf modules")
+        return tp_plan
+    from autoplan.graph.sharding import for_graph
+
+    layout = for_graph(tp_plan, traced)
+    if layout.note:  # nothing the graph lets the runtime shard
+        raise PartitionError(f"no tensor-parallel layout: {layout.note}; plan with tp = 1")
+    if sequence_parallel and not layout.layers:
+        raise PartitionError(f"sequence parallelism needs transformer layers (norms, sharded attention and MLP) "
+                             f"that the traced graph calls whole (traced with {traced.tracer}); plan without "
+                             "--sequence-parallel")
+    return layout
 
 
 def _compute_dtype(plan: Plan) -> torch.dtype:
@@ -182,8 +192,13 @@ class PartitionedModel:
 
     def __init__(self, *, plan: Plan, layout: ParallelLayout, stages: dict[int, Stage], executor: PipelineExecutor,
                  input_names: Sequence[str], aliases: Mapping[str, str], device: torch.device,
-                 batch_size_of_example: int | None, precision: MixedPrecision | None = None):
+                 batch_size_of_example: int | None, precision: MixedPrecision | None = None,
+                 source: ModelSource | None = None, output_template: OutputTemplate | None = None):
         self.plan = plan
+        self.source = source
+        """The model source (graph/source.py): it makes batches and targets for `autoplan run`."""
+        self.output_template = output_template
+        """Shape (at one micro-batch) and dtype of the output the loss's target follows."""
         self.layout = layout
         self.stages = stages
         self.executor = executor
@@ -281,13 +296,13 @@ class PartitionedModel:
         (during the pipelined backward every gradient still exists in full: the reduction runs
         after the last micro-batch, not bucket by bucket as DeepSpeed's does)."""
         if self.plan.zero == 0 or self.layout.dp_group is None:
-            return optimizer_class(self.parameters(), **kwargs)
+            return optimizer_class(self._param_groups(), **kwargs)
         if self.plan.tp > 1:  # torch's ZeroRedundancyOptimizer broadcasts plain tensors, not DTensor shards
             if dist.get_rank() == 0:
                 print(f"warning: the plan has zero = {self.plan.zero} with tp = {self.plan.tp}; the runtime keeps a "
                       "replicated optimizer there: same numerics, more optimizer memory than planned",
                       file=sys.stderr, flush=True)
-            return optimizer_class(self.parameters(), **kwargs)
+            return optimizer_class(self._param_groups(), **kwargs)
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer = ZeroRedundancyOptimizer(list(self.parameters()), optimizer_class=optimizer_class,
@@ -296,6 +311,17 @@ class PartitionedModel:
             shards = optimizer._partition_parameters()  # the shard each dp rank steps, per param group
             self._grad_owner = {id(p): r for r, groups in enumerate(shards) for g in groups for p in g["params"]}
         return optimizer
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        """This rank's parameters as optimizer groups: tensor-parallel shards (DTensors) apart from
+        plain tensors, since torch's fused and foreach optimizers run one kernel per group and
+        refuse a group that mixes the two (`aten._fused_adamw_ got mixed torch.Tensor and DTensor`)."""
+        from torch.distributed.tensor import DTensor
+
+        params = list(self.parameters())
+        sharded = [p for p in params if isinstance(p, DTensor)]
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        return [{"params": group} for group in (plain, sharded) if group]
 
     @property
     def last_trace(self) -> list[ActionRecord]:
@@ -319,7 +345,11 @@ class PartitionedModel:
         if any(n in used for n in needed):
             raise PartitionError(f"step() needs inputs {names} (target=... for the loss), got {list(values)}")
         out: list[dict[str, Any]] = [{} for _ in range(plan.num_microbatches)]
+        compute_dtype = None if self.precision is None else self.precision.dtype
         for name, value in values.items():
+            if (compute_dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point()
+                    and name != names[-1]):  # a bf16 plan computes in bf16: float inputs too (not the target)
+                value = value.to(compute_dtype)
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 rows = value.shape[0]
                 if rows == local * plan.dp and plan.dp > 1:
@@ -375,7 +405,7 @@ class PartitionedModel:
 
 
 def partition(
-    model: nn.Module | str,
+    model: nn.Module | str | ModelSource,
     plan: Plan,
     *,
     example_inputs: Sequence[Any] | None = None,
@@ -384,26 +414,32 @@ def partition(
     device: torch.device | str | None = None,
     seed: int = 0,
     timeout: timedelta = DEFAULT_TIMEOUT,
-    leaf_modules: Sequence[str] = (),
-    tracer: str = "auto",
+    leaf_modules: Sequence[str] | None = None,
+    tracer: str | None = None,
 ) -> PartitionedModel:
-    """This rank's stages of `model` (an nn.Module, or a zoo spec built here on meta) under `plan`.
+    """This rank's stages of `model` under `plan`: a spec string (a zoo model, `file.py:function`,
+    `hf:...`; built here on meta), a `ModelSource`, or an nn.Module with `example_inputs`.
 
-    A model on meta is materialized stage by stage (`zoo.init_weights` with `seed`); a model with
-    real weights has only this rank's parameters moved to `device`. `example_inputs` (and
-    `example_target` with `loss_fn`) fix the graph; their batch size does not matter. The default
-    process group is initialized from the torchrun environment when none exists.
+    A model on meta is materialized stage by stage, initialized by parameter name with `seed` (the
+    values the whole model would get); a model with real weights has only this rank's parameters
+    moved to `device`, and the dp replicas take dp rank 0's values. `example_inputs` fix the graph
+    (their batch size does not matter). `loss_fn(output, target)` receives what the model returns;
+    without one, the source's loss (the default: cross entropy on the logits, see
+    [Note: the default loss] in graph/source.py). `example_target` is optional: the target's shape
+    follows the model's output. The default process group is initialized from the torchrun
+    environment when none exists.
     """
-    if isinstance(model, str):
-        spec = zoo.parse_model_spec(model)
-        model = zoo.build_model(spec, device="meta")
-        if example_inputs is None and spec.family != "file":
-            example_inputs = zoo.example_inputs(spec, plan.micro_batch_size, plan.job.seq_len, device="meta")
-            example_target = zoo.example_targets(spec, plan.micro_batch_size, plan.job.seq_len, device="meta")
-            loss_fn = loss_fn or zoo.lm_loss
+    leaf_modules = plan.leaf_modules if leaf_modules is None else leaf_modules  # traced as planned
+    tracer = plan.tracer if tracer is None else tracer
+    try:
+        source = as_source(model, example_inputs, loss_fn)
+    except ValueError as exc:
+        raise PartitionError(str(exc)) from None
+    model = source.build("meta")
+    loss_fn = loss_fn or source.loss_fn
     if example_inputs is None:
-        raise PartitionError("partition() needs example_inputs for an nn.Module, e.g. (torch.randint(0, V, (1, 128)),)")
-    tp_plan = check_model(model, plan)
+        example_inputs = source.example_inputs(plan.micro_batch_size, plan.job.seq_len, device="meta")
+    tp_plan = check_model(model, plan, example_inputs)
     device = torch.device(device) if device is not None else default_device()
     # Trace at the micro-batch size: torch.export specializes (and asserts) the batch it saw.
     batch = _batch_size(tuple(example_inputs))
@@ -411,9 +447,13 @@ def partition(
     if example_target is not None:
         example_target = _with_batch(example_target, batch, plan.micro_batch_size)
 
-    traced, graph_inputs = trace_with_loss(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
-                                           leaf_modules=leaf_modules, tracer=tracer)
-    _check_tp_tracing(traced, tp_plan)
+    def target_maker(out: OutputTemplate, rows: int) -> torch.Tensor:
+        return source.target(out.shape, out.dtype, rows, device="meta")
+
+    traced, graph_inputs, output_template = trace_with_target(
+        model, example_inputs, loss_fn, target_maker=target_maker, example_target=example_target,
+        leaf_modules=leaf_modules, tracer=tracer)
+    tp_plan = _check_tp_tracing(traced, tp_plan, plan.sequence_parallel)
     if tuple(traced.block_names) != tuple(plan.block_names):
         raise PartitionError(f"the model traces into {len(traced.block_names)} blocks but the plan names "
                              f"{len(plan.block_names)}; trace with the same leaf_modules and tracer as the plan")
@@ -437,7 +477,7 @@ def partition(
     if traced.tracer == "export":
         retarget_device(traced.gm, device)
 
-    init_distributed(timeout)
+    init_distributed(timeout, world_size=plan.num_gpus)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size != plan.num_gpus:
         raise PartitionError(f"the plan needs {plan.num_gpus} ranks (tp {plan.tp} * pp {plan.pp} * dp {plan.dp}) "
@@ -456,7 +496,7 @@ def partition(
     mine = {s.index: all_modules[s.index] for s in plan.stages if s.pp_rank == layout.pp_index}
     on_meta = any(p.device.type == "meta" for m in mine.values() for p in m.parameters())
     sequence_parallel = bool(tp_plan) and plan.sequence_parallel
-    layers = sequence_parallel_layers(model) if sequence_parallel else []
+    layers = list(tp_plan.layers) if sequence_parallel else []
 
     def shard(module: nn.Module) -> None:
         apply_tensor_parallel(module, tp_plan, layout.tp_mesh, sequence_parallel=sequence_parallel,
@@ -465,7 +505,9 @@ def partition(
     if tp_plan and on_meta:  # shard on meta, then allocate only the shards (see materialize_stages)
         for module in mine.values():
             shard(module)
-    materialize_stages(list(mine.values()), device, seed=seed, aliases=aliases)
+    materialize_stages(list(mine.values()), device, seed=seed, aliases=aliases, init=source.init_weights)
+    if not on_meta and layout.dp_group is not None:  # replicas built apart start from dp rank 0's weights (as DDP)
+        _broadcast_from_first_replica(list(mine.values()), layout, plan)
     if tp_plan and not on_meta:  # real weights: each rank keeps its slice of the moved tensors
         for module in mine.values():
             shard(module)
@@ -476,6 +518,11 @@ def partition(
     precision = MixedPrecision(list(mine.values()), compute_dtype) if compute_dtype != torch.float32 else None
     stages = {i: Stage(specs[i], module, runner=_recompute_runner(traced, plan, specs[i], module))
               for i, module in mine.items()}
+    if getattr(tp_plan, "inlined", False):  # see [Note: tensor parallelism on an inlined graph] in parallel.py
+        from autoplan.runtime.parallel import DTensorStage
+
+        for stage in stages.values():
+            stage.runner = DTensorStage(stage.runner or stage.module, layout.tp_mesh)
     schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
     executor = PipelineExecutor(
         stages, schedule.with_comms()[layout.pp_index], num_stages=plan.num_stages,
@@ -487,4 +534,17 @@ def partition(
     )
     return PartitionedModel(plan=plan, layout=layout, stages=stages, executor=executor,
                             input_names=traced.input_names, aliases=aliases, device=device,
-                            batch_size_of_example=batch, precision=precision)
+                            batch_size_of_example=batch, precision=precision, source=source,
+                            output_template=output_template)
+
+
+@torch.no_grad()
+def _broadcast_from_first_replica(modules: Sequence[nn.Module], layout: ParallelLayout, plan: Plan) -> None:
+    """Copy dp rank 0's parameters and buffers to the other replicas of this stage."""
+    src = plan.rank(layout.pp_index, 0, layout.tp_index)
+    seen: set[int] = set()
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                dist.broadcast(tensor.data, src=src, group=layout.dp_group)

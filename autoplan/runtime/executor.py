@@ -149,6 +149,9 @@ class PipelineExecutor:
             self._loss = detached if self._loss is None else self._loss + detached
         else:
             state.sent = [produced[cv.name] if cv.name in produced else env[cv.name] for cv in spec.send]
+            if self.split_backward:  # torch's split backward detaches outputs in place, which a view refuses
+                state.sent = [v.clone() if isinstance(v, torch.Tensor) and v._is_view() and v.requires_grad else v
+                              for v in state.sent]
             if self.rank_of_stage(s + 1) == self.rank_of_stage(s):
                 self._local_fwd[(s + 1, m)] = state.sent
 
@@ -228,7 +231,10 @@ class PipelineExecutor:
             return  # full backward already ran at B (first stage, or not split)
         from torch.distributed.pipelining._backward import stage_backward_weight
 
-        stage_backward_weight(iter(self.stages[s].params), state.param_groups)
+        # retain_graph: parameter groups can share part of the graph (T5's relative-position bias is
+        # computed once from a parameter and used by every decoder layer of the stage); without it the
+        # first group's gradient frees what the next one needs. The graph is freed with the state below.
+        stage_backward_weight(iter(self.stages[s].params), state.param_groups, retain_graph=True)
         del self._state[(s, m)]
         if self.on_weight_grads is not None:
             self.on_weight_grads()

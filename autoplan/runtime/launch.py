@@ -15,8 +15,10 @@ TP plans, a checkpoint of another model) print one line and return 2.
 Checkpoints and resume (docs/reliability.md): with `checkpoint_dir` and `checkpoint_every=K`,
 every K steps (and after the last step) each rank saves its stages' parameters and AdamW state
 under the model's own names (`checkpoint.save_checkpoint`); with `resume`, training continues from
-the newest complete checkpoint. Synthetic data is a pure function of (seed, step)
-(`synthetic_batch`), so a resumed run sees exactly the batches a straight run would.
+the newest complete checkpoint. Synthetic data comes from the model source (`ModelSource.batch`:
+inputs of the shapes, dtypes and value ranges of the model's example inputs, and a target for its
+loss) and is a pure function of (seed, step), so a resumed run sees exactly the batches a straight
+run would.
 
 Fault injection for tests: `_fault` (or the environment variable AUTOPLAN_FAULT), entries
 separated by ';', each `KIND@RANK:STEP[:N]` with RANK a number or '*' (every rank):
@@ -48,7 +50,7 @@ import torch
 
 from autoplan.plan import Plan, PlanError
 
-__all__ = ["run_plan", "synthetic_batch"]
+__all__ = ["load_data_function", "run_plan", "synthetic_batch"]
 
 FAULT_ENV = "AUTOPLAN_FAULT"
 _FAULT_KINDS = ("raise", "kill", "hang", "kill-mid-step", "kill-in-checkpoint")
@@ -72,22 +74,31 @@ def _free_port() -> int:
 
 
 def _check(plan: Plan, spec: str) -> None:
-    from autoplan.graph import zoo
+    """Everything that can be checked before a process is spawned: the model builds, is the one
+    the plan was made for (structure, and the file it comes from), and takes the plan's inputs."""
+    from autoplan.graph.source import parse_source
     from autoplan.runtime.api import check_model
 
-    check_model(zoo.build_model(spec, device="meta"), plan)
+    try:
+        source = parse_source(spec)
+    except ValueError:
+        if spec == plan.model and ":" not in spec and not spec.endswith(".py"):
+            raise ValueError(f"the plan was made for an nn.Module passed to the Python API ({spec!r}); run it with "
+                             f"autoplan.partition(module, plan, example_inputs=...) or name a model with --model") from None
+        raise
+    digest = source.file_digest()
+    if plan.model_digest and digest and digest != plan.model_digest and spec == plan.model:
+        raise ValueError(f"{spec} changed since the plan was made (sha256 {digest[:12]}, the plan has "
+                         f"{plan.model_digest[:12]}); re-plan with `autoplan suggest --model {spec} ... --out`")
+    source.check_seq_len(plan.job.seq_len)
+    check_model(source.build("meta"), plan, source.example_inputs(plan.micro_batch_size, plan.job.seq_len))
 
 
 def synthetic_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, targets) of training step `step`: a pure function of (seed, step) and the shapes.
+    """(ids, targets) of training step `step` for a token model: `graph.source.token_batch`."""
+    from autoplan.graph.source import token_batch
 
-    Random token ids; the target of a token is a fixed permutation-like map of it, so the loss can
-    fall on fresh data every step. A resumed run therefore sees the same stream as a straight one.
-    """
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
-    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
-    targets = (ids * 7 + 3) % vocab
-    return ids, targets
+    return token_batch(seed, step, batch, seq_len, vocab)
 
 
 # ---- fault injection (tests) ---------------------------------------------------------------------
@@ -132,13 +143,47 @@ def _sigkill_self() -> None:
 # ---- one rank --------------------------------------------------------------------------------------
 
 
+def load_data_function(data: str, plan: Plan):
+    """The user's `file.py:function` that makes step k's global batch: `function(step, batch_size,
+    seq_len) -> (inputs, target)`, inputs a tensor or a tuple of the model's forward arguments.
+    Called once here for step 0, so a wrong one is refused before any process is spawned."""
+    from autoplan.graph import zoo
+
+    spec = zoo.parse_model_spec(data)
+    if spec.family != "file":
+        raise ValueError(f"--data {data!r} must name path/to/file.py:FUNCTION")
+    fn = zoo.load_function(spec)
+    try:
+        result = fn(0, plan.job.global_batch, plan.job.seq_len)
+    except Exception as exc:
+        raise ValueError(f"--data {data}: {spec.function}(0, {plan.job.global_batch}, {plan.job.seq_len}) raised "
+                         f"{_one_line(exc)}") from None
+    if not (isinstance(result, tuple | list) and len(result) == 2):
+        raise ValueError(f"--data {data}: {spec.function}(step, batch_size, seq_len) must return (inputs, target), "
+                         f"got {type(result).__name__}")
+    return fn
+
+
+def _batch_fn(pm, data: str | None, plan: Plan, seed: int):
+    """step -> (inputs tuple, target) of the global batch: the user's data, else the source's."""
+    if data is not None:
+        fn = load_data_function(data, plan)
+
+        def user_batch(step: int):
+            inputs, target = fn(step, plan.job.global_batch, plan.job.seq_len)
+            return (tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)), target
+
+        return user_batch
+    out = pm.output_template
+    return lambda step: pm.source.batch(seed, step, plan.job.global_batch, plan.job.seq_len, out.shape, out.dtype)
+
+
 def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace_path: str | None,
-           metrics_path: str | None, lr: float, fail_at: tuple[int, int] | None = None,
+           metrics_path: str | None, lr: float, fail_at: tuple[int, int] | None = None, data: str | None = None,
            checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = False,
-           faults: tuple[_Fault, ...] = ()) -> None:
+           faults: tuple[_Fault, ...] = (), on_phase=None) -> None:
     import torch.distributed as dist
 
-    from autoplan.graph import zoo
     from autoplan.runtime import checkpoint as ckpt
     from autoplan.runtime.api import default_device, init_distributed, partition
 
@@ -147,13 +192,14 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     rank = dist.get_rank()
     device = default_device()
     pm = partition(spec, plan, device=device, seed=seed, timeout=timeout)
+    if on_phase is not None:
+        on_phase("built")
     # torch's fused AdamW: one pass over each parameter (as Megatron's fused Adam). The default
     # foreach version measured 3.5x the memory-bound time on an H100 (docs/status.md); on CPU the
     # default per-tensor loop took 8-9x the fused step for 65M parameters on one thread (0.56-0.63 s
     # against 0.062-0.075 s, `python benchmarks/optimizer_cpu.py`): the step's tail, on the critical path.
     optimizer = pm.make_optimizer(torch.optim.AdamW, lr=lr, fused=True)
-    batch, seq_len = plan.job.global_batch, plan.job.seq_len
-    vocab = zoo.model_info(spec)["vocab_size"]
+    make_batch = _batch_fn(pm, data, plan, seed)
     loss_src = plan.rank(plan.pp - 1, 0, 0)
 
     start_step = 0
@@ -197,9 +243,9 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
         if any(f.hits("hang", rank, step) for f in faults):
             while True:
                 time.sleep(3600)
-        ids, targets = synthetic_batch(seed, step, batch, seq_len, vocab)
+        inputs, targets = make_batch(step)
         start = time.perf_counter()
-        loss = pm.step(ids, target=targets)
+        loss = pm.step(*inputs, target=targets)
         if any(f.hits("kill-mid-step", rank, step) for f in faults):
             _sigkill_self()  # fewer P2P transfers than asked for: die before the collectives
         optimizer_start = time.perf_counter()
@@ -251,6 +297,37 @@ def _write_trace(path: str, per_rank: list) -> None:
     Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
 
+_PHASES = {"started": "ranks started (Python and torch imported)", "built": "ranks built their stages"}
+"""What a spawned rank reports while it starts, in order; the launcher prints a line as all reach one."""
+
+
+def _mark_phase(run_dir: str, rank: int, phase: str) -> None:
+    with contextlib.suppress(OSError):
+        (Path(run_dir) / f"phase-{phase}-{rank}").touch()
+
+
+class _StartProgress:
+    """Prints one line to stderr as all ranks reach each start-up phase (`_PHASES`), so the seconds
+    before the first step are not silent."""
+
+    def __init__(self, run_dir: str, nproc: int):
+        self.run_dir, self.nproc = Path(run_dir), nproc
+        self.start = time.monotonic()
+        self.pending = list(_PHASES)
+        print(f"autoplan: launching {nproc} ranks ({'NCCL' if torch.cuda.is_available() else 'gloo'})",
+              file=sys.stderr, flush=True)
+
+    def __call__(self) -> None:
+        while self.pending:
+            phase = self.pending[0]
+            done = sum(1 for _ in self.run_dir.glob(f"phase-{phase}-*"))
+            if done < self.nproc:
+                return
+            self.pending.pop(0)
+            print(f"autoplan: {self.nproc}/{self.nproc} {_PHASES[phase]} after {time.monotonic() - self.start:.1f} s",
+                  file=sys.stderr, flush=True)
+
+
 def _spawned(rank: int, world_size: int, port: int, payload: dict, error_dir: str) -> None:
     """Entry of a spawned rank: on any failure, record it, print one line, and exit 1 at once
     (os._exit: no interpreter teardown that could wait on a dead peer)."""
@@ -260,7 +337,8 @@ def _spawned(rank: int, world_size: int, port: int, payload: dict, error_dir: st
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
         payload = dict(payload)
         plan = Plan.from_dict(payload.pop("plan"))
-        _train(plan, **payload)
+        _mark_phase(error_dir, rank, "started")
+        _train(plan, **payload, on_phase=lambda phase: _mark_phase(error_dir, rank, phase))
     except BaseException as exc:  # noqa: BLE001 - a rank reports everything, KeyboardInterrupt included
         line = _one_line(exc)
         try:
@@ -291,7 +369,7 @@ def _how(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-def _supervise(procs: list, error_dir: str, grace_s: float, poll_s: float = 0.05) -> int:
+def _supervise(procs: list, error_dir: str, grace_s: float, poll_s: float = 0.05, on_poll=None) -> int:
     """Wait for the ranks; on the first failure give the rest `grace_s` to end, then stop them.
 
     Prints one line naming the first failing rank and its reason; returns 0 or 1.
@@ -309,6 +387,8 @@ def _supervise(procs: list, error_dir: str, grace_s: float, poll_s: float = 0.05
                 first_seen[r] = now
         if not alive:
             break
+        if on_poll is not None and not first_seen:
+            on_poll()
         if first_seen and failure_at is None:
             failure_at = now
         if failure_at is not None and term_at is None and now - failure_at >= grace_s:
@@ -369,9 +449,14 @@ def _supervise(procs: list, error_dir: str, grace_s: float, poll_s: float = 0.05
 def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps: int = 10, nproc: int | None = None,
              trace_path: str | None = None, metrics_path: str | None = None, seed: int = 0, timeout_s: float = 60.0,
              lr: float = 1e-3, checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-             resume: bool = False, _fail_at: tuple[int, int] | None = None, _fault: str | None = None,
+             resume: bool = False, data: str | None = None, _fail_at: tuple[int, int] | None = None,
+             _fault: str | None = None,
              _grace_s: float = 10.0, _start_method: str = "spawn") -> int:
-    """Train `plan` for `steps` steps with AdamW on synthetic data; returns the exit code.
+    """Train `plan` for `steps` steps with AdamW; returns the exit code.
+
+    Data: synthetic batches from the model source (module docstring), or `data`, a
+    `file.py:function` with function(step, batch_size, seq_len) -> (inputs, target) of the global
+    batch (`load_data_function`).
 
     `model` overrides the plan's model spec. Without RANK/WORLD_SIZE in the environment, spawns
     `nproc` (default: the plan's GPU count) local processes. `timeout_s` bounds every wait on a
@@ -385,7 +470,11 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
     try:
         plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         spec = model or plan.model
+        if steps < 1:
+            raise ValueError(f"--steps {steps} must be at least 1")
         _check(plan, spec)
+        if data is not None:
+            load_data_function(data, plan)
         faults = _parse_faults(os.environ.get(FAULT_ENV) if _fault is None else _fault)
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every {checkpoint_every} must be at least 1")
@@ -400,7 +489,7 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
     except (PlanError, ValueError) as exc:
         _error(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
         return 2
-    payload = dict(spec=spec, steps=steps, seed=seed, timeout_s=timeout_s, trace_path=trace_path,
+    payload = dict(spec=spec, steps=steps, seed=seed, timeout_s=timeout_s, trace_path=trace_path, data=data,
                    metrics_path=metrics_path, lr=lr, fail_at=_fail_at, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, resume=resume, faults=faults)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
@@ -427,9 +516,10 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
         procs = [ctx.Process(target=_spawned, args=(r, nproc, port, payload, error_dir), daemon=True,
                              name=f"autoplan-rank-{r}") for r in range(nproc)]
         try:
+            progress = _StartProgress(error_dir, nproc)
             for p in procs:
                 p.start()
-            return _supervise(procs, error_dir, grace_s=_grace_s)
+            return _supervise(procs, error_dir, grace_s=_grace_s, on_poll=progress)
         finally:  # KeyboardInterrupt or a launcher bug: never leave ranks behind
             for p in procs:
                 if p.pid is not None and p.exitcode is None:

@@ -13,42 +13,54 @@ a step:
   reduced to the one replica whose optimizer shard steps it (one reduce per owner over a flat
   buffer; together a reduce-scatter) and freed on the others (`reduce_grads_to_owners`).
 
-Tensor parallelism (tp > 1) is torch's own `torch.distributed.tensor.parallel`, Megatron-style
-(Shoeybi et al. 2019, Sec 3) on the built-in models' layers, over the mesh's "tp" axis:
+Tensor parallelism (tp > 1) is Megatron-style (Shoeybi et al. 2019, Sec 3) over the mesh's "tp"
+axis, on the layout `graph/sharding.py` finds from the model's data flow (column-parallel q/k/v,
+up/gate projections, row-parallel output and down projections, vocabulary-parallel embedding and
+head; no table of model classes). It runs one of two ways, chosen from the traced graph
+(`sharding.for_graph`):
 
-- gpt: `attention.qkv` and `mlp.fc1` column-parallel, `attention.proj` and `mlp.fc2` row-parallel;
-- llama: `attention.wq/wk/wv` and `mlp.w1/w3` column-parallel, `attention.wo` and `mlp.w2`
-  row-parallel (num_kv_heads must be divisible by tp, so a shard holds whole KV heads).
+- Where the graph calls the attention and MLP modules whole (fx with the layers as leaf modules:
+  the zoo models, most hand-written ones), with torch's own `torch.distributed.tensor.parallel`
+  styles, which work by module hooks. The module's code must take head counts from shapes (the
+  zoo's attention does, [Note: tensor-parallel friendly shapes] in zoo.py), so a shard computes
+  with num_heads / tp local heads unchanged. Row-parallel outputs are all-reduced and returned as
+  plain (replicated) tensors (`use_local_output=True`), so everything between the sharded linears
+  (norms, residuals, the activations sent between pipeline stages) is a plain tensor, identical on
+  the tp ranks of a stage. Sharded parameters are `DTensor`s (`Shard(0)` for column-parallel
+  weights and biases, `Shard(1)` for row-parallel weights), the row-parallel bias a Replicate
+  DTensor, every other parameter a plain tensor. Sequence parallelism (plans with
+  sequence_parallel) is run as [Note: sequence parallelism] in `_apply_sequence_parallel` says.
+- Where the graph inlines them (torch.export: Hugging Face models), the stage computes in DTensor
+  end to end, as [Note: tensor parallelism on an inlined graph] says; every parameter is a DTensor
+  there, and sequence parallelism is not run.
 
-The zoo's attention infers head counts from the weight shapes and lays the fused qkv out per head
-([Note: tensor-parallel friendly shapes] in zoo.py), so a shard computes with num_heads / tp local
-heads unchanged. Row-parallel outputs are all-reduced and returned as plain (replicated) tensors
-(`use_local_output=True`), so everything between the sharded linears (norms, residuals, the
-activations sent between pipeline stages) is a plain tensor, identical on the tp ranks of a stage.
 The token embedding and the LM head are vocabulary-parallel (Megatron-LM's VocabParallelEmbedding
 and column-parallel output layer): each tp rank holds 1/tp of the vocabulary rows; the embedding's
 masked lookups are all-reduced, and the logits gathered so the loss is computed whole on every tp
 rank (not Megatron's vocab-parallel cross entropy: the full logits exist on each rank). A tied head
 shares the embedding's sharded weight. Norms and position embeddings stay replicated: their
 gradients come out whole and equal on every tp rank (the column-parallel inputs all-reduce their
-gradients in backward), so they need no tp reduction. Sharded parameters are `DTensor`s (`Shard(0)` for column-parallel weights and
-biases, `Shard(1)` for row-parallel weights); their gradients are DTensors with the same
-placement, and the dp all-reduce works on their local shards. Sequence parallelism (plans with
-sequence_parallel) is run as [Note: sequence parallelism] in `_apply_sequence_parallel` says.
-Other models (including Hugging Face ones) are refused with tp > 1.
+gradients in backward), so they need no tp reduction. Gradients of DTensor parameters are DTensors
+laid out as their parameters (`grad_like_param`), and the dp all-reduce works on their local
+shards. A model without a layout, or a tp that does not divide its heads, KV heads, MLP width or
+vocabulary, is refused with tp > 1 (`tensor_parallel_plan`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["ParallelLayout", "TensorParallelError", "all_reduce_grads", "apply_tensor_parallel", "build_layout",
+from autoplan.graph.sharding import TensorParallelLayout, find_layout, is_transposed_linear, sp_children
+
+__all__ = ["DTensorStage", "ParallelLayout", "TensorParallelError", "all_reduce_grads", "apply_tensor_parallel", "build_layout",
            "grad_like_param", "local_tensor", "reduce_grads_to_owners", "sequence_parallel_layers", "tensor_parallel_plan"]
 
 
@@ -56,81 +68,47 @@ class TensorParallelError(ValueError):
     """The model cannot be run tensor-parallel at this degree (one-line message)."""
 
 
-# Layer class name (autoplan.graph.zoo) -> {sub-path: "colwise" | "rowwise"}.
-_ZOO_TP_LAYOUT: dict[str, dict[str, str]] = {
-    "GPTAttention": {"qkv": "colwise", "proj": "rowwise"},
-    "GPTMLP": {"fc1": "colwise", "fc2": "rowwise"},
-    "LlamaAttention": {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"},
-    "LlamaMLP": {"w1": "colwise", "w3": "colwise", "w2": "rowwise"},
-}
-TP_SUPPORTED = "built-in gpt and llama models (autoplan.graph.zoo)"
+TP_SUPPORTED = "models whose attention and MLP linears graph/sharding.py finds"
 
 
-def tensor_parallel_plan(model: nn.Module, tp: int) -> dict[str, str]:
-    """Module path of every linear to shard -> "colwise" / "rowwise"; raises TensorParallelError
-    when the model has no layers torch's Megatron-style plan applies to, or tp does not divide
-    the heads (KV heads included) or the MLP width. Works on a model on meta."""
-    from autoplan.graph import zoo
-
-    classes = {name: getattr(zoo, name) for name in _ZOO_TP_LAYOUT}
-    out: dict[str, str] = {}
-    for path, module in model.named_modules():
-        kind = next((name for name, cls in classes.items() if type(module) is cls), None)
-        if kind is None:
-            continue
-        prefix = f"{path}." if path else ""
-        for sub, style in _ZOO_TP_LAYOUT[kind].items():
-            out[prefix + sub] = style
-        if kind == "GPTAttention":
-            heads = module.qkv.out_features // (3 * module.head_dim)
-            counts = {"num_heads": heads}
-        elif kind == "LlamaAttention":
-            counts = {"num_heads": module.wq.out_features // module.head_dim,
-                      "num_kv_heads": module.wk.out_features // module.head_dim}
-        else:
-            first = module.fc1 if kind == "GPTMLP" else module.w1
-            counts = {"ffn_hidden_size": first.out_features}
-        for what, count in counts.items():
-            if count % tp:
-                raise TensorParallelError(f"tp = {tp} does not divide {what} = {count} of '{path}'; plan with a tp "
-                                          f"that divides it")
-    if not out:
-        raise TensorParallelError(f"tensor-parallel execution (tp > 1) supports the {TP_SUPPORTED}; "
-                                  f"{type(model).__name__} has none of their layers; plan with tp = 1")
-    # Vocabulary-parallel embedding and head (Shoeybi et al. 2019, Sec. 3), as the cost model counts them.
-    for path, module in model.named_modules():
-        if type(module).__name__ not in ("GPTModel", "LlamaModel"):
-            continue
-        prefix = f"{path}." if path else ""
-        vocab = module.tok_embeddings.num_embeddings
-        if vocab % tp:
-            raise TensorParallelError(f"tp = {tp} does not divide vocab_size = {vocab}; pad the vocabulary to a "
-                                      f"multiple of tp (Megatron-LM pads to 128 * tp) or plan with another tp")
-        out[prefix + "tok_embeddings"] = "vocab-embedding"
-        out[prefix + "output"] = "vocab-head"
-    return out
+def tensor_parallel_plan(model: nn.Module, tp: int, example_inputs: Sequence[Any] | None = None
+                         ) -> TensorParallelLayout:
+    """The model's tensor-parallel layout (`graph/sharding.py`: module path -> "colwise" /
+    "rowwise" / "vocab-embedding" / "vocab-head", read as a mapping); raises TensorParallelError
+    (one line) when it has none or `tp` does not divide its heads, KV heads, MLP width or
+    vocabulary. Works on a model on meta."""
+    layout = find_layout(model, example_inputs)
+    refusal = layout.refusal(tp)
+    if refusal is not None:
+        raise TensorParallelError(refusal)
+    return layout
 
 
 def apply_tensor_parallel(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh, *,
                           sequence_parallel: bool = False, model_layers: Sequence[str] = ()) -> list[str]:
     """Shard the linears of `tp_plan` found in `module` (a stage; paths as in the model) over
-    `tp_mesh` with torch's ColwiseParallel / RowwiseParallel; returns the paths sharded.
+    `tp_mesh`; returns the paths sharded.
 
-    With `sequence_parallel`, also lays the layers out as [Note: sequence parallelism] says;
-    `model_layers` lists every transformer layer of the model in order (the first takes a whole
-    sequence, the last gives one back). Works on meta (nothing is communicated: every rank keeps
-    its own slice of what it holds)."""
+    A layout whose graph calls the attention and MLP modules whole (not `inlined`) is applied
+    with torch's ColwiseParallel / RowwiseParallel; with `sequence_parallel`, the layers are also
+    laid out as [Note: sequence parallelism] says, `model_layers` listing every transformer layer of
+    the model in order (the first takes a whole sequence, the last gives one back). A layout over an
+    inlined graph is applied as [Note: tensor parallelism on an inlined graph] says. Works on meta
+    (nothing is communicated: every rank keeps its own slice of what it holds)."""
+    if getattr(tp_plan, "inlined", False):
+        return _apply_to_graph(module, tp_plan, tp_mesh)
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     # parallelize_module gives each module its own parameter, which would untie a head that shares
     # the embedding's weight; they are tied again afterwards.
     tied = []
-    for path, style in tp_plan.items():
-        if style == "vocab-head":
-            embedding_path = path.removesuffix("output") + "tok_embeddings"  # same model prefix
+    heads = [p for p, style in tp_plan.items() if style == "vocab-head"]
+    embeddings = [p for p, style in tp_plan.items() if style == "vocab-embedding"]
+    for head_path in heads:
+        for embedding_path in embeddings:
             try:
-                head, embedding = module.get_submodule(path), module.get_submodule(embedding_path)
+                head, embedding = module.get_submodule(head_path), module.get_submodule(embedding_path)
             except AttributeError:
                 continue
             if head.weight is embedding.weight:
@@ -155,16 +133,14 @@ def apply_tensor_parallel(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh
         parallelize_module(target, tp_mesh, parallel)
         done.append(path)
     if sequence_parallel:
-        _apply_sequence_parallel(module, tp_mesh, model_layers)
+        _apply_sequence_parallel(module, tp_mesh, model_layers, tp_plan)
     for head, embedding in tied:  # both shard the vocabulary rows (Shard(0)): one DTensor serves both
         head.weight = embedding.weight
     return done
 
 
-_SP_LAYER_CLASSES = ("GPTLayer", "LlamaLayer")
-
-
-def _apply_sequence_parallel(module: nn.Module, tp_mesh, model_layers: Sequence[str]) -> None:
+def _apply_sequence_parallel(module: nn.Module, tp_mesh, model_layers: Sequence[str],
+                             layout: Mapping[str, str]) -> None:
     """[Note: sequence parallelism] (Korthikanti et al. 2022, Sec. 4.2.2), with torch's parallel styles
     as torchtitan applies them to its Llama:
 
@@ -178,6 +154,9 @@ def _apply_sequence_parallel(module: nn.Module, tp_mesh, model_layers: Sequence[
     - The model's first layer takes the whole sequence (the embedding output, replicated) and keeps
       its slice; its last layer gathers the sequence back for the final norm and the head, which
       stay replicated.
+
+    The layers are those `graph/sharding.py` lists (`TensorParallelLayout.layers`): their direct
+    children are the norms (LayerNorm / RMSNorm) and the sharded attention and MLP modules.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -188,13 +167,15 @@ def _apply_sequence_parallel(module: nn.Module, tp_mesh, model_layers: Sequence[
     )
 
     first, last = (model_layers[0], model_layers[-1]) if model_layers else (None, None)
-    for path, layer in module.named_modules():
-        if type(layer).__name__ not in _SP_LAYER_CLASSES:
+    for path in model_layers:
+        try:
+            layer = module.get_submodule(path)
+        except AttributeError:
             continue
+        norms, units = sp_children(layer, layout, path)
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                     use_local_output=True)
-        parallelize_module(layer, tp_mesh, {"attention_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                                            "attention": gather, "mlp": gather})
+        parallelize_module(layer, tp_mesh, {**{n: SequenceParallel() for n in norms}, **{u: gather for u in units}})
         parallelize_module(layer, tp_mesh, PrepareModuleInput(
             input_layouts=(Replicate() if path == first else Shard(1),), desired_input_layouts=(Shard(1),)))
         parallelize_module(layer, tp_mesh, PrepareModuleOutput(
@@ -202,9 +183,321 @@ def _apply_sequence_parallel(module: nn.Module, tp_mesh, model_layers: Sequence[
             use_local_output=True))
 
 
-def sequence_parallel_layers(model: nn.Module) -> list[str]:
+def sequence_parallel_layers(model: nn.Module | TensorParallelLayout) -> list[str]:
     """Paths of the model's transformer layers that sequence parallelism lays out, in order."""
-    return [path for path, m in model.named_modules() if type(m).__name__ in _SP_LAYER_CLASSES]
+    layout = model if isinstance(model, TensorParallelLayout) else find_layout(model)
+    return list(layout.layers)
+
+
+# [Note: tensor parallelism on an inlined graph]
+# A graph traced by torch.export inlines the attention and the MLP: no module hook fires, and the
+# head counts of its reshapes are baked in at full width. Such a stage computes in DTensor end to
+# end: the layout's parameters are Shard DTensors (column-parallel weights and biases on the output
+# features, row-parallel weights on the input features, the vocabulary rows of the embedding and
+# head), every other parameter and buffer a Replicate DTensor, the stage's inputs enter as
+# Replicate DTensors and its outputs leave as whole local tensors (`dtensor_stage`). DTensor's
+# sharding propagation follows the graph with global shapes, so the baked reshapes split a sharded
+# feature dim into (heads, head_dim) with the heads sharded, and inserts the collectives Megatron
+# places by hand: the partial sums of a row-parallel linear are all-reduced where the residual
+# needs them, and the gradients of the replicated inputs of column-parallel linears in backward.
+# The graph is rewritten in four places where DTensor would fail or be slow: size checks
+# (`_assert_tensor_metadata`, no sharding rule) are dropped; reshapes and views of a DTensor whose
+# local shard is not contiguous copy it first (DTensor decides view-ability on global strides);
+# attention runs on the local heads (`_local_attention`: DTensor's rule for CPU attention goes
+# through a slow decomposition); an embedding lookup of a vocabulary-sharded table is all-reduced
+# at once (its masked partial result cannot wait). Constants the graph creates (masks, positions)
+# are plain tensors: DTensor's implicit replication treats them as replicated. Every parameter is a
+# DTensor, so an optimizer sees one kind of tensor.
+
+
+def _apply_to_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh) -> list[str]:
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    converted: dict[int, nn.Parameter] = {}
+    done = []
+    # The layout's modules first: a parameter they share with another module (a tied head's bias)
+    # takes their placement.
+    modules = sorted(module.named_modules(remove_duplicate=False), key=lambda item: item[0] not in layout)
+    for path, owner in modules:
+        style = layout.get(path)
+        transposed = path in getattr(layout, "transposed", ()) or is_transposed_linear(owner)
+        for name, p in list(owner.named_parameters(recurse=False)):
+            if id(p) not in converted:
+                if style in ("colwise", "vocab-head"):
+                    dim = 1 if transposed and name == "weight" else 0
+                    placement = Shard(dim)
+                elif style == "colwise-qkv":  # each of the q, k, v thirds sharded ([Note: fused q/k/v])
+                    dim = 1 if transposed and name == "weight" else 0
+                    placement = _StridedShard(dim, split_factor=3)
+                elif style == "rowwise" and name == "weight":
+                    placement = Shard(0 if transposed else 1)
+                elif style == "vocab-embedding":
+                    placement = Shard(0)
+                else:
+                    placement = Replicate()
+                converted[id(p)] = nn.Parameter(
+                    distribute_tensor(p.detach(), tp_mesh, [placement], src_data_rank=None),
+                    requires_grad=p.requires_grad)
+            owner._parameters[name] = converted[id(p)]
+        for name, b in list(owner.named_buffers(recurse=False)):
+            if b is not None and not isinstance(b, DTensor):
+                owner._buffers[name] = DTensor.from_local(b, tp_mesh, [Replicate()], run_check=False)
+        if style is not None:
+            done.append(path)
+    vocab_tables = {id(module.get_submodule(p).weight) for p, style in layout.items()
+                    if style == "vocab-embedding" and _has_submodule(module, p)}
+    for gm in module.modules():
+        if isinstance(gm, torch.fx.GraphModule):
+            _rewrite_for_dtensor(gm, vocab_tables)
+    return done
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int]) -> None:
+    """The graph rewrites of [Note: tensor parallelism on an inlined graph]."""
+    import torch.nn.functional as F  # noqa: N812
+
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten._assert_tensor_metadata.default and not node.users:
+            gm.graph.erase_node(node)
+        elif node.target in _CONTIGUOUS_FIRST:
+            node.target = _CONTIGUOUS_FIRST[node.target]
+        elif node.target in (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention):
+            node.target = _local_attention
+        elif node.target in _FUSED_QKV_OPS:
+            weight = node.args[2] if node.target is aten.addmm.default else node.args[1]
+            if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and _is_strided(_get_attr(gm, weight.target)):
+                node.target = _FUSED_QKV_OPS[node.target]
+        elif node.target in _SPLITS:
+            node.target = _SPLITS[node.target]
+        elif node.target in (aten.embedding.default, F.embedding):
+            weight = node.args[0] if node.target is aten.embedding.default else node.args[1]
+            if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and id(_get_attr(gm, weight.target)) in vocab_tables:
+                node.target = _VOCAB_EMBEDDING[node.target]  # same node (its block and name stay): no new node
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _get_attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _replicated(x: Any) -> Any:
+    """`x` as a Replicate DTensor whose gradient is whole too (not the table's masked partial)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(x, DTensor):
+        return x
+    whole = x.redistribute(x.device_mesh, [Replicate()]).to_local()
+    return DTensor.from_local(whole, x.device_mesh, [Replicate()], run_check=False)
+
+
+def _vocab_embedding_aten(weight, ids, *args, **kwargs):
+    return _replicated(torch.ops.aten.embedding.default(weight, ids, *args, **kwargs))
+
+
+def _vocab_embedding_f(ids, weight, *args, **kwargs):
+    return _replicated(torch.nn.functional.embedding(ids, weight, *args, **kwargs))
+
+
+_VOCAB_EMBEDDING = {torch.ops.aten.embedding.default: _vocab_embedding_aten,
+                    torch.nn.functional.embedding: _vocab_embedding_f}
+
+
+# [Note: fused q/k/v]
+# A fused projection laid out [q | k | v] along its output features (GPT-2's `c_attn`, split into
+# three right after) is sharded by thirds: `_StridedShard(dim, split_factor=3)`, so rank r holds
+# [q_r | k_r | v_r], each 1/tp of that block's heads, while the parameter's `full_tensor()` (state
+# dicts, checkpoints) is the model's own [q | k | v]. DTensor has no rule for such a linear, so the
+# graph's linear op runs on the local shards (`_qkv_linear`: the replicated input's gradient is a
+# partial sum, all-reduced by DTensor), its following view keeps the placement (`_view`), and the
+# split into q, k and v hands each rank its own thirds as Shard DTensors (`_split`); from there
+# attention is head-parallel as with separate q, k and v projections.
+
+
+def _is_strided(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(t, DTensor) and isinstance(t.placements[0], _StridedShard)
+
+
+def _local_input(x: Any, mesh) -> Any:
+    """A replicated input's local tensor whose gradient is a partial sum (of this rank's columns)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not isinstance(x, DTensor):
+        return x
+    return x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def _qkv_out(out: torch.Tensor, mesh) -> Any:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return DTensor.from_local(out, mesh, [_StridedShard(out.dim() - 1, split_factor=3)], run_check=False)
+
+
+def _qkv_addmm(bias, x, weight, *, beta=1, alpha=1):  # Conv1D: addmm(bias, x, weight (in, out))
+    mesh = weight.device_mesh
+    out = torch.addmm(bias.to_local(), _local_input(x, mesh), weight.to_local(), beta=beta, alpha=alpha)
+    return _qkv_out(out, mesh)
+
+
+def _qkv_linear(x, weight, bias=None):
+    mesh = weight.device_mesh
+    out = torch.nn.functional.linear(_local_input(x, mesh), weight.to_local(),
+                                     None if bias is None else bias.to_local())
+    return _qkv_out(out, mesh)
+
+
+_FUSED_QKV_OPS = {torch.ops.aten.addmm.default: _qkv_addmm, torch.ops.aten.linear.default: _qkv_linear,
+                  torch.nn.functional.linear: _qkv_linear}
+
+
+def _strided_view(x, shape) -> Any:
+    """A view of a [q_r | k_r | v_r] DTensor: one that keeps the last dim keeps the placement; one
+    that splits it into (3, ...) gives Shard on the dim after the 3 (the heads); else None."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    shape = list(shape)
+    if -1 in shape:
+        known = math.prod(d for d in shape if d != -1)
+        shape[shape.index(-1)] = x.numel() // known
+    mesh, n, last = x.device_mesh, x.device_mesh.size(), x.shape[-1]
+    local = x.to_local()
+    if shape[-1] == last:
+        out = local.reshape(*shape[:-1], last // n)
+        return DTensor.from_local(out, mesh, [_StridedShard(len(shape) - 1, split_factor=3)], run_check=False)
+    k = next((i for i in range(len(shape)) if math.prod(shape[i:]) == last), None)
+    if k is not None and shape[k] == 3 and k + 1 < len(shape) and shape[k + 1] % n == 0:
+        out = local.reshape(*shape[:k], 3, shape[k + 1] // n, *shape[k + 2:])
+        return DTensor.from_local(out, mesh, [Shard(k + 1)], run_check=False)
+    return None
+
+
+def _split(x, split_size, dim=0):
+    from torch.distributed.tensor import DTensor, Shard
+
+    if _is_strided(x) and x.placements[0].dim == dim % x.dim() and split_size * 3 == x.shape[dim]:
+        mesh = x.device_mesh
+        return tuple(DTensor.from_local(t, mesh, [Shard(dim % x.dim())], run_check=False)
+                     for t in x.to_local().chunk(3, dim))
+    return torch.ops.aten.split.Tensor(x, split_size, dim)
+
+
+def _split_with_sizes(x, sizes, dim=0):
+    if _is_strided(x) and len(sizes) == 3 and len(set(sizes)) == 1:
+        return _split(x, sizes[0], dim)
+    return torch.ops.aten.split_with_sizes.default(x, sizes, dim)
+
+
+_SPLITS = {torch.ops.aten.split.Tensor: _split, torch.ops.aten.split_with_sizes.default: _split_with_sizes}
+
+
+def _contiguous(x: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor) and not x._local_tensor.is_contiguous():
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient's local shard contiguous (for the reshape of the
+    gradient in a view's backward, which has the same problem as the forward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _contiguous(grad)
+
+
+def _reshape(x, shape):
+    out = _strided_view(x, shape) if _is_strided(x) else None
+    if out is None:
+        out = torch.ops.aten.reshape.default(_contiguous(x), shape)
+    return _ContiguousGrad.apply(out) if out.requires_grad else out
+
+
+def _view(x, shape):
+    out = _strided_view(x, shape) if _is_strided(x) else None
+    if out is None:
+        out = torch.ops.aten.view.default(_contiguous(x), shape)
+    return _ContiguousGrad.apply(out) if out.requires_grad else out
+
+
+_CONTIGUOUS_FIRST = {torch.ops.aten.reshape.default: _reshape, torch.ops.aten.view.default: _view}
+
+
+def _local_attention(q, k, v, attn_mask=None, *args, **kwargs):
+    """Scaled dot-product attention on this rank's heads (dim 1) when q, k and v hold whole heads,
+    else on the whole (replicated) tensors; the result is a DTensor of that placement."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(q, DTensor):
+        return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, attn_mask, *args, **kwargs)
+    mesh = q.device_mesh
+    n = mesh.size()
+    heads_split = q.dim() == 4 and q.shape[1] % n == 0 and k.shape[1] % n == 0
+    placements = [Shard(1)] if heads_split else [Replicate()]
+
+    def local(t):
+        if not isinstance(t, DTensor):
+            return t
+        wanted = placements if t.dim() == 4 and t.shape[1] == q.shape[1] else [Replicate()]  # a mask
+        return t.redistribute(mesh, wanted).to_local()
+
+    out = torch.ops.aten.scaled_dot_product_attention.default(local(q), local(k), local(v), local(attn_mask),
+                                                              *args, **kwargs)
+    return DTensor.from_local(out, mesh, placements, run_check=False)
+
+
+class DTensorStage:
+    """Runs a stage of an inlined graph in DTensor ([Note: tensor parallelism on an inlined graph]):
+    tensor inputs enter as Replicate DTensors, outputs leave as whole local tensors."""
+
+    def __init__(self, run, tp_mesh):
+        self.run = run
+        self.tp_mesh = tp_mesh
+
+    def __call__(self, *args: Any) -> Any:
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.utils._pytree import tree_map
+
+        # Plain tensors the graph makes (masks, positions) are replicated; the switch is
+        # process-wide because backward (and recomputation inside it) runs outside this call.
+        DTensor._op_dispatcher._allow_implicit_replication = True
+
+        def enter(x):
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                return DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False)
+            return x
+
+        def leave(x):
+            if isinstance(x, DTensor):
+                return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local()
+            return x
+
+        return tree_map(leave, self.run(*tree_map(enter, args)))
 
 
 def grad_like_param(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,12 +147,14 @@ def tied_parameter_names(model: nn.Module) -> dict[str, str]:
 
 
 def materialize_stages(modules: Sequence[nn.Module], device: torch.device, *, seed: int = 0,
-                       aliases: Mapping[str, str] | None = None) -> None:
+                       aliases: Mapping[str, str] | None = None,
+                       init: Callable[[nn.Module, int, Mapping[str, str] | None], None] | None = None) -> None:
     """Give the stage modules real storage on `device`, leaving every other parameter alone.
 
-    Parameters on meta are allocated with `to_empty` and initialized by name with
-    `zoo.init_weights` (the values the full model would get; tied copies on other stages use
-    `aliases`); real parameters are moved. Parameters shared between the modules stay shared.
+    Tensors on meta are allocated (as `to_empty` does) and initialized by name with `init(module,
+    seed, aliases)` (default `zoo.init_weights`; the model source's own, so a stage gets the values
+    the full model would; tied copies on other stages use `aliases`); real tensors (parameters, and
+    buffers a source computed on the CPU) are moved. Parameters shared between the modules stay shared.
     Tensor-parallel shards (DTensors made on meta by `parallel.apply_tensor_parallel`) get their
     slice of the full model's values: the full value is drawn by name as usual and copied into the
     shard as an implicitly replicated tensor (only the local slice is written).
@@ -166,7 +168,7 @@ def materialize_stages(modules: Sequence[nn.Module], device: torch.device, *, se
             slots.setdefault(id(p), []).append((mod, local))
     on_meta = any(p.device.type == "meta" for p in holder.parameters())
     if on_meta:
-        holder.to_empty(device=device)
+        holder._apply(lambda t: torch.empty_like(t, device=device) if t.device.type == "meta" else t.to(device))
     else:
         holder.to(device)
     for group in slots.values():  # `to_empty` / `to` may untie parameters shared between modules
@@ -181,4 +183,7 @@ def materialize_stages(modules: Sequence[nn.Module], device: torch.device, *, se
         sharded = any(isinstance(p, DTensor) for p in holder.parameters())
         with implicit_replication() if sharded else contextlib.nullcontext():
             for module in modules:
-                zoo.init_weights(module, seed=seed, aliases=aliases)
+                if init is None:
+                    zoo.init_weights(module, seed=seed, aliases=aliases)
+                else:
+                    init(module, seed, aliases)

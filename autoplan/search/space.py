@@ -1,7 +1,8 @@
 """The search space: enumerate parallel configurations, prune them, and rank the survivors.
 
 [Note: search order and pruning]
-Outer loop: tp x pp x dp = N (tp inside a node and dividing the attention heads), micro-batch
+Outer loop: tp x pp x dp = N (tp inside a node, and a degree the model's tensor-parallel layout
+allows: graph/sharding.py, recorded by the profile), micro-batch
 size, schedule and virtual stages, rank order. For each such *base* configuration the memory-saving
 options are tried as a ladder, from fastest to most frugal: recompute none -> selective -> full,
 and within each, ZeRO and sequence parallelism (which cost no time in this model: ZeRO-1's
@@ -91,11 +92,10 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
     if tp is not None:
         if tp > per_node or per_node % tp:
             raise PlanningError(f"--tp {tp} must divide the {per_node} GPUs of a node (TP stays inside a node)")
-        if profile.num_heads and profile.num_heads % tp:
-            raise PlanningError(f"--tp {tp} does not divide the model's {profile.num_heads} attention heads")
-        if profile.num_kv_heads and profile.num_kv_heads % tp and tp % profile.num_kv_heads:
-            raise PlanningError(f"--tp {tp} and the model's {profile.num_kv_heads} key/value heads do not divide "
-                                "one another")
+        refusal = tp_refusal(profile, tp)
+        if refusal is not None:
+            raise PlanningError(f"--tp {tp} {refusal}" if refusal.startswith("does not") else
+                                f"--tp {tp}: {refusal}; use --tp 1")
     if pp is not None and pp > profile.num_blocks:
         raise PlanningError(f"--pp {pp} is more than the model's {profile.num_blocks} blocks")
     product = math.prod(v for v in (tp, pp, dp) if v is not None)
@@ -132,15 +132,46 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
                             "micro-batches on each stage); use --zero 1 or --pp 1")
     if pins.get("sequence_parallel") and tp == 1:
         raise PlanningError("--sequence-parallel needs --tp of at least 2")
+    if pins.get("sequence_parallel") and not _sequence_parallel_allowed(profile):
+        raise PlanningError("--sequence-parallel needs transformer layers (norms, sharded attention and MLP) that the "
+                            "traced graph calls whole; this model's layout has none")
+
+
+_COUNT_NAMES = {"num_heads": "attention heads", "num_kv_heads": "key/value heads", "ffn_hidden_size": "MLP width",
+                "vocab_size": "vocabulary size"}
+
+
+def tp_refusal(profile: ModelProfile, tp: int) -> str | None:
+    """Why the model cannot run at this tensor-parallel degree (one line), or None.
+
+    From the layout the profile records (`extra["tensor_parallel"]`, graph/sharding.py): tp must
+    divide every count it lists. A profile without one (an older JSON) falls back to the heads."""
+    if tp == 1:
+        return None
+    info = profile.extra.get("tensor_parallel")
+    if info is None:
+        if profile.num_heads and profile.num_heads % tp:
+            return f"does not divide the model's {profile.num_heads} attention heads"
+        if profile.num_kv_heads and profile.num_kv_heads % tp and tp % profile.num_kv_heads:
+            return f"the model's {profile.num_kv_heads} key/value heads and tp do not divide one another"
+        return None
+    if info.get("note"):
+        return f"the model has no tensor-parallel layout: {info['note']}"
+    for name, count in info.get("divides", {}).items():
+        if count % tp:
+            return f"does not divide the model's {count} {_COUNT_NAMES.get(name, name)}"
+    return None
+
+
+def _sequence_parallel_allowed(profile: ModelProfile) -> bool:
+    info = profile.extra.get("tensor_parallel")
+    return True if info is None else bool(info.get("sequence_parallel"))
 
 
 def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -> Iterator[ParallelConfig]:
     """Every base configuration (memory options left at their fastest), see the module note."""
     n_gpus, per_node = cluster.num_gpus, cluster.gpus_per_node
-    heads, kv = profile.num_heads, profile.num_kv_heads
-    tps = [pins["tp"]] if pins.get("tp") else [
-        t for t in _divisors(per_node)
-        if (not heads or heads % t == 0) and (not kv or kv % t == 0 or t % kv == 0)]
+    tps = [pins["tp"]] if pins.get("tp") else [t for t in _divisors(per_node) if tp_refusal(profile, t) is None]
     for tp in tps:
         pps = [pins["pp"]] if pins.get("pp") else [p for p in _divisors(n_gpus // tp) if p <= profile.num_blocks]
         for pp in pps:
@@ -181,23 +212,24 @@ def _schedules(profile: ModelProfile, pp: int, m: int, pins: dict) -> list[tuple
     return out
 
 
-def _ladder(cfg: ParallelConfig, pins: dict) -> list[ParallelConfig]:
+def _ladder(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True) -> list[ParallelConfig]:
     """Memory-saving variants of a base configuration, fastest first (see the module note).
 
-    Unless pinned, ZeRO-1 (when dp > 1) and sequence parallelism (when tp > 1) are always on: they
-    cost no time in this model and only save memory, so a plan without them is never better.
+    Unless pinned, ZeRO-1 (when dp > 1) and sequence parallelism (when tp > 1 and the model's layout
+    has layers for it, `sp_allowed`) are always on: they cost no time in this model and only save
+    memory, so a plan without them is never better.
     """
     recomputes = [pins["recompute"]] if pins.get("recompute") else list(RECOMPUTE)
     zero = pins["zero"] if pins.get("zero") is not None else (1 if cfg.dp > 1 else 0)
-    sp = pins["sequence_parallel"] if pins.get("sequence_parallel") is not None else cfg.tp > 1
+    sp = pins["sequence_parallel"] if pins.get("sequence_parallel") is not None else cfg.tp > 1 and sp_allowed
     return [dataclasses.replace(cfg, recompute=r, zero=zero, sequence_parallel=sp) for r in recomputes]
 
 
-def _frugal(cfg: ParallelConfig, pins: dict) -> ParallelConfig:
+def _frugal(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True) -> ParallelConfig:
     """The last rung of `_ladder` (the least memory), without making the others."""
     recompute = pins["recompute"] if pins.get("recompute") else RECOMPUTE[-1]
     zero = pins["zero"] if pins.get("zero") is not None else (1 if cfg.dp > 1 else 0)
-    sp = pins["sequence_parallel"] if pins.get("sequence_parallel") is not None else cfg.tp > 1
+    sp = pins["sequence_parallel"] if pins.get("sequence_parallel") is not None else cfg.tp > 1 and sp_allowed
     return dataclasses.replace(cfg, recompute=recompute, zero=zero, sequence_parallel=sp)
 
 
@@ -220,6 +252,13 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         raise PlanningError(f"{profile.model_name} has no FLOPs to place (no matmuls were traced); there is nothing "
                             "to plan")
     ctx = SearchContext(profile, cluster, job, model_spec)
+    sp_allowed = _sequence_parallel_allowed(profile)
+    notes = []
+    if "tp" not in pins and cluster.gpus_per_node > 1 and tp_refusal(profile, cluster.gpus_per_node) is not None:
+        refused = [t for t in _divisors(cluster.gpus_per_node) if tp_refusal(profile, t) is not None]
+        why = tp_refusal(profile, refused[0])
+        notes.append(f"tp {', '.join(map(str, refused))} not considered: "
+                     + (f"tp {refused[0]} {why}" if why.startswith("does not") else why))
     all_pinned = all(k in pins for k in ("tp", "pp", "dp", "micro_batch_size", "schedule", "recompute", "zero"))
 
     # Bound every base configuration (cheap), then evaluate in increasing order of the bound.
@@ -231,7 +270,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     fwd_share_cache: dict[tuple, float] = {}
     for cfg in _base_configs(profile, cluster, job, pins):
         considered += 1
-        frugal = _frugal(cfg, pins)
+        frugal = _frugal(cfg, pins, sp_allowed)
         key = (cfg.tp, cfg.dp, frugal.zero)
         if key not in static_cache:
             static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
@@ -270,7 +309,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
             continue  # ordered by the estimate, not the bound: later ones may still qualify
         cutoff = -best[0][0] if len(best) >= top else float("inf")
         previous_acts = None
-        for variant in _ladder(cfg, pins):
+        for variant in _ladder(cfg, pins, sp_allowed):
             acts = ctx.act_bytes(variant)
             if previous_acts is not None and np.array_equal(acts, previous_acts):
                 continue  # same memory as the rung that did not fit, and slower
@@ -301,7 +340,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     plans = [p for _, _, p in sorted(best, key=lambda e: (-e[0], -e[1]))]
     if not plans:
         _raise_no_plan(profile, cluster, job, pins)
-    return SearchResult(plans, evaluated, considered, time.perf_counter() - started)
+    return SearchResult(plans, evaluated, considered, time.perf_counter() - started, notes)
 
 
 def pre_cut_bound(cfg: ParallelConfig, total_s: float, fwd_share: float) -> float:
