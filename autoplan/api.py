@@ -87,16 +87,19 @@ def _profile_with_graph(model, *, batch_size, seq_len, example_inputs, loss_fn, 
         raise ValueError(f"batch size {batch_size} must be at least 1")
     source = as_source(model, example_inputs, loss_fn)
     module = source.build("meta")
-    if isinstance(source, ModuleSource):
-        # The caller's inputs as given: their batch dimension is the profiled batch.
-        inputs = source.examples
-        seq_len = seq_len or source.default_seq_len
-    elif example_inputs is not None:
-        inputs = tuple(example_inputs)
-    else:
+    if example_inputs is None:
         seq_len = seq_len or source.default_seq_len
         source.check_seq_len(seq_len)
         inputs = source.example_inputs(batch_size, seq_len, device="meta")
+    else:  # the caller's inputs: their batch dimension is the profiled batch; re-made at another length
+        given = tuple(example_inputs)
+        inputs = given
+        if seq_len is not None and seq_len != source.default_seq_len:
+            source.check_seq_len(seq_len)
+            rows = next((t.shape[0] for t in given if isinstance(t, torch.Tensor) and t.dim() > 0), batch_size)
+            where = next((t.device for t in given if isinstance(t, torch.Tensor)), torch.device("meta"))
+            inputs = source.example_inputs(rows, seq_len, device=where)
+        seq_len = seq_len or source.default_seq_len
     loss = loss_fn or source.loss_fn
     if isinstance(source, ModuleSource) and loss_fn is None:
         loss = None  # an API model without a loss is profiled as given (its head's cost only)
@@ -104,6 +107,9 @@ def _profile_with_graph(model, *, batch_size, seq_len, example_inputs, loss_fn, 
         traced = trace_model(module, inputs, leaf_modules=leaf_modules, tracer=tracer)
         graph_inputs = list(inputs)
     else:
+        rows = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), batch_size)
+        if example_target is None and example_inputs is None:
+            example_target = source.static_target(rows, seq_len)
         traced, graph_inputs, _ = trace_with_target(
             module, inputs, loss, example_target=example_target, leaf_modules=leaf_modules, tracer=tracer,
             target_maker=lambda out, rows: source.target(out.shape, out.dtype, rows, device="meta"))
@@ -111,7 +117,8 @@ def _profile_with_graph(model, *, batch_size, seq_len, example_inputs, loss_fn, 
     info.update({k: v for k, v in source.info.items() if v is not None})
     rows = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), batch_size)
     prof = profile_traced(traced, graph_inputs, model_name=source.name, fingerprint=model_fingerprint(module),
-                          dtype=torch_dtype, device=device, info=info, batch_size=rows, seq_len=seq_len or 1,
+                          dtype=torch_dtype, device=device, info=info, batch_size=rows,
+                          seq_len=seq_len or 1,  # a model without a sequence counts samples
                           cache_dir=cache_dir, progress=progress)
     return ProfiledModel(module, traced, prof, tuple(inputs), source, loss)
 

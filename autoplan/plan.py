@@ -39,7 +39,10 @@ __all__ = [
     "validate",
 ]
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
+"""2 added the model's recorded source (`model_digest`, `leaf_modules`, `tracer`); version 1 plans
+are still read (those fields take their defaults)."""
+READABLE_SCHEMA_VERSIONS = (1, 2)
 RECOMPUTE = ("none", "selective", "full")
 RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
 
@@ -205,9 +208,9 @@ class Plan:
         if not isinstance(data, Mapping):
             raise PlanError("a plan must be a JSON object")
         version = data.get("schema_version")
-        if version != PLAN_SCHEMA_VERSION:
-            raise PlanError(f"plan schema version {version!r} is not supported (this autoplan reads version "
-                            f"{PLAN_SCHEMA_VERSION}); re-create the plan with `autoplan suggest`")
+        if version not in READABLE_SCHEMA_VERSIONS:
+            raise PlanError(f"plan schema version {version!r} is not supported (this autoplan reads versions "
+                            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}); re-create the plan with `autoplan suggest`")
         d = _typed(cls, data, "plan", nested={"job", "predicted", "stages", "cluster"})
         d["job"] = Job(**_typed(Job, d["job"], "plan.job"))
         d["predicted"] = Predicted(**_typed(Predicted, d["predicted"], "plan.predicted"))

@@ -13,4 +13,4 @@ import torch
 def batches(step: int, batch_size: int, seq_len: int):
     gen = torch.Generator().manual_seed(step)  # a pure function of the step: resumed runs see the same data
     ids = torch.randint(0, 8192, (batch_size, seq_len), generator=gen)
-    return (ids,), ids  # predict each token itself: the loss falls within a few steps
+    return (ids,), ids  # predict each token itself

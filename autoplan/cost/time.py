@@ -53,14 +53,15 @@ def tp_sharded(kind: str) -> bool:
 
 def tp_divisor(profile: ModelProfile, index: int, tp: int) -> float:
     """How many ways tp splits block `index`'s weights and compute: tp for a kind Megatron shards
-    (Shoeybi et al. 2019, Sec. 3), less for a layer whose layout (graph/sharding.py) leaves part of
-    it replicated (a layer with an unshardable attention): with a share s of its parameters sharded,
-    1 / (s / tp + 1 - s), Amdahl's law over the layer (parameters standing in for FLOPs)."""
+    (Shoeybi et al. 2019, Sec. 3), less for a block whose layout (graph/sharding.py) leaves part of
+    it replicated (a layer with an unshardable attention, an embedding that is not vocabulary
+    parallel): with a share s of its parameters sharded, 1 / (s / tp + 1 - s), Amdahl's law over the
+    block (parameters standing in for FLOPs)."""
     block = profile.blocks[index]
     if tp == 1 or not tp_sharded(block.kind):
         return 1.0
     shares = (profile.extra.get("tensor_parallel") or {}).get("block_sharded_share")
-    if block.kind != "layer" or not shares or index >= len(shares) or shares[index] <= 0:
+    if not shares or index >= len(shares):  # a profile without a layout (older JSON): Megatron's split
         return float(tp)
     return 1.0 / (shares[index] / tp + 1.0 - shares[index])
 

@@ -24,7 +24,7 @@ generator): matrices and higher (embeddings, projections, stacked experts) ~ N(0
 own per-module initializations (which need the module classes a stage's graph no longer has), only
 deterministic values of the same scale. Buffers that transformers computes in `__init__` (rotary
 `inv_freq`, BERT's `position_ids`) are copied from a reference build whose parameters are on meta
-and whose buffers are real (`_parameters_on_meta`), so they hold what transformers computed.
+and whose buffers are real (`source.parameters_on_meta`), so they hold what transformers computed.
 """
 
 from __future__ import annotations
@@ -43,7 +43,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoplan.graph.source import InputTemplate, ModelSource, SourceError
+from autoplan.graph.source import (
+    InputTemplate,
+    ModelSource,
+    SourceError,
+    parameters_on_meta,
+    tied_parameter_names,
+)
 
 __all__ = ["DEFAULT_SEQ_LEN", "HFSource"]
 
@@ -119,23 +125,6 @@ def _parse_value(key: str, raw: str, default: Any) -> Any:
         kind = type(default).__name__
         raise SourceError(f"hf: {key}={raw!r} is not a valid {kind} (its default is {default!r}); "
                           f"write e.g. {key}={json.dumps(default) if not isinstance(default, str) else default}") from None
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Build a module with its parameters on meta and its buffers real (computed by `__init__`)."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -265,15 +254,14 @@ class HFSource(ModelSource):
         if torch.device(device).type != "meta":
             model.to_empty(device=device)
             model.tie_weights()  # `to_empty` unties shared parameters
-            from autoplan.runtime.split import tied_parameter_names
 
             self.init_weights(model, seed=0, aliases=tied_parameter_names(model))
         return model
 
-    def _reference_buffers(self) -> dict[str, torch.Tensor]:
+    def reference_buffers(self) -> dict[str, torch.Tensor]:
         """Every buffer of the model as transformers computes it (parameters left on meta)."""
         if self._reference is None:
-            with _quiet(), _parameters_on_meta():
+            with _quiet(), parameters_on_meta():
                 self._reference = self._model_class._from_config(self.config)
         return dict(self._reference.named_buffers(remove_duplicate=False))
 
@@ -296,7 +284,7 @@ class HFSource(ModelSource):
                 param.fill_(1.0)
         buffers = [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b.device.type != "meta"]
         if buffers:
-            reference = self._reference_buffers()
+            reference = self.reference_buffers()
             for name, buffer in buffers:
                 value = reference.get(name)
                 if value is None or value.shape != buffer.shape:

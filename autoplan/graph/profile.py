@@ -617,10 +617,10 @@ def _read_cached(path: Path, fingerprint: str, *, timed: bool) -> ModelProfile |
 def _tensor_parallel(traced: TracedModel, example_inputs: Sequence[Any]) -> dict[str, Any]:
     """The tensor-parallel layout as the runtime would run this graph (graph/sharding.py), as JSON:
     the counts every tp must divide, whether sequence parallelism applies, why no tp is possible."""
-    from autoplan.graph.sharding import find_layout, for_graph
+    from autoplan.graph.sharding import traced_layout
 
-    layout = find_layout(traced.gm, example_inputs)
-    summary = (for_graph(layout, traced) if layout else layout).summary()
+    layout = traced_layout(traced, example_inputs)  # what partition runs (runtime/api.py check_model)
+    summary = layout.summary()
     # Per block, the share of its parameters the layout shards (1/tp on each rank): 1 for a layer
     # whose attention and MLP are both sharded, about 2/3 for one whose attention stays replicated.
     shares = []

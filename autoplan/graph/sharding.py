@@ -31,7 +31,9 @@ a linear's output starts a new set):
 Linear layers are `nn.Linear` and Hugging Face's `Conv1D` (GPT-2; its weight is (in, out)). Head
 and KV-head counts come from the shapes that flow, so a model needs no attribute naming them.
 
-The runtime (`runtime/parallel.py`) runs a layout either with torch's parallel styles (module hooks)
+The profile (what `suggest` searches) and `partition` both take a model's layout from its traced
+graph, run on the graph's own inputs (`traced_layout`), so a plan `suggest` returns is one the
+runtime runs. The runtime (`runtime/parallel.py`) runs a layout either with torch's parallel styles (module hooks)
 where the traced graph calls the attention / MLP modules whole, or with the whole stage in DTensor
 where the graph inlines them (torch.export); sequence parallelism needs the former.
 """
@@ -51,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["ShardGroup", "TensorParallelLayout", "find_layout", "for_graph", "is_transposed_linear", "linear_widths",
-           "sp_children"]
+           "sp_children", "traced_layout"]
 
 _OUTPUT = "<output>"
 _INPUT = "<input>"
@@ -115,6 +117,10 @@ class TensorParallelLayout(Mapping):
     total_params: int = 0
     transposed: frozenset[str] = frozenset()
     """Sharded linears whose weight is stored (in, out) (transformers' `Conv1D`)."""
+    tied: dict[str, str] = field(default_factory=dict)
+    """Another name of a sharded parameter, under a module the layout does not style (BERT's
+    `cls.predictions.bias` is `cls.predictions.decoder.bias`) -> the sharded parameter's name: a
+    stage that holds the parameter only under that name must shard it the same way."""
     inlined: bool = False
     """The traced graph inlines the sharded modules (torch.export): the runtime runs such stages in
     DTensor ([Note: tensor parallelism on an inlined graph] in runtime/parallel.py), without
@@ -289,9 +295,11 @@ class _FlowInterpreter(torch.fx.Interpreter):
         if not (isinstance(weight_arg, torch.fx.Node) and weight_arg.op == "get_attr"):
             return super().run_node(n)
         w = _attr(self.module, weight_arg.target)
-        # A head tied to the embedding reads the embedding's weight: name it by its own module.
-        path = next((name for name in self._names(w) if name not in self.flow.embeddings),
-                    weight_arg.target.rpartition(".")[0])
+        # A head tied to the embedding reads the embedding's weight: name it by its own module, the
+        # last of the weight's names (a head registers after the embeddings: T5's `lm_head` after
+        # `shared`, `encoder.embed_tokens` and `decoder.embed_tokens`).
+        names = [name for name in self._names(w) if name not in self.flow.embeddings]
+        path = names[-1] if names else weight_arg.target.rpartition(".")[0]
         transposed = _GRAPH_LINEARS[n.target]
         self.flow.widths[path] = (int(w.shape[0]), int(w.shape[1])) if transposed else (int(w.shape[1]), int(w.shape[0]))
         self.flow.head_weights[path] = id(w)
@@ -490,9 +498,25 @@ def find_layout(model: nn.Module, example_inputs: Sequence[Any] | None = None) -
                                       for p in model.get_submodule(path).parameters(recurse=False)}.values())
     layout = TensorParallelLayout(styles=styles, groups=tuple(groups), divides=divides, replicated=replicated,
                                   sharded_params=sharded, total_params=total,
-                                  transposed=frozenset(p for p in styles if p in flow.transposed))
+                                  transposed=frozenset(p for p in styles if p in flow.transposed),
+                                  tied=_tied_names(model, styles))
     layout.layers = tuple(_sp_layers(model, layout))
     return layout
+
+
+def _tied_names(model: nn.Module, styles: Mapping[str, str]) -> dict[str, str]:
+    """`TensorParallelLayout.tied`: other names of the styled modules' parameters."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    tied: dict[str, str] = {}
+    for path in styles:
+        for pname, p in model.get_submodule(path).named_parameters(recurse=False):
+            own = f"{path}.{pname}" if path else pname
+            for name in names.get(id(p), []):
+                if name != own and name.rpartition(".")[0] not in styles:
+                    tied.setdefault(name, own)
+    return tied
 
 
 def _divides(groups: Sequence[ShardGroup], previous: Mapping[str, tuple[int, str]]) -> dict[str, tuple[int, str]]:
@@ -596,6 +620,15 @@ def for_graph(layout: TensorParallelLayout, traced) -> TensorParallelLayout:
                                     total_params=layout.total_params)
     return dataclasses.replace(layout, styles=styles, groups=groups, replicated=replicated, inlined=False,
                                divides=_divides(groups, layout.divides), layers=())
+
+
+def traced_layout(traced, graph_inputs: Sequence[Any] | Mapping[str, Any]) -> TensorParallelLayout:
+    """The layout of a traced model as the runtime runs it: `find_layout` on its graph, run on
+    `graph_inputs` (the graph's own inputs: the example inputs, plus the target when a loss was
+    appended), then `for_graph`. The profile (what `suggest` searches) and `partition` both take
+    the layout from here, so a plan `suggest` returns is one the runtime can run."""
+    layout = find_layout(traced.gm, graph_inputs)
+    return for_graph(layout, traced) if layout else layout
 
 
 def sp_children(layer: nn.Module, layout: TensorParallelLayout, path: str) -> tuple[list[str], list[str]]:

@@ -25,9 +25,10 @@ float target of the output's shape when the last dimension is 1.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ from autoplan.graph import zoo
 
 __all__ = [
     "FileSource", "InputTemplate", "ModelSource", "ModuleSource", "OutputTemplate", "SourceError", "ZooSource",
-    "as_source", "default_loss", "default_target", "first_tensor", "parse_source", "token_batch", "trace_with_target",
+    "as_source", "default_loss", "default_target", "first_tensor", "parameters_on_meta", "parse_source",
+    "tied_parameter_names", "token_batch", "trace_with_target",
 ]
 
 
@@ -149,6 +151,38 @@ def token_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int) -> t
     return ids, (ids * 7 + 3) % vocab
 
 
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build modules with their parameters on meta and their buffers real (as `__init__` computes
+    them): the values a stage built on meta lacks after `to_empty` (rotary tables, causal masks)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def tied_parameter_names(model: nn.Module) -> dict[str, str]:
+    """Every name of a shared parameter -> its first name in the model (e.g. output.weight ->
+    tok_embeddings.weight); names of unshared parameters are absent."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+            aliases.setdefault(first[id(p)], first[id(p)])
+        else:
+            first[id(p)] = name
+    return aliases
+
+
 def _step_generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step * 7919 + salt) % (2**63))
 
@@ -236,14 +270,32 @@ class ModelSource(ABC):
                 target = (ids.long() * 7 + 3) % shape[-1]
         return inputs, target
 
+    def static_target(self, batch_size: int, seq_len: int | None) -> Tensor | None:
+        """A target on meta known without running the model (so a cached profile needs no fake
+        forward), or None when it follows the output's shape."""
+        return None
+
     def target(self, output_shape: Sequence[int], output_dtype: torch.dtype, batch_size: int, *,
                device: torch.device | str = "meta", generator: torch.Generator | None = None) -> Tensor:
         """A target for `loss_fn` given the output's shape at `batch_size` rows."""
         return default_target(output_shape, output_dtype, batch_size, device=device, generator=generator)
 
+    def reference_buffers(self) -> dict[str, Tensor]:
+        """Every buffer of the model by name as its constructor computes it (none by default: the
+        zoo recomputes its own)."""
+        return {}
+
+    @torch.no_grad()
     def init_weights(self, module: nn.Module, seed: int, aliases: Mapping[str, str] | None = None) -> None:
-        """Initialize a materialized stage by parameter name (the values the full model would get)."""
+        """Initialize a materialized stage: parameters by name (zoo.py's [Note: name-keyed init]:
+        the values the full model would get), buffers copied from `reference_buffers`."""
         zoo.init_weights(module, seed=seed, aliases=aliases)
+        buffers = [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b.device.type != "meta"]
+        reference = self.reference_buffers() if buffers else {}
+        for name, buffer in buffers:
+            value = reference.get(name)
+            if value is not None and value.shape == buffer.shape:
+                buffer.copy_(value.to(buffer.dtype))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
@@ -283,6 +335,9 @@ class ZooSource(ModelSource):
     def info(self) -> dict[str, int | None]:
         return {k: v for k, v in zoo.model_info(self.model_spec).items() if isinstance(v, int)}
 
+    def static_target(self, batch_size: int, seq_len: int | None) -> Tensor:
+        return torch.empty((batch_size, seq_len or self.default_seq_len), dtype=torch.int64, device="meta")
+
     def check_seq_len(self, seq_len: int | None) -> None:
         if seq_len is not None and seq_len > self.max_seq_len:
             raise SourceError(f"seq_len {seq_len} exceeds max_seq_len {self.max_seq_len}; raise it, e.g. "
@@ -298,12 +353,15 @@ class ZooSource(ModelSource):
 
 def _templates_from_examples(examples: Sequence[Any], vocab: int | None) -> tuple[InputTemplate, ...]:
     """Templates from a user's example inputs: dim 0 is the batch; dim 1 of the first integer input
-    of two or more dimensions (token ids) is the sequence, and so is dim 1 of every other input of
-    that length (masks, positions, embeddings); integer inputs keep their value range (or stay
-    below the vocabulary when the examples are on meta)."""
+    of two or more dimensions (token ids; else of the first 3-D float input, (batch, sequence,
+    features)) is the sequence, and so is dim 1 of every other input of that length (masks,
+    positions, embeddings); integer inputs keep their value range (or stay below the vocabulary when
+    the examples are on meta). Images (4-D) have no sequence."""
     tensors = [t for t in examples if isinstance(t, Tensor)]
     batch = next((t.shape[0] for t in tensors if t.dim() > 0), None)
     ids = next((t for t in tensors if not t.dtype.is_floating_point and t.dim() >= 2), None)
+    if ids is None:  # no token ids: a (batch, sequence, features) float input carries the sequence
+        ids = next((t for t in tensors if t.dtype.is_floating_point and t.dim() == 3), None)
     seq = ids.shape[1] if ids is not None else None
     out = []
     for value in examples:
@@ -316,8 +374,6 @@ def _templates_from_examples(examples: Sequence[Any], vocab: int | None) -> tupl
         if not value.dtype.is_floating_point and value.dtype != torch.bool:
             if value.device.type != "meta" and value.numel():
                 low, high = int(value.min()), int(value.max()) + 1
-                if vocab is not None and value.dim() >= 2:
-                    high = max(high, min(vocab, high))
             elif vocab is not None:
                 high = vocab
         out.append(InputTemplate(tuple(value.shape), value.dtype, low, high, batch_dim, seq_dim))
@@ -339,6 +395,7 @@ class FileSource(ModelSource):
         self.name = spec.name
         self.path = spec.path
         self._loaded: tuple[nn.Module, tuple, Callable | None] | None = None
+        self._buffers: dict[str, Tensor] | None = None
 
     def _load(self) -> tuple[nn.Module, tuple, Callable | None]:
         if self._loaded is None:
@@ -348,8 +405,20 @@ class FileSource(ModelSource):
     def build(self, device: torch.device | str = "meta") -> nn.Module:
         module = self._load()[0]
         if torch.device(device).type != "meta":
-            zoo.materialize(module, device=device)
+            module.to_empty(device=device)
+            self.init_weights(module, seed=0, aliases=tied_parameter_names(module))
         return module
+
+    def reference_buffers(self) -> dict[str, Tensor]:
+        """The function's model built once more with its parameters on meta: its buffers' values."""
+        if self._buffers is None:
+            try:
+                with parameters_on_meta():
+                    module = zoo.load_function(self.model_spec)()[0]
+            except Exception as exc:
+                raise SourceError(f"{self.name}() raised {type(exc).__name__}: {exc}") from exc
+            self._buffers = {n: b.detach() for n, b in module.named_buffers(remove_duplicate=False)}
+        return self._buffers
 
     def input_templates(self) -> tuple[InputTemplate, ...]:
         module, examples, _ = self._load()
@@ -429,14 +498,16 @@ def trace_with_target(module: nn.Module, inputs: Sequence[Any], loss_fn: Callabl
                       leaf_modules: Sequence[str] = (), tracer: str = "auto"):
     """Trace `module` on `inputs` and append `loss_fn(output, target)`; returns (traced, graph inputs,
     output template). Without `example_target` the target is made by `target_maker(template,
-    batch rows)` from the output's shape, found by one fake-tensor forward of the traced graph."""
+    batch rows)` from the output's shape, found by one fake-tensor forward of the traced graph;
+    with one, the template is None."""
     from autoplan.graph.profile import fake_output
     from autoplan.graph.trace import append_loss, trace_model
 
     traced = trace_model(module, inputs, leaf_modules=leaf_modules, tracer=tracer)
-    logits = first_tensor(fake_output(traced, inputs))
-    template = OutputTemplate(tuple(int(d) for d in logits.shape), logits.dtype)
+    template = None  # with a target given, no forward is needed (a cached profile runs none)
     if example_target is None:
+        logits = first_tensor(fake_output(traced, inputs))
+        template = OutputTemplate(tuple(int(d) for d in logits.shape), logits.dtype)
         rows = next((t.shape[0] for t in inputs if isinstance(t, Tensor) and t.dim() > 0), 1)
         example_target = target_maker(template, rows)
     traced = append_loss(traced, loss_fn)

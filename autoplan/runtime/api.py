@@ -96,23 +96,71 @@ def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT, *, world_size: int | 
     dist.init_process_group(backend, timeout=timeout)
 
 
-def check_model(model: nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None) -> Mapping[str, str]:
-    """Refuse (one line) a model the plan was not made for, or a plan the runtime cannot run.
-
-    Returns the tensor-parallel layout (graph/sharding.py: module path -> "colwise" / "rowwise" /
-    "vocab-embedding" / "vocab-head"; empty for tp = 1), found by running the model on
-    `example_inputs` (token ids when None and the model starts with an embedding)."""
+def _check_fingerprint(model: nn.Module, plan: Plan) -> None:
     fingerprint = model_fingerprint(model)
     if fingerprint != plan.model_fingerprint:
         raise PartitionError(f"the plan was made for model {plan.model!r} (fingerprint {plan.model_fingerprint}) but this "
                              f"model's fingerprint is {fingerprint}; re-plan with `autoplan suggest` for this model")
+
+
+def check_model(model: nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None, *,
+                source: ModelSource | None = None, traced=None, graph_inputs: Sequence[Any] | None = None
+                ) -> Mapping[str, str]:
+    """Refuse (one line) a model the plan was not made for, or a plan the runtime cannot run.
+
+    Returns the tensor-parallel layout (graph/sharding.py: module path -> "colwise" / "rowwise" /
+    "vocab-embedding" / "vocab-head"; empty for tp = 1). It is found on the traced graph as the
+    profile finds it (`sharding.traced_layout`), so `suggest` and the runtime agree: on `traced`
+    and its `graph_inputs` when given (partition), else on the model traced here as partition
+    traces it (`_trace_for_plan`: the plan's tracer and leaf modules, `example_inputs` at the
+    micro-batch size, token ids when None and the model starts with an embedding, and `source`'s
+    loss and target when given)."""
+    _check_fingerprint(model, plan)
     _compute_dtype(plan)
     if plan.tp == 1:
         return {}
+    if traced is None:
+        if example_inputs is None:
+            from autoplan.graph.sharding import default_inputs
+
+            example_inputs = default_inputs(model)
+        if example_inputs is None:
+            raise PartitionError("no tensor-parallel layout: the model was not run (no example inputs) to find its "
+                                 "layers; plan with tp = 1")
+        traced, graph_inputs, *_ = _trace_for_plan(model, plan, example_inputs, source=source)
     try:
-        return tensor_parallel_plan(model, plan.tp, example_inputs)
+        return tensor_parallel_plan(traced, plan.tp, graph_inputs)
     except TensorParallelError as exc:
         raise PartitionError(str(exc)) from None
+
+
+def _trace_for_plan(model: nn.Module, plan: Plan, example_inputs: Sequence[Any], *, source: ModelSource | None = None,
+                    loss_fn: Callable[..., torch.Tensor] | None = None, example_target: torch.Tensor | None = None,
+                    leaf_modules: Sequence[str] | None = None, tracer: str | None = None):
+    """Trace `model` as partition runs it: at the micro-batch size (torch.export specializes the
+    batch it saw), with the plan's leaf modules and tracer, and the loss appended when there is one
+    (`loss_fn`, else `source`'s). Returns (traced, graph inputs, output template or None, the example
+    inputs and target at the micro-batch size, their original batch size)."""
+    from autoplan.graph.trace import trace_model
+
+    leaf_modules = plan.leaf_modules if leaf_modules is None else leaf_modules
+    tracer = plan.tracer if tracer is None else tracer
+    batch = _batch_size(tuple(example_inputs))
+    example_inputs = tuple(_with_batch(t, batch, plan.micro_batch_size) for t in example_inputs)
+    if example_target is not None:
+        example_target = _with_batch(example_target, batch, plan.micro_batch_size)
+    loss_fn = loss_fn or (source.loss_fn if source is not None else None)
+    if loss_fn is None:
+        traced = trace_model(model, example_inputs, leaf_modules=leaf_modules, tracer=tracer)
+        return traced, list(example_inputs), None, example_inputs, example_target, batch
+
+    def target_maker(out: OutputTemplate, rows: int) -> torch.Tensor:
+        return source.target(out.shape, out.dtype, rows, device="meta")
+
+    traced, graph_inputs, output_template = trace_with_target(
+        model, example_inputs, loss_fn, target_maker=target_maker, example_target=example_target,
+        leaf_modules=leaf_modules, tracer=tracer)
+    return traced, graph_inputs, output_template, example_inputs, example_target, batch
 
 
 def _check_tp_tracing(traced, tp_plan: Mapping[str, str], sequence_parallel: bool = False) -> Mapping[str, str]:
@@ -437,22 +485,18 @@ def partition(
         raise PartitionError(str(exc)) from None
     model = source.build("meta")
     loss_fn = loss_fn or source.loss_fn
-    if example_inputs is None:
-        example_inputs = source.example_inputs(plan.micro_batch_size, plan.job.seq_len, device="meta")
-    tp_plan = check_model(model, plan, example_inputs)
+    seq_len = plan.job.seq_len if source.default_seq_len is not None else None
+    if example_inputs is None or (seq_len is not None and seq_len != source.default_seq_len):
+        example_inputs = source.example_inputs(plan.micro_batch_size, seq_len, device="meta")
+    _check_fingerprint(model, plan)
+    _compute_dtype(plan)
     device = torch.device(device) if device is not None else default_device()
-    # Trace at the micro-batch size: torch.export specializes (and asserts) the batch it saw.
-    batch = _batch_size(tuple(example_inputs))
-    example_inputs = tuple(_with_batch(t, batch, plan.micro_batch_size) for t in example_inputs)
-    if example_target is not None:
-        example_target = _with_batch(example_target, batch, plan.micro_batch_size)
-
-    def target_maker(out: OutputTemplate, rows: int) -> torch.Tensor:
-        return source.target(out.shape, out.dtype, rows, device="meta")
-
-    traced, graph_inputs, output_template = trace_with_target(
-        model, example_inputs, loss_fn, target_maker=target_maker, example_target=example_target,
+    # Traced at the micro-batch size (torch.export specializes, and asserts, the batch it saw).
+    traced, graph_inputs, output_template, example_inputs, example_target, batch = _trace_for_plan(
+        model, plan, example_inputs, source=source, loss_fn=loss_fn, example_target=example_target,
         leaf_modules=leaf_modules, tracer=tracer)
+    # The layout from the traced graph, as the profile found it (check_model).
+    tp_plan = check_model(model, plan, traced=traced, graph_inputs=graph_inputs)
     tp_plan = _check_tp_tracing(traced, tp_plan, plan.sequence_parallel)
     if tuple(traced.block_names) != tuple(plan.block_names):
         raise PartitionError(f"the model traces into {len(traced.block_names)} blocks but the plan names "
@@ -498,9 +542,11 @@ def partition(
     sequence_parallel = bool(tp_plan) and plan.sequence_parallel
     layers = list(tp_plan.layers) if sequence_parallel else []
 
+    shared: dict = {}  # a parameter two of this rank's stages share stays one (apply_tensor_parallel)
+
     def shard(module: nn.Module) -> None:
         apply_tensor_parallel(module, tp_plan, layout.tp_mesh, sequence_parallel=sequence_parallel,
-                              model_layers=layers)
+                              model_layers=layers, shared=shared)
 
     if tp_plan and on_meta:  # shard on meta, then allocate only the shards (see materialize_stages)
         for module in mine.values():

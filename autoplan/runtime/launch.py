@@ -1,4 +1,4 @@
-"""`run_plan`: train a plan for a few steps on synthetic data, locally spawned or under torchrun.
+"""`run_plan`: train a plan for a few steps (synthetic data, or `--data`), locally spawned or under torchrun.
 
 Two ways in (DESIGN.md, "Launch"):
 - torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment): this process is one rank.
@@ -91,7 +91,9 @@ def _check(plan: Plan, spec: str) -> None:
         raise ValueError(f"{spec} changed since the plan was made (sha256 {digest[:12]}, the plan has "
                          f"{plan.model_digest[:12]}); re-plan with `autoplan suggest --model {spec} ... --out`")
     source.check_seq_len(plan.job.seq_len)
-    check_model(source.build("meta"), plan, source.example_inputs(plan.micro_batch_size, plan.job.seq_len))
+    # With tp > 1 this traces the model as partition does, for the layout the profile found.
+    check_model(source.build("meta"), plan, source.example_inputs(plan.micro_batch_size, plan.job.seq_len,
+                                                                  device="meta"), source=source)
 
 
 def synthetic_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,39 +145,50 @@ def _sigkill_self() -> None:
 # ---- one rank --------------------------------------------------------------------------------------
 
 
-def load_data_function(data: str, plan: Plan):
+def load_data_function(data: str, plan: Plan, *, check: bool = True):
     """The user's `file.py:function` that makes step k's global batch: `function(step, batch_size,
     seq_len) -> (inputs, target)`, inputs a tensor or a tuple of the model's forward arguments.
-    Called once here for step 0, so a wrong one is refused before any process is spawned."""
+    With `check` (the launcher, before any process is spawned) it is called for step 0 and its
+    batch is checked: two parts, and every tensor of the global batch's rows."""
     from autoplan.graph import zoo
 
-    spec = zoo.parse_model_spec(data)
-    if spec.family != "file":
+    if ".py:" not in data:
         raise ValueError(f"--data {data!r} must name path/to/file.py:FUNCTION")
+    spec = zoo.parse_model_spec(data)
     fn = zoo.load_function(spec)
+    if not check:
+        return fn
+    rows = plan.job.global_batch
     try:
-        result = fn(0, plan.job.global_batch, plan.job.seq_len)
+        result = fn(0, rows, plan.job.seq_len)
     except Exception as exc:
-        raise ValueError(f"--data {data}: {spec.function}(0, {plan.job.global_batch}, {plan.job.seq_len}) raised "
+        raise ValueError(f"--data {data}: {spec.function}(0, {rows}, {plan.job.seq_len}) raised "
                          f"{_one_line(exc)}") from None
     if not (isinstance(result, tuple | list) and len(result) == 2):
         raise ValueError(f"--data {data}: {spec.function}(step, batch_size, seq_len) must return (inputs, target), "
                          f"got {type(result).__name__}")
+    inputs, target = result
+    tensors = [*(inputs if isinstance(inputs, tuple | list) else (inputs,)), target]
+    wrong = [t.shape[0] for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != rows]
+    if wrong:
+        raise ValueError(f"--data {data}: step 0's batch has {wrong[0]} rows; it must be the global batch of "
+                         f"{rows} (each dp replica takes its rows)")
     return fn
 
 
 def _batch_fn(pm, data: str | None, plan: Plan, seed: int):
     """step -> (inputs tuple, target) of the global batch: the user's data, else the source's."""
     if data is not None:
-        fn = load_data_function(data, plan)
+        fn = load_data_function(data, plan, check=False)  # the launcher checked it
 
         def user_batch(step: int):
             inputs, target = fn(step, plan.job.global_batch, plan.job.seq_len)
             return (tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)), target
 
         return user_batch
-    out = pm.output_template
-    return lambda step: pm.source.batch(seed, step, plan.job.global_batch, plan.job.seq_len, out.shape, out.dtype)
+    out = pm.output_template  # None where the source knows its target without the output's shape
+    shape, dtype = (out.shape, out.dtype) if out is not None else ((), torch.float32)
+    return lambda step: pm.source.batch(seed, step, plan.job.global_batch, plan.job.seq_len, shape, dtype)
 
 
 def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace_path: str | None,

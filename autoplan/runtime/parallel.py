@@ -58,7 +58,13 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from autoplan.graph.sharding import TensorParallelLayout, find_layout, is_transposed_linear, sp_children
+from autoplan.graph.sharding import (
+    TensorParallelLayout,
+    find_layout,
+    is_transposed_linear,
+    sp_children,
+    traced_layout,
+)
 
 __all__ = ["DTensorStage", "ParallelLayout", "TensorParallelError", "all_reduce_grads", "apply_tensor_parallel", "build_layout",
            "grad_like_param", "local_tensor", "reduce_grads_to_owners", "sequence_parallel_layers", "tensor_parallel_plan"]
@@ -71,13 +77,20 @@ class TensorParallelError(ValueError):
 TP_SUPPORTED = "models whose attention and MLP linears graph/sharding.py finds"
 
 
-def tensor_parallel_plan(model: nn.Module, tp: int, example_inputs: Sequence[Any] | None = None
+def tensor_parallel_plan(model: Any, tp: int, example_inputs: Sequence[Any] | None = None
                          ) -> TensorParallelLayout:
     """The model's tensor-parallel layout (`graph/sharding.py`: module path -> "colwise" /
     "rowwise" / "vocab-embedding" / "vocab-head", read as a mapping); raises TensorParallelError
     (one line) when it has none or `tp` does not divide its heads, KV heads, MLP width or
-    vocabulary. Works on a model on meta."""
-    layout = find_layout(model, example_inputs)
+    vocabulary. Works on a model on meta. `model` is an nn.Module, or a traced model
+    (graph/trace.py `TracedModel`) with its graph's inputs as `example_inputs`: then the layout is
+    `sharding.traced_layout`'s, the one the profile records and the runtime runs."""
+    if isinstance(model, nn.Module):
+        layout = find_layout(model, example_inputs)
+    elif example_inputs is None:
+        layout = TensorParallelLayout(note="the traced model was not run (no example inputs) to find its layers")
+    else:
+        layout = traced_layout(model, example_inputs)
     refusal = layout.refusal(tp)
     if refusal is not None:
         raise TensorParallelError(refusal)
@@ -85,7 +98,8 @@ def tensor_parallel_plan(model: nn.Module, tp: int, example_inputs: Sequence[Any
 
 
 def apply_tensor_parallel(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh, *,
-                          sequence_parallel: bool = False, model_layers: Sequence[str] = ()) -> list[str]:
+                          sequence_parallel: bool = False, model_layers: Sequence[str] = (),
+                          shared: dict | None = None) -> list[str]:
     """Shard the linears of `tp_plan` found in `module` (a stage; paths as in the model) over
     `tp_mesh`; returns the paths sharded.
 
@@ -93,10 +107,12 @@ def apply_tensor_parallel(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh
     with torch's ColwiseParallel / RowwiseParallel; with `sequence_parallel`, the layers are also
     laid out as [Note: sequence parallelism] says, `model_layers` listing every transformer layer of
     the model in order (the first takes a whole sequence, the last gives one back). A layout over an
-    inlined graph is applied as [Note: tensor parallelism on an inlined graph] says. Works on meta
-    (nothing is communicated: every rank keeps its own slice of what it holds)."""
+    inlined graph is applied as [Note: tensor parallelism on an inlined graph] says; pass one
+    `shared` dict to the calls for every stage of a rank, so that a parameter two of its stages
+    share stays one. Works on meta (nothing is communicated: every rank keeps its own slice of what
+    it holds)."""
     if getattr(tp_plan, "inlined", False):
-        return _apply_to_graph(module, tp_plan, tp_mesh)
+        return _apply_to_graph(module, tp_plan, tp_mesh, {} if shared is None else shared)
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -204,49 +220,67 @@ def sequence_parallel_layers(model: nn.Module | TensorParallelLayout) -> list[st
 # (`_assert_tensor_metadata`, no sharding rule) are dropped; reshapes and views of a DTensor whose
 # local shard is not contiguous copy it first (DTensor decides view-ability on global strides);
 # attention runs on the local heads (`_local_attention`: DTensor's rule for CPU attention goes
-# through a slow decomposition); an embedding lookup of a vocabulary-sharded table is all-reduced
+# through a slow decomposition; a mask or bias per head, such as T5's relative position bias, is cut
+# to the local heads too, a plain one the graph made as a replicated tensor); an embedding lookup of a vocabulary-sharded table is all-reduced
 # at once (its masked partial result cannot wait). Constants the graph creates (masks, positions)
 # are plain tensors: DTensor's implicit replication treats them as replicated. Every parameter is a
-# DTensor, so an optimizer sees one kind of tensor.
+# DTensor, so an optimizer sees one kind of tensor. A parameter a stage holds only under another
+# name of a sharded one (BERT's `cls.predictions.bias`, T5's `decoder.embed_tokens.weight`:
+# `TensorParallelLayout.tied`) is sharded as that one, so the tie's gradient reduction between
+# pipeline stages sums shards that line up.
 
 
-def _apply_to_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh) -> list[str]:
+def _apply_to_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh, shared: dict) -> list[str]:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    converted: dict[int, nn.Parameter] = {}
+    # id of a parameter -> (it, its DTensor): one dict over the stages of a rank, so a parameter two
+    # stages share (a tied table on one pipeline rank's two virtual stages) stays one parameter.
+    converted: dict[int, tuple[nn.Parameter, nn.Parameter]] = shared
     done = []
     # The layout's modules first: a parameter they share with another module (a tied head's bias)
     # takes their placement.
     modules = sorted(module.named_modules(remove_duplicate=False), key=lambda item: item[0] not in layout)
+    tied = getattr(layout, "tied", {})
+    vocab_tables: set[int] = set()  # the token table under any of its names (a T5 stage reads lm_head.weight)
     for path, owner in modules:
-        style = layout.get(path)
-        transposed = path in getattr(layout, "transposed", ()) or is_transposed_linear(owner)
+        module_style = layout.get(path)
         for name, p in list(owner.named_parameters(recurse=False)):
+            style, key = layout.get(path), name
+            transposed = path in getattr(layout, "transposed", ()) or is_transposed_linear(owner)
+            full = f"{path}.{name}" if path else name
+            if style is None and full in tied and tied[full].rpartition(".")[0] in layout:
+                # Another name of a sharded parameter (a stage may hold it only under this one):
+                # the same placement, or the tie's gradient reduction across stages would not line up.
+                target, _, key = tied[full].rpartition(".")
+                style = layout.get(target)
+                transposed = target in getattr(layout, "transposed", ())
             if id(p) not in converted:
                 if style in ("colwise", "vocab-head"):
-                    dim = 1 if transposed and name == "weight" else 0
+                    dim = 1 if transposed and key == "weight" else 0
                     placement = Shard(dim)
                 elif style == "colwise-qkv":  # each of the q, k, v thirds sharded ([Note: fused q/k/v])
-                    dim = 1 if transposed and name == "weight" else 0
+                    dim = 1 if transposed and key == "weight" else 0
                     placement = _StridedShard(dim, split_factor=3)
-                elif style == "rowwise" and name == "weight":
+                elif style == "rowwise" and key == "weight":
                     placement = Shard(0 if transposed else 1)
                 elif style == "vocab-embedding":
                     placement = Shard(0)
                 else:
                     placement = Replicate()
-                converted[id(p)] = nn.Parameter(
+                converted[id(p)] = (p, nn.Parameter(
                     distribute_tensor(p.detach(), tp_mesh, [placement], src_data_rank=None),
-                    requires_grad=p.requires_grad)
-            owner._parameters[name] = converted[id(p)]
+                    requires_grad=p.requires_grad))
+            owner._parameters[name] = converted[id(p)][1]
+            if style in ("vocab-embedding", "vocab-head") and key == "weight":  # a lookup may read a tied head's
+                vocab_tables.add(id(converted[id(p)][1]))
         for name, b in list(owner.named_buffers(recurse=False)):
             if b is not None and not isinstance(b, DTensor):
                 owner._buffers[name] = DTensor.from_local(b, tp_mesh, [Replicate()], run_check=False)
-        if style is not None:
+        if module_style is not None:
             done.append(path)
-    vocab_tables = {id(module.get_submodule(p).weight) for p, style in layout.items()
-                    if style == "vocab-embedding" and _has_submodule(module, p)}
+    vocab_tables |= {id(module.get_submodule(p).weight) for p, style in layout.items()
+                     if style == "vocab-embedding" and _has_submodule(module, p)}
     for gm in module.modules():
         if isinstance(gm, torch.fx.GraphModule):
             _rewrite_for_dtensor(gm, vocab_tables)
@@ -461,10 +495,16 @@ def _local_attention(q, k, v, attn_mask=None, *args, **kwargs):
     placements = [Shard(1)] if heads_split else [Replicate()]
 
     def local(t):
-        if not isinstance(t, DTensor):
+        if not isinstance(t, torch.Tensor):
             return t
-        wanted = placements if t.dim() == 4 and t.shape[1] == q.shape[1] else [Replicate()]  # a mask
-        return t.redistribute(mesh, wanted).to_local()
+        per_head = t.dim() == 4 and t.shape[1] == q.shape[1]  # a mask or bias per head (T5's), else broadcast
+        if not isinstance(t, DTensor):
+            if not (heads_split and per_head):
+                return t
+            # A plain tensor the graph made (T5's zero position bias plus the mask) is replicated:
+            # this rank's heads are a local slice.
+            t = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        return t.redistribute(mesh, placements if per_head else [Replicate()]).to_local()
 
     out = torch.ops.aten.scaled_dot_product_attention.default(local(q), local(k), local(v), local(attn_mask),
                                                               *args, **kwargs)

@@ -65,6 +65,11 @@ class MixedPrecision:
                             working.register_post_accumulate_grad_hook(self._accumulate)
                     mod._parameters[name] = working
                 for name, b in list(mod._buffers.items()):
+                    # Non-persistent buffers are tables a model computes from positions (rotary
+                    # frequencies, cos / sin): they stay fp32, since bf16 holds integers exactly only
+                    # up to 256 and the positions the graph multiplies them by follow their dtype.
+                    if name in mod._non_persistent_buffers_set:
+                        continue
                     if b is not None and b.is_floating_point() and b.dtype != dtype:
                         mod._buffers[name] = b.to(dtype)
 

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from autoplan.graph.source import tied_parameter_names  # noqa: F401 - re-exported: the runtime's callers use it here
 from autoplan.graph.trace import TracedModel, crossing_values, extract_submodule
 
 __all__ = ["CrossingValue", "StageSpec", "build_stage_modules", "materialize_stages", "plan_stage_specs",
@@ -130,20 +131,6 @@ def plan_stage_specs(traced: TracedModel, boundaries: Sequence[int], values: Map
 def build_stage_modules(traced: TracedModel, specs: Sequence[StageSpec]) -> dict[int, fx.GraphModule]:
     """stage index -> GraphModule of its blocks (over the model's own modules and parameters)."""
     return {s.index: extract_submodule(traced, s.first_block, s.end_block - 1)[0] for s in specs}
-
-
-def tied_parameter_names(model: nn.Module) -> dict[str, str]:
-    """Every name of a shared parameter -> its first name in the model (e.g. output.weight ->
-    tok_embeddings.weight); names of unshared parameters are absent."""
-    first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-            aliases.setdefault(first[id(p)], first[id(p)])
-        else:
-            first[id(p)] = name
-    return aliases
 
 
 def materialize_stages(modules: Sequence[nn.Module], device: torch.device, *, seed: int = 0,

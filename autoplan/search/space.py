@@ -70,7 +70,7 @@ class SearchResult:
     def to_dict(self) -> dict:
         return {"plans": [p.to_dict() for p in self.plans],
                 "search": {"time_s": self.time_s, "configs_evaluated": self.configs_evaluated,
-                           "configs_considered": self.configs_considered}}
+                           "configs_considered": self.configs_considered, "notes": list(self.notes)}}
 
 
 def _divisors(n: int) -> list[int]:
