@@ -46,12 +46,59 @@ class Stage:
     runner: Callable[..., Any] | None = None
     """Runs the stage in place of `module` (recompute.RecomputeRunner: same inputs and outputs)."""
 
+    split_backward: bool = True
+    """Whether zb-h1's split backward (input gradients at B, weight gradients at W) is exact for this
+    stage; see `splits_backward_exactly`. When not, B computes both and W does nothing."""
+
     def __post_init__(self) -> None:
         if not self.params:
             self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.split_backward = splits_backward_exactly(self.module)
 
     def __call__(self, *args: Any) -> Any:
         return (self.runner or self.module)(*args)
+
+
+def splits_backward_exactly(module: nn.Module) -> bool:
+    """False when the stage's graph computes a value from parameters alone (no input reaches it) and
+    uses it more than once (sending it to the next stage counts): T5's relative-position bias, made
+    from one embedding table and added to the scores of every decoder layer. torch's split weight backward (`stage_backward_weight`) groups the
+    weights by the intermediates next to them and clamps their gradients, which counts such a shared
+    value's gradient wrongly (measured: a T5 bias table's gradient off by up to 10x under zb-h1)."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return True
+    from_inputs: set[str] = set()
+    from_params: set[str] = set()
+    for node in graph.nodes:
+        sources = node.all_input_nodes
+        if _carries_gradient(node) or any(a.name in from_inputs for a in sources):
+            from_inputs.add(node.name)
+        elif _is_parameter(module, node) or any(a.name in from_params for a in sources):
+            from_params.add(node.name)
+            if node.op != "get_attr" and len(node.users) > 1:  # the stage's output counts: sent on, used here
+                return False
+    return True
+
+
+def _is_parameter(module: nn.Module, node) -> bool:
+    """A get_attr of a trainable parameter (buffers such as rotary tables take no gradient)."""
+    if node.op != "get_attr":
+        return False
+    try:
+        value = module.get_parameter(str(node.target))
+    except AttributeError:
+        return False
+    return value.requires_grad
+
+
+def _carries_gradient(node) -> bool:
+    """A stage input a gradient can flow back to: any placeholder but integer ones (token ids,
+    position buckets), when the graph records the value's dtype (torch.export does)."""
+    if node.op != "placeholder":
+        return False
+    value = node.meta.get("val")
+    return not isinstance(value, torch.Tensor) or value.is_floating_point()
 
 
 @dataclass(frozen=True)
@@ -201,7 +248,7 @@ class PipelineExecutor:
             # A gradient arrives in the wire dtype; backward wants the output's own.
             out_grads.append(g if g is None or g.dtype == v.dtype else g.to(v.dtype))
         leaves = [v for v in inputs if v is not None]
-        if self.split_backward and leaves and outputs:
+        if self.split_backward and stage.split_backward and leaves and outputs:
             from torch.distributed.pipelining._backward import stage_backward_input
 
             grads, state.param_groups = stage_backward_input(

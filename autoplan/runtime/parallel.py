@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils._pytree import tree_flatten
 
 from autoplan.graph.sharding import (
     TensorParallelLayout,
@@ -216,18 +217,20 @@ def sequence_parallel_layers(model: nn.Module | TensorParallelLayout) -> list[st
 # feature dim into (heads, head_dim) with the heads sharded, and inserts the collectives Megatron
 # places by hand: the partial sums of a row-parallel linear are all-reduced where the residual
 # needs them, and the gradients of the replicated inputs of column-parallel linears in backward.
-# The graph is rewritten in four places where DTensor would fail or be slow: size checks
-# (`_assert_tensor_metadata`, no sharding rule) are dropped; reshapes and views of a DTensor whose
-# local shard is not contiguous copy it first (DTensor decides view-ability on global strides);
-# attention runs on the local heads (`_local_attention`: DTensor's rule for CPU attention goes
-# through a slow decomposition; a mask or bias per head, such as T5's relative position bias, is cut
-# to the local heads too, a plain one the graph made as a replicated tensor); an embedding lookup of a vocabulary-sharded table is all-reduced
-# at once (its masked partial result cannot wait). Constants the graph creates (masks, positions)
-# are plain tensors: DTensor's implicit replication treats them as replicated. Every parameter is a
-# DTensor, so an optimizer sees one kind of tensor. A parameter a stage holds only under another
-# name of a sharded one (BERT's `cls.predictions.bias`, T5's `decoder.embed_tokens.weight`:
-# `TensorParallelLayout.tied`) is sharded as that one, so the tie's gradient reduction between
-# pipeline stages sums shards that line up.
+# The graph is rewritten in five places where DTensor would fail or be slow: a custom operator
+# DTensor has no rule for (Mixtral's `transformers.grouped_mm_fallback`) runs replicated on whole
+# local tensors (`_ReplicatedOp`); size checks (`_assert_tensor_metadata`, no sharding rule) are
+# dropped; reshapes and views of a DTensor whose local shard is not contiguous copy it first
+# (DTensor decides view-ability on global strides); attention runs on the local heads
+# (`_local_attention`: DTensor's rule for CPU attention goes through a slow decomposition; a mask or
+# bias per head, such as T5's relative position bias, is cut to the local heads too, a plain one the
+# graph made as a replicated tensor); an embedding lookup of a vocabulary-sharded table is
+# all-reduced at once (its masked partial result cannot wait). Constants the graph creates (masks,
+# positions) are plain tensors: DTensor's implicit replication treats them as replicated. Every
+# parameter is a DTensor, so an optimizer sees one kind of tensor. A parameter a stage holds only
+# under another name of a sharded one (BERT's `cls.predictions.bias`, T5's
+# `decoder.embed_tokens.weight`: `TensorParallelLayout.tied`) is sharded as that one, so the tie's
+# gradient reduction between pipeline stages sums shards that line up.
 
 
 def _apply_to_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh, shared: dict) -> list[str]:
@@ -315,12 +318,56 @@ def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int]) -> No
                 node.target = _FUSED_QKV_OPS[node.target]
         elif node.target in _SPLITS:
             node.target = _SPLITS[node.target]
+        elif _no_sharding_rule(node.target):
+            node.target = _ReplicatedOp(node.target)
         elif node.target in (aten.embedding.default, F.embedding):
             weight = node.args[0] if node.target is aten.embedding.default else node.args[1]
             if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and id(_get_attr(gm, weight.target)) in vocab_tables:
                 node.target = _VOCAB_EMBEDDING[node.target]  # same node (its block and name stay): no new node
     gm.graph.lint()
     gm.recompile()
+
+
+def _no_sharding_rule(target: Any) -> bool:
+    """A custom operator (not aten's or prims') DTensor has no sharding rule for (transformers'
+    `grouped_mm_fallback` of Mixtral's experts)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace in ("aten", "prims"):
+        return False
+    prop = DTensor._op_dispatcher.sharding_propagator
+    return not any(target in getattr(prop, table, {}) for table in
+                   ("op_strategy_funcs", "op_to_rules", "op_single_dim_strategy_funcs"))
+
+
+class _ReplicatedOp:
+    """Runs an operator DTensor has no rule for on whole local tensors (its DTensor inputs made
+    Replicate) and gives Replicate DTensors back: the same computation on every tp rank, as for a
+    module the layout leaves replicated."""
+
+    def __init__(self, op):
+        self.op = op
+        self.__name__ = f"replicated_{op.namespace}_{op._opname}"
+
+    def __call__(self, *args, **kwargs):
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.utils._pytree import tree_map
+
+        mesh = next((x.device_mesh for x in tree_flatten((args, kwargs))[0] if isinstance(x, DTensor)), None)
+        if mesh is None:
+            return self.op(*args, **kwargs)
+
+        def local(x):
+            if isinstance(x, DTensor):
+                return x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+            return x
+
+        def wrap(x):
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            return x
+
+        return tree_map(wrap, self.op(*tree_map(local, args), **tree_map(local, kwargs)))
 
 
 def _get_attr(gm: nn.Module, target: str) -> Any:
