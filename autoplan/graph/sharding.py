@@ -569,8 +569,11 @@ def _vocab_parallel(flow: _Flow, styles: dict[str, str], divides: dict) -> None:
     if len(heads) != 1 or heads[0] in flow.transposed:
         return
     h, vocab = flow.widths[heads[0]]
+    # The token table is the largest of the hidden width: a classifier with as many labels as some
+    # small table has rows (BERT's 2 token types) is not a vocabulary head.
+    largest = max((num for num, dim, _ in flow.embeddings.values() if dim == h), default=None)
     for path, (num, dim, weight) in flow.embeddings.items():
-        if dim == h and (num == vocab or flow.head_weights.get(heads[0]) == weight):
+        if dim == h and num == largest and (num == vocab or flow.head_weights.get(heads[0]) == weight):
             styles[path] = "vocab-embedding"
             styles[heads[0]] = "vocab-head"
             divides["vocab_size"] = (vocab, "")
