@@ -185,6 +185,8 @@ def suggest_with_stats(
     # What `run` needs to rebuild and trace the model as planned; it refuses a file changed since.
     recorded = dict(model_digest=source.file_digest() or "", leaf_modules=tuple(leaf_modules), tracer=tracer)
     result = dataclasses.replace(result, plans=[dataclasses.replace(p, **recorded) for p in result.plans])
+    if profiled.traced.tracer == "modules":  # the fallback graph: say whether it was checked against the model
+        result.notes.append(profiled.traced.note)
     return result, profiled
 
 
