@@ -68,14 +68,12 @@ from autoplan.graph.sharding import (
 )
 
 __all__ = ["DTensorStage", "ParallelLayout", "TensorParallelError", "all_reduce_grads", "apply_tensor_parallel", "build_layout",
-           "grad_like_param", "local_tensor", "reduce_grads_to_owners", "sequence_parallel_layers", "tensor_parallel_plan"]
+           "grad_like_param", "local_tensor", "reduce_grads_to_owners", "tensor_parallel_plan"]
 
 
 class TensorParallelError(ValueError):
     """The model cannot be run tensor-parallel at this degree (one-line message)."""
 
-
-TP_SUPPORTED = "models whose attention and MLP linears graph/sharding.py finds"
 
 
 def tensor_parallel_plan(model: Any, tp: int, example_inputs: Sequence[Any] | None = None
@@ -198,12 +196,6 @@ def _apply_sequence_parallel(module: nn.Module, tp_mesh, model_layers: Sequence[
         parallelize_module(layer, tp_mesh, PrepareModuleOutput(
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate() if path == last else Shard(1),),
             use_local_output=True))
-
-
-def sequence_parallel_layers(model: nn.Module | TensorParallelLayout) -> list[str]:
-    """Paths of the model's transformer layers that sequence parallelism lays out, in order."""
-    layout = model if isinstance(model, TensorParallelLayout) else find_layout(model)
-    return list(layout.layers)
 
 
 # [Note: tensor parallelism on an inlined graph]
