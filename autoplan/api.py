@@ -16,7 +16,7 @@ from torch import nn
 from autoplan.cluster import Cluster, parse_cluster
 from autoplan.graph import zoo
 from autoplan.graph.blocks import ModelProfile
-from autoplan.graph.profile import Progress, _model_info, model_fingerprint, profile_traced
+from autoplan.graph.profile import Progress, config_info, model_fingerprint, profile_traced
 from autoplan.graph.source import ModelSource, ModuleSource, as_source, trace_with_target
 from autoplan.graph.trace import TracedModel, trace_model
 from autoplan.plan import Job, Plan
@@ -113,7 +113,7 @@ def _profile_with_graph(model, *, batch_size, seq_len, example_inputs, loss_fn, 
         traced, graph_inputs, _ = trace_with_target(
             module, inputs, loss, example_target=example_target, leaf_modules=leaf_modules, tracer=tracer,
             target_maker=lambda out, rows: source.target(out.shape, out.dtype, rows, device="meta"))
-    info = _model_info(module)
+    info = config_info(module)
     info.update({k: v for k, v in source.info.items() if v is not None})
     rows = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), batch_size)
     prof = profile_traced(traced, graph_inputs, model_name=source.name, fingerprint=model_fingerprint(module),

@@ -45,7 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from autoplan.graph.blocks import Block, CrossingTensor, CutCandidate, ModelProfile
 from autoplan.graph.trace import TracedModel, crossing_values, extract_submodule, trace_with_loss
 
-__all__ = ["ProfileError", "fake_output", "flop_counter", "model_fingerprint", "profile_model", "profile_traced"]
+__all__ = ["ProfileError", "config_info", "fake_output", "flop_counter", "model_fingerprint", "profile_model", "profile_traced"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -710,7 +710,7 @@ def _analytic_key(traced: TracedModel, example_inputs: Sequence[Any], *, model_n
 # Entry points
 
 
-def _model_info(model: nn.Module) -> dict[str, int | None]:
+def config_info(model: nn.Module) -> dict[str, int | None]:
     """Heads, hidden size, ... from a zoo model's or a transformers model's config, if any."""
     config = getattr(model, "config", None)
     info: dict[str, int | None] = {}
@@ -944,7 +944,7 @@ def profile_model(
     _check_device(device)
     traced, inputs = trace_with_loss(model, example_inputs, loss_fn=loss_fn, example_target=example_target,
                                      leaf_modules=leaf_modules, tracer=tracer)
-    merged = _model_info(model)
+    merged = config_info(model)
     merged.update({k: v for k, v in (info or {}).items() if v is not None})
     fingerprint = model_fingerprint(model)
     profile = profile_traced(
