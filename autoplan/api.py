@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoplan.cluster import Cluster, parse_cluster
+from autoplan.cluster import Cluster, parse_cluster, with_collective_curves
+from autoplan.cost.calibration import Calibrations
 from autoplan.graph import zoo
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.profile import Progress, config_info, model_fingerprint, profile_traced
@@ -136,6 +137,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _calibrations(calibration: Any) -> Calibrations:
+    if calibration is None:
+        return Calibrations()
+    if isinstance(calibration, Calibrations):
+        return calibration
+    if isinstance(calibration, (str, os.PathLike)):
+        calibration = [calibration]
+    return Calibrations.from_files(list(calibration))
+
+
 def suggest_with_stats(
     model: str | nn.Module,
     cluster: str | Cluster,
@@ -154,9 +165,11 @@ def suggest_with_stats(
     tracer: str = "auto",
     progress: Progress | None = None,
     search_progress: Progress | None = None,
+    calibration: str | os.PathLike | Sequence[str | os.PathLike] | Calibrations | None = None,
     **pins: Any,
 ) -> tuple[SearchResult, ProfiledModel]:
-    """`suggest`, also returning the search statistics and the profiled model."""
+    """`suggest`, also returning the search statistics and the profiled model. `calibration`: a file
+    `autoplan calibrate` wrote (or several, one per GPU type) to use in place of the shipped ones."""
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise ValueError(f"global batch {global_batch!r} must be a positive integer")
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
@@ -167,6 +180,11 @@ def suggest_with_stats(
         cluster_obj = cluster.with_bandwidth(intra_node_bw_gbps, inter_node_bw_gbps)
     else:
         raise ValueError(f"cluster must be a spec string or a Cluster, got {type(cluster).__name__}")
+    calibrations = _calibrations(calibration)
+    for gpu in cluster_obj.gpu_types:  # measured collective curves replace the shipped link figures
+        measured = calibrations.overrides.get(gpu.name)
+        if measured is not None and measured.collectives:
+            cluster_obj = with_collective_curves(cluster_obj, measured.collectives)
     torch_dtype = parse_dtype(dtype)
     # Profile one sequence; every analytic per-micro-batch quantity scales linearly with the batch.
     # Timed blocks do not ([Note: batch scaling] in graph/profile.py): with the micro-batch size
@@ -181,7 +199,8 @@ def suggest_with_stats(
     prof = profiled.profile
     job = Job(global_batch=global_batch, seq_len=seq_len or prof.seq_len, dtype=_dtype_name(torch_dtype))
     source = profiled.source
-    result = search_plans(prof, cluster_obj, job, model_spec=source.spec, top=top, pins=pins, progress=search_progress)
+    result = search_plans(prof, cluster_obj, job, model_spec=source.spec, top=top, pins=pins, progress=search_progress,
+                          calibrations=calibrations)
     # What `run` needs to rebuild and trace the model as planned; it refuses a file changed since.
     recorded = dict(model_digest=source.file_digest() or "", leaf_modules=tuple(leaf_modules), tracer=tracer)
     result = dataclasses.replace(result, plans=[dataclasses.replace(p, **recorded) for p in result.plans])

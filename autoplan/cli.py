@@ -112,7 +112,8 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         result, profiled = api.suggest_with_stats(
             args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, top=args.top,
             dtype=args.dtype, intra_node_bw_gbps=args.intra_node_bw, inter_node_bw_gbps=args.inter_node_bw,
-            leaf_modules=leaf, tracer=args.tracer, progress=callback, search_progress=search_callback, **_pins(args))
+            leaf_modules=leaf, tracer=args.tracer, progress=callback, search_progress=search_callback,
+            calibration=args.calibration or None, **_pins(args))
     finally:
         if progress is not None:
             progress.stop()
@@ -149,6 +150,26 @@ def cmd_run(args: argparse.Namespace) -> int:
                     data=args.data)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from autoplan.report.tables import calibration_table
+    from autoplan.runtime.calibrate import CalibrationRunError, calibrate
+
+    try:
+        cal = calibrate(args.out, device=args.device, gpu=args.gpu, dtype=args.dtype, quick=args.quick,
+                        collectives=args.collectives, nproc=args.nproc, force=args.force, timeout_s=args.timeout)
+    except CalibrationRunError as exc:
+        print(f"autoplan: error: {exc}", file=sys.stderr)
+        return 1
+    if cal is None:  # a rank other than 0 under torchrun
+        return 0
+    console = _console()
+    console.print(calibration_table(cal))
+    for note in cal.measurements["fit"]["notes"]:
+        console.print(f"note: {note}")
+    console.print(f"wrote {args.out}; use it with `autoplan suggest --calibration {args.out}`")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoplan", description="Plan and run pipeline/tensor/data-parallel training of PyTorch models.")
     parser.add_argument("--version", action="version", version=f"autoplan {__version__}")
@@ -177,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="with --sweep-gpus: write the sweep as a picture (.svg, or .png with matplotlib)")
     p.add_argument("--intra-node-bw", type=float, help="override intra-node bandwidth, GB/s per GPU per direction")
     p.add_argument("--inter-node-bw", type=float, help="override inter-node bandwidth, GB/s per GPU per direction")
+    p.add_argument("--calibration", action="append", metavar="FILE",
+                   help="a calibration `autoplan calibrate` wrote, used in place of the shipped one for its GPU type "
+                        "(repeat for several GPU types)")
     pins = p.add_argument_group("pins (fix a dimension; the rest is searched)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
@@ -208,6 +232,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint every K steps (and after the last)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("calibrate", help="measure this machine's GPU (or CPU) and write a calibration file",
+                       description="Times a GEMM sweep, fused attention and memory-bound kernels (and with "
+                                   "--collectives all-reduce, all-gather, reduce-scatter and p2p), fits the cost "
+                                   "model's numbers and writes them for `autoplan suggest --calibration FILE`.")
+    p.add_argument("--out", required=True, metavar="FILE", help="calibration JSON to write")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="what to measure (default cuda when available, else cpu)")
+    p.add_argument("--gpu", help="the GPU type the numbers are for, e.g. H100-SXM-80GB (default: guessed from the "
+                                 "device name; cpu for --device cpu)")
+    p.add_argument("--dtype", help="GEMM dtypes, comma-separated, e.g. bf16,fp32; the first also times attention and "
+                                   "memory kernels (default bf16 on cuda, float32 on cpu)")
+    p.add_argument("--quick", action="store_true", help="a few small shapes (seconds; for tests and CPUs)")
+    p.add_argument("--collectives", action="store_true",
+                   help="also measure collective bandwidth curves (local processes, or the torchrun world)")
+    p.add_argument("--nproc", type=int, help="with --collectives: local processes to spawn (default the visible GPUs, "
+                                             "2 on CPU)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds the collective benchmark may take (default 600)")
+    p.set_defaults(func=cmd_calibrate)
 
     from autoplan.report.commands import register
 

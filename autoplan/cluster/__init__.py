@@ -9,6 +9,7 @@ from autoplan.cluster.collectives import (
     group_layout,
     p2p_time_s,
     reduce_scatter_time_s,
+    with_collective_curves,
 )
 from autoplan.cluster.devices import (
     CPU_GFLOPS_ENV,
@@ -21,12 +22,21 @@ from autoplan.cluster.devices import (
     dtype_key,
     get_gpu,
 )
-from autoplan.cluster.topology import PRESETS, Cluster, Link, NodeGroup, default_links, parse_cluster
+from autoplan.cluster.topology import (
+    CURVE_OPS,
+    PRESETS,
+    Cluster,
+    Link,
+    NodeGroup,
+    default_links,
+    parse_cluster,
+)
 
 __all__ = [
     "ALGORITHMS",
     "CPU_GFLOPS_ENV",
     "CPU_GFLOPS_PER_CORE_DEFAULT",
+    "CURVE_OPS",
     "DTYPE_KEYS",
     "GPU",
     "GPUS",
@@ -45,4 +55,5 @@ __all__ = [
     "p2p_time_s",
     "parse_cluster",
     "reduce_scatter_time_s",
+    "with_collective_curves",
 ]

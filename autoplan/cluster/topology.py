@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -64,9 +65,17 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
 
 
+CURVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+"""Operations a `Link` may carry a measured bandwidth curve for (nccl-tests' `*_perf` binaries)."""
+
+Curve = tuple[tuple[float, float], ...]
+"""(message bytes, bus bandwidth bytes/s) points, strictly increasing in bytes (see `Link.curves`)."""
+
+
 @dataclass(frozen=True)
 class Link:
-    """A class of connection between two GPUs (alpha-beta model: time = latency_s + bytes / bw)."""
+    """A class of connection between two GPUs: alpha-beta (time = latency_s + bytes / bw), or the
+    measured bandwidth curves in `curves` where it has them (cluster/collectives.py)."""
 
     bw_bytes_per_s: float
     """Bandwidth per GPU per direction, bytes/s."""
@@ -74,12 +83,58 @@ class Link:
     """Per-message (per collective step) latency, seconds: the alpha of the alpha-beta model."""
     kind: str = ""
     """Label for reports, e.g. "NVLink", "IB", "PCIe"."""
+    curves: tuple[tuple[str, Curve], ...] = ()
+    """Measured bus bandwidth against message size, per operation in `CURVE_OPS`: ((op, ((bytes,
+    busbw_bytes_per_s), ...)), ...), points sorted by size, busbw as nccl-tests defines it (for p2p
+    the plain bandwidth). Empty: the alpha-beta figures above. See [Note: measured curves] in
+    cluster/collectives.py."""
+    _curve: dict[str, tuple[tuple[float, ...], ...]] = field(
+        init=False, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         if not _is_number(self.bw_bytes_per_s) or not self.bw_bytes_per_s > 0:
             raise ClusterSpecError(f"link bandwidth must be > 0 bytes/s, got {self.bw_bytes_per_s!r}")
         if not _is_number(self.latency_s) or not self.latency_s >= 0:
             raise ClusterSpecError(f"link latency must be >= 0 s, got {self.latency_s!r}")
+        table: dict[str, tuple[tuple[float, ...], ...]] = {}
+        curves = tuple((op, tuple((float(b), float(bw)) for b, bw in points)) for op, points in self.curves)
+        for op, points in curves:
+            if op not in CURVE_OPS:
+                raise ClusterSpecError(f"link curve {op!r} is not one of {CURVE_OPS}")
+            if op in table:
+                raise ClusterSpecError(f"link has two curves for {op!r}")
+            if not points:
+                raise ClusterSpecError(f"link curve {op!r} has no points")
+            sizes = tuple(b for b, _ in points)
+            bws = tuple(bw for _, bw in points)
+            if not all(_is_number(v) and v > 0 for v in sizes + bws):
+                raise ClusterSpecError(
+                    f"link curve {op!r}: bytes and bandwidth must be > 0, got {list(points)}"
+                )
+            if any(a >= b for a, b in zip(sizes, sizes[1:])):
+                raise ClusterSpecError(
+                    f"link curve {op!r}: sizes must be strictly increasing, got {list(sizes)}"
+                )
+            table[op] = (sizes, bws, tuple(math.log(v) for v in sizes), tuple(math.log(v) for v in bws))
+        object.__setattr__(self, "curves", curves)
+        object.__setattr__(self, "_curve", table)
+
+    def curve(self, op: str) -> tuple[tuple[float, ...], ...] | None:
+        """(sizes, busbws, log sizes, log busbws) of `op`'s curve. A collective without its own
+        curve borrows another collective's (busbw is normalised to be comparable across them,
+        nccl-tests PERFORMANCE.md); None when there is none (alpha-beta)."""
+        found = self._curve.get(op)
+        if found is None and op != "p2p":
+            for other in ("all_reduce", "reduce_scatter", "all_gather"):
+                found = self._curve.get(other)
+                if found is not None:
+                    break
+        return found
+
+    def without_curves(self) -> Link:
+        """The same link with its alpha-beta figures only."""
+        return dataclasses.replace(self, curves=())
 
     @property
     def bw_gbps(self) -> float:
@@ -219,17 +274,26 @@ class Cluster:
     def with_bandwidth(
         self, intra_node_bw_gbps: float | None = None, inter_node_bw_gbps: float | None = None
     ) -> Cluster:
-        """A copy with the given link bandwidths (GB/s = 1e9 bytes/s, per GPU per direction)."""
+        """A copy with the given link bandwidths (GB/s = 1e9 bytes/s, per GPU per direction).
+
+        An overridden link drops its measured curves: the figure given is what the user wants used.
+        """
         intra, inter = self.intra_node, self.inter_node
         if intra_node_bw_gbps is not None:
             intra = dataclasses.replace(
-                intra, bw_bytes_per_s=_bw_arg("intra_node_bw_gbps", intra_node_bw_gbps)
+                intra, bw_bytes_per_s=_bw_arg("intra_node_bw_gbps", intra_node_bw_gbps), curves=()
             )
         if inter_node_bw_gbps is not None:
             inter = dataclasses.replace(
-                inter, bw_bytes_per_s=_bw_arg("inter_node_bw_gbps", inter_node_bw_gbps)
+                inter, bw_bytes_per_s=_bw_arg("inter_node_bw_gbps", inter_node_bw_gbps), curves=()
             )
         return dataclasses.replace(self, intra_node=intra, inter_node=inter)
+
+    def without_curves(self) -> Cluster:
+        """A copy whose links use their alpha-beta figures only (no measured curves)."""
+        return dataclasses.replace(
+            self, intra_node=self.intra_node.without_curves(), inter_node=self.inter_node.without_curves()
+        )
 
     def describe(self) -> str:
         """One line, e.g. "2 nodes x 8 H100-SXM-80GB, NVLink 450 GB/s, IB 50 GB/s per GPU per direction"."""
@@ -299,7 +363,14 @@ class Cluster:
             }
 
         def link_entry(link: Link) -> dict[str, Any]:
-            return {"bw_bytes_per_s": link.bw_bytes_per_s, "latency_s": link.latency_s, "kind": link.kind}
+            entry: dict[str, Any] = {
+                "bw_bytes_per_s": link.bw_bytes_per_s,
+                "latency_s": link.latency_s,
+                "kind": link.kind,
+            }
+            if link.curves:
+                entry["curves"] = {op: [list(p) for p in points] for op, points in link.curves}
+            return entry
 
         return {
             "name": self.name,
@@ -330,12 +401,69 @@ _NVLINK_LATENCY_S = 3e-6  # estimate, see above
 _PCIE_LATENCY_S = 5e-6  # estimate: a PCIe hop through the host bridge
 _IB_LATENCY_S = 6e-6  # estimate: IB/RoCE verbs ~2 us one-way plus NCCL proxy overhead
 
+# Measured-style bus bandwidth curves of the A100 / H100 node links ([Note: measured curves] in
+# cluster/collectives.py): (bytes, busbw bytes/s) at 8 KiB, 1 MiB, 32 MiB and 1 GiB. How each point was
+# obtained:
+# - the large-size busbw is a published NCCL figure where one was found, else the datasheet rate times
+#   a stated efficiency ("assumed");
+# - the 8 KiB point is a small-message time (latency-bound; "assumed" figures say so), written as busbw
+#   for the group size the curve stands for (8 ranks in a node; 2 nodes x 1 rank across nodes);
+# - the 1 MiB and 32 MiB points are assumed: the alpha-beta line through those two anchors,
+#   t(N) = t_8KiB + factor * N / peak_busbw, as busbw.
+# `autoplan calibrate` on the machine (calibration JSON, `collectives`) replaces all of them.
+_KIB8, _MIB, _MIB32, _GIB = 8192, 2**20, 2**25, 2**30
+
+# A100 NVLink3/NVSwitch, 8 GPUs, NCCL ring (A100 has no NVLink SHARP). Peak busbw: assumed 0.8 x 300 GB/s
+# = 240 GB/s, the share of the NVLink line rate NCCL's protocol reaches per NVIDIA's NCCL maintainer
+# ("450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective NVLink
+# bandwidth of 370GB/s", H100; https://github.com/NVIDIA/nccl-tests/issues/212). 8 KiB: assumed 12 us
+# per all-reduce (a 2-GPU A100-SXM4 all_reduce_perf bottoms out at 10.1 us,
+# https://github.com/NVIDIA/nccl/issues/583; 8 ranks assumed a little slower), 6 us per all-gather /
+# reduce-scatter (one ring pass), 8 us per p2p message.
+_A100_NVLINK_COLL = ((_KIB8, 1.19e9), (_MIB, 93.4e9), (_MIB32, 229e9), (_GIB, 240e9))
+_A100_NVLINK_P2P = ((_KIB8, 1.02e9), (_MIB, 84.8e9), (_MIB32, 227e9), (_GIB, 240e9))
+# H100 NVLink4/NVSwitch, 8 GPUs. All-reduce runs NVLink SHARP (NVLS) by default: "On 8 GPUs, you should
+# reach a peak busBw of ~480GB/s (algbw ~275GB/s). You need to run on larger sizes though; 256M is too
+# small" (https://github.com/NVIDIA/nccl-tests/issues/212); 480 GB/s at 2-4 GB with NVLS and 365-370 GB/s
+# with ring (https://github.com/NVIDIA/nccl/issues/1455). Points: 4 GiB 480 GB/s (published), 1 GiB
+# 450 GB/s (assumed, below that peak). All-gather, reduce-scatter and p2p: 370 GB/s, the effective
+# NVLink bandwidth "you can observe as BusBw when running non-allreduce operations" (nccl-tests#212,
+# above). 8 KiB: assumed 12 us / 6 us / 8 us as for A100.
+_H100_NVLINK_AR = ((_KIB8, 1.19e9), (_MIB, 114e9), (_MIB32, 412e9), (_GIB, 450e9), (4 * _GIB, 480e9))
+_H100_NVLINK_AG_RS = ((_KIB8, 1.19e9), (_MIB, 108e9), (_MIB32, 344e9), (_GIB, 370e9))
+_H100_NVLINK_P2P = ((_KIB8, 1.02e9), (_MIB, 96.8e9), (_MIB32, 340e9), (_GIB, 370e9))
+# Inter-node, per GPU (one NIC rail; measured with one rank per node). NDR 400 Gb/s: "For NDR @ 400Gbps
+# you should see 46-48GB/s per NIC" (NVIDIA, https://github.com/NVIDIA/nccl-tests/issues/290) -> 47 GB/s.
+# HDR 200 Gb/s: assumed the same share of the 25 GB/s line rate (0.94) -> 23.5 GB/s. 8 KiB: assumed
+# 20 us per 2-node all-reduce (IB verbs ~2 us plus NCCL's proxy and two ring steps), 10 us per
+# all-gather / reduce-scatter and per p2p message.
+_HDR_COLL = ((_KIB8, 0.403e9), (_MIB, 16.2e9), (_MIB32, 23.2e9), (_GIB, 23.5e9))
+_HDR_P2P = ((_KIB8, 0.792e9), (_MIB, 19.2e9), (_MIB32, 23.3e9), (_GIB, 23.5e9))
+_NDR_COLL = ((_KIB8, 0.406e9), (_MIB, 24.8e9), (_MIB32, 45.7e9), (_GIB, 47e9))
+_NDR_P2P = ((_KIB8, 0.805e9), (_MIB, 32.5e9), (_MIB32, 46.4e9), (_GIB, 47e9))
+
+
+def _curves(coll: Curve, p2p: Curve, all_reduce: Curve | None = None) -> tuple[tuple[str, Curve], ...]:
+    return (("all_reduce", all_reduce or coll), ("all_gather", coll), ("reduce_scatter", coll), ("p2p", p2p))
+
+
 # NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional per GPU -> 300 GB/s per direction.
 # DGX A100 datasheet: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU -> 25 GB/s per GPU.
-_A100_LINKS = (Link(300 * _GB, _NVLINK_LATENCY_S, "NVLink"), Link(25 * _GB, _IB_LATENCY_S, "IB"))
+_A100_LINKS = (
+    Link(300 * _GB, _NVLINK_LATENCY_S, "NVLink", _curves(_A100_NVLINK_COLL, _A100_NVLINK_P2P)),
+    Link(25 * _GB, _IB_LATENCY_S, "IB", _curves(_HDR_COLL, _HDR_P2P)),
+)
 # NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional -> 450 GB/s per direction.
 # DGX H100 / H200 datasheets: 8x ConnectX-7 400 Gb/s NDR, one per GPU -> 50 GB/s per GPU.
-_H100_LINKS = (Link(450 * _GB, _NVLINK_LATENCY_S, "NVLink"), Link(50 * _GB, _IB_LATENCY_S, "IB"))
+_H100_LINKS = (
+    Link(
+        450 * _GB,
+        _NVLINK_LATENCY_S,
+        "NVLink",
+        _curves(_H100_NVLINK_AG_RS, _H100_NVLINK_P2P, all_reduce=_H100_NVLINK_AR),
+    ),
+    Link(50 * _GB, _IB_LATENCY_S, "IB", _curves(_NDR_COLL, _NDR_P2P)),
+)
 # PCIe parts: PCIe Gen4 x16 32 GB/s / Gen5 x16 64 GB/s per direction (PCI-SIG PCIe 4.0 / 5.0 specs,
 # 16 GT/s and 32 GT/s x 16 lanes, 128b/130b). Inter-node: an estimate of one 100 Gb/s NIC rail per
 # GPU (12.5 GB/s); cloud instances often have less per GPU (AWS g5.48xlarge: 100 Gb/s for 8 GPUs,
@@ -515,7 +643,7 @@ def _load_yaml(path: Path) -> Cluster:
 
 _TOP_KEYS = {"name", "groups", "nodes", "gpus_per_node", "gpu", "intra_node", "inter_node"}
 _GROUP_KEYS = {"nodes", "gpus_per_node", "gpu"}
-_LINK_KEYS = {"bw_gbps", "bw_bytes_per_s", "latency_us", "latency_s", "kind"}
+_LINK_KEYS = {"bw_gbps", "bw_bytes_per_s", "latency_us", "latency_s", "kind", "curves"}
 _GPU_KEYS = {"name", "peak_flops", "mem_bytes", "mem_bw_bytes_per_s", "source"}
 
 
@@ -618,7 +746,26 @@ def _link(raw: Any, default: Link, where: str) -> Link:
     kind = raw.get("kind", default.kind)
     if not isinstance(kind, str):
         raise ClusterSpecError(f"{where}: kind must be a string, got {kind!r}")
-    return Link(float(bw), float(latency), kind)
+    # A link given by its own figures drops the default's measured curves unless it brings its own.
+    own_figures = any(k in raw for k in ("bw_gbps", "bw_bytes_per_s", "latency_us", "latency_s"))
+    curves = () if own_figures else default.curves
+    if "curves" in raw:
+        raw_curves = raw["curves"]
+        if not isinstance(raw_curves, Mapping):
+            raise ClusterSpecError(f"{where}: curves must map an operation to [[bytes, bytes_per_s], ...]")
+        try:
+            curves = tuple(
+                (op, tuple((_yaml_number(b), _yaml_number(bw)) for b, bw in points))
+                for op, points in raw_curves.items()
+            )
+        except (TypeError, ValueError):
+            raise ClusterSpecError(
+                f"{where}: curves must map an operation to [[bytes, bytes_per_s], ...]"
+            ) from None
+    try:
+        return Link(float(bw), float(latency), kind, curves)
+    except ClusterSpecError as e:
+        raise ClusterSpecError(f"{where}: {e}") from None
 
 
 def _no_unknown(raw: Mapping[str, Any], allowed: set[str], where: str) -> None:

@@ -1,45 +1,31 @@
 """Time of each block on a GPU, and of the communication around it (seconds per micro-batch).
 
 [Note: achievable throughput]
-A block's compute time is its FLOPs over `peak x efficiency` (Narayanan et al. 2021, SC'21, Sec.
-5.1 report 44-52% of peak end to end on A100s). Two efficiencies, because two kinds of work behave
-differently:
-
-- GEMMs (QKV, projections, MLP, logits) reach E_GEMM * w / (w + W_HALF) of peak, where w = hidden
-  / tp is the per-GPU GEMM width: the element-wise work around them (norms, bias, activation,
-  residual, replicated across TP ranks without sequence parallelism) grows like b*s*h while the
-  GEMMs grow like b*s*h^2/tp, so its relative cost falls like 1/w.
-- The attention core (Q K^T, mask, softmax, dropout, A V) runs at E_ATTENTION: its s x s
-  intermediate is memory-bound, which is why the published small models (where attention is 13%
-  of the FLOPs at h = 2304, s = 2048) reach fewer TFLOP/s than the large ones (1.3% at h = 25600).
-
-The constants are fitted to the published Megatron-LM runs in
-`../shared/data/megatron_sc21_table1.json` by `benchmarks/validate_published.py --fit` (procedure and
-result in docs/calibration.md). Those runs predate fused flash attention, so E_ATTENTION is
-pessimistic for a modern stack; a profile timed on the device (`--device cuda`) replaces all of
-this with measured times. Blocks without matmuls (embedding lookups, norms) are memory-bound: their
-time is the bytes they move over the GPU's memory bandwidth (roofline model, Williams et al. 2009).
+A block's compute time is the sum of its operators' times (cost/ops.py): GEMMs from their shapes,
+fused attention from its FLOPs, memory-bound operators from their bytes, each at the rates the GPU's
+calibration gives (cost/calibration.py: shipped per GPU, or written by `autoplan calibrate`). A
+profile timed on the device (`--device cuda`) replaces this with measured times. A version-1
+profile without an operator list falls back to FLOPs at the calibrated GEMM and attention shares.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from autoplan.cluster import GPU, Cluster, allgather_time_s, allreduce_time_s, p2p_time_s
+from autoplan.cluster.devices import dtype_key
+from autoplan.cost.calibration import Calibration, default_calibration
 from autoplan.cost.config import ParallelConfig
-from autoplan.graph.blocks import ModelProfile
+from autoplan.cost.ops import op_time_s
+from autoplan.graph.blocks import Block, ModelProfile
 
-__all__ = ["E_ATTENTION", "E_GEMM", "W_HALF", "BlockTimes", "block_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s", "dp_sync_time_s", "efficiency",
-           "optimizer_time_s", "tied_sync_times_s", "tp_divisor", "tp_sharded"]
-
-# Fitted by benchmarks/validate_published.py --fit (see docs/calibration.md).
-E_GEMM = 0.60
-W_HALF = 0.0
-E_ATTENTION = 0.18125
+__all__ = ["BlockTimes", "block_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s",
+           "dp_sync_time_s", "optimizer_time_s", "tied_sync_times_s", "tp_divisor", "tp_sharded"]
 
 # Blocks whose parameters and FLOPs Megatron tensor parallelism shards (Shoeybi et al. 2019, Sec. 3:
 # attention and MLP column/row parallel; vocab-parallel embedding and output layer).
@@ -64,11 +50,6 @@ def tp_divisor(profile: ModelProfile, index: int, tp: int) -> float:
     if not shares or index >= len(shares):  # a profile without a layout (older JSON): Megatron's split
         return float(tp)
     return 1.0 / (shares[index] / tp + 1.0 - shares[index])
-
-
-def efficiency(width: float) -> float:
-    """Fraction of dense peak GEMMs reach at per-GPU GEMM width `width`."""
-    return E_GEMM * width / (width + W_HALF)
 
 
 @dataclass(frozen=True)
@@ -109,12 +90,38 @@ def cpu_sharing(profile: ModelProfile, gpu: GPU, cluster: Cluster) -> tuple[floa
     return float(threads), cores
 
 
-def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: ParallelConfig, dtype: str) -> BlockTimes:
-    """Seconds per micro-batch per block on `gpu` under `cfg` (see [Note: achievable throughput])."""
-    f = _scale(profile, cfg)
+def _op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, sp: bool,
+                   dtype: str, profile_dtype: str) -> tuple[float, float, float]:
+    """(forward, backward, attention forward) seconds of a block's operators at batch factor f on one of
+    tp ranks. Operators recorded in the profile's dtype run in the job's."""
+    fwd = bwd = attention_fwd = 0.0
+    for op in block.ops:
+        if op.dtype == profile_dtype and op.dtype != dtype:
+            op = dataclasses.replace(op, dtype=dtype)
+        seconds = op.count * op_time_s(op, cal, gpu, f, tp, sp)
+        if op.phase == "fwd":
+            fwd += seconds
+            if op.kind == "attention":
+                attention_fwd += seconds
+        else:
+            bwd += seconds
+    return fwd, bwd, attention_fwd
+
+
+def _flops_seconds(cal: Calibration, gpu: GPU, dtype: str, flops: float, attention: float, phase: str) -> float:
+    """FLOPs at the calibrated GEMM share, the attention part at the attention share (profiles
+    without an operator list)."""
     peak = gpu.peak(dtype)
-    width = (profile.hidden_size or 4096) / cfg.tp
-    eff = efficiency(width)
+    attention_share = cal.attention_fwd_efficiency if phase == "fwd" else cal.attention_bwd_efficiency
+    seconds = (flops - attention) / (peak * cal.gemm(dtype_key(dtype))) + attention / (peak * attention_share)
+    return max(seconds, cal.kernel_floor_s)
+
+
+def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: ParallelConfig, dtype: str,
+                calibration: Calibration | None = None) -> BlockTimes:
+    """Seconds per micro-batch per block on `gpu` under `cfg` (see [Note: achievable throughput])."""
+    cal = calibration or default_calibration(gpu)
+    f = _scale(profile, cfg)
     n = profile.num_blocks
     fwd = np.zeros(n)
     bwd = np.zeros(n)
@@ -122,6 +129,7 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
     tp_fwd = np.zeros(n)
     tp_bwd = np.zeros(n)
     tp_ranks = list(range(cfg.tp))  # a TP group is tp consecutive ranks in one node
+    by_fingerprint: dict[tuple, tuple[float, float, float]] = {}
     for i, b in enumerate(profile.blocks):
         shard = tp_divisor(profile, i, cfg.tp)
         fwd_flops = b.fwd_flops * f / shard
@@ -138,20 +146,28 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             fwd[i] = (b.fwd_time_fixed_s + (b.fwd_time_s - b.fwd_time_fixed_s) * f) / shard
             bwd[i] = ((b.bwd_time_fixed_s + (b.bwd_time_s - b.bwd_time_fixed_s) * f) / shard
                       + (fwd[i] * recompute_flops / fwd_flops if fwd_flops else 0.0))
+        elif b.ops:
+            # Operator by operator (cost/ops.py). A block tensor parallelism shards only in part
+            # (tp_divisor < tp) is priced whole and divided by its Amdahl share.
+            whole = cfg.tp > 1 and tp_sharded(b.kind) and shard < cfg.tp * 0.99
+            op_tp = 1 if whole or not tp_sharded(b.kind) else cfg.tp
+            key = (b.fingerprint or i, op_tp)
+            if key not in by_fingerprint:
+                by_fingerprint[key] = _op_pass_times(b, cal, gpu, f, op_tp, cfg.sequence_parallel, dtype, profile.dtype)
+            f_s, b_s, attention_s = by_fingerprint[key]
+            divide = shard if whole else 1.0
+            fwd[i] = f_s / divide
+            recompute_s = 0.0
+            if b.kind in _RECOMPUTED_KINDS:
+                recompute_s = {"full": f_s, "selective": attention_s}.get(cfg.recompute, 0.0)
+            bwd[i] = (b_s + recompute_s) / divide
         else:
-            # Memory-bound floor: a block reads its input and writes its output at least once per
-            # pass (roofline, Williams et al. 2009); backward moves about twice as much.
-            traffic = 2.0 * b.output_bytes * f / (cfg.tp if cfg.sequence_parallel else 1)
+            # A profile without operators (schema 1): FLOPs at the calibrated shares.
             attn_fwd = b.attention_core_fwd_flops * f / shard
             attn_bwd = b.attention_core_bwd_flops * f / shard
             attn_recompute = attn_fwd if recompute_flops else 0.0
-
-            def seconds(flops: float, attention: float) -> float:
-                return (flops - attention) / (peak * eff) + attention / (peak * E_ATTENTION)
-
-            fwd[i] = max(seconds(fwd_flops, attn_fwd), traffic / gpu.mem_bw_bytes_per_s)
-            bwd[i] = max(seconds(bwd_flops + recompute_flops, attn_bwd + attn_recompute),
-                         2 * traffic / gpu.mem_bw_bytes_per_s)
+            fwd[i] = _flops_seconds(cal, gpu, dtype, fwd_flops, attn_fwd, "fwd")
+            bwd[i] = _flops_seconds(cal, gpu, dtype, bwd_flops + recompute_flops, attn_bwd + attn_recompute, "bwd")
         hw[i] = fwd_flops + bwd_flops + recompute_flops
         if cfg.tp > 1 and b.tp_comm_bytes:
             # Megatron: all-reduces in forward and as many in backward (Shoeybi et al. 2019, Fig. 3);
@@ -180,18 +196,15 @@ def cut_transfer_time_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelCo
 
 def cut_transfer_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, src_rank: int,
                          dst_rank: int) -> np.ndarray:
-    """`cut_transfer_time_s` for every cut at once (length num_blocks - 1). Alpha-beta costs are
-    affine in the bytes, so two evaluations give the line."""
-    num_bytes = np.array([c.num_bytes for c in profile.cuts], dtype=float) * _scale(profile, cfg)
-    if cfg.tp == 1:
-        alpha = p2p_time_s(cluster, src_rank, dst_rank, 0.0)
-        per_byte = p2p_time_s(cluster, src_rank, dst_rank, 1e9) / 1e9 - alpha / 1e9
-    else:
-        group = list(range(dst_rank - dst_rank % cfg.tp, dst_rank - dst_rank % cfg.tp + cfg.tp))
-        alpha = p2p_time_s(cluster, src_rank, dst_rank, 0.0) + allgather_time_s(cluster, group, 0.0)
-        line = p2p_time_s(cluster, src_rank, dst_rank, 1e9 / cfg.tp) + allgather_time_s(cluster, group, 1e9)
-        per_byte = (line - alpha) / 1e9
-    return np.where(num_bytes > 0, alpha + per_byte * num_bytes, 0.0)
+    """`cut_transfer_time_s` for every cut at once (length num_blocks - 1); equal byte counts are
+    priced once (a transformer's cuts between layers all carry the same hidden state)."""
+    priced: dict[int, float] = {}
+    out = np.zeros(len(profile.cuts))
+    for i, cut in enumerate(profile.cuts):
+        if cut.num_bytes not in priced:
+            priced[cut.num_bytes] = cut_transfer_time_s(profile, cluster, cfg, i, src_rank, dst_rank)
+        out[i] = priced[cut.num_bytes]
+    return out
 
 
 def dp_sync_time_s(cluster: Cluster, cfg: ParallelConfig, pp_index: int, grad_bytes: float) -> float:

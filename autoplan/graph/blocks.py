@@ -16,13 +16,51 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BLOCK_KINDS", "Block", "CrossingTensor", "CutCandidate", "ModelProfile", "PROFILE_SCHEMA_VERSION"]
+__all__ = ["BLOCK_KINDS", "Block", "CrossingTensor", "CutCandidate", "ModelProfile", "Op", "PROFILE_SCHEMA_VERSION"]
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
+"""2 added `Block.ops`; version-1 profiles still load (without operators, the cost model falls back to
+block FLOPs)."""
 
 BLOCK_KINDS = ("embedding", "layer", "attention", "mlp", "norm", "head", "other")
 """`layer` is a whole transformer layer (attention + MLP); `attention` and `mlp` appear when the
 user names sub-layer leaf modules."""
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One operator (kernel) a block runs, as recorded on fake tensors (graph/operators.py), with how
+    many times it runs per pass. The operator-level time model (cost/ops.py) prices these."""
+
+    kind: str
+    """`gemm` (mm, addmm, bmm, grouped and convolution GEMMs), `attention` (a fused attention kernel)
+    or `memory` (everything else that launches a kernel: element-wise, norms, softmax, copies)."""
+    phase: str
+    """`fwd` or `bwd`."""
+    name: str
+    """The ATen operator, e.g. `mm`, `_scaled_dot_product_flash_attention_for_cpu`, `native_layer_norm`."""
+    dtype: str
+    """Dtype of its first floating-point input (what its math runs in)."""
+    count: int
+    """Calls per pass with these shapes."""
+    flops: float = 0.0
+    """FLOPs per call at the profile's batch (torch.utils.flop_counter conventions); 0 for memory ops."""
+    bytes: float = 0.0
+    """Bytes a call reads and writes that grow with the batch (at the profile's batch)."""
+    fixed_bytes: float = 0.0
+    """Bytes a call reads and writes whatever the batch (weights, a weight's gradient)."""
+    shape: tuple[int, ...] = ()
+    """gemm: (batch, m, n, k); attention: (batch, heads, q_len, kv_len, head_dim)."""
+    batch_axis: int | None = None
+    """Axis of `shape` proportional to the batch (found by recording at two batch sizes)."""
+    tp_axis: int | None = None
+    """Axis of `shape` tensor parallelism divides (the wider weight dimension of a GEMM, the heads of
+    attention); None: see `tp`."""
+    tp: str = "sharded"
+    """How tensor parallelism splits a memory op: `sharded` (divides by tp), `hidden` (a tensor of
+    the hidden size: replicated, divided by tp only under sequence parallelism)."""
+    causal: bool = False
+    """Attention with a causal mask."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +116,9 @@ class Block:
     two sit on different pipeline ranks, each holds a copy and their gradients are summed every step."""
     tied_to_block: int | None = None
     """Index of the earlier block that owns the shared parameters, if any."""
+    ops: tuple[Op, ...] = ()
+    """The operators of one forward and one backward, at the profile's batch (empty in a version-1
+    profile or when recording failed: then the time model uses the block's FLOPs)."""
 
     @property
     def flops(self) -> float:
@@ -175,12 +216,15 @@ class ModelProfile:
     def from_dict(cls, d: dict[str, Any]) -> ModelProfile:
         d = dict(d)
         version = d.pop("schema_version", PROFILE_SCHEMA_VERSION)
-        if version != PROFILE_SCHEMA_VERSION:
+        if version not in (1, PROFILE_SCHEMA_VERSION):
             raise ValueError(
                 f"profile schema version {version} is not supported (this autoplan reads {PROFILE_SCHEMA_VERSION}); "
                 "re-profile the model"
             )
-        d["blocks"] = tuple(Block(**b) for b in d["blocks"])
+        d["blocks"] = tuple(
+            Block(**{**b, "ops": tuple(Op(**{**o, "shape": tuple(o.get("shape", ()))}) for o in b.get("ops", ()))})
+            for b in d["blocks"]
+        )
         d["cuts"] = tuple(
             CutCandidate(
                 index=c["index"],

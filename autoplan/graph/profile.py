@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from autoplan.graph.blocks import Block, CrossingTensor, CutCandidate, ModelProfile
+from autoplan.graph.operators import RECORDER_VERSION, Call, OperatorRecorder, merge_batches
 from autoplan.graph.trace import TracedModel, crossing_values, extract_submodule, trace_with_loss
 
 __all__ = ["ProfileError", "config_info", "fake_output", "flop_counter", "model_fingerprint", "profile_model", "profile_traced"]
@@ -84,6 +85,11 @@ def flop_counter() -> FlopCounterMode:
     kernel computes the same math, so it gets the same formula (counting the full s x s score
     matrix, as FlopCounterMode does for the CUDA kernels and as Megatron's 4*b*s^2*h term does).
     """
+    return FlopCounterMode(display=False, custom_mapping=custom_flop_formulas())
+
+
+def custom_flop_formulas() -> dict:
+    """FLOP formulas torch lacks, by operator packet (see `flop_counter`)."""
     mapping = {
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop,
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flop,
@@ -93,7 +99,7 @@ def flop_counter() -> FlopCounterMode:
     if moe is not None and hasattr(moe, "grouped_mm_fallback"):
         mapping[moe.grouped_mm_fallback] = _grouped_mm_flop
         mapping[moe.grouped_mm_fallback_backward] = _grouped_mm_backward_flop
-    return FlopCounterMode(display=False, custom_mapping=mapping)
+    return mapping
 
 
 def _grouped_mm_flop(input_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
@@ -308,6 +314,8 @@ class _BlockCost:
     saved_bytes_hidden: int
     attention_fwd_flops: float
     attention_bwd_flops: float
+    fwd_calls: list[Call]
+    bwd_calls: list[Call]
 
 
 def _block_fingerprint(traced: TracedModel, index: int, sub: fx.GraphModule, inputs: list[Any]) -> str:
@@ -354,17 +362,21 @@ def _measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, tor
             saved[key] = (storage.nbytes(), hidden_shaped)
         return t
 
+    formulas = custom_flop_formulas()
+    fwd_recorder = OperatorRecorder(list(params.values()), hidden, formulas)
+    bwd_recorder = OperatorRecorder(list(params.values()), hidden, formulas)
     with run.mode:
         leaf_inputs = [
             x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in inputs
         ]
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter() as fwd_counter:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter() as fwd_counter, fwd_recorder:
             outputs = torch.func.functional_call(sub, params, tuple(leaf_inputs), strict=False)
         outs = [o for o in (_tensors_in(outputs) or []) if o.requires_grad]
         bwd_flops = attention_bwd = 0.0
         if outs:
-            with flop_counter() as bwd_counter:
-                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            seeds = [torch.ones_like(o) for o in outs]  # the incoming gradient, not the block's work
+            with flop_counter() as bwd_counter, bwd_recorder:
+                torch.autograd.backward(outs, seeds)
             bwd_flops = float(bwd_counter.get_total_flops())
             attention_bwd = _attention_flops(bwd_counter)
     return _BlockCost(
@@ -374,7 +386,25 @@ def _measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, tor
         saved_bytes_hidden=sum(b for b, h in saved.values() if h),
         attention_fwd_flops=_attention_flops(fwd_counter),
         attention_bwd_flops=attention_bwd,
+        fwd_calls=fwd_recorder.calls,
+        bwd_calls=bwd_recorder.calls,
     )
+
+
+def _block_ops(sub: fx.GraphModule, cost: _BlockCost, doubled_inputs: list[Any] | None, hidden: int | None,
+               doubled: _FakeRun | None, dtype: torch.dtype | None) -> tuple:
+    """The block's operators (graph/operators.py), with batch axes learned from a pass at 2b."""
+    twice = None
+    if doubled is not None and doubled_inputs is not None:
+        with doubled.mode:
+            fakes = [_fake_like(x, dtype) if isinstance(x, torch.Tensor)
+                     and not isinstance(x, torch._subclasses.FakeTensor) else x for x in doubled_inputs]
+        try:
+            twice = _measure_block(sub, fakes, _block_params(sub, doubled), hidden, doubled)
+        except Exception:  # a block that rejects the doubled batch keeps the shape-based guess
+            twice = None
+    return (merge_batches(cost.fwd_calls, twice.fwd_calls if twice else None, "fwd")
+            + merge_batches(cost.bwd_calls, twice.bwd_calls if twice else None, "bwd"))
 
 
 def block_kind(traced: TracedModel, index: int, sub: fx.GraphModule) -> str:
@@ -530,7 +560,7 @@ def chain_length(block_weight_bytes: int, occurrences: int, cache_bytes: int) ->
 # repeated blocks fit in cache all together is therefore timed warm, as it runs.
 _MAX_CHAIN = 256
 _TIMING_METHOD = "chain-affine-v1"  # in the timed cache key: a new method re-times
-_CACHED_FIELDS = "tied-v1"  # in both cache keys: profiles cached before a Block field existed are redone
+_CACHED_FIELDS = f"ops-v{RECORDER_VERSION}"  # in both cache keys: profiles cached before a Block field existed are redone
 
 
 # [Note: batch scaling]
@@ -808,6 +838,10 @@ def profile_traced(
         if cached is not None:
             return cached
 
+    # The same model at twice the batch, on fake tensors: which operator dimensions grow with the
+    # batch ([Note: batch scaling]; graph/operators.py, `merge_batches`).
+    doubled = _run_doubled(traced, example_inputs, dtype, batch_size)
+    ops: dict[str, tuple] = {}
     costs: dict[str, _BlockCost] = {}
     to_time: dict[str, tuple[int, list[str], list[Any]]] = {}  # fingerprint -> first block, its input names, inputs
     occurrences: dict[str, int] = {}
@@ -825,6 +859,8 @@ def profile_traced(
         fp = _block_fingerprint(traced, index, sub, fake_inputs)
         if fp not in costs:
             costs[fp] = _measure_block(sub, fake_inputs, _block_params(sub, run), hidden, run)
+            ops[fp] = _block_ops(sub, costs[fp], [doubled.values[n] for n in input_names] if doubled else None,
+                                 hidden, doubled, dtype)
             if device != "meta":
                 to_time[fp] = (index, input_names, fake_inputs)
         occurrences[fp] = occurrences.get(fp, 0) + 1
@@ -869,11 +905,11 @@ def profile_traced(
             fingerprint=fp,
             tied_params=tied_params,
             tied_to_block=tied_to,
+            ops=ops[fp],
         ))
         if progress is not None:
             progress(index + 1, traced.num_blocks + len(to_time), traced.block_names[index])
     # Timed after the pass over all blocks, which counts how often each one repeats.
-    doubled = _run_doubled(traced, example_inputs, dtype, batch_size) if to_time else None
     fixed: dict[str, tuple[float, float]] = {}
     for done, (fp, (index, input_names, fake_inputs)) in enumerate(to_time.items()):
         if progress is not None:

@@ -6,7 +6,7 @@ from rich.table import Table
 
 from autoplan.graph.blocks import ModelProfile
 
-__all__ = ["fmt_bytes", "fmt_count", "profile_table"]
+__all__ = ["calibration_table", "fmt_bytes", "fmt_count", "profile_table"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -106,4 +106,20 @@ def stages_table(plan, max_rows: int = 12) -> Table:
         table.add_row(str(s.index), str(s.pp_rank), span, f"{s.fwd_time_s * 1e3:.1f} ms", f"{s.bwd_time_s * 1e3:.1f} ms",
                       fmt_count(s.num_params), fmt_bytes(m.weights_bytes + m.grads_bytes + m.optimizer_bytes),
                       fmt_bytes(m.activations_bytes), fmt_bytes(m.total_bytes))
+    return table
+
+
+def calibration_table(cal) -> Table:
+    """What `autoplan calibrate` fitted (`cal.measurements["fit"]["summary"]`): each number, how it
+    was fitted, and the spread (max - min over median of repeats) of the points behind it."""
+    table = Table(title=f"calibration of {cal.gpu} ({cal.measurements.get('device', '')})")
+    for name, justify in [("quantity", "left"), ("value", "right"), ("points", "right"), ("spread median", "right"),
+                          ("spread max", "right"), ("how", "left")]:
+        table.add_column(name, justify=justify)
+    for row in cal.measurements.get("fit", {}).get("summary", []):
+        unit, value = row.get("unit"), row["value"]
+        shown = (f"{value * 1e6:.2f} us" if unit == "s" else f"{value / 1e9:.2f} GB/s" if unit == "B/s"
+                 else f"{value:.3f}")
+        table.add_row(row["quantity"], shown, str(row["points"]), f"{row['spread_median']:.1%}",
+                      f"{row['spread_max']:.1%}", row["detail"])
     return table

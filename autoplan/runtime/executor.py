@@ -60,25 +60,63 @@ class Stage:
 
 
 def splits_backward_exactly(module: nn.Module) -> bool:
-    """False when the stage's graph computes a value from parameters alone (no input reaches it) and
-    uses it more than once (sending it to the next stage counts): T5's relative-position bias, made
-    from one embedding table and added to the scores of every decoder layer. torch's split weight backward (`stage_backward_weight`) groups the
-    weights by the intermediates next to them and clamps their gradients, which counts such a shared
-    value's gradient wrongly (measured: a T5 bias table's gradient off by up to 10x under zb-h1)."""
+    """False when a stage that receives gradients also computes a value from parameters alone (no
+    input reaches it) and mixes it with input-dependent values or sends it on: T5's relative-position
+    bias, looked up in one embedding table and added to every decoder layer's scores, or a decoder's
+    token embedding (a lookup of integer ids) sent to the next stage. torch's split weight backward
+    (`stage_backward_weight`) groups the weights by the intermediates next to them and clamps their
+    gradients, which counts such a value's gradient wrongly (measured: a T5 bias table's gradient off
+    by up to 10x under zb-h1). Views of a parameter (a linear's transposed weight) do not count, and a
+    first stage, which receives no gradient, splits exactly (everything in it is parameter-only)."""
     graph = getattr(module, "graph", None)
     if graph is None:
         return True
     from_inputs: set[str] = set()
     from_params: set[str] = set()
+    computed: set[str] = set()  # parameter-only values that are more than a view of a parameter
     for node in graph.nodes:
         sources = node.all_input_nodes
+        if not _differentiable(node):  # integer indices, shapes: no gradient flows through them
+            continue
         if _carries_gradient(node) or any(a.name in from_inputs for a in sources):
             from_inputs.add(node.name)
         elif _is_parameter(module, node) or any(a.name in from_params for a in sources):
             from_params.add(node.name)
-            if node.op != "get_attr" and len(node.users) > 1:  # the stage's output counts: sent on, used here
-                return False
-    return True
+            if node.op != "get_attr" and (not _is_view(node) or any(a.name in computed for a in sources)):
+                computed.add(node.name)
+    if not from_inputs:
+        return True
+    mixed = (node for node in graph.nodes if node.op == "output" or node.name in from_inputs)
+    return not any(a.name in computed for node in mixed for a in node.all_input_nodes)
+
+
+_VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "expand", "unsqueeze", "squeeze", "contiguous",
+                 "to", "type_as", "float", "half", "bfloat16", "flatten", "unflatten", "__getitem__"}
+
+
+def _is_view(node) -> bool:
+    """A node that only reshapes, retypes or aliases its input (no new values to differentiate)."""
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op == "call_function":
+        if getattr(node.target, "is_view", False):
+            return True
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        return name in _VIEW_METHODS or name in ("_to_copy", "clone", "alias", "_unsafe_view")
+    return False
+
+
+def _differentiable(node) -> bool:
+    """Whether a gradient can pass through the node's value: not an integer or boolean tensor, not a
+    size (when the graph records values, as torch.export does; assumed so otherwise)."""
+    if "val" not in node.meta:
+        return True
+    value = node.meta["val"]
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() or value.is_complex()
+    if isinstance(value, (tuple, list)):
+        return any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in value)
+    return False
 
 
 def _is_parameter(module: nn.Module, node) -> bool:

@@ -353,19 +353,24 @@ def _spawned(rank: int, world_size: int, port: int, payload: dict, error_dir: st
         _mark_phase(error_dir, rank, "started")
         _train(plan, **payload, on_phase=lambda phase: _mark_phase(error_dir, rank, phase))
     except BaseException as exc:  # noqa: BLE001 - a rank reports everything, KeyboardInterrupt included
-        line = _one_line(exc)
-        try:
-            record = json.dumps({"time": time.time(), "error": line})
-            tmp = Path(error_dir) / f"rank-{rank}.json.tmp"
-            tmp.write_text(record)
-            os.replace(tmp, Path(error_dir) / f"rank-{rank}.json")
-        except OSError:
-            pass
-        print(f"autoplan: error: rank {rank} failed: {line}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
+        _fail_rank(rank, error_dir, exc)
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _fail_rank(rank: int, error_dir: str, exc: BaseException) -> None:
+    """Record a spawned rank's failure where `_supervise` reads it, print one line, exit 1 at once."""
+    line = _one_line(exc)
+    try:
+        record = json.dumps({"time": time.time(), "error": line})
+        tmp = Path(error_dir) / f"rank-{rank}.json.tmp"
+        tmp.write_text(record)
+        os.replace(tmp, Path(error_dir) / f"rank-{rank}.json")
+    except OSError:
+        pass
+    print(f"autoplan: error: rank {rank} failed: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 # ---- the launcher ----------------------------------------------------------------------------------

@@ -16,12 +16,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoplan.cluster import Cluster
+from autoplan.cost.calibration import Calibrations
+from autoplan.cost.comm import dp_reduction_exposed_s
 from autoplan.cost.config import ParallelConfig
 from autoplan.cost.memory import (
     BYTES_PER_PARAM,
     allowance_bytes,
     block_act_bytes,
     block_static_bytes,
+    head_backward_bytes,
+    held_params,
     param_counts,
     rank_memory,
 )
@@ -32,7 +36,6 @@ from autoplan.cost.time import (
     cpu_sharing,
     cut_transfer_time_s,
     cut_transfer_times_s,
-    dp_sync_time_s,
     optimizer_time_s,
     tied_sync_times_s,
 )
@@ -104,8 +107,10 @@ class Evaluation:
 class SearchContext:
     """What evaluate() needs of one (profile, cluster, job), computed once per search."""
 
-    def __init__(self, profile: ModelProfile, cluster: Cluster, job: Job, model_spec: str):
+    def __init__(self, profile: ModelProfile, cluster: Cluster, job: Job, model_spec: str,
+                 calibrations: Calibrations | None = None):
         self.profile = profile
+        self.calibrations = calibrations or Calibrations()
         self.cluster = cluster
         self.job = job
         self.model_spec = model_spec
@@ -134,10 +139,11 @@ class SearchContext:
 
     def block_times(self, gpu, cfg: ParallelConfig) -> BlockTimes:
         key = ("times", gpu.name, cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel)
-        return self.cached(key, lambda: block_times(self.profile, gpu, self.cluster, cfg, self.job.dtype))
+        return self.cached(key, lambda: block_times(self.profile, gpu, self.cluster, cfg, self.job.dtype,
+                                                    self.calibrations.for_gpu(gpu)))
 
     def static_bytes(self, cfg: ParallelConfig) -> np.ndarray:
-        key = ("static", cfg.tp, cfg.dp, cfg.zero)
+        key = ("static", cfg.tp, cfg.dp, cfg.zero, cfg.num_stages == 1)
         return self.cached(key, lambda: block_static_bytes(self.profile, cfg, self.job.dtype))
 
     def act_bytes(self, cfg: ParallelConfig) -> np.ndarray:
@@ -162,17 +168,19 @@ class SearchContext:
 
     def reserve(self, cfg: ParallelConfig) -> float:
         """Bytes reserved per GPU for buffers (receive buffers, backward transients) before cutting:
-        the largest boundary and block output anywhere, so the reserve never under-counts the stage
-        it lands on; with full recompute also the largest block's full activations."""
-        key = ("reserve", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel)
+        two receive buffers of the largest boundary per virtual stage and two of the largest block
+        output (`rank_memory` counts the same at the actual cuts), so the reserve never under-counts
+        the GPU it lands on; then the larger of the largest block's full activations (full
+        recompute) and the head's backward transients (`head_backward_bytes`)."""
+        key = ("reserve", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.virtual_stages)
 
         def make() -> float:
             f = cfg.micro_batch_size / self.profile.batch_size
             cut_bytes = np.array([0.0] + [nb * f for nb in self.cut_num_bytes] + [0.0])
-            reserve = 2 * 2 * cut_bytes.max() + 2 * (self.largest_output_bytes * f)
-            if cfg.recompute == "full":
-                reserve += float(np.max(self.act_bytes(_no_recompute(cfg))))
-            return reserve
+            reserve = 2 * cfg.virtual_stages * cut_bytes.max() + 2 * (self.largest_output_bytes * f)
+            recompute = float(np.max(self.act_bytes(_no_recompute(cfg)))) if cfg.recompute == "full" else 0.0
+            head = head_backward_bytes(self.profile, self.act_bytes(cfg), range(self.profile.num_blocks))
+            return reserve + max(recompute, head)
 
         return self.cached(key, make)
 
@@ -269,6 +277,39 @@ def _inputs(ctx: SearchContext, cfg: ParallelConfig) -> _Inputs:
                    ctx.link_times(cfg))
 
 
+def _stage_capacity(ctx: SearchContext, cfg: ParallelConfig, pp_gpus: list, static: np.ndarray, acts: np.ndarray,
+                    inflight: np.ndarray) -> np.ndarray:
+    """Bytes each stage may use in the cutting DP, which checks stages one by one.
+
+    Without interleaving a stage has its GPU to itself. With v virtual stages per GPU the GPU's
+    memory is shared among its stages in proportion to what each needs under a cutting that spreads
+    static + activation bytes evenly: chunk 0 of the first GPU holds about p micro-batches in flight
+    and its later chunks fewer (Narayanan et al. 2021, Sec. 2.2.2), and the first stage carries the
+    embedding. An even split of the GPU refused cuttings whose GPU total fits (the interleaved 1T
+    run of Korthikanti et al. 2022, Table 3, was declared out of memory that way). The plan's memory
+    is then checked per GPU (`_memories`)."""
+    per_gpu = np.array([g.mem_bytes - allowance_bytes(g) - ctx.reserve(cfg) for g in pp_gpus])
+    num_stages = cfg.num_stages
+    rank = np.arange(num_stages) % cfg.pp
+    if cfg.virtual_stages == 1:
+        return per_gpu[rank]
+    n = len(static)
+    cum = np.concatenate([[0.0], np.cumsum(static + acts * float(np.mean(inflight)))])
+    bounds = [0]
+    for k in range(1, num_stages):
+        target = cum[-1] * k / num_stages
+        i = int(np.searchsorted(cum, target))
+        if i > 0 and target - cum[i - 1] < cum[min(i, n)] - target:
+            i -= 1
+        bounds.append(min(max(i, bounds[-1] + 1), n - (num_stages - k)))
+    bounds.append(n)
+    need = np.array([static[a:b].sum() + acts[a:b].sum() * inflight[k]
+                     for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))])
+    per_rank = np.bincount(rank, weights=need, minlength=cfg.pp)[rank]
+    share = np.divide(need, per_rank, out=np.full(num_stages, 1.0 / cfg.virtual_stages), where=per_rank > 0)
+    return per_gpu[rank] * share
+
+
 def _simulated_plan(ctx: SearchContext, cfg: ParallelConfig, inputs: _Inputs, problem: CutProblem,
                     boundaries: Sequence[int]) -> Plan:
     """The plan for these boundaries, always simulated (no cutoff)."""
@@ -299,8 +340,7 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
         # search may find a faster one ([Note: cutting under shared cores]). Such clusters are a
         # machine's few ranks: simulate every configuration.
         cutoff_s = float("inf")
-    capacity = np.array([(pp_gpus[k % cfg.pp].mem_bytes - allowance_bytes(pp_gpus[k % cfg.pp]) - ctx.reserve(cfg))
-                         / cfg.virtual_stages for k in range(num_stages)])
+    capacity = _stage_capacity(ctx, cfg, pp_gpus, static, acts, inflight)
     # Configurations often pose the same cutting problem (both rank orders when the pipeline's
     # links are alike, e.g. tp = a whole node), or the same memory problem with other times; the
     # answers are reused by value (`_CutCache`), which gives bit-identical cuts.
@@ -426,12 +466,12 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
     tied_s = tied_sync_times_s(profile, cluster, cfg, ranges, grad_b)
     for p in range(cfg.pp):
         mine = [k for k in range(num_stages) if k % cfg.pp == p]
-        rank_params = float(sum(params[ranges[k][0]:ranges[k][1]].sum() for k in mine))
-        sync = dp_sync_time_s(cluster, cfg, p, rank_params * grad_b)
-        # Bucketed reduction overlaps the last backward pass on this rank (PyTorch DDP, Li et al.
-        # 2020, Sec. 3.2.3); only the part that does not fit under it is exposed.
-        window = bwd_s[mine[0]]
-        exposed = max(0.0, sync - window)
+        # A tied table whose owner sits on the same GPU is one parameter (cost/memory.py, held_params).
+        rank_params = held_params(profile, cfg, [ranges[k] for k in mine], params)
+        # Bucketed reduction behind the last backward pass on this rank ([Note: DP buckets] in
+        # cost/comm.py; PyTorch DDP, Li et al. 2020, Sec. 3.2.3): only what runs past it is exposed.
+        dp_ranks = [cfg.rank(p, d, 0) for d in range(cfg.dp)]
+        exposed = dp_reduction_exposed_s(cluster, dp_ranks, rank_params * grad_b, bwd_s[mine[0]])
         opt = optimizer_time_s(pp_gpus[p], rank_params / (cfg.dp if cfg.zero >= 1 else 1))
         dp_exposed.append(exposed)
         optim_s.append(opt)
@@ -507,7 +547,7 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         StagePlan(
             index=k, pp_rank=k % cfg.pp, first_block=a, end_block=b,
             first_block_name=profile.blocks[a].name, last_block_name=profile.blocks[b - 1].name,
-            fwd_time_s=fwd_s[k], bwd_time_s=bwd_s[k], num_params=int(round(params[a:b].sum())),
+            fwd_time_s=fwd_s[k], bwd_time_s=bwd_s[k], num_params=int(round(held_params(profile, cfg, [(a, b)], params))),
             memory=memories[k % cfg.pp],
         )
         for k, (a, b) in enumerate(ranges)
@@ -594,7 +634,8 @@ def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dic
 
 
 def min_gpus_needed(profile: ModelProfile, dtype: str, gpu_mem_bytes: float, allowance: float) -> int:
-    """A lower bound on GPUs: weights, gradients and optimizer states (16 bytes per parameter in
-    mixed precision; ZeRO, Sec. 3.1) spread over every GPU, activations ignored."""
+    """A lower bound on GPUs: weights, gradients and optimizer states (18 bytes per parameter in
+    mixed precision; cost/memory.py [Note: bytes per parameter]) spread over every GPU, each tied
+    parameter once, activations ignored."""
     per_param = sum(BYTES_PER_PARAM(dtype))
     return max(1, math.ceil(profile.num_params * per_param / max(gpu_mem_bytes - allowance, 1.0)))

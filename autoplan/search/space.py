@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoplan.cluster import Cluster
+from autoplan.cost.calibration import Calibrations
 from autoplan.cost.config import ParallelConfig
 from autoplan.cost.memory import allowance_bytes, block_static_bytes
 from autoplan.cost.time import block_times
@@ -234,16 +235,19 @@ def _frugal(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True) -> Paralle
 
 
 def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spec: str, top: int = 5,
-                 pins: dict | None = None, progress: Callable[[int, int, str], None] | None = None) -> SearchResult:
-    """The `top` fastest plans that fit, ranked by simulated step time."""
+                 pins: dict | None = None, progress: Callable[[int, int, str], None] | None = None,
+                 calibrations: Calibrations | None = None) -> SearchResult:
+    """The `top` fastest plans that fit, ranked by simulated step time. `calibrations` gives each GPU
+    type's achieved rates (default: the files shipped for each type, cost/calibration.py)."""
     started = time.perf_counter()
     with gc_paused():  # see search/_gc.py: the search allocates much and creates no cycles
         return _search_plans(profile, cluster, job, model_spec=model_spec, top=top, pins=pins, progress=progress,
-                             started=started)
+                             started=started, calibrations=calibrations)
 
 
 def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spec: str, top: int,
-                  pins: dict | None, progress: Callable[[int, int, str], None] | None, started: float) -> SearchResult:
+                  pins: dict | None, progress: Callable[[int, int, str], None] | None, started: float,
+                  calibrations: Calibrations | None = None) -> SearchResult:
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
     _check_pins(profile, cluster, job, pins)
     if top < 1:
@@ -251,7 +255,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     if profile.flops <= 0 and not profile.is_timed:
         raise PlanningError(f"{profile.model_name} has no FLOPs to place (no matmuls were traced); there is nothing "
                             "to plan")
-    ctx = SearchContext(profile, cluster, job, model_spec)
+    ctx = SearchContext(profile, cluster, job, model_spec, calibrations)
     sp_allowed = _sequence_parallel_allowed(profile)
     notes = []
     if "tp" not in pins and cluster.gpus_per_node > 1 and tp_refusal(profile, cluster.gpus_per_node) is not None:
@@ -279,7 +283,8 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         tkey = (cfg.tp, cfg.micro_batch_size)
         if tkey not in time_cache:
             slowest = min(cluster.gpu_types, key=lambda g: g.peak(job.dtype))
-            time_cache[tkey] = float(block_times(profile, slowest, cluster, cfg, job.dtype).total_s.sum())
+            time_cache[tkey] = float(block_times(profile, slowest, cluster, cfg, job.dtype,
+                                                             ctx.calibrations.for_gpu(slowest)).total_s.sum())
         if tkey not in fwd_share_cache:
             fwd_share_cache[tkey] = _fwd_share(ctx, cfg)
         bound = pre_cut_bound(cfg, time_cache[tkey], fwd_share_cache[tkey])

@@ -1,0 +1,115 @@
+"""Operator-level time: what each recorded operator (graph/operators.py) takes on one GPU.
+
+A block's time is the sum of its operators' times (DESIGN.md, "Operator-level cost"). Three models,
+each reading the GPU's datasheet (`cluster/devices.py`) and its calibration (`cost/calibration.py`):
+
+- **GEMM** (m x k times k x n, `batch` of them): the roofline (Williams, Waterman & Patterson 2009,
+  "Roofline", CACM 52(4)): the slower of the compute at the calibrated share of dense peak and the
+  operands' and result's traffic at the achieved memory bandwidth,
+
+      t = max(2 batch m n k / (e_gemm P),  bytes(A, B, C) / (e_mem B_mem)),
+
+  so a skinny GEMM (k = 128, an attention score product) is priced by its bytes and a large one by
+  its FLOPs. (Adding the two terms instead was tried: it charged large GEMMs 15-20% for traffic a
+  tiled kernel hides, and the H100 fit pinned e_gemm at 1.)
+- **Fused attention** (flash attention): its FLOPs (torch's `sdpa_flop_count`, the full s x s score
+  matrix) times the share of that work the kernel does (about 1/2 when causal: masked tiles are
+  skipped, Dao 2023, FlashAttention-2, Sec. 3.1.1), at the calibrated forward and backward shares of
+  peak (the backward recomputes the scores and does 2.5x the forward's FLOPs, Dao 2023, Sec. 3.1.2).
+- **Memory-bound operators** (norms, element-wise, softmax, copies, the embedding's gradient): the
+  bytes they read and write at the achieved bandwidth, never under the per-kernel floor (launch and
+  tail; Williams et al. 2009 for the bandwidth term).
+
+Every operator is priced at least at the kernel floor.
+"""
+
+from __future__ import annotations
+
+from autoplan.cluster import GPU
+from autoplan.cluster.devices import dtype_key
+from autoplan.cost.calibration import Calibration
+from autoplan.graph.blocks import Op
+
+__all__ = ["attention_time_s", "gemm_time_s", "memory_time_s", "op_time_s", "scaled_op"]
+
+
+def _peak(gpu: GPU, dtype: str) -> float:
+    try:
+        return gpu.peak(dtype)
+    except ValueError:  # a dtype the device lacks (int64 index math): the best it has
+        return max(gpu.peak_flops.values())
+
+
+def gemm_time_s(cal: Calibration, gpu: GPU, batch: float, m: float, n: float, k: float, dtype: str,
+                element_bytes: float = 2.0) -> float:
+    """One (batched) GEMM: see the module docstring."""
+    key = _dtype_key(dtype)
+    flops = 2.0 * batch * m * n * k
+    traffic = element_bytes * batch * (m * k + k * n + m * n)
+    compute = flops / (cal.gemm(key) * _peak(gpu, key))
+    return max(cal.kernel_floor_s, compute, traffic / (cal.memory_bandwidth_efficiency * gpu.mem_bw_bytes_per_s))
+
+
+def attention_time_s(cal: Calibration, gpu: GPU, flops: float, causal: bool, phase: str, dtype: str) -> float:
+    """One fused attention call of `flops` (counted over the full score matrix)."""
+    work = flops * (cal.causal_work_fraction if causal else 1.0)
+    efficiency = cal.attention_fwd_efficiency if phase == "fwd" else cal.attention_bwd_efficiency
+    return max(cal.kernel_floor_s, work / (efficiency * _peak(gpu, _dtype_key(dtype))))
+
+
+def memory_time_s(cal: Calibration, gpu: GPU, num_bytes: float) -> float:
+    """One memory-bound kernel moving `num_bytes` (read + written)."""
+    return max(cal.kernel_floor_s, num_bytes / (cal.memory_bandwidth_efficiency * gpu.mem_bw_bytes_per_s))
+
+
+_KEYS: dict[str, str] = {}
+
+
+def _dtype_key(dtype: str) -> str:
+    key = _KEYS.get(dtype)
+    if key is None:
+        try:
+            key = dtype_key(dtype)
+        except ValueError:  # integer and boolean operators: priced like the widest float
+            key = "fp32"
+        _KEYS[dtype] = key
+    return key
+
+
+def scaled_op(op: Op, batch_factor: float, tp: int, sequence_parallel: bool) -> tuple[tuple[float, ...], float, float]:
+    """(shape, flops, bytes) of `op` at `batch_factor` times the profile's batch on one of `tp`
+    tensor-parallel ranks: the batch axis grows, the tp axis (or a memory op's bytes, unless they are
+    hidden-shaped without sequence parallelism: Korthikanti et al. 2022, Sec. 4.2.2) shrinks."""
+    shape = list(op.shape)
+    if op.batch_axis is not None and shape:
+        shape[op.batch_axis] *= batch_factor
+    split = 1.0
+    if tp > 1:
+        if op.kind == "memory":
+            split = tp if (op.tp == "sharded" or sequence_parallel) else 1.0
+        elif op.tp_axis is not None and shape:
+            split = tp
+            shape[op.tp_axis] /= tp
+        else:
+            split = tp
+    flops = op.flops * batch_factor / split
+    num_bytes = (op.bytes * batch_factor + op.fixed_bytes) / split
+    return tuple(shape), flops, num_bytes
+
+
+def op_time_s(op: Op, cal: Calibration, gpu: GPU, batch_factor: float, tp: int, sequence_parallel: bool) -> float:
+    """Seconds of one call of `op` (multiply by `op.count` for the pass)."""
+    shape, flops, num_bytes = scaled_op(op, batch_factor, tp, sequence_parallel)
+    if op.kind == "gemm":
+        if len(shape) == 4:
+            return gemm_time_s(cal, gpu, *shape, op.dtype, element_bytes=_element_bytes(op.dtype))
+        key = _dtype_key(op.dtype)  # a FLOP-counted operator without a GEMM shape: compute and bytes
+        return max(cal.kernel_floor_s, flops / (cal.gemm(key) * _peak(gpu, key)),
+                   num_bytes / (cal.memory_bandwidth_efficiency * gpu.mem_bw_bytes_per_s))
+    if op.kind == "attention":
+        return attention_time_s(cal, gpu, flops, op.causal, op.phase, op.dtype)
+    return memory_time_s(cal, gpu, num_bytes)
+
+
+def _element_bytes(dtype: str) -> float:
+    return {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}[_dtype_key(dtype)]

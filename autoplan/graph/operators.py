@@ -1,0 +1,221 @@
+"""The operator list of a block: every kernel its forward and backward launch, with shapes and bytes.
+
+`OperatorRecorder` is a dispatch mode that sits above the fake-tensor mode while a block runs (the
+profile's `_measure_block`) and writes down each ATen call that reaches a kernel: GEMMs with their
+(batch, m, n, k), fused attention with (batch, heads, q_len, kv_len, head_dim) and whether it is
+causal, and everything else as bytes read plus written. Views, metadata and allocations launch no
+kernel and are skipped. `merge_batches` pairs the calls of two recordings at batch b and 2b to learn
+which GEMM axis grows with the batch and which bytes do not (a weight's gradient), and folds equal
+calls into one `Op` with a count.
+
+The cost model (cost/ops.py) prices the list; nothing here knows about a GPU.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+from autoplan.graph.blocks import Op
+
+__all__ = ["RECORDER_VERSION", "Call", "OperatorRecorder", "merge_batches"]
+
+RECORDER_VERSION = 4
+"""In the profile cache's key: a change to what is recorded re-profiles."""
+
+_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm_fallback", "grouped_mm_fallback_backward"}
+# Kernels with no memory traffic worth a time: allocations, metadata, shape queries.
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
+              "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size",
+              "_unsafe_view", "alias", "set_", "resize_", "_to_copy_meta", "scalar_tensor", "_has_compatible_shallow_copy_type"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One recorded call (before merging)."""
+
+    kind: str
+    name: str
+    dtype: str
+    flops: float
+    bytes: float
+    shape: tuple[int, ...]
+    causal: bool
+    touches_param: bool
+    hidden_shaped: bool
+    weight_dims: tuple[int, ...]
+    """gemm: the dims of a parameter-shaped operand or result (the weight's out and in), else ()."""
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class OperatorRecorder(TorchDispatchMode):
+    """Records the calls of whatever runs under it (see the module docstring). Enter it inside the
+    fake mode, so that it sees every call first and passes it on."""
+
+    def __init__(self, params: list[torch.Tensor], hidden: int | None, custom_flops: dict | None = None) -> None:
+        super().__init__()
+        # A weight reaches a GEMM as a view of its storage (`t()`); its gradient leaves one with its
+        # shape (or transposed).
+        self.param_storages = {p.untyped_storage()._cdata for p in params}
+        self.param_shapes = {tuple(p.shape) for p in params if p.dim() >= 2}
+        self.hidden = hidden
+        # FLOP formulas by operator packet: torch's registry and the profile's own (the cpu fused
+        # attention, grouped GEMMs), which take shapes like torch's do.
+        self.formulas = {**flop_registry, **{k: shape_wrapper(v) for k, v in (custom_flops or {}).items()}}
+        self.calls: list[Call] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            call = self._describe(func, args, kwargs, out)
+        except Exception:  # recording is best effort: an odd operator must not break profiling
+            call = None
+        if call is not None:
+            self.calls.append(call)
+        return out
+
+    def _describe(self, func, args, kwargs, out) -> Call | None:
+        name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+        if getattr(func, "is_view", False) or name in _NO_KERNEL or name.startswith("empty"):
+            return None
+        inputs = _tensors((args, kwargs))
+        outputs = _tensors(out)
+        if not outputs:
+            return None
+        if name == "embedding":  # a gather: it reads the rows it writes, not the whole table
+            moved = 2.0 * sum(_nbytes(t) for t in outputs) + sum(_nbytes(t) for t in inputs[1:])
+            hidden = self.hidden is not None and outputs[0].shape[-1] == self.hidden
+            return Call("memory", name, str(outputs[0].dtype).removeprefix("torch."), 0.0, moved, (), False,
+                        False, hidden, ())
+        floating = [t for t in inputs + outputs if t.is_floating_point()]
+        dtype = str((floating or outputs)[0].dtype).removeprefix("torch.")
+        moved = _gather_scatter_bytes(name, inputs, outputs)
+        if moved is None:
+            moved = float(sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs))
+        weight_inputs = [t for t in inputs if t.dim() >= 2 and t.untyped_storage()._cdata in self.param_storages]
+        weight_outputs = [t for t in outputs if t.dim() == 2 and (tuple(t.shape) in self.param_shapes
+                                                                 or tuple(t.shape)[::-1] in self.param_shapes)]
+        touches_param = bool(weight_inputs or weight_outputs)
+        hidden_shaped = self.hidden is not None and any(t.dim() >= 2 and t.shape[-1] == self.hidden for t in outputs)
+        flops = 0.0
+        formula = self.formulas.get(func.overloadpacket)
+        if formula is not None:
+            flops = float(formula(*args, out_val=out, **kwargs))
+        if "attention" in name and flops:
+            q, k = inputs[0], inputs[1]
+            if "backward" in name:  # (grad_out, query, key, value, ...)
+                q, k = inputs[1], inputs[2]
+            causal = bool(kwargs.get("is_causal", False)) or any(a is True for a in args if isinstance(a, bool))
+            shape = (int(q.shape[0]), int(q.shape[1]), int(q.shape[-2]), int(k.shape[-2]), int(q.shape[-1]))
+            return Call("attention", name, dtype, flops, moved, shape, causal, False, False, ())
+        if name in _GEMMS or (flops and name in ("convolution", "convolution_backward", "_convolution")):
+            shape = _gemm_shape(name, inputs, outputs, flops)
+            weights = tuple((weight_inputs or weight_outputs)[0].shape[-2:]) if touches_param else ()
+            return Call("gemm", name, dtype, flops, moved, shape, False, touches_param, False, weights)
+        if flops:  # a FLOP-counted operator we have no shape model for: priced as a GEMM of its FLOPs
+            return Call("gemm", name, dtype, flops, moved, (), False, touches_param, False, ())
+        return Call("memory", name, dtype, 0.0, moved, (), False, touches_param, hidden_shaped, ())
+
+
+def _gather_scatter_bytes(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> float | None:
+    """Bytes of the operators whose traffic is not their operands' size, else None:
+
+    - `nll_loss_forward` gathers one log-probability per token (reads the targets and those entries);
+    - `nll_loss_backward` writes a zeroed (tokens x vocabulary) gradient and one entry per token;
+    - `embedding_dense_backward` accumulates a half-precision table's gradient in fp32 (torch's CUDA
+      kernel uses the accumulate type, `acc_type<half>` = float, aten/src/ATen/native/cuda/Embedding.cu):
+      zero-fill and write the fp32 table (4 + 4 bytes an element), read it and write the cast (4 + 2),
+      plus the incoming gradient.
+    """
+    if name == "nll_loss_forward":
+        return float(sum(_nbytes(t) for t in outputs) + 2 * sum(_nbytes(t) for t in inputs[1:2]))
+    if name == "nll_loss_backward":
+        return float(2 * sum(_nbytes(t) for t in outputs))
+    if name == "embedding_dense_backward":
+        table = outputs[0]
+        per_element = 14.0 if table.element_size() == 2 else 2.0 * table.element_size()
+        return float(table.numel() * per_element + _nbytes(inputs[0]))
+    return None
+
+
+def _gemm_shape(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], flops: float) -> tuple[int, ...]:
+    """(batch, m, n, k) of a GEMM call: m x k times k x n, `batch` of them."""
+    out = outputs[0]
+    if name in ("mm", "addmm"):
+        a = inputs[-2]
+        return 1, int(a.shape[0]), int(out.shape[-1]), int(a.shape[1])
+    if name in ("bmm", "baddbmm"):
+        a = inputs[-2]
+        return int(a.shape[0]), int(a.shape[1]), int(out.shape[-1]), int(a.shape[2])
+    # Grouped and convolution GEMMs: rows of the output by its last (channel) dim, k from the FLOPs.
+    rows = max(1, out.numel() // max(1, int(out.shape[-1] if out.dim() else 1)))
+    n = int(out.shape[-1]) if out.dim() else 1
+    k = max(1, round(flops / (2 * rows * n))) if flops else 1
+    return 1, rows, n, k
+
+
+def merge_batches(once: list[Call], twice: list[Call] | None, phase: str) -> tuple[Op, ...]:
+    """Fold the calls of one pass into Ops with counts. With `twice` (the same pass at double the
+    batch, call for call), learn the batch axis of each GEMM and attention call and split a memory
+    call's bytes into a part that grows with the batch and a fixed part; without it (or when the two
+    passes differ), everything but the weight dims is taken to grow with the batch."""
+    paired = twice if twice is not None and len(twice) == len(once) and all(
+        a.name == b.name for a, b in zip(once, twice, strict=True)) else None
+    counts: Counter = Counter()
+    for i, call in enumerate(once):
+        other = paired[i] if paired is not None else None
+        batch_axis = None
+        fixed = 0.0
+        per_batch = call.bytes
+        if call.kind in ("gemm", "attention") and call.shape:
+            if other is not None and other.shape and len(other.shape) == len(call.shape):
+                grown = [a for a, (x, y) in enumerate(zip(call.shape, other.shape, strict=True)) if y == 2 * x]
+                batch_axis = grown[0] if grown else None
+            else:
+                batch_axis = 0 if call.kind == "attention" or call.shape[0] > 1 else 1
+        if call.kind == "memory" or call.kind == "gemm":
+            if other is not None:
+                per_batch = max(0.0, other.bytes - call.bytes)
+                fixed = max(0.0, call.bytes - per_batch)
+            elif call.touches_param:
+                per_batch, fixed = 0.0, call.bytes
+        tp_axis = _tp_axis(call, batch_axis)
+        tp = "hidden" if call.kind == "memory" and call.hidden_shaped and not call.touches_param else "sharded"
+        key = Op(kind=call.kind, phase=phase, name=call.name, dtype=call.dtype, count=1, flops=call.flops,
+                 bytes=per_batch, fixed_bytes=fixed, shape=call.shape, batch_axis=batch_axis, tp_axis=tp_axis,
+                 tp=tp, causal=call.causal)
+        counts[key] += 1
+    return tuple(Op(**{**{f: getattr(op, f) for f in Op.__slots__}, "count": n}) for op, n in counts.items())
+
+
+def _tp_axis(call: Call, batch_axis: int | None) -> int | None:
+    """The axis tensor parallelism divides: attention's heads; a batched GEMM's batch (heads of an
+    unfused attention); else the wider of a GEMM's weight dims (Megatron's column split divides a
+    layer's output features, the row split its input features, and in a transformer the split one
+    is the wider: 3h or 4h against h; Shoeybi et al. 2019, Sec. 3)."""
+    if call.kind == "attention":
+        return 1
+    if call.kind != "gemm" or not call.shape:
+        return None
+    if call.shape[0] > 1 and batch_axis != 0:
+        return 0
+    candidates = [a for a in (1, 2, 3) if a != batch_axis]
+    if call.weight_dims:
+        wide = max(call.weight_dims)
+        matching = [a for a in candidates if call.shape[a] == wide]
+        if matching:
+            return matching[0]
+    return max(candidates, key=lambda a: call.shape[a]) if candidates else None

@@ -1,0 +1,169 @@
+"""Memory per GPU: tied parameters, the fitted allowance, the 1T run that trained, presets as published."""
+
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autoplan
+from autoplan.cluster import parse_cluster
+from autoplan.cost.config import ParallelConfig
+from autoplan.cost.memory import BYTES_PER_PARAM, allowance_bytes, held_params, param_counts, rank_memory
+from autoplan.graph.zoo import PRESET_SOURCES, PRESETS, build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+
+# Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 3:
+# the 1T GPT trained on 512 A100-80GB with tp 8, pp 64, micro-batch 1, global batch 512.
+ONE_T = "gpt:num_layers=128,hidden_size=25600,num_heads=160,vocab_size=51200,max_seq_len=2048"
+ONE_T_PINS = dict(tp=8, pp=64, dp=1, micro_batch_size=1, recompute="selective", sequence_parallel=True, zero=0)
+
+
+def _one_gpu_plan(spec: str, **pins):
+    return autoplan.suggest(spec, "1x1xH100-SXM-80GB", global_batch=8, seq_len=128, top=1, **pins)[0]
+
+
+# -- tied parameters ---------------------------------------------------------------------------------
+
+
+def test_tied_embedding_counts_once_on_one_stage():
+    plan = _one_gpu_plan("gpt2-small", pp=1)
+    model = build_model("gpt2-small")
+    unique = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    assert abs(unique - 124.44e6) < 0.01e6  # GPT-2 small: 124M (HF openai-community/gpt2)
+    assert plan.stages[0].num_params == unique
+    weights_b, grads_b, optim_b = BYTES_PER_PARAM("bfloat16")
+    memory = plan.stages[0].memory
+    assert memory.weights_bytes == pytest.approx(unique * weights_b)
+    assert memory.grads_bytes + memory.optimizer_bytes == pytest.approx(unique * (grads_b + optim_b))
+
+
+def test_tied_embedding_held_twice_across_stages():
+    plan = autoplan.suggest("gpt2-small", "1x2xH100-SXM-80GB", global_batch=8, seq_len=128, top=1, pp=2,
+                            schedule="1f1b")[0]
+    vocab_table = 50257 * 768
+    total = sum(s.num_params for s in plan.stages)
+    assert total == pytest.approx(124.44e6 + vocab_table, abs=0.01e6)  # each end holds its copy
+
+
+def test_held_params_unit():
+    profile = autoplan.profile("gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=128", batch_size=1,
+                               seq_len=16)
+    cfg = ParallelConfig(tp=1, pp=1, dp=1, micro_batch_size=1, num_microbatches=1, schedule="1f1b")
+    params = param_counts(profile, cfg)
+    n = profile.num_blocks
+    head = n - 1
+    assert profile.blocks[head].tied_to_block == 0
+    assert held_params(profile, cfg, [(0, n)]) == pytest.approx(params.sum() - 128 * 64)
+    assert held_params(profile, cfg, [(0, n)]) == pytest.approx(profile.num_params)
+    # Apart, each GPU holds its copy; on one GPU through two virtual stages, once.
+    assert held_params(profile, cfg, [(head, n)]) == pytest.approx(params[head])
+    assert held_params(profile, cfg, [(0, 1), (head, n)]) == pytest.approx(params[0])
+
+
+# -- the 1T run that trained ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule, virtual_stages", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_one_trillion_selective_sp_fits_80gb(schedule, virtual_stages):
+    plans = autoplan.suggest(ONE_T, "64x8xA100-80GB", global_batch=512, seq_len=2048, top=1, schedule=schedule,
+                             virtual_stages=virtual_stages, **ONE_T_PINS)
+    plan = plans[0]
+    assert plan.fits
+    assert plan.predicted.peak_memory_bytes <= 80 * GIB
+    # Activations with selective recompute and sequence parallelism: about 34 s b h / t bytes per layer
+    # (Korthikanti et al. 2022, Table 2); this GPT has no dropout, which saves 2 s b h of them.
+    layer_bytes = 32 * 2048 * 1 * 25600 / 8
+    first = plan.stages[0].memory
+    inflight_layers = 128 if virtual_stages == 1 else 192  # 1F1B: p x L/p; interleaved: x (1 + (p-1)/(pv))
+    assert first.activations_bytes == pytest.approx(inflight_layers * layer_bytes, rel=0.03)
+
+
+def test_one_trillion_interleaved_cli_answers(tmp_path):
+    out = tmp_path / "p.json"
+    args = [sys.executable, "-m", "autoplan", "suggest", "--model", ONE_T, "--cluster", "64x8xA100-80GB",
+            "--global-batch", "512", "--seq-len", "2048", "--tp", "8", "--pp", "64", "--dp", "1",
+            "--recompute", "selective", "--sequence-parallel", "--schedule", "interleaved-1f1b",
+            "--top", "1", "--out", str(out)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(out.read_text())
+    assert plan["fits"] and plan["schedule"] == "interleaved-1f1b"
+
+
+# -- the allowance is an upper bound on the recorded GPU runs ------------------------------------------
+
+
+def _recorded_runs() -> list[dict]:
+    runs = []
+    for path in sorted(glob.glob(str(ROOT / "benchmarks/results/cuda_check_h100_run*.json"))):
+        if path.endswith("run1.json"):
+            continue  # peak not taken above a baseline (cost/memory.py [Note: allowance])
+        runs += json.loads(Path(path).read_text())["runs"]
+    return runs
+
+
+def test_allowance_bounds_every_recorded_h100_run():
+    runs = _recorded_runs()
+    assert len(runs) == 15
+    gpu = parse_cluster("1x1xH100-SXM-80GB").gpu_types[0]
+    allowance = allowance_bytes(gpu)
+    plans = {}
+    for run in runs:
+        key = (run["micro_batch_size"], run["recompute"])
+        if key not in plans:
+            plans[key] = autoplan.suggest(run["model"], "1x1xH100-SXM-80GB", global_batch=16, seq_len=2048,
+                                          top=1, tp=1, pp=1, dp=1, zero=0, schedule="1f1b",
+                                          micro_batch_size=key[0], recompute=key[1])[0]
+        memory = plans[key].stages[0].memory
+        terms = memory.total_bytes - memory.allowance_bytes
+        gap = run["peak_memory_bytes"] - terms  # what the allocator holds beyond the modelled terms
+        assert gap <= allowance, (key, gap / GIB)
+        assert memory.total_bytes >= run["peak_memory_bytes"]
+        # The terms alone account for the allocator to within the foreach-AdamW temporaries of runs 2-4.
+        assert -0.25 * GIB <= gap <= 1.7 * GIB, (key, gap / GIB)
+
+
+def test_rank_memory_bytes_per_param():
+    profile = autoplan.profile("gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=128,tie_embeddings=false",
+                               batch_size=1, seq_len=16)
+    cfg = ParallelConfig(tp=1, pp=1, dp=2, micro_batch_size=1, num_microbatches=1, schedule="1f1b", zero=1)
+    gpu = parse_cluster("1x2xH100-SXM-80GB").gpu_types[0]
+    memory = rank_memory(profile, cfg, gpu, "bfloat16", [(0, profile.num_blocks)], [1])
+    n = profile.num_params
+    assert memory.weights_bytes == pytest.approx(2 * n)
+    assert memory.grads_bytes == pytest.approx(4 * n)  # fp32 main grads (Megatron; runtime/precision.py)
+    assert memory.optimizer_bytes == pytest.approx(12 * n / 2)  # ZeRO-1 over dp = 2
+
+
+# -- presets as published ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_and_cites_its_source(name):
+    sources = PRESET_SOURCES[name]
+    assert sources and all(s.startswith("https://") for s in sources)
+    model = build_model(name)  # on meta: no memory
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.parametrize("name, seq", [("gpt2-small", 1024), ("gpt3-175b", 2048), ("llama2-7b", 4096),
+                                       ("llama3-8b", 8192), ("llama3-405b", 8192)])
+def test_preset_context_as_published(name, seq):
+    assert PRESETS[name].max_seq_len == seq
+
+
+def test_llama3_trains_at_8192_and_longer_on_request():
+    plan = autoplan.suggest("llama3-8b", "2x8xH100-SXM-80GB", global_batch=64, seq_len=8192, top=1)[0]
+    assert plan.fits and plan.job.seq_len == 8192
+    long = autoplan.suggest("llama3-8b:max_seq_len=131072", "8x8xH100-SXM-80GB", global_batch=64, seq_len=131072,
+                            top=1)[0]
+    assert long.fits and long.job.seq_len == 131072
+    with pytest.raises(ValueError, match="max_seq_len"):
+        autoplan.suggest("llama3-8b", "8x8xH100-SXM-80GB", global_batch=64, seq_len=131072, top=1)
