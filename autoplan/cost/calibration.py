@@ -170,16 +170,19 @@ def shipped_calibrations() -> dict[str, Calibration]:
 
 _SHIPPED: dict[str, Calibration] | None = None
 
+_SAME_CHIP = {"H200": "H100"}
+"""GPU families built on another's chip (H200: the H100's GH100 with more and faster HBM)."""
+
 
 def default_calibration(gpu: GPU) -> Calibration:
-    """The shipped calibration of `gpu`'s type, else one of the same family (an A100-40GB uses the
-    A100-80GB file: same chip), else assumed figures, marked as such."""
+    """The shipped calibration of `gpu`'s type, else one of the same chip (an A100-40GB uses the
+    A100-80GB file, an H200 the H100's), else assumed figures, marked as such."""
     global _SHIPPED
     if _SHIPPED is None:
         _SHIPPED = shipped_calibrations()
     if gpu.name in _SHIPPED:
         return _SHIPPED[gpu.name]
-    family = gpu.name.split("-")[0]
+    family = _SAME_CHIP.get(gpu.name.split("-")[0], gpu.name.split("-")[0])
     for name, cal in _SHIPPED.items():
         if name.split("-")[0] == family:
             return cal.replace(gpu=gpu.name, sources={**cal.sources, "file": f"{cal.sources.get('file', '')} "

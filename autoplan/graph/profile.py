@@ -24,6 +24,7 @@ fingerprint, device name, shapes, dtype, torch version and timing method.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -126,9 +127,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A fake cpu tensor with t's shape (cast to dtype when t is floating point)."""
+    """An empty tensor with t's shape (cast to dtype when t is floating point) on the default device:
+    a fake cpu tensor under FakeTensorMode, a meta tensor in a meta run ([Note: meta or fake])."""
     target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-    return torch.empty(tuple(t.shape), dtype=target, device="cpu")
+    return torch.empty(tuple(t.shape), dtype=target)
 
 
 class _LazyFakes(dict):
@@ -139,7 +141,7 @@ class _LazyFakes(dict):
     one costs a FakeTensorMode dispatch (about 0.1 ms). Tied parameters (one object under several
     names) get one fake, as in the module; every buffer name gets its own."""
 
-    def __init__(self, mode: FakeTensorMode, gm: fx.GraphModule, dtype: torch.dtype | None) -> None:
+    def __init__(self, mode: Any, gm: fx.GraphModule, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.mode = mode
         self.dtype = dtype
@@ -178,17 +180,79 @@ class _LazyFakes(dict):
 
 @dataclass
 class _FakeRun:
-    mode: FakeTensorMode
+    mode: Any
+    """FakeTensorMode, or a `_MetaMode` ([Note: meta or fake])."""
     params: _LazyFakes
     """Fake parameters and buffers by (duplicate-free) name in the traced module, made on first use."""
     values: dict[str, Any]
     """Fake value of every graph node, after a forward of the whole model."""
     param_owner: dict[int, str]
     """id(original parameter) -> first name it has in the traced module (to spot sharing)."""
+    meta: bool = False
+
+    def owns(self, value: Any) -> bool:
+        """Whether `value` is a tensor of this run (else it is made anew, shaped like it)."""
+        if isinstance(value, torch._subclasses.FakeTensor):
+            return not self.meta
+        return self.meta and isinstance(value, torch.Tensor) and value.device.type == "meta"
+
+
+# [Note: meta or fake]
+# A graph traced by torch.fx from a model built on the meta device (every zoo model, a model file
+# built on meta) holds no values: it runs on meta tensors, whose shape functions need none of
+# FakeTensorMode's bookkeeping; creating the first FakeTensorMode imports torch._dynamo, 0.85 s of the
+# 2 s search-speed budget. On meta, scaled_dot_product_attention would take its unfused math path
+# (the device has no fused kernel), so `_MetaMode` routes it to the fused kernel the CPU runs on fake
+# tensors (and a GPU runs), so that both list the same operators. Anything else (an export graph,
+# real weights, a meta run that fails) runs on fake tensors.
+
+
+class _FusedAttention(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and len(args) >= 3:
+            q, k, v = args[:3]
+            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            options = dict(zip(names, (None, 0.0, False, None, False), strict=True))
+            options.update(zip(names, args[3:], strict=False))
+            options.update(kwargs)
+            if not options["enable_gqa"] and q.dim() == 4 and q.shape[1] == k.shape[1] == v.shape[1]:
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, options["dropout_p"], options["is_causal"], attn_mask=options["attn_mask"],
+                    scale=options["scale"])[0]
+        return func(*args, **kwargs)
+
+
+class _MetaMode:
+    """Factory calls on meta, fused attention ([Note: meta or fake]); enterable again, also while
+    entered (a lazily made parameter inside a run)."""
+
+    def __init__(self) -> None:
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(_FusedAttention())
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stacks.pop().close()
 
 
 def _run_fake(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.dtype | None) -> _FakeRun:
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    gm = traced.gm
+    on_meta = traced.tracer != "export" and all(t.device.type == "meta" for t in [*gm.parameters(), *gm.buffers()])
+    if on_meta:
+        try:
+            return _run_in(_MetaMode(), traced, example_inputs, dtype, meta=True)
+        except ProfileError:
+            pass
+    return _run_in(FakeTensorMode(allow_non_fake_inputs=False), traced, example_inputs, dtype, meta=False)
+
+
+def _run_in(mode: Any, traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.dtype | None, *,
+            meta: bool) -> _FakeRun:
     gm = traced.gm
     params = _LazyFakes(mode, gm, dtype)
     owner = params.owner
@@ -251,7 +315,7 @@ def _run_fake(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.d
                 raise
             raise ProfileError(f"the model rejects the example inputs: {type(exc).__name__}: "
                                f"{str(exc).strip().splitlines()[0][:200]}") from None
-    return _FakeRun(mode, params, values, owner)
+    return _FakeRun(mode, params, values, owner, meta)
 
 
 def fake_output(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.dtype | None = None) -> Any:
@@ -397,8 +461,8 @@ def _block_ops(sub: fx.GraphModule, cost: _BlockCost, doubled_inputs: list[Any] 
     twice = None
     if doubled is not None and doubled_inputs is not None:
         with doubled.mode:
-            fakes = [_fake_like(x, dtype) if isinstance(x, torch.Tensor)
-                     and not isinstance(x, torch._subclasses.FakeTensor) else x for x in doubled_inputs]
+            fakes = [_fake_like(x, dtype) if isinstance(x, torch.Tensor) and not doubled.owns(x) else x
+                     for x in doubled_inputs]
         try:
             twice = _measure_block(sub, fakes, _block_params(sub, doubled), hidden, doubled)
         except Exception:  # a block that rejects the doubled batch keeps the shape-based guess
@@ -854,8 +918,7 @@ def profile_traced(
         fake_inputs = []
         with run.mode:
             for x in inputs:
-                fake_inputs.append(_fake_like(x, dtype) if isinstance(x, torch.Tensor)
-                                   and not isinstance(x, torch._subclasses.FakeTensor) else x)
+                fake_inputs.append(_fake_like(x, dtype) if isinstance(x, torch.Tensor) and not run.owns(x) else x)
         fp = _block_fingerprint(traced, index, sub, fake_inputs)
         if fp not in costs:
             costs[fp] = _measure_block(sub, fake_inputs, _block_params(sub, run), hidden, run)
