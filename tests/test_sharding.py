@@ -264,3 +264,29 @@ def test_tp2_with_pipeline_and_data_parallelism_matches_the_reference():
     cases = [("llama", _make_plan("llama", pp=2)), ("gpt2", _make_plan("gpt2", pp=2)),
              ("bert", _make_plan("bert", dp=2)), ("custom", _make_plan("custom", dp=2))]
     _check(cases, run_ranks(_tp_cases, 4, cases, timeout_s=140))
+
+
+@pytest.mark.parametrize("spec", ["gpt3-175b:num_layers=6", "llama3-8b:num_layers=5", "gpt2-small"])
+def test_replayed_layers_give_the_layout_a_full_run_gives(spec, monkeypatch, tmp_path):
+    """[Note: repeated layers] in graph/sharding.py: the third and later identical layers are not run
+    through the data flow; the layout is the one a run through every layer finds."""
+    import torch
+
+    import autoplan.graph.profile as profile_mod
+    import autoplan.graph.sharding as sharding_mod
+    from autoplan.api import profile_with_graph
+
+    captured = {}
+    original = profile_mod._tensor_parallel
+
+    def capture(traced, inputs):
+        captured["args"] = (traced, inputs)
+        return original(traced, inputs)
+
+    monkeypatch.setattr(profile_mod, "_tensor_parallel", capture)
+    profile_with_graph(spec, seq_len=64, cache_dir=tmp_path)
+    replayed = sharding_mod.traced_layout(*captured["args"])
+    monkeypatch.setattr(sharding_mod._FlowInterpreter, "call_module", torch.fx.Interpreter.call_module)
+    full = sharding_mod.traced_layout(*captured["args"])
+    assert replayed.styles and replayed.styles == full.styles
+    assert replayed.groups == full.groups and replayed.layers == full.layers and replayed.divides == full.divides

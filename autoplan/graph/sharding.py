@@ -265,10 +265,69 @@ class _FlowInterpreter(torch.fx.Interpreter):
     """Runs a traced graph, treating a linear op on a parameter (an inlined nn.Linear or Conv1D,
     named by its weight's module) as a call of that linear."""
 
-    def __init__(self, gm: torch.fx.GraphModule, flow: _Flow, pre, post, device: torch.device | None):
+    def __init__(self, gm: torch.fx.GraphModule, flow: _Flow, pre, post, device: torch.device | None,
+                 mode: _FlowMode | None = None):
         super().__init__(gm)
-        self.flow, self.pre, self.post, self.device = flow, pre, post, device
+        self.flow, self.pre, self.post, self.device, self.mode = flow, pre, post, device, mode
         self.fakes: dict[str, torch.Tensor] = {}
+        self.runs: dict[tuple, list[tuple[str, Any, int, int]]] = {}
+        """[Note: repeated layers] structure -> (path, output, first order index, end) of each run."""
+
+    def call_module(self, target: str, args: Any, kwargs: Any) -> Any:
+        """[Note: repeated layers]: the third and later calls of a module whose structure and input
+        shapes repeat an earlier one are not run: what the data flow would record is the second
+        call's record, renamed."""
+        module = self.fetch_attr(target)
+        key = _structure(module, args, kwargs)
+        runs = self.runs.setdefault(key, []) if key is not None and self.mode is not None else None
+        if runs is not None and len(runs) >= 2:
+            return self._replay(target, runs)
+        start = len(self.flow.order)
+        out = super().call_module(target, args, kwargs)
+        if runs is not None:
+            runs.append((target, out, start, len(self.flow.order)))
+        return out
+
+    def _replay(self, target: str, runs: list) -> Any:
+        first, second, previous = runs[0][0], runs[1][0], runs[-1][0]
+        # The second run's own linears become this module's; its inputs' (the first run's) the
+        # previous run's. Other tags (earlier layers, the embedding) stay as they were.
+        renames = ((second + ".", target + "."), (first + ".", previous + "."))
+
+        def rename(tag: Any) -> Any:
+            if not isinstance(tag, str):
+                return tag
+            for old, new in renames:
+                if tag.startswith(old):
+                    return new + tag[len(old):]
+            return tag
+
+        def rename_set(tags: frozenset) -> frozenset:
+            return frozenset(rename(t) for t in tags)
+
+        template = runs[1]
+        flow, mode = self.flow, self.mode
+        for path in flow.order[template[2]:template[3]]:
+            mine = rename(path)
+            flow.sources.setdefault(mine, rename_set(flow.sources.get(path, frozenset())))
+            flow.order.append(mine)
+            if path in mode.first_op and mine not in mode.first_op:
+                mode.first_op[mine] = mode.first_op[path]
+        for tags, dim in list(mode.head_dim.items()):
+            if any(isinstance(t, str) and t.startswith(second + ".") for t in tags):
+                mode.head_dim.setdefault(rename_set(tags), dim)
+        runs.append((target, None, len(flow.order) - (template[3] - template[2]), len(flow.order)))
+
+        def fresh(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+                copy._ap_tags = rename_set(_tags(value))
+                return copy
+            if isinstance(value, (tuple, list)):
+                return type(value)(fresh(v) for v in value)
+            return value
+
+        return fresh(template[1])
 
     def _names(self, weight: torch.Tensor) -> list[str]:
         """Every module path holding `weight` (tied parameters have several), in registration order."""
@@ -310,6 +369,36 @@ class _FlowInterpreter(torch.fx.Interpreter):
         out = super().run_node(n)
         self.post(path, out)
         return out
+
+
+# [Note: repeated layers]
+# A 96-layer model runs its layer 96 times through the data flow, about 50 operators each: most of
+# the cost of finding a layout. Layers of one structure (class, parameter shapes, input shapes) record
+# the same flow up to names: the third and later are not run; the second's record is copied with its
+# paths renamed to the layer's, and the first's (its input's producer) to the previous layer's. A
+# tag from further back (an earlier layer's output reaching a later one through the residual stream)
+# is not carried forward; it only ever adds consumers to a layer's output projection, which no pair
+# reads (a pair's feeders have one consumer). tests/test_sharding.py checks the layouts are equal.
+
+
+def _structure(module: nn.Module, args: Any, kwargs: Any) -> tuple | None:
+    """What makes two calls of a module record the same flow: its class, parameter shapes and
+    input shapes; None when an input is not a tensor, a scalar or None (run it)."""
+    def describe(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (tuple(value.shape), value.dtype)
+        if isinstance(value, (tuple, list)):
+            return tuple(describe(v) for v in value)
+        if value is None or isinstance(value, (int, float, bool, str)):
+            return value
+        raise TypeError
+
+    try:
+        inputs = (describe(list(args)), describe(sorted(kwargs.items())))
+    except TypeError:
+        return None
+    params = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
+    return (type(module).__qualname__, params, inputs)
 
 
 def _constants_device(gm: torch.fx.GraphModule) -> torch.device | None:
@@ -381,7 +470,7 @@ def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any
                 args, kwargs = tuple(fake(x) for x in example_inputs), {}
             with mode:
                 if isinstance(model, torch.fx.GraphModule):
-                    out = _FlowInterpreter(model, flow, pre, post, graph_device).run(*args, **kwargs)
+                    out = _FlowInterpreter(model, flow, pre, post, graph_device, mode).run(*args, **kwargs)
                 else:
                     out = model(*args, **kwargs)
     finally:
