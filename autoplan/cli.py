@@ -76,6 +76,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     console = _console()
     console.print(f"[dim]{result.traced.note}[/dim]")
     console.print(profile_table(result.profile))
+    spread = result.profile.extra.get("timing_spread") or {}
+    if spread.get("median") is not None:  # a timed profile: how far each block's repeats disagreed
+        console.print(f"timing spread ((max - min) / median of each block's repeats): median {spread['median']:.1%}, "
+                      f"worst {spread['max']:.1%}")
     return 0
 
 

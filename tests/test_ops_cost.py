@@ -164,3 +164,10 @@ def test_a_meta_run_profiles_as_a_fake_run_does(tmp_path, monkeypatch):
     on_fake = autoplan.profile(spec, seq_len=64, cache_dir=tmp_path / "fake")
     assert on_meta == on_fake
     assert any(o.kind == "attention" for b in on_meta.blocks for o in b.ops)
+
+
+def test_a_timed_profile_reports_its_spread_through_the_cli(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path))
+    assert cli_main(["profile", "--model", SPEC, "--seq-len", "32", "--device", "cpu", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "timing spread" in out and "worst" in out

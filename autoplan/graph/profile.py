@@ -556,7 +556,10 @@ def _materialize_block(sub: fx.GraphModule, device: str, dtype: torch.dtype | No
                     module.register_buffer(name, b.to(device), persistent=False)
 
 
-def _time_fn(fn: Callable[[], Any], device: str, warmup: int, repeats: int) -> float:
+def _time_fn(fn: Callable[[], Any], device: str, warmup: int, repeats: int,
+             spreads: list[float] | None = None) -> float:
+    """Median seconds of `fn`; its spread ((max - min) / median of the rounds or samples) goes to
+    `spreads`, which the profile reports (`extra["timing_spread"]`)."""
     for _ in range(warmup):
         fn()
     if device.startswith("cuda"):
@@ -573,13 +576,20 @@ def _time_fn(fn: Callable[[], Any], device: str, warmup: int, repeats: int) -> f
             end.record()
             torch.cuda.synchronize()
             rounds.append(start.elapsed_time(end) / 1e3 / repeats)
-        return statistics.median(rounds)
+        return _median_noting_spread(rounds, spreads)
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return _median_noting_spread(samples, spreads)
+
+
+def _median_noting_spread(samples: list[float], spreads: list[float] | None) -> float:
+    median = statistics.median(samples)
+    if spreads is not None and median > 0:
+        spreads.append((max(samples) - min(samples)) / median)
+    return median
 
 
 def last_level_cache_bytes(device: str) -> int:
@@ -651,7 +661,8 @@ def _run_doubled(traced: TracedModel, example_inputs: Sequence[Any], dtype: torc
 
 
 def _time_block(traced: TracedModel, index: int, inputs: list[Any], device: str, dtype: torch.dtype | None,
-                warmup: int, repeats: int, occurrences: int = 1) -> tuple[float, float]:
+                warmup: int, repeats: int, occurrences: int = 1,
+                spreads: list[float] | None = None) -> tuple[float, float]:
     """Median forward and backward seconds of block `index` on a real device, run as a chain of up
     to `occurrences` copies ([Note: timing in context])."""
     import copy
@@ -683,8 +694,8 @@ def _time_block(traced: TracedModel, index: int, inputs: list[Any], device: str,
     def forward_autograd() -> Any:
         return [c(*leaves()) for c in copies]
 
-    fwd_s = _time_fn(forward_autograd, device, warmup, repeats) / len(copies)
-    total_s = _time_fn(forward_backward, device, warmup, repeats) / len(copies)
+    fwd_s = _time_fn(forward_autograd, device, warmup, repeats, spreads) / len(copies)
+    total_s = _time_fn(forward_backward, device, warmup, repeats, spreads) / len(copies)
     return fwd_s, max(total_s - fwd_s, 0.0)
 
 
@@ -974,10 +985,12 @@ def profile_traced(
             progress(index + 1, traced.num_blocks + len(to_time), traced.block_names[index])
     # Timed after the pass over all blocks, which counts how often each one repeats.
     fixed: dict[str, tuple[float, float]] = {}
+    spreads: list[float] = []  # of every timing at the profile's batch: how far its repeats disagree
     for done, (fp, (index, input_names, fake_inputs)) in enumerate(to_time.items()):
         if progress is not None:
             progress(traced.num_blocks + done, traced.num_blocks + len(to_time), f"timing {traced.block_names[index]}")
-        timed[fp] = _time_block(traced, index, fake_inputs, device, dtype, warmup, repeats, occurrences[fp])
+        timed[fp] = _time_block(traced, index, fake_inputs, device, dtype, warmup, repeats, occurrences[fp],
+                                spreads)
         if doubled is not None:
             twice = _time_block(traced, index, [doubled.values[n] for n in input_names], device, dtype, warmup,
                                 repeats, occurrences[fp])
@@ -1009,7 +1022,10 @@ def profile_traced(
         torch_version=torch.__version__,
         extra={"tracer_note": traced.note, "tensor_parallel": _tensor_parallel(traced, example_inputs),
                **({"threads": torch.get_num_threads()} if device == "cpu" else {}),
-               **({"batch_scaling": "affine" if fixed else "linear (the model rejects a doubled batch)"}
+               **({"batch_scaling": "affine" if fixed else "linear (the model rejects a doubled batch)",
+                   "timing_spread": {"median": round(statistics.median(spreads), 4) if spreads else None,
+                                     "max": round(max(spreads), 4) if spreads else None,
+                                     "of": "(max - min) / median of each block's repeats"}}
                   if timed else {})},
     )
     for path in (cache_file, analytic_file):

@@ -19,8 +19,7 @@ backward), and fp32 residual streams:
   previous step's optimizer update).
 
 Bytes per parameter: 2 (bf16 weight) + 4 (fp32 gradient) + 4 (fp32 master) + 8 (Adam's moments) = 18,
-Megatron-LM's figure for this setup; the cost model counts 16 (ZeRO's 2 + 2 + 12, with bf16
-gradients), 2 bytes per parameter less (docs/status.md).
+Megatron-LM's figure for this setup, and the cost model's (cost/memory.py).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import numpy as np
 from autoplan.cluster import Cluster
 from autoplan.cost.calibration import Calibrations
 from autoplan.cost.config import ParallelConfig
-from autoplan.cost.memory import allowance_bytes, block_static_bytes
+from autoplan.cost.memory import BYTES_PER_PARAM, allowance_bytes, block_static_bytes
 from autoplan.cost.time import block_times
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import RECOMPUTE, Job, Plan
@@ -390,5 +390,6 @@ def _raise_no_plan(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict
                             f"(the weights and optimizer alone need at least {need})")
     raise PlanningError(f"{profile.model_name} does not fit on {cluster.num_gpus} x {gpu.name} in any plan: it needs "
                         f"at least {need} GPUs of that type for its weights, gradients and optimizer states alone "
-                        f"({profile.num_params / 1e9:.1f}B parameters x 16 bytes); reduce the batch or sequence "
+                        f"({profile.num_params / 1e9:.1f}B parameters x {sum(BYTES_PER_PARAM(job.dtype)):g} bytes); "
+                        "reduce the batch or sequence "
                         "length, or use more GPUs")
