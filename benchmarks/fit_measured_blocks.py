@@ -11,7 +11,8 @@ several runs; and whole training steps of gpt3-1.3b run there with `autoplan.par
 Fit: the median over runs of each (model, batch, block, pass) is one point. Five numbers of
 cost/ops.py are fitted by least squares on log(predicted / measured) over all points (coordinate
 search in log space): the GEMM share of peak, flash attention's forward and backward shares, the
-memory-bandwidth share and the kernel floor. The causal work fraction is not fitted (with causal
+memory-bandwidth share and the kernel floor. Points whose runs disagree by more than 25% of their
+median are shown, not fitted. The causal work fraction is not fitted (with causal
 attention only, it cannot be told from the shares): 1/2, FlashAttention-2's skipping of masked
 tiles (Dao 2023, Sec. 3.1.1). Leave one model out: fit on two models' blocks, predict the third's.
 The measured steps are not fitted; they check the result.
@@ -134,7 +135,6 @@ def main() -> int:
     parser.add_argument("--gpu", default="H100-SXM-80GB")
     parser.add_argument("--write", action="store_true", help="write the fit as the shipped calibration of --gpu")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--fit-all", action="store_true", help="fit the llama3-8b points too")
     parser.add_argument("--max-spread", type=float, default=0.25,
                         help="fit only points whose runs agree within this share of their median (default 0.25)")
     args = parser.parse_args()
@@ -147,11 +147,7 @@ def main() -> int:
     base = default_calibration(gpu)
     # Points whose runs disagree by more than MAX_SPREAD (the small blocks: an embedding or a norm
     # timed alone is a few launches, and its runs differ by 50-180%) are shown, not fitted.
-    # llama3-8b is checked, not fitted: its nn.RMSNorm is recorded here (on CPU fake tensors) as the
-    # eight fp32 operators of its composite form, while CUDA runs one fused kernel (torch >= 2.8), so
-    # its memory traffic is overcounted (docs/status.md). --fit-all fits it too.
-    steady = [p for p in points if p["spread"] <= args.max_spread
-              and (args.fit_all or not p["model"].startswith("llama"))]
+    steady = [p for p in points if p["spread"] <= args.max_spread]
     cal = fit(steady, profiles, base, gpu)
     errors = _errors(points, profiles, cal, gpu)
     print(f"{len(points)} points from {len(paths)} logs on {device}, {len(steady)} steady enough to fit; "

@@ -195,7 +195,8 @@ def test_timed_profile_fits_a_fixed_part_from_two_batch_sizes(monkeypatch, tmp_p
     original = profile_mod._time_block
 
     def record(traced, index, inputs, *args):
-        calls.append((index, inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) else None, args[-1]))
+        # args: device, dtype, warmup, repeats, occurrences (then the spreads list, at the first batch)
+        calls.append((index, inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) else None, args[4]))
         return original(traced, index, inputs, *args)
 
     monkeypatch.setattr(profile_mod, "_time_block", record)

@@ -25,7 +25,7 @@ from autoplan.graph.blocks import Op
 
 __all__ = ["RECORDER_VERSION", "Call", "OperatorRecorder", "merge_batches"]
 
-RECORDER_VERSION = 4
+RECORDER_VERSION = 6
 """In the profile cache's key: a change to what is recorded re-profiles."""
 
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm_fallback", "grouped_mm_fallback_backward"}
@@ -75,10 +75,22 @@ class OperatorRecorder(TorchDispatchMode):
         # attention, grouped GEMMs), which take shapes like torch's do.
         self.formulas = {**flop_registry, **{k: shape_wrapper(v) for k, v in (custom_flops or {}).items()}}
         self.calls: list[Call] = []
+        self.paused = 0
+        """While > 0, calls are passed on and not recorded (a fused kernel's composite parts)."""
+
+    def add_fused(self, name: str, tensors: list[torch.Tensor]) -> None:
+        """Record one fused memory-bound kernel that reads or writes each of `tensors` once."""
+        first = tensors[0]
+        hidden = self.hidden is not None and first.dim() >= 2 and first.shape[-1] == self.hidden
+        self.calls.append(Call("memory", name, str(first.dtype).removeprefix("torch."), 0.0,
+                               float(sum(_nbytes(t) for t in tensors if t is not None)), (), False, False,
+                               hidden, ()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.paused:
+            return out
         try:
             call = self._describe(func, args, kwargs, out)
         except Exception:  # recording is best effort: an odd operator must not break profiling

@@ -412,6 +412,90 @@ def _block_params(sub: fx.GraphModule, run: _FakeRun) -> dict[str, torch.Tensor]
     return {n: run.params[n] for n in names}
 
 
+# [Note: operators as a GPU runs them]
+# The operator list prices a block on a GPU, but it is recorded where the profile runs (CPU dispatch,
+# fake or meta tensors). Where the two differ in a way that matters, the recording follows the GPU:
+# nn.RMSNorm (F.rms_norm) is one fused kernel forward and one backward on CUDA (torch >= 2.8,
+# `_fused_rms_norm`) but eight fp32 operators on the CPU, which priced a llama layer 17-34% slow on an
+# H100. Such a block's operators are recorded in a second pass with the fused kernel; its FLOPs and
+# saved bytes stay those of the first (the composite form saves more: an upper bound on a GPU, exact
+# on a CPU run).
+
+
+class _GpuKernels(torch.overrides.TorchFunctionMode):
+    """Notes calls of functions a GPU runs as one fused kernel; with recorders, records each such
+    call as that one kernel (`_FusedRMSNorm`)."""
+
+    def __init__(self, recorders: tuple[OperatorRecorder, OperatorRecorder] | None = None) -> None:
+        super().__init__()
+        self.recorders = recorders
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.rms_norm:
+            self.seen = True
+            if self.recorders is not None:
+                names = ("input", "normalized_shape", "weight", "eps")
+                call = dict(zip(names, args, strict=False)) | kwargs
+                return _FusedRMSNorm.apply(call["input"], call.get("weight"), tuple(call["normalized_shape"]),
+                                           call.get("eps"), self.recorders)
+        return func(*args, **kwargs)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """F.rms_norm as CUDA's `_fused_rms_norm` runs it: one kernel reading x (and the weight) and
+    writing y forward; one reading the gradient, x and the saved 1/rms and writing both gradients
+    backward. The values come from the composite form, unrecorded (shapes are all a profile needs)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, shape, eps, recorders):
+        forward_recorder, backward_recorder = recorders
+        forward_recorder.paused += 1
+        try:
+            y = torch.nn.functional.rms_norm(x, shape, weight, eps)
+            rstd = x.new_empty(x.shape[: x.dim() - len(shape)], dtype=torch.float32)
+        finally:
+            forward_recorder.paused -= 1
+        forward_recorder.add_fused("_fused_rms_norm", [x, y, weight, rstd])
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.backward_recorder = backward_recorder
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        recorder = ctx.backward_recorder
+        recorder.paused += 1
+        try:
+            grad_x = torch.empty_like(x)
+            grad_w = torch.empty_like(weight) if weight is not None else None
+        finally:
+            recorder.paused -= 1
+        recorder.add_fused("_fused_rms_norm_backward", [grad, x, rstd, grad_x, weight, grad_w])
+        return grad_x, grad_w, None, None, None
+
+
+def _record_calls(sub: fx.GraphModule, inputs: list[Any], params: dict[str, torch.Tensor], hidden: int | None,
+                  run: _FakeRun) -> tuple[list[Call], list[Call]]:
+    """The operators of one forward and backward with the GPU's fused kernels ([Note: operators as
+    a GPU runs them])."""
+    formulas = custom_flop_formulas()
+    fwd_recorder = OperatorRecorder(list(params.values()), hidden, formulas)
+    bwd_recorder = OperatorRecorder(list(params.values()), hidden, formulas)
+    with run.mode:
+        leaves = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+                  for x in inputs]
+        with _GpuKernels((fwd_recorder, bwd_recorder)), fwd_recorder:
+            outputs = torch.func.functional_call(sub, params, tuple(leaves), strict=False)
+        outs = [o for o in (_tensors_in(outputs) or []) if o.requires_grad]
+        if outs:
+            seeds = [torch.ones_like(o) for o in outs]
+            with bwd_recorder:
+                torch.autograd.backward(outs, seeds)
+    return fwd_recorder.calls, bwd_recorder.calls
+
+
 def _measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, torch.Tensor], hidden: int | None,
                    run: _FakeRun) -> _BlockCost:
     """Forward and backward of one block on fake tensors, counting FLOPs and saved bytes."""
@@ -429,11 +513,13 @@ def _measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, tor
     formulas = custom_flop_formulas()
     fwd_recorder = OperatorRecorder(list(params.values()), hidden, formulas)
     bwd_recorder = OperatorRecorder(list(params.values()), hidden, formulas)
+    fused = _GpuKernels()
     with run.mode:
         leaf_inputs = [
             x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in inputs
         ]
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter() as fwd_counter, fwd_recorder:
+        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter() as fwd_counter,
+              fwd_recorder, fused):
             outputs = torch.func.functional_call(sub, params, tuple(leaf_inputs), strict=False)
         outs = [o for o in (_tensors_in(outputs) or []) if o.requires_grad]
         bwd_flops = attention_bwd = 0.0
@@ -443,6 +529,9 @@ def _measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, tor
                 torch.autograd.backward(outs, seeds)
             bwd_flops = float(bwd_counter.get_total_flops())
             attention_bwd = _attention_flops(bwd_counter)
+    calls = (fwd_recorder.calls, bwd_recorder.calls)
+    if fused.seen:  # recorded again as a GPU runs it ([Note: operators as a GPU runs them])
+        calls = _record_calls(sub, inputs, params, hidden, run)
     return _BlockCost(
         fwd_flops=float(fwd_counter.get_total_flops()),
         bwd_flops=bwd_flops,
@@ -450,8 +539,8 @@ def _measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, tor
         saved_bytes_hidden=sum(b for b, h in saved.values() if h),
         attention_fwd_flops=_attention_flops(fwd_counter),
         attention_bwd_flops=attention_bwd,
-        fwd_calls=fwd_recorder.calls,
-        bwd_calls=bwd_recorder.calls,
+        fwd_calls=calls[0],
+        bwd_calls=calls[1],
     )
 
 
