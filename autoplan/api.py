@@ -206,6 +206,9 @@ def suggest_with_stats(
     result = dataclasses.replace(result, plans=[dataclasses.replace(p, **recorded) for p in result.plans])
     if profiled.traced.tracer == "modules":  # the fallback graph: say whether it was checked against the model
         result.notes.append(profiled.traced.note)
+    if not prof.is_timed:  # which achieved rates priced the plans, and where they come from
+        for gpu in cluster_obj.gpu_types:
+            result.notes.append(f"{gpu.name} priced with: {calibrations.for_gpu(gpu).sources.get('file', '')}")
     return result, profiled
 
 

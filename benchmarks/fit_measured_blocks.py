@@ -174,8 +174,9 @@ def main() -> int:
         note = (f"fitted by `python benchmarks/fit_measured_blocks.py --write` to block times measured by this project "
                 f"on an {device} (benchmarks/results/cuda_check_h100_run*.json, torch 2.11, "
                 f"benchmarks/cuda_check.py); causal work fraction 0.5 assumed (FlashAttention-2)")
-        cal = cal.replace(sources={**cal.sources, "file": f"{args.gpu}: measured by this project ({date.today()}); "
-                                   "see benchmarks/fit_measured_blocks.py", "gemm": note, "attention": note, "memory": note},
+        cal = cal.replace(sources={**cal.sources, "file": f"{args.gpu}: fitted to block times measured by this project "
+                                   f"on the GPU (benchmarks/fit_measured_blocks.py, {date.today()})",
+                                   "gemm": note, "attention": note, "memory": note},
                           measurements={"points": points, "in_sample_median_abs_error": float(np.median(np.abs(errors))),
                                         "leave_one_model_out_median_abs_error": float(np.median(np.abs(held)))})
         path = ROOT / "autoplan" / "cost" / "calibrations" / f"{args.gpu}.json"

@@ -93,6 +93,7 @@ def test_shipped_calibrations_cover_a100_and_h100_and_say_where_they_come_from()
             assert cal.sources[section], (cal.gpu, section)
     assert "Megatron" in shipped["A100-SXM4-80GB"].sources["gemm"]
     assert "measured by this project" in shipped["H100-SXM-80GB"].sources["file"]
+    assert "measured by this project" in shipped["H100-SXM-80GB"].sources["gemm"]
     # Same chip, other memory size: the A100 file; an unknown type: assumed, and it says so.
     assert default_calibration(get_gpu("A100-SXM4-40GB")).gemm_efficiency == shipped["A100-SXM4-80GB"].gemm_efficiency
     assert "assumed" in default_calibration(get_gpu("L40S")).sources["file"]

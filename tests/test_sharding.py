@@ -144,9 +144,10 @@ def test_search_proposes_tp_only_where_the_layout_allows():
 
     conv, _ = suggest_with_stats(ConvNet(), "1x4xcpu", global_batch=8, example_inputs=(torch.randn(1, 3, 8, 8),))
     assert conv.plans and {p.tp for p in conv.plans} == {1} and not any(p.sequence_parallel for p in conv.plans)
-    assert conv.notes == ["tp 2, 4 not considered: the model has no tensor-parallel layout: none of its 1 linear "
-                          "layers feeds another through element-wise or attention ops only (no column- and row-parallel "
-                          "pair)"]
+    assert conv.notes[0] == ("tp 2, 4 not considered: the model has no tensor-parallel layout: none of its 1 linear "
+                             "layers feeds another through element-wise or attention ops only (no column- and "
+                             "row-parallel pair)")
+    assert conv.notes[1].startswith("cpu priced with: ")  # the calibration, and where its numbers come from
     with pytest.raises(PlanningError, match="no tensor-parallel layout") as info:
         autoplan.suggest(ConvNet(), "1x4xcpu", global_batch=8, example_inputs=(torch.randn(1, 3, 8, 8),), tp=2)
     assert "\n" not in str(info.value)
@@ -154,7 +155,7 @@ def test_search_proposes_tp_only_where_the_layout_allows():
                                   example_inputs=(torch.zeros(1, SEQ, dtype=torch.long),), top=20)
     assert {p.tp for p in llama.plans} <= {1, 2}  # 2 KV heads
     assert not any(p.sequence_parallel for p in llama.plans)  # an inlined graph: no sequence parallelism
-    assert llama.notes == ["tp 4, 8 not considered: tp 4 does not divide the model's 2 key/value heads"]
+    assert llama.notes[0] == "tp 4, 8 not considered: tp 4 does not divide the model's 2 key/value heads"
     with pytest.raises(PlanningError, match="--tp 4 does not divide the model's 2 key/value heads"):
         autoplan.suggest(_hf("llama", device="meta"), "1x8xcpu", global_batch=8, seq_len=SEQ,
                          example_inputs=(torch.zeros(1, SEQ, dtype=torch.long),), tp=4)
