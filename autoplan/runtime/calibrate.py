@@ -486,8 +486,8 @@ def _stderr_progress(line: str) -> None:
 
 
 def _collectives_spawned(rank: int, world: int, port: int, payload: dict, run_dir: str) -> None:
-    """Entry of a locally spawned rank; failures are recorded as `launch._supervise` reads them."""
-    from autoplan.runtime.launch import _fail_rank
+    """Entry of a locally spawned rank; failures are recorded as `launch.supervise` reads them."""
+    from autoplan.runtime.launch import fail_rank
 
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -497,7 +497,7 @@ def _collectives_spawned(rank: int, world: int, port: int, payload: dict, run_di
         if result is not None:
             (Path(run_dir) / "collectives.json").write_text(json.dumps(result))
     except BaseException as exc:  # noqa: BLE001 - a rank reports everything
-        _fail_rank(rank, run_dir, exc)
+        fail_rank(rank, run_dir, exc)
 
 
 def _measure_collectives(device: str, nproc: int, sweep: _Sweep, timeout_s: float) -> dict[str, Any]:
@@ -505,12 +505,12 @@ def _measure_collectives(device: str, nproc: int, sweep: _Sweep, timeout_s: floa
     that fails, or a run longer than `timeout_s` overall, raises CalibrationRunError."""
     import torch.multiprocessing as mp
 
-    from autoplan.runtime.launch import _free_port, _supervise
+    from autoplan.runtime.launch import free_port, supervise
 
     ctx = mp.get_context("spawn")
     payload = {"device": device, "sweep": sweep, "timeout_s": timeout_s}
     with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-") as run_dir:
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_collectives_spawned, args=(r, nproc, port, payload, run_dir), daemon=True,
                              name=f"autoplan-calibrate-{r}") for r in range(nproc)]
         deadline = time.monotonic() + timeout_s
@@ -522,7 +522,7 @@ def _measure_collectives(device: str, nproc: int, sweep: _Sweep, timeout_s: floa
         try:
             for p in procs:
                 p.start()
-            if _supervise(procs, run_dir, grace_s=5.0, on_poll=check_deadline) != 0:
+            if supervise(procs, run_dir, grace_s=5.0, on_poll=check_deadline) != 0:
                 raise CalibrationRunError("the collective benchmark failed (the line above names the rank)")
             return json.loads((Path(run_dir) / "collectives.json").read_text())
         finally:

@@ -50,7 +50,7 @@ import torch
 
 from autoplan.plan import Plan, PlanError
 
-__all__ = ["load_data_function", "run_plan", "synthetic_batch"]
+__all__ = ["fail_rank", "free_port", "load_data_function", "run_plan", "supervise", "synthetic_batch"]
 
 FAULT_ENV = "AUTOPLAN_FAULT"
 _FAULT_KINDS = ("raise", "kill", "hang", "kill-mid-step", "kill-in-checkpoint")
@@ -67,7 +67,7 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -353,13 +353,13 @@ def _spawned(rank: int, world_size: int, port: int, payload: dict, error_dir: st
         _mark_phase(error_dir, rank, "started")
         _train(plan, **payload, on_phase=lambda phase: _mark_phase(error_dir, rank, phase))
     except BaseException as exc:  # noqa: BLE001 - a rank reports everything, KeyboardInterrupt included
-        _fail_rank(rank, error_dir, exc)
+        fail_rank(rank, error_dir, exc)
     sys.stdout.flush()
     sys.stderr.flush()
 
 
-def _fail_rank(rank: int, error_dir: str, exc: BaseException) -> None:
-    """Record a spawned rank's failure where `_supervise` reads it, print one line, exit 1 at once."""
+def fail_rank(rank: int, error_dir: str, exc: BaseException) -> None:
+    """Record a spawned rank's failure where `supervise` reads it, print one line, exit 1 at once."""
     line = _one_line(exc)
     try:
         record = json.dumps({"time": time.time(), "error": line})
@@ -387,7 +387,7 @@ def _how(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-def _supervise(procs: list, error_dir: str, grace_s: float, poll_s: float = 0.05, on_poll=None) -> int:
+def supervise(procs: list, error_dir: str, grace_s: float, poll_s: float = 0.05, on_poll=None) -> int:
     """Wait for the ranks; on the first failure give the rest `grace_s` to end, then stop them.
 
     Prints one line naming the first failing rank and its reason; returns 0 or 1.
@@ -529,7 +529,7 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
     if _start_method == "forkserver":  # a no-op once the server runs; it then keeps its own list
         ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     payload["plan"] = plan.to_dict()
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="autoplan-run-") as error_dir:
         procs = [ctx.Process(target=_spawned, args=(r, nproc, port, payload, error_dir), daemon=True,
                              name=f"autoplan-rank-{r}") for r in range(nproc)]
@@ -537,7 +537,7 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
             progress = _StartProgress(error_dir, nproc)
             for p in procs:
                 p.start()
-            return _supervise(procs, error_dir, grace_s=_grace_s, on_poll=progress)
+            return supervise(procs, error_dir, grace_s=_grace_s, on_poll=progress)
         finally:  # KeyboardInterrupt or a launcher bug: never leave ranks behind
             for p in procs:
                 if p.pid is not None and p.exitcode is None:
