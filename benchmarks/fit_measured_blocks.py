@@ -33,7 +33,7 @@ import numpy as np
 
 from autoplan.cluster import get_gpu
 from autoplan.cost.calibration import Calibration, default_calibration
-from autoplan.cost.time import _op_pass_times
+from autoplan.cost.time import op_pass_times
 from autoplan.graph import zoo
 from autoplan.graph.profile import profile_model
 
@@ -78,7 +78,7 @@ def predict(points: list[dict], profiles: dict, cal: Calibration, gpu) -> np.nda
     for p in points:
         prof = profiles[p["model"]]
         block = next(b for b in prof.blocks if b.name == p["block"])
-        fwd, bwd, _ = _op_pass_times(block, cal, gpu, p["batch"] / prof.batch_size, 1, False, "bfloat16", prof.dtype)
+        fwd, bwd, _ = op_pass_times(block, cal, gpu, p["batch"] / prof.batch_size, 1, False, "bfloat16", prof.dtype)
         out.append(fwd if p["phase"] == "fwd" else bwd)
     return np.array(out)
 

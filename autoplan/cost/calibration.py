@@ -223,6 +223,3 @@ class Calibrations:
         if gpu.name in self.overrides:
             return self.overrides[gpu.name]
         return default_calibration(gpu)
-
-    def describe(self) -> list[str]:
-        return [f"{name}: {cal.sources.get('file', '')}" for name, cal in sorted(self.overrides.items())]

@@ -24,8 +24,8 @@ from autoplan.cost.config import ParallelConfig
 from autoplan.cost.ops import op_time_s
 from autoplan.graph.blocks import Block, ModelProfile
 
-__all__ = ["BlockTimes", "block_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s",
-           "dp_sync_time_s", "optimizer_time_s", "tied_sync_times_s", "tp_divisor", "tp_sharded"]
+__all__ = ["BlockTimes", "block_times", "op_pass_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s",
+           "optimizer_time_s", "tied_sync_times_s", "tp_divisor", "tp_sharded"]
 
 # Blocks whose parameters and FLOPs Megatron tensor parallelism shards (Shoeybi et al. 2019, Sec. 3:
 # attention and MLP column/row parallel; vocab-parallel embedding and output layer).
@@ -90,7 +90,7 @@ def cpu_sharing(profile: ModelProfile, gpu: GPU, cluster: Cluster) -> tuple[floa
     return float(threads), cores
 
 
-def _op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, sp: bool,
+def op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, sp: bool,
                    dtype: str, profile_dtype: str) -> tuple[float, float, float]:
     """(forward, backward, attention forward) seconds of a block's operators at batch factor f on one of
     tp ranks. Operators recorded in the profile's dtype run in the job's."""
@@ -153,7 +153,7 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             op_tp = 1 if whole or not tp_sharded(b.kind) else cfg.tp
             key = (b.fingerprint or i, op_tp)
             if key not in by_fingerprint:
-                by_fingerprint[key] = _op_pass_times(b, cal, gpu, f, op_tp, cfg.sequence_parallel, dtype, profile.dtype)
+                by_fingerprint[key] = op_pass_times(b, cal, gpu, f, op_tp, cfg.sequence_parallel, dtype, profile.dtype)
             f_s, b_s, attention_s = by_fingerprint[key]
             divide = shard if whole else 1.0
             fwd[i] = f_s / divide
@@ -205,15 +205,6 @@ def cut_transfer_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelC
             priced[cut.num_bytes] = cut_transfer_time_s(profile, cluster, cfg, i, src_rank, dst_rank)
         out[i] = priced[cut.num_bytes]
     return out
-
-
-def dp_sync_time_s(cluster: Cluster, cfg: ParallelConfig, pp_index: int, grad_bytes: float) -> float:
-    """Gradient reduction over the dp group of one pipeline rank (ring all-reduce; ZeRO's
-    reduce-scatter + all-gather moves the same volume, Rajbhandari et al. 2020, Sec. 7)."""
-    if cfg.dp == 1:
-        return 0.0
-    ranks = [cfg.rank(pp_index, d, 0) for d in range(cfg.dp)]
-    return allreduce_time_s(cluster, ranks, grad_bytes)
 
 
 def tied_sync_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, ranges: list[tuple[int, int]],

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from autoplan.graph.blocks import Op
 
-__all__ = ["RECORDER_VERSION", "Call", "OperatorRecorder", "merge_batches"]
+__all__ = ["RECORDER_VERSION", "Call", "FusedAttention", "FusedRMSNorm", "GpuKernels", "OperatorRecorder", "merge_batches"]
 
 RECORDER_VERSION = 6
 """In the profile cache's key: a change to what is recorded re-profiles."""
@@ -231,3 +231,86 @@ def _tp_axis(call: Call, batch_axis: int | None) -> int | None:
         if matching:
             return matching[0]
     return max(candidates, key=lambda a: call.shape[a]) if candidates else None
+
+
+# [Note: operators as a GPU runs them]
+# The operator list prices a block on a GPU, but it is recorded where the profile runs (CPU dispatch,
+# fake or meta tensors). Where the two differ in a way that matters, the recording follows the GPU:
+# nn.RMSNorm (F.rms_norm) is one fused kernel forward and one backward on CUDA (torch >= 2.8,
+# `_fused_rms_norm`) but eight fp32 operators on the CPU, which priced a llama layer 17-34% slow on an
+# H100. Such a block's operators are recorded in a second pass with the fused kernel (graph/profile.py,
+# `_record_calls`); its FLOPs and saved bytes stay those of the first (the composite form saves more: an upper bound on a GPU, exact
+# on a CPU run).
+
+
+class GpuKernels(torch.overrides.TorchFunctionMode):
+    """Notes calls of functions a GPU runs as one fused kernel; with recorders, records each such
+    call as that one kernel (`FusedRMSNorm`)."""
+
+    def __init__(self, recorders: tuple[OperatorRecorder, OperatorRecorder] | None = None) -> None:
+        super().__init__()
+        self.recorders = recorders
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.rms_norm:
+            self.seen = True
+            if self.recorders is not None:
+                names = ("input", "normalized_shape", "weight", "eps")
+                call = dict(zip(names, args, strict=False)) | kwargs
+                return FusedRMSNorm.apply(call["input"], call.get("weight"), tuple(call["normalized_shape"]),
+                                           call.get("eps"), self.recorders)
+        return func(*args, **kwargs)
+
+
+class FusedRMSNorm(torch.autograd.Function):
+    """F.rms_norm as CUDA's `_fused_rms_norm` runs it: one kernel reading x (and the weight) and
+    writing y forward; one reading the gradient, x and the saved 1/rms and writing both gradients
+    backward. The values come from the composite form, unrecorded (shapes are all a profile needs)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, shape, eps, recorders):
+        forward_recorder, backward_recorder = recorders
+        forward_recorder.paused += 1
+        try:
+            y = torch.nn.functional.rms_norm(x, shape, weight, eps)
+            rstd = x.new_empty(x.shape[: x.dim() - len(shape)], dtype=torch.float32)
+        finally:
+            forward_recorder.paused -= 1
+        forward_recorder.add_fused("_fused_rms_norm", [x, y, weight, rstd])
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.backward_recorder = backward_recorder
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        recorder = ctx.backward_recorder
+        recorder.paused += 1
+        try:
+            grad_x = torch.empty_like(x)
+            grad_w = torch.empty_like(weight) if weight is not None else None
+        finally:
+            recorder.paused -= 1
+        recorder.add_fused("_fused_rms_norm_backward", [grad, x, rstd, grad_x, weight, grad_w])
+        return grad_x, grad_w, None, None, None
+
+
+class FusedAttention(torch.overrides.TorchFunctionMode):
+    """scaled_dot_product_attention as the fused kernel a CPU (and a GPU) runs, also on meta tensors,
+    where torch would take its unfused math path ([Note: meta or fake] in graph/profile.py)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and len(args) >= 3:
+            q, k, v = args[:3]
+            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            options = dict(zip(names, (None, 0.0, False, None, False), strict=True))
+            options.update(zip(names, args[3:], strict=False))
+            options.update(kwargs)
+            if not options["enable_gqa"] and q.dim() == 4 and q.shape[1] == k.shape[1] == v.shape[1]:
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, options["dropout_p"], options["is_causal"], attn_mask=options["attn_mask"],
+                    scale=options["scale"])[0]
+        return func(*args, **kwargs)

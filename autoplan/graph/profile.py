@@ -44,7 +44,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from autoplan.graph.blocks import Block, CrossingTensor, CutCandidate, ModelProfile
-from autoplan.graph.operators import RECORDER_VERSION, Call, OperatorRecorder, merge_batches
+from autoplan.graph.operators import (
+    RECORDER_VERSION,
+    Call,
+    FusedAttention,
+    GpuKernels,
+    OperatorRecorder,
+    merge_batches,
+)
 from autoplan.graph.trace import TracedModel, crossing_values, extract_submodule, trace_with_loss
 
 __all__ = ["ProfileError", "config_info", "fake_output", "flop_counter", "model_fingerprint", "profile_model", "profile_traced"]
@@ -207,22 +214,6 @@ class _FakeRun:
 # real weights, a meta run that fails) runs on fake tensors.
 
 
-class _FusedAttention(torch.overrides.TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and len(args) >= 3:
-            q, k, v = args[:3]
-            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            options = dict(zip(names, (None, 0.0, False, None, False), strict=True))
-            options.update(zip(names, args[3:], strict=False))
-            options.update(kwargs)
-            if not options["enable_gqa"] and q.dim() == 4 and q.shape[1] == k.shape[1] == v.shape[1]:
-                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q, k, v, options["dropout_p"], options["is_causal"], attn_mask=options["attn_mask"],
-                    scale=options["scale"])[0]
-        return func(*args, **kwargs)
-
-
 class _MetaMode:
     """Factory calls on meta, fused attention ([Note: meta or fake]); enterable again, also while
     entered (a lazily made parameter inside a run)."""
@@ -233,7 +224,7 @@ class _MetaMode:
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
         stack.enter_context(torch.device("meta"))
-        stack.enter_context(_FusedAttention())
+        stack.enter_context(FusedAttention())
         self._stacks.append(stack)
 
     def __exit__(self, *exc: Any) -> None:
@@ -412,81 +403,17 @@ def _block_params(sub: fx.GraphModule, run: _FakeRun) -> dict[str, torch.Tensor]
     return {n: run.params[n] for n in names}
 
 
-# [Note: operators as a GPU runs them]
-# The operator list prices a block on a GPU, but it is recorded where the profile runs (CPU dispatch,
-# fake or meta tensors). Where the two differ in a way that matters, the recording follows the GPU:
-# nn.RMSNorm (F.rms_norm) is one fused kernel forward and one backward on CUDA (torch >= 2.8,
-# `_fused_rms_norm`) but eight fp32 operators on the CPU, which priced a llama layer 17-34% slow on an
-# H100. Such a block's operators are recorded in a second pass with the fused kernel; its FLOPs and
-# saved bytes stay those of the first (the composite form saves more: an upper bound on a GPU, exact
-# on a CPU run).
-
-
-class _GpuKernels(torch.overrides.TorchFunctionMode):
-    """Notes calls of functions a GPU runs as one fused kernel; with recorders, records each such
-    call as that one kernel (`_FusedRMSNorm`)."""
-
-    def __init__(self, recorders: tuple[OperatorRecorder, OperatorRecorder] | None = None) -> None:
-        super().__init__()
-        self.recorders = recorders
-        self.seen = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.rms_norm:
-            self.seen = True
-            if self.recorders is not None:
-                names = ("input", "normalized_shape", "weight", "eps")
-                call = dict(zip(names, args, strict=False)) | kwargs
-                return _FusedRMSNorm.apply(call["input"], call.get("weight"), tuple(call["normalized_shape"]),
-                                           call.get("eps"), self.recorders)
-        return func(*args, **kwargs)
-
-
-class _FusedRMSNorm(torch.autograd.Function):
-    """F.rms_norm as CUDA's `_fused_rms_norm` runs it: one kernel reading x (and the weight) and
-    writing y forward; one reading the gradient, x and the saved 1/rms and writing both gradients
-    backward. The values come from the composite form, unrecorded (shapes are all a profile needs)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, shape, eps, recorders):
-        forward_recorder, backward_recorder = recorders
-        forward_recorder.paused += 1
-        try:
-            y = torch.nn.functional.rms_norm(x, shape, weight, eps)
-            rstd = x.new_empty(x.shape[: x.dim() - len(shape)], dtype=torch.float32)
-        finally:
-            forward_recorder.paused -= 1
-        forward_recorder.add_fused("_fused_rms_norm", [x, y, weight, rstd])
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.backward_recorder = backward_recorder
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        recorder = ctx.backward_recorder
-        recorder.paused += 1
-        try:
-            grad_x = torch.empty_like(x)
-            grad_w = torch.empty_like(weight) if weight is not None else None
-        finally:
-            recorder.paused -= 1
-        recorder.add_fused("_fused_rms_norm_backward", [grad, x, rstd, grad_x, weight, grad_w])
-        return grad_x, grad_w, None, None, None
-
-
 def _record_calls(sub: fx.GraphModule, inputs: list[Any], params: dict[str, torch.Tensor], hidden: int | None,
                   run: _FakeRun) -> tuple[list[Call], list[Call]]:
     """The operators of one forward and backward with the GPU's fused kernels ([Note: operators as
-    a GPU runs them])."""
+    a GPU runs them] in graph/operators.py)."""
     formulas = custom_flop_formulas()
     fwd_recorder = OperatorRecorder(list(params.values()), hidden, formulas)
     bwd_recorder = OperatorRecorder(list(params.values()), hidden, formulas)
     with run.mode:
         leaves = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
                   for x in inputs]
-        with _GpuKernels((fwd_recorder, bwd_recorder)), fwd_recorder:
+        with GpuKernels((fwd_recorder, bwd_recorder)), fwd_recorder:
             outputs = torch.func.functional_call(sub, params, tuple(leaves), strict=False)
         outs = [o for o in (_tensors_in(outputs) or []) if o.requires_grad]
         if outs:
@@ -513,7 +440,7 @@ def _measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, tor
     formulas = custom_flop_formulas()
     fwd_recorder = OperatorRecorder(list(params.values()), hidden, formulas)
     bwd_recorder = OperatorRecorder(list(params.values()), hidden, formulas)
-    fused = _GpuKernels()
+    fused = GpuKernels()
     with run.mode:
         leaf_inputs = [
             x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in inputs
@@ -530,7 +457,7 @@ def _measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, tor
             bwd_flops = float(bwd_counter.get_total_flops())
             attention_bwd = _attention_flops(bwd_counter)
     calls = (fwd_recorder.calls, bwd_recorder.calls)
-    if fused.seen:  # recorded again as a GPU runs it ([Note: operators as a GPU runs them])
+    if fused.seen:  # recorded again as a GPU runs it ([Note: operators as a GPU runs them], operators.py)
         calls = _record_calls(sub, inputs, params, hidden, run)
     return _BlockCost(
         fwd_flops=float(fwd_counter.get_total_flops()),
