@@ -156,6 +156,10 @@ class Plan:
     """`--leaf-modules` the model was traced with: the runtime traces it the same way."""
     tracer: str = "auto"
     """`--tracer` the model was traced with (auto, fx, export or modules)."""
+    dp_replicate: int = 1
+    """HSDP (zero >= 2): the dp replicas form dp_replicate groups of dp_shard = dp / dp_replicate;
+    FSDP shards over a group and replicates across groups (torchtitan's
+    `data_parallel_replicate_degree`). 1: plain FSDP (or DDP-style for zero 0 / 1)."""
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -165,6 +169,12 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks one FSDP shard group spans (zero >= 2); dp for zero 0 / 1 (they shard nothing or
+        only the optimizer state, over all of dp)."""
+        return self.dp // self.dp_replicate
 
     @property
     def boundaries(self) -> tuple[int, ...]:
@@ -304,8 +314,12 @@ def validate(plan: Plan) -> list[str]:
                         f"{plan.dp} != global batch {plan.job.global_batch}")
     if plan.recompute not in RECOMPUTE:
         problems.append(f"recompute {plan.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-    if plan.zero not in (0, 1, 2):
-        problems.append(f"zero {plan.zero!r} must be 0, 1 or 2")
+    if plan.zero not in (0, 1, 2, 3):
+        problems.append(f"zero {plan.zero!r} must be 0, 1, 2 or 3")
+    if not isinstance(plan.dp_replicate, int) or plan.dp_replicate < 1 or plan.dp % plan.dp_replicate:
+        problems.append(f"dp_replicate = {plan.dp_replicate!r} must be a positive integer dividing dp = {plan.dp}")
+    elif plan.dp_replicate > 1 and plan.zero < 2:
+        problems.append(f"dp_replicate = {plan.dp_replicate} (HSDP) needs zero 2 or 3 (FSDP), not zero {plan.zero}")
     if plan.tracer not in ("auto", "fx", "export", "modules"):
         problems.append(f"tracer {plan.tracer!r} is not one of auto, fx, export, modules")
     if plan.rank_order not in RANK_ORDERS:

@@ -555,7 +555,7 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
     return Plan(
         model=ctx.model_spec, model_fingerprint=profile.fingerprint, cluster=ctx.cluster_dict, job=job,
         tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, virtual_stages=cfg.virtual_stages, micro_batch_size=cfg.micro_batch_size,
-        num_microbatches=cfg.num_microbatches, schedule=cfg.schedule, recompute=cfg.recompute, zero=cfg.zero,
+        num_microbatches=cfg.num_microbatches, schedule=cfg.schedule, recompute=cfg.recompute, zero=cfg.zero, dp_replicate=cfg.dp_replicate,
         sequence_parallel=cfg.sequence_parallel, rank_order=cfg.rank_order, stages=stages,
         block_names=tuple(b.name for b in profile.blocks), fits=fits, predicted=predicted,
     )
