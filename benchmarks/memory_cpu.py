@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from autoplan.runtime.measure import LiveBytes
 
 CASES = [  # (spec, batch, seq)
     ("gpt:num_layers=2,hidden_size=256,num_heads=4,vocab_size=4096,max_seq_len=512", 2, 512),
@@ -40,34 +39,6 @@ CASES = [  # (spec, batch, seq)
     ("llama2-7b:num_layers=2,hidden_size=512,num_heads=8,num_kv_heads=8,ffn_hidden_size=1376", 2, 512),
 ]
 DTYPES = ("float32", "bfloat16")
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of every storage an op allocated that is still alive, and the peak of that count."""
-
-    def __init__(self, ignore: set[int]) -> None:
-        super().__init__()
-        self.ignore = ignore
-        """data_ptr of storages that are not the ops' (parameters, buffers)."""
-        self.live: dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
-
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live and key not in self.ignore:
-                    self.live[key] = storage.nbytes()
-                    self.current += storage.nbytes()
-                    self.peak = max(self.peak, self.current)
-                    weakref.finalize(storage, self._free, key)
-        return out
 
 
 def measure(spec: str, batch: int, seq: int, dtype: torch.dtype) -> dict:

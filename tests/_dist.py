@@ -116,7 +116,7 @@ def run_ranks(job: Callable, world_size: int, *args: Any, timeout_s: float = 60.
 def make_plan(model_name: str, fingerprint: str, block_names, *, pp: int, dp: int = 1, tp: int = 1,
               cuts=None, schedule: str = "1f1b", virtual_stages: int = 1, micro_batch_size: int = 2,
               num_microbatches: int = 4, seq_len: int = 16, recompute: str = "none", zero: int = 0,
-              dtype: str = "float32"):
+              dtype: str = "float32", dp_replicate: int = 1):
     """A Plan built by hand (no search): stages cut evenly unless `cuts` (end blocks) is given."""
     from autoplan.cluster import parse_cluster
     from autoplan.plan import Job, Plan, Predicted, StagePlan
@@ -134,4 +134,4 @@ def make_plan(model_name: str, fingerprint: str, block_names, *, pp: int, dp: in
                 tp=tp, pp=pp, dp=dp, virtual_stages=virtual_stages, micro_batch_size=micro_batch_size,
                 num_microbatches=num_microbatches, schedule=schedule, recompute=recompute, zero=zero,
                 sequence_parallel=False, rank_order="tp-dp-pp", stages=stages, block_names=tuple(block_names),
-                fits=False, predicted=nothing)
+                fits=False, predicted=nothing, dp_replicate=dp_replicate)

@@ -650,7 +650,7 @@ def chain_length(block_weight_bytes: int, occurrences: int, cache_bytes: int) ->
 # repeated blocks fit in cache all together is therefore timed warm, as it runs.
 _MAX_CHAIN = 256
 _TIMING_METHOD = "chain-affine-v1"  # in the timed cache key: a new method re-times
-_CACHED_FIELDS = f"ops-v{RECORDER_VERSION}"  # in both cache keys: profiles cached before a Block field existed are redone
+_CACHED_FIELDS = f"ops-v{RECORDER_VERSION}-tp2"  # in both cache keys: profiles cached before a field existed are redone (tp2: fused_qkv)
 
 
 # [Note: batch scaling]

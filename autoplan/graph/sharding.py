@@ -157,6 +157,8 @@ class TensorParallelLayout(Mapping):
         """What the profile records (`ModelProfile.extra["tensor_parallel"]`): JSON only."""
         return {"divides": {k: c for k, (c, _) in self.divides.items()}, "sequence_parallel": bool(self.layers),
                 "note": self.note, "replicated": dict(self.replicated),
+                # FSDP cannot shard a [q | k | v] projection's bias again along its one dim (fsdp.py)
+                "fused_qkv": any(style == "colwise-qkv" for style in self.values()),
                 "sharded_params": self.sharded_params, "total_params": self.total_params}
 
 

@@ -39,6 +39,7 @@ from autoplan.graph.trace import retarget_device
 from autoplan.plan import Plan
 from autoplan.runtime.comm import P2P
 from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
+from autoplan.runtime.fsdp import finish_step, fsdp_roots, shard_stage, start_step
 from autoplan.runtime.parallel import (
     ParallelLayout,
     TensorParallelError,
@@ -46,10 +47,9 @@ from autoplan.runtime.parallel import (
     apply_tensor_parallel,
     build_layout,
     grad_like_param,
-    reduce_grads_to_owners,
     tensor_parallel_plan,
 )
-from autoplan.runtime.precision import MixedPrecision
+from autoplan.runtime.precision import MixedPrecision, cast_buffers
 from autoplan.runtime.split import (
     build_stage_modules,
     materialize_stages,
@@ -117,6 +117,7 @@ def check_model(model: nn.Module, plan: Plan, example_inputs: Sequence[Any] | No
     loss and target when given)."""
     _check_fingerprint(model, plan)
     _compute_dtype(plan)
+    _check_sharding(plan)
     if plan.tp == 1:
         return {}
     if traced is None:
@@ -192,6 +193,14 @@ def _compute_dtype(plan: Plan) -> torch.dtype:
     return dtype
 
 
+def _check_sharding(plan: Plan) -> None:
+    """Refuse (one line) a data-parallel sharding the runtime cannot run."""
+    if plan.zero >= 2 and plan.schedule == "zb-h1":
+        raise PartitionError(f"zero {plan.zero} (FSDP) cannot run the zb-h1 schedule: its weight-gradient pass "
+                             "runs outside autograd, where FSDP reduces gradients; re-plan with --schedule 1f1b "
+                             "or --zero 1")
+
+
 def _sequence_sharded(spec, layer_blocks: set[int], tp: int):
     """`spec` with the values that cross a cut between two transformer layers split along the
     sequence (dim 1) over tp ([Note: sequence parallelism] in parallel.py)."""
@@ -241,6 +250,7 @@ class PartitionedModel:
     def __init__(self, *, plan: Plan, layout: ParallelLayout, stages: dict[int, Stage], executor: PipelineExecutor,
                  input_names: Sequence[str], aliases: Mapping[str, str], device: torch.device,
                  batch_size_of_example: int | None, precision: MixedPrecision | None = None,
+                 compute_dtype: torch.dtype = torch.float32,
                  source: ModelSource | None = None, output_template: OutputTemplate | None = None):
         self.plan = plan
         self.source = source
@@ -255,9 +265,12 @@ class PartitionedModel:
         """Every name of a tied parameter -> its first name in the model."""
         self.device = device
         self.precision = precision
-        """bf16 working copies with fp32 masters (precision.py), or None for an fp32 plan."""
-        self._grad_owner: dict[int, int] | None = None
-        """ZeRO-2 (set by `make_optimizer`): id(parameter) -> dp index of the rank that steps it."""
+        """bf16 working copies with fp32 masters (precision.py), or None for an fp32 plan and under
+        FSDP (zero >= 2), whose own mixed-precision policy keeps the fp32 masters sharded (fsdp.py)."""
+        self.compute_dtype = compute_dtype
+        """What the stages compute in (the plan's dtype): float inputs are cast to it."""
+        self._fsdp_roots = fsdp_roots(stages)
+        """The stages' root FSDP units (zero >= 2), else empty."""
         self.last_reductions: list[tuple[str, float, float]] = []
         """(phase, start, end) of the last step's gradient reductions after the pipeline (perf_counter)."""
         self._params = self._collect_params()
@@ -336,29 +349,22 @@ class PartitionedModel:
         """The optimizer over this rank's parameters, sharded as the plan's ZeRO stage says.
 
         zero = 0 (or dp = 1): `optimizer_class(self.parameters(), **kwargs)`, replicated on the dp
-        replicas. zero >= 1: torch's `ZeroRedundancyOptimizer` over the dp group (Rajbhandari et
-        al. 2020, ZeRO stage 1): each replica keeps the optimizer state of its share of the
-        parameters, steps those and broadcasts them to the other replicas. zero = 2 also shards
-        the gradients: `step` reduces each gradient to the replica that owns it (instead of an
-        all-reduce) and frees it elsewhere, so between steps only the owned gradients are held
-        (during the pipelined backward every gradient still exists in full: the reduction runs
-        after the last micro-batch, not bucket by bucket as DeepSpeed's does)."""
-        if self.plan.zero == 0 or self.layout.dp_group is None:
+        replicas. zero = 1: torch's `ZeroRedundancyOptimizer` over the dp group (Rajbhandari et al.
+        2020, ZeRO stage 1): each replica keeps the optimizer state of its share of the parameters,
+        steps those and broadcasts them to the other replicas. zero >= 2: the parameters are FSDP
+        shards (fsdp.py), so a plain optimizer over them holds and steps only this rank's shard."""
+        if self.plan.zero != 1 or self.layout.dp_group is None:
             return optimizer_class(self._param_groups(), **kwargs)
         if self.plan.tp > 1:  # torch's ZeroRedundancyOptimizer broadcasts plain tensors, not DTensor shards
             if dist.get_rank() == 0:
-                print(f"warning: the plan has zero = {self.plan.zero} with tp = {self.plan.tp}; the runtime keeps a "
-                      "replicated optimizer there: same numerics, more optimizer memory than planned",
+                print(f"warning: the plan has zero = 1 with tp = {self.plan.tp}; the runtime keeps a replicated "
+                      "optimizer there: same numerics, more optimizer memory than planned (zero 2 or 3 shard it)",
                       file=sys.stderr, flush=True)
             return optimizer_class(self._param_groups(), **kwargs)
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        optimizer = ZeroRedundancyOptimizer(list(self.parameters()), optimizer_class=optimizer_class,
-                                            process_group=self.layout.dp_group, **kwargs)
-        if self.plan.zero >= 2:
-            shards = optimizer._partition_parameters()  # the shard each dp rank steps, per param group
-            self._grad_owner = {id(p): r for r, groups in enumerate(shards) for g in groups for p in g["params"]}
-        return optimizer
+        return ZeroRedundancyOptimizer(list(self.parameters()), optimizer_class=optimizer_class,
+                                       process_group=self.layout.dp_group, **kwargs)
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """This rank's parameters as optimizer groups: tensor-parallel shards (DTensors) apart from
@@ -366,10 +372,11 @@ class PartitionedModel:
         refuse a group that mixes the two (`aten._fused_adamw_ got mixed torch.Tensor and DTensor`)."""
         from torch.distributed.tensor import DTensor
 
-        params = list(self.parameters())
-        sharded = [p for p in params if isinstance(p, DTensor)]
-        plain = [p for p in params if not isinstance(p, DTensor)]
-        return [{"params": group} for group in (plain, sharded) if group]
+        groups: dict[Any, list[nn.Parameter]] = {}  # by mesh: one kernel's DTensors share one (FSDP x tp: 2-D)
+        for p in self.parameters():
+            key = (id(p.device_mesh), p.device_mesh.ndim) if isinstance(p, DTensor) else None
+            groups.setdefault(key, []).append(p)
+        return [{"params": group} for group in groups.values()]
 
     @property
     def last_trace(self) -> list[ActionRecord]:
@@ -393,7 +400,7 @@ class PartitionedModel:
         if any(n in used for n in needed):
             raise PartitionError(f"step() needs inputs {names} (target=... for the loss), got {list(values)}")
         out: list[dict[str, Any]] = [{} for _ in range(plan.num_microbatches)]
-        compute_dtype = None if self.precision is None else self.precision.dtype
+        compute_dtype = None if self.compute_dtype == torch.float32 else self.compute_dtype
         for name, value in values.items():
             if (compute_dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point()
                     and name != names[-1]):  # a bf16 plan computes in bf16: float inputs too (not the target)
@@ -422,30 +429,32 @@ class PartitionedModel:
             self.zero_grad()
         if self.precision is not None:
             self.precision.refresh()  # the optimizer stepped the fp32 masters since the last step
-        loss = self.executor.run(self._microbatches(inputs, target))
+        microbatches = self._microbatches(inputs, target)
+        start_step(self._fsdp_roots, self.plan.pp)
+        loss = self.executor.run(microbatches)
+        fsdp_start = time.perf_counter()
+        finish_step(self._fsdp_roots, self.plan.pp)  # FSDP's reduce-scatter under pp > 1 (fsdp.py)
+        fsdp_end = time.perf_counter()
         if self.precision is not None:
             self.precision.flush_grads()
         if self.plan.tp > 1:  # DTensor gradients laid out as their parameters (see grad_like_param)
             for _, p in self._params:
                 if p.grad is not None:
                     p.grad = grad_like_param(p, p.grad)
-        params = dict(self._params)
+        # The step's tail after the pipeline, for traces (the cost model's `tails`).
+        self.last_reductions = []
+        if self._fsdp_roots and self.plan.pp > 1 and self.layout.dp_group is not None:
+            self.last_reductions.append(("DP_GRAD_SYNC", fsdp_start, fsdp_end))
         tie_start = time.perf_counter()
         for name, group in self.layout.tie_groups.items():
             local = [p for n, p in self._params if self.aliases.get(n) == name]
             all_reduce_grads(local, group, average=False)
-        dp_start = time.perf_counter()
-        if self._grad_owner is not None:  # ZeRO-2: each gradient only where its optimizer shard is
-            reduce_grads_to_owners(params.values(), self._grad_owner, self.layout.dp_group)
-        else:
-            all_reduce_grads(params.values(), self.layout.dp_group, average=True)
-        dp_end = time.perf_counter()
-        # The step's tail after the pipeline, for traces (the cost model's `tails`).
-        self.last_reductions = []
         if self.layout.tie_groups:
-            self.last_reductions.append(("TIED_GRAD_SYNC", tie_start, dp_start))
-        if self.layout.dp_group is not None:
-            self.last_reductions.append(("DP_GRAD_SYNC", dp_start, dp_end))
+            self.last_reductions.append(("TIED_GRAD_SYNC", tie_start, time.perf_counter()))
+        if not self._fsdp_roots and self.layout.dp_group is not None:  # FSDP reduced its gradients itself
+            dp_start = time.perf_counter()
+            all_reduce_grads([p for _, p in self._params], self.layout.dp_group, average=True)
+            self.last_reductions.append(("DP_GRAD_SYNC", dp_start, time.perf_counter()))
         if loss is not None and self.layout.dp_group is not None:
             dist.all_reduce(loss, group=self.layout.dp_group)
             loss /= self.plan.dp
@@ -490,6 +499,7 @@ def partition(
         example_inputs = source.example_inputs(plan.micro_batch_size, seq_len, device="meta")
     _check_fingerprint(model, plan)
     _compute_dtype(plan)
+    _check_sharding(plan)
     device = torch.device(device) if device is not None else default_device()
     # Traced at the micro-batch size (torch.export specializes, and asserts, the batch it saw).
     traced, graph_inputs, output_template, example_inputs, example_target, batch = _trace_for_plan(
@@ -498,6 +508,11 @@ def partition(
     # The layout from the traced graph, as the profile found it (check_model).
     tp_plan = check_model(model, plan, traced=traced, graph_inputs=graph_inputs)
     tp_plan = _check_tp_tracing(traced, tp_plan, plan.sequence_parallel)
+    fused = [path for path, style in tp_plan.items() if style == "colwise-qkv"]
+    if fused and plan.zero >= 2:
+        raise PartitionError(f"zero {plan.zero} (FSDP) with tp {plan.tp} cannot shard the fused q/k/v projection "
+                             f"'{fused[0]}' (FSDP would split its tensor-parallel [q | k | v] thirds again along the "
+                             "same dim); re-plan with --zero 1 or --tp 1")
     if tuple(traced.block_names) != tuple(plan.block_names):
         raise PartitionError(f"the model traces into {len(traced.block_names)} blocks but the plan names "
                              f"{len(plan.block_names)}; trace with the same leaf_modules and tracer as the plan")
@@ -561,7 +576,12 @@ def partition(
         layer_blocks = {i for i, name in enumerate(traced.block_names) if name in set(layers)}
         specs = [_sequence_sharded(spec, layer_blocks, plan.tp) for spec in specs]
     compute_dtype = _compute_dtype(plan)
-    precision = MixedPrecision(list(mine.values()), compute_dtype) if compute_dtype != torch.float32 else None
+    fsdp = plan.zero >= 2  # FSDP2 ([Note: FSDP under the pipeline executor] in fsdp.py)
+    precision = None
+    if compute_dtype != torch.float32 and not fsdp:
+        precision = MixedPrecision(list(mine.values()), compute_dtype)
+    elif compute_dtype != torch.float32:  # FSDP's policy casts the parameters; buffers are cast here
+        cast_buffers(list(mine.values()), compute_dtype)
     stages = {i: Stage(specs[i], module, runner=_recompute_runner(traced, plan, specs[i], module))
               for i, module in mine.items()}
     if getattr(tp_plan, "inlined", False):  # see [Note: tensor parallelism on an inlined graph] in parallel.py
@@ -569,18 +589,24 @@ def partition(
 
         for stage in stages.values():
             stage.runner = DTensorStage(stage.runner or stage.module, layout.tp_mesh)
+    if fsdp:
+        for stage in stages.values():
+            stage.runner = shard_stage(stage.module, stage.runner, mesh=layout.fsdp_mesh, zero=plan.zero,
+                                       compute_dtype=compute_dtype)
+            stage.params = [p for p in stage.module.parameters() if p.requires_grad]
     schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
     executor = PipelineExecutor(
         stages, schedule.with_comms()[layout.pp_index], num_stages=plan.num_stages,
         num_microbatches=plan.num_microbatches, rank_of_stage=lambda s: layout.stage_rank[s],
         comm=P2P(device, plan.num_stages, plan.num_microbatches, timeout,
-                 wire_dtype=None if precision is None else compute_dtype),
+                 wire_dtype=None if compute_dtype == torch.float32 else compute_dtype),
         split_backward=schedule.split_backward(),
         on_weight_grads=None if precision is None else precision.flush_grads,
     )
     return PartitionedModel(plan=plan, layout=layout, stages=stages, executor=executor,
                             input_names=traced.input_names, aliases=aliases, device=device,
-                            batch_size_of_example=batch, precision=precision, source=source,
+                            batch_size_of_example=batch, precision=precision, compute_dtype=compute_dtype,
+                            source=source,
                             output_template=output_template)
 
 

@@ -9,9 +9,8 @@ a step:
   first (Megatron-LM's embedding group, Shoeybi et al. 2019, Sec 3), so both copies take the same
   optimizer step and stay equal.
 - Then every gradient is averaged over the dp group (one all-reduce per dtype over a flat buffer,
-  as DDP's buckets do). Under ZeRO-2 (`PartitionedModel.make_optimizer`) each gradient is instead
-  reduced to the one replica whose optimizer shard steps it (one reduce per owner over a flat
-  buffer; together a reduce-scatter) and freed on the others (`reduce_grads_to_owners`).
+  as DDP's buckets do), for zero 0 and 1. Under zero 2 and 3, FSDP2 shards the parameters and
+  reduce-scatters the gradients itself over `ParallelLayout.fsdp_mesh` (fsdp.py).
 
 Tensor parallelism (tp > 1) is Megatron-style (Shoeybi et al. 2019, Sec 3) over the mesh's "tp"
 axis, on the layout `graph/sharding.py` finds from the model's data flow (column-parallel q/k/v,
@@ -68,7 +67,7 @@ from autoplan.graph.sharding import (
 )
 
 __all__ = ["DTensorStage", "ParallelLayout", "TensorParallelError", "all_reduce_grads", "apply_tensor_parallel", "build_layout",
-           "grad_like_param", "local_tensor", "reduce_grads_to_owners", "tensor_parallel_plan"]
+           "grad_like_param", "local_tensor", "tensor_parallel_plan"]
 
 
 class TensorParallelError(ValueError):
@@ -612,12 +611,17 @@ class ParallelLayout:
     stage_rank: dict[int, int]
     """Virtual stage -> global rank that runs it with this rank's dp and tp coordinates."""
     mesh: object | None
-    """torch DeviceMesh with axes ("pp", "dp", "tp"), or None for a single rank."""
+    """torch DeviceMesh with axes ("pp", "dp_replicate", "dp_shard", "tp") (torchtitan's order), or
+    None for a single rank. The dp index is replicate index * dp_shard + shard index, so a shard
+    group is dp_shard consecutive replicas (inside a node when tp * dp_shard fits one)."""
     dp_group: dist.ProcessGroup | None
     tie_groups: dict[str, dist.ProcessGroup]
     """Canonical name of a tied parameter split over pipeline ranks -> the group of its holders."""
     tp_mesh: object | None = None
     """The 1-D "tp" sub-mesh this rank shards over (ranks plan.rank(pp, dp, 0..tp-1)), or None."""
+    fsdp_mesh: object | None = None
+    """The mesh FSDP shards over (zero >= 2): 1-D "dp_shard", or 2-D ("dp_replicate", "dp_shard")
+    for HSDP; None otherwise."""
 
 
 def build_layout(plan, rank: int, world_size: int, device_type: str,
@@ -628,15 +632,20 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
     """
     pp_index, dp_index, tp_index = plan.coords(rank)
     stage_rank = {s.index: plan.rank(s.pp_rank, dp_index, tp_index) for s in plan.stages}
-    mesh = dp_group = tp_mesh = None
-    if world_size > 1:
+    mesh = dp_group = tp_mesh = fsdp_mesh = None
+    replicate = getattr(plan, "dp_replicate", 1)
+    shard = plan.dp // replicate
+    if world_size > 1 or plan.zero >= 2:
         from torch.distributed.device_mesh import DeviceMesh
 
-        layout = torch.tensor([[[plan.rank(p, d, t) for t in range(plan.tp)] for d in range(plan.dp)]
-                               for p in range(plan.pp)])
-        mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "dp", "tp"))
-        dp_group = mesh.get_group("dp") if plan.dp > 1 else None
+        layout = torch.tensor([[[[plan.rank(p, r * shard + s, t) for t in range(plan.tp)] for s in range(shard)]
+                                for r in range(replicate)] for p in range(plan.pp)])
+        mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torchtitan flattens them the same way
+        dp_group = dp_mesh.get_group() if plan.dp > 1 else None
         tp_mesh = mesh["tp"] if plan.tp > 1 else None
+        if plan.zero >= 2:
+            fsdp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
     tie_groups: dict[str, dist.ProcessGroup] = {}
     for name in sorted(tied_holders):
         holders = sorted(set(tied_holders[name]))
@@ -649,7 +658,7 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
                 if rank in ranks:
                     tie_groups[name] = group
     return ParallelLayout(rank, world_size, pp_index, dp_index, tp_index, plan.pp, plan.dp, plan.tp,
-                          stage_rank, mesh, dp_group, tie_groups, tp_mesh)
+                          stage_rank, mesh, dp_group, tie_groups, tp_mesh, fsdp_mesh)
 
 
 def all_reduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, *,
@@ -674,30 +683,3 @@ def all_reduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup | 
             flat /= size
         for local, g in zip(grads, _unflatten_dense_tensors(flat, grads)):
             local.copy_(g)
-
-
-def reduce_grads_to_owners(params: Iterable[nn.Parameter], owner: Mapping[int, int],
-                           group: dist.ProcessGroup | None) -> None:
-    """ZeRO-2: average each `.grad` over `group` onto the rank (index in the group) that owns the
-    parameter (`owner[id(p)]`) and free it on the others. One reduce per (owner, dtype) over a
-    flat buffer: together the reduce-scatter of ZeRO (Rajbhandari et al. 2020, Sec. 5.2)."""
-    if group is None:
-        return
-    me = dist.get_rank(group)
-    size = dist.get_world_size(group)
-    buckets: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        buckets.setdefault((owner[id(p)], p.grad.dtype), []).append(p)
-    for (dst, _), plist in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        grads = [p.grad for p in plist]
-        flat = _flatten_dense_tensors(grads)
-        dist.reduce(flat, dst=dist.get_global_rank(group, dst), group=group)
-        if me == dst:
-            flat /= size
-            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
-        else:
-            for p in plist:
-                p.grad = None

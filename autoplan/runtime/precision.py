@@ -31,7 +31,7 @@ from torch import nn
 
 from autoplan.runtime.parallel import grad_like_param
 
-__all__ = ["MixedPrecision"]
+__all__ = ["MixedPrecision", "cast_buffers"]
 
 
 class MixedPrecision:
@@ -63,14 +63,7 @@ class MixedPrecision:
                         if working.requires_grad:
                             working.register_post_accumulate_grad_hook(self._accumulate)
                     mod._parameters[name] = working
-                for name, b in list(mod._buffers.items()):
-                    # Non-persistent buffers are tables a model computes from positions (rotary
-                    # frequencies, cos / sin): they stay fp32, since bf16 holds integers exactly only
-                    # up to 256 and the positions the graph multiplies them by follow their dtype.
-                    if name in mod._non_persistent_buffers_set:
-                        continue
-                    if b is not None and b.is_floating_point() and b.dtype != dtype:
-                        mod._buffers[name] = b.to(dtype)
+        cast_buffers(modules, dtype)
 
     def _accumulate(self, working: torch.Tensor) -> None:
         master = self.master_of[id(working)]
@@ -95,3 +88,17 @@ class MixedPrecision:
         """Working parameters <- masters (bf16 rounding of the fp32 values)."""
         for master, working in self._pairs:
             working.copy_(master)
+
+
+def cast_buffers(modules: Sequence[nn.Module], dtype: torch.dtype) -> None:
+    """Persistent floating buffers of `modules` in the compute dtype (under FSDP too, whose policy
+    casts parameters only). Non-persistent buffers are tables a model computes from positions
+    (rotary frequencies, cos / sin): they stay fp32, since bf16 holds integers exactly only up to 256
+    and the positions the graph multiplies them by follow their dtype."""
+    for root in modules:
+        for mod in root.modules():
+            for name, b in list(mod._buffers.items()):
+                if name in mod._non_persistent_buffers_set:
+                    continue
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    mod._buffers[name] = b.to(dtype)

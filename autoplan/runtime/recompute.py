@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F  # noqa: N812 (torch's own convention)
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
@@ -98,7 +99,7 @@ def recompute_runner(traced: TracedModel, stage_module: fx.GraphModule, first_bl
     when `mode` is "none" or the stage has no block to recompute (it then runs as a whole).
 
     Build it after the stage's parameters are materialized (and tensor-parallel sharded): the pieces
-    refer to the stage's modules and parameters, not copies."""
+    refer to the stage's modules, not copies (`_share_owners`)."""
     if mode not in ("none", "selective", "full"):
         raise ValueError(f"unknown recompute mode {mode!r}; use none, selective or full")
     if mode == "none":
@@ -110,8 +111,26 @@ def recompute_runner(traced: TracedModel, stage_module: fx.GraphModule, first_bl
     pieces = []
     for block in range(first_block, end_block):
         module, piece_inputs, piece_outputs = extract_submodule(view, block, block)
+        _share_owners(module, stage_module)
         pieces.append(_Piece(block, module, tuple(piece_inputs), tuple(piece_outputs),
                              block_kind(traced, block, module) in RECOMPUTED_KINDS))
     if not any(piece.recomputed for piece in pieces):
         return None
     return RecomputeRunner(pieces, inputs, outputs, mode)
+
+
+def _share_owners(piece: fx.GraphModule, stage_module: nn.Module) -> None:
+    """Make the piece read its parameters and buffers through the stage's own modules.
+
+    fx gives a GraphModule new empty parent modules for every `get_attr` target (a graph traced by
+    torch.export reads its parameters that way) holding the tensors themselves, so a later
+    replacement of a stage's parameter would not reach the piece: FSDP swaps gathered and sharded
+    parameters on their owner modules at every unit's forward (fsdp.py). Sharing the stage's top-level
+    children instead resolves every target at call time, as the stage module itself does."""
+    for node in piece.graph.nodes:
+        if node.op != "get_attr" or "." not in str(node.target):
+            continue
+        top = str(node.target).split(".", 1)[0]
+        owner = getattr(stage_module, top, None)
+        if isinstance(owner, nn.Module) and getattr(piece, top, None) is not owner:
+            setattr(piece, top, owner)

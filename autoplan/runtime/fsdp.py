@@ -1,0 +1,139 @@
+"""Sharded data parallelism for the pipeline's stages: torch's FSDP2 (`fully_shard`) for zero 2 and 3.
+
+[Note: FSDP under the pipeline executor]
+A plan with zero >= 2 runs its data parallelism with FSDP2 (Zhao et al. 2023, "PyTorch FSDP",
+VLDB; the per-parameter DTensor sharding of `torch.distributed.fsdp.fully_shard`), as torchtitan
+does, over the plan's mesh (parallel.py `ParallelLayout.fsdp_mesh`: the "dp_shard" axis, or
+("dp_replicate", "dp_shard") for HSDP, where FSDP shards inside a group and all-reduces the shards
+across groups). Composed with tensor parallelism, a tp-sharded parameter becomes a 2-D DTensor.
+
+- Units: every module the stage's graph calls whole and that owns parameters (the blocks of an
+  fx-traced model: embedding, each transformer layer, norm, head) is its own unit, so only the
+  unit computing (and the prefetched next one) is gathered under ZeRO-3. What is left (the
+  parameters a graph traced by torch.export reads directly, or modules that share a parameter with
+  another module: a tied embedding and head) belongs to the stage's root unit, a `ShardedStage`
+  wrapped around the stage's runner so that FSDP's hooks fire however the stage is run (whole,
+  block by block under recomputation, or in DTensor).
+- zero 3 reshards each unit after its forward (`reshard_after_forward=True`, gathered again for the
+  backward); zero 2 keeps the gathered parameters from forward to backward (`False`). Between steps
+  each rank holds 1/dp_shard of every parameter, its gradient and its optimizer state.
+- Gradients: with one pipeline stage per rank and no pipelining (pp = 1), FSDP reduce-scatters
+  each unit's gradient at the end of every micro-batch's backward (its autograd hooks). With pp > 1
+  the executor's micro-batches interleave, so gradients accumulate unsharded (in the reduce dtype)
+  and are reduce-scattered once after the step's last backward (`finish_step`), which is what torch's
+  own pipelining does (`torch.distributed.pipelining.stage`: `backward_maybe_with_nosync` and
+  `perform_reduce_grad`).
+- Mixed precision (bf16 plans): FSDP's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
+  in place of precision.py's working copies: the sharded parameters are the fp32 masters, gathered
+  in bf16, and gradients are reduced and kept in fp32: 4 + 4 + 8 bytes per parameter, sharded
+  (cost/memory.py).
+- zb-h1 is refused: its weight-gradient pass runs outside autograd's accumulation, where FSDP's
+  gradient hooks do not see it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FSDPError", "ShardedStage", "finish_step", "shard_stage", "start_step", "unit_paths"]
+
+
+class FSDPError(ValueError):
+    """The plan's sharded data parallelism cannot run this stage (one-line message)."""
+
+
+class ShardedStage(nn.Module):
+    """The root FSDP unit of a stage: holds the stage module as a child and calls `runner` (the
+    module itself, a recomputation runner or a DTensor runner) in its forward, so FSDP's root hooks
+    run on every call."""
+
+    def __init__(self, module: nn.Module, runner: Callable[..., Any] | None):
+        super().__init__()
+        self.stage = module
+        self._runner = runner
+
+    def forward(self, *args: Any) -> Any:
+        return (self._runner or self.stage)(*args)
+
+
+def unit_paths(module: nn.Module) -> list[str]:
+    """Submodules of a stage that become FSDP units of their own: the ones its graph calls whole
+    (`call_module`) that own parameters, outermost first, leaving out any that shares a parameter
+    with a module outside it (that parameter would belong to two units) and any inside another unit."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return []
+    called = [str(n.target) for n in graph.nodes if n.op == "call_module"]
+    owners: dict[int, set[str]] = {}  # id(parameter) -> module paths that own it directly
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for p in sub.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(path)
+    units: list[str] = []
+    for path in sorted(set(called), key=lambda p: (p.count("."), p)):
+        if any(path == u or path.startswith(u + ".") for u in units):
+            continue
+        sub = module.get_submodule(path)
+        params = list(sub.parameters())
+        if not params:
+            continue
+        inside = {path} | {f"{path}.{name}" if name else path for name, _ in sub.named_modules(remove_duplicate=False)}
+        if any(owners.get(id(p), set()) - inside for p in params):
+            continue
+        units.append(path)
+    return units
+
+
+def shard_stage(module: nn.Module, runner: Callable[..., Any] | None, *, mesh, zero: int,
+                compute_dtype: torch.dtype) -> ShardedStage:
+    """`module` (a stage, already tensor-parallel and materialized) sharded with `fully_shard`
+    over `mesh` as [Note: FSDP under the pipeline executor] says; returns the root unit to call in
+    its place. Its parameters are replaced by sharded DTensor parameters: collect them afterwards."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if compute_dtype == torch.float32:
+        policy = MixedPrecisionPolicy()
+    reshard = zero >= 3
+    for path in unit_paths(module):
+        fully_shard(module.get_submodule(path), mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    root = ShardedStage(module, runner)
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    return root
+
+
+def start_step(roots: Sequence[nn.Module], pp: int) -> None:
+    """Before a step's first forward: with pp > 1 gradients accumulate unsharded and the gathered
+    parameters stay through the backward until `finish_step` (see the note)."""
+    if pp == 1:
+        return
+    for root in roots:
+        root.set_is_last_backward(False)
+        root.set_reshard_after_backward(False)
+        root.set_requires_gradient_sync(False)
+
+
+def finish_step(roots: Sequence[nn.Module], pp: int) -> None:
+    """After the step's last backward (pp > 1): reduce-scatter every unit's accumulated gradient and
+    reshard its parameters, as torch's pipelining does (`_PipelineStageBase.perform_reduce_grad`)."""
+    if pp == 1:
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    for root in roots:
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(True)
+        state = fully_shard.state(root)
+        for unit_state in state._state_ctx.all_states:
+            for group in unit_state._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+
+def fsdp_roots(stages: Mapping[int, Any]) -> list[nn.Module]:
+    """The root units of a rank's stages (those `shard_stage` made)."""
+    return [s.runner for s in stages.values() if isinstance(s.runner, ShardedStage)]
