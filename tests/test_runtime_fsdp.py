@@ -134,3 +134,56 @@ def test_zero3_and_hsdp_with_tensor_parallelism_match_a_single_process():
     results = run_ranks(_train, 4, cases, timeout_s=220)
     for i, (kind, plan) in enumerate(cases):
         _check(kind, plan, results, i)
+
+
+def _bf16_run(rank, world_size, plans):
+    from torch.distributed.tensor import DTensor
+
+    from autoplan.runtime import partition
+
+    out = []
+    for plan in plans:
+        pm = partition(LLAMA, plan, device="cpu")
+        optimizer = pm.make_optimizer(torch.optim.AdamW, lr=LR)
+        losses = []
+        for step in range(STEPS):
+            ids, tgt = _data(64, plan.job.global_batch, seed=step)
+            loss = pm.step(ids, target=tgt)
+            optimizer.step()
+            losses.append(None if loss is None else float(loss))
+        out.append({"losses": losses,
+                    "master_dtypes": sorted({str(p.dtype) for p in pm.parameters()}),
+                    "grad_dtypes": sorted({str(p.grad.dtype) for p in pm.parameters() if p.grad is not None}),
+                    "sharded": all(isinstance(p, DTensor) for p in pm.parameters())})
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_bf16_zero3_keeps_fp32_sharded_masters_and_trains_like_the_replicated_runtime():
+    """bf16 under FSDP: MixedPrecisionPolicy (bf16 compute, fp32 sharded masters and gradients)
+    against precision.py's bf16 working copies with fp32 masters (zero 0): the same training, up to
+    the order of bf16 roundings."""
+    plans = [_plan(LLAMA, pp=2, dp=2, zero=z, dtype="bfloat16") for z in (0, 3)]
+    results = run_ranks(_bf16_run, 4, plans, timeout_s=190)
+    for res in results.values():
+        replicated, sharded = res
+        assert sharded["sharded"] and sharded["master_dtypes"] == ["torch.float32"]
+        assert sharded["grad_dtypes"] == ["torch.float32"]
+        if replicated["losses"][0] is not None:
+            assert sharded["losses"] == pytest.approx(replicated["losses"], rel=5e-3)
+
+
+def _refusal(rank, world_size, plan):
+    from autoplan.runtime import PartitionError, partition
+
+    try:
+        partition(GPT, plan, device="cpu")
+    except PartitionError as exc:
+        return str(exc)
+    return None
+
+
+def test_zero3_with_zb_h1_is_refused_in_one_line():
+    plan = _plan(GPT, pp=2, dp=1, zero=3, schedule="zb-h1")
+    message = run_ranks(_refusal, 2, plan, timeout_s=60)[0]
+    assert message is not None and "zb-h1" in message and "\n" not in message

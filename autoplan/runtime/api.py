@@ -201,6 +201,20 @@ def _check_sharding(plan: Plan) -> None:
                              "or --zero 1")
 
 
+def _check_unshared(stage_modules: Mapping[int, nn.Module], plan: Plan) -> None:
+    """FSDP manages a parameter in one unit: refuse (one line) a rank whose stages share one (a
+    tied weight whose two ends land on one pipeline rank in two virtual stages, as T5's decoder
+    embedding and head can)."""
+    holder: dict[int, tuple[int, str]] = {}
+    for index, module in sorted(stage_modules.items()):
+        for name, p in module.named_parameters():
+            first = holder.setdefault(id(p), (index, name))
+            if first[0] != index:
+                raise PartitionError(f"zero {plan.zero} (FSDP) cannot shard '{name}', which stages {first[0]} and "
+                                     f"{index} of one pipeline rank share (a tied weight); re-plan with --zero 1 or "
+                                     "--virtual-stages 1")
+
+
 def _sequence_sharded(spec, layer_blocks: set[int], tp: int):
     """`spec` with the values that cross a cut between two transformer layers split along the
     sequence (dim 1) over tp ([Note: sequence parallelism] in parallel.py)."""
@@ -590,6 +604,7 @@ def partition(
         for stage in stages.values():
             stage.runner = DTensorStage(stage.runner or stage.module, layout.tp_mesh)
     if fsdp:
+        _check_unshared(mine, plan)
         for stage in stages.values():
             stage.runner = shard_stage(stage.module, stage.runner, mesh=layout.fsdp_mesh, zero=plan.zero,
                                        compute_dtype=compute_dtype)
