@@ -81,7 +81,9 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         grew = False
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            # A tensor subclass (a DTensor) has no storage of its own: its local tensor is counted
+            # when the op on it runs.
+            if type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu":
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
                 if key and key not in self._live and key not in self.ignore:

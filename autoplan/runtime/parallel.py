@@ -66,7 +66,7 @@ from autoplan.graph.sharding import (
     traced_layout,
 )
 
-__all__ = ["DTensorStage", "ParallelLayout", "TensorParallelError", "all_reduce_grads", "apply_tensor_parallel", "build_layout",
+__all__ = ["DP_BUCKET_BYTES", "DTensorStage", "ParallelLayout", "TensorParallelError", "all_reduce_grads", "apply_tensor_parallel", "build_layout",
            "grad_like_param", "local_tensor", "tensor_parallel_plan"]
 
 
@@ -661,25 +661,39 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
                           stage_rank, mesh, dp_group, tie_groups, tp_mesh, fsdp_mesh)
 
 
+DP_BUCKET_BYTES = 25 * 2**20
+"""Gradients all-reduced together: torch DDP's default `bucket_cap_mb` (Li et al. 2020, "PyTorch
+Distributed", Sec. 3.2.3). The flat copy of one bucket is the reduction's only transient memory;
+cost/comm.py prices the reduction in buckets of the same size."""
+
+
 def all_reduce_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None, *,
-                     average: bool) -> None:
-    """Sum (or average) the `.grad` of `params` over `group`, one flat buffer per dtype.
+                     average: bool, bucket_bytes: int = DP_BUCKET_BYTES) -> None:
+    """Sum (or average) the `.grad` of `params` over `group`, in flat buckets of at most
+    `bucket_bytes` per dtype (a larger gradient is a bucket of its own).
 
     A DTensor gradient (a tensor-parallel shard) is reduced as its local shard: the group is a dp
     or tie group of ranks with the same tp index, so the shards line up."""
     if group is None:
         return
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(local_tensor(p.grad))
     size = dist.get_world_size(group)
-    for plist in by_dtype.values():
-        grads = [local_tensor(p.grad) for p in plist]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        if average:
-            flat /= size
-        for local, g in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            local.copy_(g)
+    for grads in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        filled = 0
+        for g in [*grads, None]:
+            if bucket and (g is None or filled + g.numel() * g.element_size() > bucket_bytes):
+                flat = _flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=group)
+                if average:
+                    flat /= size
+                for local, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    local.copy_(reduced)
+                bucket, filled = [], 0
+            if g is not None:
+                bucket.append(g)
+                filled += g.numel() * g.element_size()
