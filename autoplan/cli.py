@@ -88,7 +88,8 @@ DEFAULT_SUGGEST = {"model": "llama3-8b", "cluster": "2x8xH100-80GB", "global_bat
 
 def _pins(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages",
-                                          "recompute", "zero", "sequence_parallel") if getattr(args, k) is not None}
+                                          "recompute", "zero", "dp_replicate", "sequence_parallel")
+            if getattr(args, k) is not None}
 
 
 def cmd_suggest(args: argparse.Namespace) -> int:
@@ -213,7 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     pins.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
     pins.add_argument("--virtual-stages", type=int)
     pins.add_argument("--recompute", choices=["none", "selective", "full"])
-    pins.add_argument("--zero", type=int, choices=[0, 1, 2])
+    pins.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
+                      help="0 replicated, 1 optimizer states sharded, 2 / 3 FSDP (3 reshards after forward)")
+    pins.add_argument("--dp-replicate", type=int, metavar="N",
+                      help="HSDP with --zero 2/3: FSDP shards over dp / N ranks and replicates N times (1: plain FSDP)")
     pins.add_argument("--sequence-parallel", action="store_true", default=None)
     p.set_defaults(func=cmd_suggest)
 

@@ -79,11 +79,15 @@ class MemoryBreakdown:
     """P2P receive buffers and the backward's transient working set."""
     allowance_bytes: float = 0.0
     """CUDA context, NCCL buffers and allocator fragmentation."""
+    gathered_bytes: float = 0.0
+    """FSDP (zero >= 2) during a step: unsharded parameters and unsharded accumulated gradients in
+    flight (cost/memory.py [Note: FSDP gathered bytes]); weights + grads + optimizer are what is
+    kept between steps."""
 
     @property
     def total_bytes(self) -> float:
         return (self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.buffers_bytes + self.allowance_bytes)
+                + self.buffers_bytes + self.allowance_bytes + self.gathered_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)

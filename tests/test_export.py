@@ -19,7 +19,7 @@ MEGATRON_FLAGS = {
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
     "--micro-batch-size", "--global-batch-size", "--seq-length", "--num-layers", "--sequence-parallel",
     "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--use-distributed-optimizer",
-    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--bf16", "--fp16",
+    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--bf16", "--fp16", "--use-torch-fsdp2",
 }
 
 

@@ -130,16 +130,27 @@ def test_allowance_bounds_every_recorded_h100_run():
         assert -0.25 * GIB <= gap <= 1.7 * GIB, (key, gap / GIB)
 
 
-def test_rank_memory_bytes_per_param():
+@pytest.mark.parametrize(("zero", "dp", "replicate", "per_param"), [
+    (0, 2, 1, (6, 4, 8)),          # bf16 working weight + fp32 master, fp32 gradient, Adam's moments
+    (1, 2, 1, (6, 4, 8 / 2)),      # ZeroRedundancyOptimizer shards Adam's state only
+    (2, 4, 1, (4 / 4, 4 / 4, 8 / 4)),  # FSDP2: fp32 shard, fp32 gradient shard, Adam of the shard
+    (3, 4, 1, (4 / 4, 4 / 4, 8 / 4)),
+    (3, 4, 2, (4 / 2, 4 / 2, 8 / 2)),  # HSDP: sharded over dp / dp_replicate = 2 ranks
+])
+def test_rank_memory_bytes_per_param(zero, dp, replicate, per_param):
+    """weights + grads + optimizer are what the runtime holds between steps (cost/memory.py
+    [Note: bytes per parameter])."""
     profile = autoplan.profile("gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=128,tie_embeddings=false",
                                batch_size=1, seq_len=16)
-    cfg = ParallelConfig(tp=1, pp=1, dp=2, micro_batch_size=1, num_microbatches=1, schedule="1f1b", zero=1)
-    gpu = parse_cluster("1x2xH100-SXM-80GB").gpu_types[0]
+    cfg = ParallelConfig(tp=1, pp=1, dp=dp, micro_batch_size=1, num_microbatches=1, schedule="1f1b", zero=zero,
+                         dp_replicate=replicate)
+    gpu = parse_cluster("1x4xH100-SXM-80GB").gpu_types[0]
     memory = rank_memory(profile, cfg, gpu, "bfloat16", [(0, profile.num_blocks)], [1])
     n = profile.num_params
-    assert memory.weights_bytes == pytest.approx(2 * n)
-    assert memory.grads_bytes == pytest.approx(4 * n)  # fp32 main grads (Megatron; runtime/precision.py)
-    assert memory.optimizer_bytes == pytest.approx(12 * n / 2)  # ZeRO-1 over dp = 2
+    assert memory.weights_bytes == pytest.approx(per_param[0] * n)
+    assert memory.grads_bytes == pytest.approx(per_param[1] * n)
+    assert memory.optimizer_bytes == pytest.approx(per_param[2] * n)
+    assert (memory.gathered_bytes > 0) == (zero >= 2)
 
 
 # -- presets as published ------------------------------------------------------------------------------

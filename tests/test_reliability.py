@@ -40,10 +40,10 @@ def _forkserver():
     forkserver.ensure_running()
 
 
-def _plan(pp: int, dp: int = 1, cuts=None):
+def _plan(pp: int, dp: int = 1, cuts=None, zero: int = 0):
     model = zoo.build_model(GPT, device="meta")
     traced = trace_model(model, (torch.zeros(2, 16, dtype=torch.long),))
-    return make_plan(GPT, model_fingerprint(model), traced.block_names, pp=pp, dp=dp, cuts=cuts)
+    return make_plan(GPT, model_fingerprint(model), traced.block_names, pp=pp, dp=dp, cuts=cuts, zero=zero)
 
 
 def _losses(path: Path) -> dict[int, float]:
@@ -93,12 +93,12 @@ def test_resume_after_sigkill_of_every_rank_is_exact(straight, tmp_path, capsys)
 def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(straight, tmp_path, capsys):
     _, expected = straight
     d = tmp_path / "ckpt"
-    # Rank 1 dies halfway through writing its file of checkpoint 6 (rank 0's file is complete).
+    # Rank 1 dies halfway through writing its DCP data file of checkpoint 6.
     code = run_plan(_plan(2), steps=6, checkpoint_dir=d, checkpoint_every=3, _fault="kill-in-checkpoint@1:6", **FAST)
     err = capsys.readouterr().err
     assert code == 1 and re.search(r"rank 1 was killed by signal SIGKILL", err), err
-    partial = d / ".tmp-step-000006"
-    assert (partial / "rank-00001.pt.tmp").exists() and not (partial / "manifest.json").exists()
+    partial = d / ".tmp-step-000006"  # rank 1's DCP data file is there, torn; no metadata, no manifest
+    assert (partial / "__1_0.distcp").exists() and not (partial / "manifest.json").exists()
     assert not (d / "step-000006").exists()
     assert ckpt.latest_checkpoint(d) == d / "step-000003"
     assert ckpt.load_full_state_dict(d)  # the previous checkpoint loads whole
@@ -108,6 +108,26 @@ def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(straig
     resumed = _losses(tmp_path / "m.jsonl")
     assert sorted(resumed) == [3, 4, 5] and all(resumed[s] == expected[s] for s in resumed)
     assert not partial.exists() and ckpt.latest_checkpoint(d) == d / "step-000006"
+
+
+@pytest.mark.timeout(120)
+def test_zero3_resume_after_a_kill_during_a_save_is_exact(tmp_path, capsys):
+    """(pp 2, dp 2, ZeRO-3): FSDP2 shards of parameters and AdamW state saved as DCP shards; a rank
+    killed halfway through its data file of checkpoint 4, then a resume from checkpoint 2: the
+    losses of steps 2-3 equal a straight run's bit for bit."""
+    plan = _plan(2, dp=2, zero=3)
+    code = run_plan(plan, steps=4, metrics_path=str(tmp_path / "straight.jsonl"), **FAST)
+    assert code == 0
+    expected = _losses(tmp_path / "straight.jsonl")
+    d = tmp_path / "ckpt"
+    code = run_plan(plan, steps=4, checkpoint_dir=d, checkpoint_every=2, _fault="kill-in-checkpoint@2:4", **FAST)
+    assert code == 1 and "rank 2 was killed by signal SIGKILL" in capsys.readouterr().err
+    assert [s for s, _ in ckpt.list_checkpoints(d)] == [2]
+    code = run_plan(plan, steps=4, checkpoint_dir=d, checkpoint_every=2, resume=True,
+                    metrics_path=str(tmp_path / "resumed.jsonl"), **FAST)
+    assert code == 0
+    resumed = _losses(tmp_path / "resumed.jsonl")
+    assert sorted(resumed) == [2, 3] and all(resumed[s] == expected[s] for s in resumed), (resumed, expected)
 
 
 class _FakePM:
@@ -140,14 +160,19 @@ def test_incomplete_or_corrupt_checkpoints_are_ignored(tmp_path):
     ckpt.save_checkpoint(tmp_path, 1, pm, opt)
     good = ckpt.save_checkpoint(tmp_path, 2, pm, opt)
     assert ckpt.latest_checkpoint(tmp_path) == good
-    # A newer directory without a manifest, one with a truncated rank file, one with a bad manifest.
+    # A newer directory without a manifest, one with a truncated DCP data file, one with a bad manifest,
+    # one without DCP's metadata, one of the old per-rank torch.save format.
     (tmp_path / "step-000005").mkdir()
-    (tmp_path / "step-000005" / "rank-00000.pt").write_bytes(b"partial")
+    (tmp_path / "step-000005" / "__0_0.distcp").write_bytes(b"partial")
     broken = ckpt.save_checkpoint(tmp_path, 4, pm, opt)
-    data = (broken / "rank-00000.pt").read_bytes()
-    (broken / "rank-00000.pt").write_bytes(data[: len(data) // 2])
+    data = (broken / "__0_0.distcp").read_bytes()
+    (broken / "__0_0.distcp").write_bytes(data[: len(data) // 2])
     bad = ckpt.save_checkpoint(tmp_path, 3, pm, opt)
-    (bad / "manifest.json").write_text('{"format": "autoplan-checkpoint/1", "step": 3, "fil')
+    (bad / "manifest.json").write_text(f'{{"format": "{ckpt.CHECKPOINT_FORMAT}", "step": 3, "fil')
+    (ckpt.save_checkpoint(tmp_path, 6, pm, opt) / ".metadata").unlink()
+    old = ckpt.save_checkpoint(tmp_path, 7, pm, opt)
+    manifest = json.loads((old / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "format": "autoplan-checkpoint/1"}))
     (tmp_path / ".tmp-step-000009").mkdir()
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [1, 2]
     assert ckpt.latest_checkpoint(tmp_path) == good
@@ -180,9 +205,13 @@ def test_run_plan_refuses_bad_checkpoint_arguments(tmp_path, capsys, straight):
     other_plan = make_plan(other, model_fingerprint(m), trace_model(m, (torch.zeros(2, 16, dtype=torch.long),)).block_names,
                            pp=2)
     assert run_plan(other_plan, checkpoint_dir=straight[0] / "ckpt", resume=True) == 2
+    # A directory of checkpoints in the format before DCP: refused, not silently restarted at step 0.
+    (tmp_path / "old" / "step-000003").mkdir(parents=True)
+    (tmp_path / "old" / "step-000003" / "manifest.json").write_text('{"format": "autoplan-checkpoint/1", "step": 3}')
+    assert run_plan(plan, checkpoint_dir=tmp_path / "old", resume=True) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 5 and all(line.startswith("autoplan: error: ") for line in lines), lines
-    assert "fingerprint" in lines[-1]
+    assert len(lines) == 6 and all(line.startswith("autoplan: error: ") for line in lines), lines
+    assert "fingerprint" in lines[-2] and "autoplan-checkpoint/1" in lines[-1]
 
 
 def test_synthetic_data_is_a_pure_function_of_seed_and_step():
@@ -204,6 +233,7 @@ def _load_resharded(rank, world_size, plan, path):
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     step = ckpt.restore(ckpt.load_checkpoint(path), pm, opt)
     names = {id(p): n for n, p in pm.named_parameters()}
+    torch.distributed.barrier()  # restore is not collective: rank 0's store stays up until all are done
     return step, {n: t.clone() for n, t in pm.state_dict().items()}, {
         names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
 

@@ -245,16 +245,23 @@ def _restore_and_read(rank, world_size, plan, directory):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(150)
-def test_tensor_parallel_checkpoint_holds_whole_tensors_and_restores_under_another_tp(tmp_path):
+def test_tensor_parallel_checkpoint_holds_shards_under_model_names_and_restores_under_another_tp(tmp_path):
     from autoplan.runtime.checkpoint import load_checkpoint
 
     saved_plan = _plan(GPT, pp=2, tp=2, sequence_parallel=True)
     run_ranks(_train_and_save, 4, saved_plan, str(tmp_path), timeout_s=100)
     ckpt = load_checkpoint(tmp_path)
     full = dict(zoo.build_model(GPT, device="meta").named_parameters())
-    for name, p in full.items():  # whole tensors under the model's names, never 1/tp shards
+    for name, p in full.items():  # the model's names and shapes, read whole in one process
         assert tuple(ckpt.params[name].shape) == tuple(p.shape), name
         assert tuple(ckpt.optimizer_state[name]["exp_avg"].shape) == tuple(p.shape), name
+    # ... written as the tp ranks' shards (DCP chunks), never gathered: a column-parallel weight in two
+    # halves, a row-parallel one too, a norm once. (A [q | k | v] fused projection, three chunks per
+    # rank: test_checkpoint_dcp.py::test_a_fused_qkv_shard_saves_as_chunks_under_its_own_name_and_shape.)
+    chunks = {k: len(md.chunks) for k, md in ckpt.metadata.state_dict_metadata.items() if hasattr(md, "chunks")}
+    assert chunks["layers.0.mlp.fc1.weight"] == 2 and chunks["layers.0.attention.proj.weight"] == 2
+    assert chunks["layers.0.attention_norm.weight"] == 1
+    assert chunks["optimizer.state.layers.0.mlp.fc1.weight.exp_avg"] == 2
     for plan in (_plan(GPT, pp=4, tp=1), _plan(GPT, pp=1, tp=2, dp=2)):
         results = run_ranks(_restore_and_read, 4, plan, str(tmp_path), timeout_s=100)
         for params, exp_avgs in results.values():

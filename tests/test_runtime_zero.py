@@ -100,4 +100,5 @@ def _restore(rank, world_size, plan, path):
     optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-2)
     ckpt.restore(ckpt.load_checkpoint(path), pm, optimizer, strict=True)
     names = {id(p): n for n, p in pm.named_parameters()}
+    torch.distributed.barrier()  # restore is not collective: rank 0's store stays up until all are done
     return {names[id(p)]: s["exp_avg"].clone() for p, s in optimizer.state.items()}

@@ -90,7 +90,12 @@ def test_fully_pinned_plan_is_reported_even_when_it_does_not_fit():
     ({"micro_batch_size": 5}, "not divisible"),
     ({"schedule": "pipedream"}, "unknown schedule"),
     ({"virtual_stages": 2, "schedule": "1f1b"}, "needs --schedule interleaved-1f1b"),
-    ({"zero": 2, "pp": 2}, "cannot be combined with pipeline"),
+    ({"zero": 4}, "must be 0, 1, 2 or 3"),
+    ({"zero": 3, "schedule": "zb-h1"}, "zb-h1 cannot run with --zero 3"),
+    ({"dp_replicate": 2, "schedule": "zb-h1"}, "zb-h1 cannot run with --dp-replicate 2"),
+    ({"dp_replicate": 2, "zero": 1}, "needs --zero 2 or 3, not --zero 1"),
+    ({"dp_replicate": 3, "dp": 4}, "must divide --dp 4"),
+    ({"dp_replicate": 0}, "must be a positive integer"),
     ({"recompute": "most"}, "unknown recompute"),
 ])
 def test_impossible_pins_are_one_line_errors(pins, message):

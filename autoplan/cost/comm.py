@@ -20,6 +20,36 @@ bucket's all-reduce; one that does not is exposed by about its total time minus 
 the first bucket's wait; one bucket (gradients smaller than a bucket) is fully exposed. The
 earlier model, max(0, all-reduce - backward), is the limit of many buckets on a link without
 per-message latency.
+
+[Note: FSDP communication]
+Sharded data parallelism (zero 2 / 3) as FSDP2 runs it (Zhao et al. 2023, "PyTorch FSDP:
+Experiences on Scaling Fully Sharded Data Parallel", VLDB 16(12), Sec. 3-4; ZeRO stages 2 and 3,
+Rajbhandari et al. 2020, Sec. 5 and 7.2), one unit per block the graph calls whole:
+- All-gather of a unit's parameters over its shard group, in the compute dtype (bf16: 2 bytes per
+  parameter; fp32: 4). Zero 3 gathers every unit in every micro-batch's forward and again in its
+  backward (`reshard_after_forward=True`); zero 2 once per step, in the first forward.
+- Reduce-scatter of a unit's fp32 gradient over the shard group (`reduce_dtype=fp32`); with HSDP
+  (dp_replicate > 1) it is followed by an all-reduce of the 1/dp_shard shard across the replicate
+  group (Zhao et al. 2023, Sec. 3.2.2, hybrid sharding; torch's `foreach_reduce` runs the two one
+  after the other). With pp = 1 this happens after every micro-batch's backward, unit by unit (FSDP's
+  autograd hooks); with pp > 1 gradients accumulate unsharded and each unit is reduced once, after
+  the stage's last backward, unoverlapped (torch's pipelining does the same).
+- Prefetching (Zhao et al. 2023, Sec. 4.2): FSDP2 issues the next unit's all-gather while the
+  current unit computes, forward and backward, and a unit's reduce-scatter runs while the next unit
+  (in backward order) computes. One communication stream's worth of bandwidth is shared, so during
+  unit j's compute c_j the link carries the next unit's all-gather a_{j+1} and the previous unit's
+  reduce-scatter r_{j-1}; the pass is exposed by
+
+      exposed = a_0 + r_{K-1} + sum_j max(0, a_{j+1} + r_{j-1} - c_j)          (`prefetch_exposed_s`)
+
+  (units in execution order: the first unit's gather and the last unit's reduction cannot hide).
+  It is the first gather plus max(0, gather - compute) per unit when there is no reduction, and the
+  total communication minus all but one unit's compute when the link is the bottleneck.
+Ranks: the dp index is replicate index * dp_shard + shard index (torchtitan's mesh order, pp,
+dp_replicate, dp_shard, tp; runtime/parallel.py `build_layout`), so a shard group is dp_shard
+consecutive replicas: inside a node under rank order tp-dp-pp when tp * dp_shard divides it, and the
+replicate group strides across nodes. Collective times come from cluster/collectives.py for the
+actual ranks (intra-node, or the cheaper of a flat ring and the hierarchical scheme across nodes).
 """
 
 from __future__ import annotations
@@ -27,9 +57,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from autoplan.cluster import Cluster, allreduce_time_s
+import numpy as np
 
-__all__ = ["DDP_BUCKET_BYTES", "dp_reduction_exposed_s"]
+from autoplan.cluster import Cluster, allgather_time_s, allreduce_time_s, reduce_scatter_time_s
+
+__all__ = ["DDP_BUCKET_BYTES", "FSDP_GRAD_BYTES_PER_PARAM", "dp_reduction_exposed_s", "fsdp_groups",
+           "fsdp_unit_times_s", "prefetch_exposed_s"]
 
 DDP_BUCKET_BYTES = 25 * 2**20
 """PyTorch DDP's default bucket size, `bucket_cap_mb=25` (Li et al. 2020, Sec. 3.2.3)."""
@@ -61,3 +94,61 @@ def dp_reduction_exposed_s(
     gap_s = backward_s * bucket_bytes / grad_bytes  # between the ready times of two full buckets
     chain_end = max(gap_s + num_full * bucket_s, num_full * gap_s + bucket_s)
     return max(backward_s, chain_end) + last_s - backward_s
+
+
+FSDP_GRAD_BYTES_PER_PARAM = 4.0
+"""FSDP reduces gradients in fp32 (`MixedPrecisionPolicy(reduce_dtype=fp32)`) whatever the compute dtype."""
+
+
+def fsdp_groups(first_rank: int, dp_stride: int, dp: int, dp_replicate: int) -> tuple[range, range]:
+    """(shard group, replicate group) of the replica with dp index 0, as global ranks: `first_rank`
+    is its rank, `dp_stride` the rank distance between neighbouring dp indices ([Note: FSDP
+    communication]: dp index = replicate index * dp_shard + shard index)."""
+    shard = dp // dp_replicate
+    return (range(first_rank, first_rank + dp_stride * shard, dp_stride),
+            range(first_rank, first_rank + dp_stride * dp, dp_stride * shard))
+
+
+def fsdp_unit_times_s(cluster: Cluster, shard_ranks: Sequence[int], replicate_ranks: Sequence[int],
+                      unit_params: np.ndarray, gather_bytes_per_param: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per unit: seconds of its parameters' all-gather and of its gradient's reduction (reduce-scatter
+    over the shard group, then with HSDP the all-reduce of the shard over the replicate group); see
+    [Note: FSDP communication]. Units of equal size are priced once."""
+    params = np.asarray(unit_params, dtype=float)
+    gather = np.zeros(len(params))
+    reduce = np.zeros(len(params))
+    shard = len(shard_ranks)
+    sizes, inverse = np.unique(params, return_inverse=True)
+    for j, n in enumerate(sizes):
+        if n <= 0:
+            continue
+        grad_bytes = n * FSDP_GRAD_BYTES_PER_PARAM
+        g = allgather_time_s(cluster, shard_ranks, n * gather_bytes_per_param)
+        r = reduce_scatter_time_s(cluster, shard_ranks, grad_bytes)
+        if len(replicate_ranks) > 1:
+            r += allreduce_time_s(cluster, replicate_ranks, grad_bytes / shard)
+        gather[inverse == j] = g
+        reduce[inverse == j] = r
+    return gather, reduce
+
+
+def prefetch_exposed_s(compute_s: np.ndarray, ahead_s: np.ndarray | None = None,
+                       behind_s: np.ndarray | None = None) -> float:
+    """Seconds a pass over units (in execution order) waits for communication that FSDP overlaps
+    with it ([Note: FSDP communication]): `ahead_s[j]`, unit j's all-gather, prefetched during unit
+    j - 1's compute; `behind_s[j]`, unit j's reduction, run during unit j + 1's compute."""
+    compute = np.asarray(compute_s, dtype=float)
+    n = len(compute)
+    if n == 0:
+        return 0.0
+    load = np.zeros(n)
+    exposed = 0.0
+    if ahead_s is not None:
+        ahead = np.asarray(ahead_s, dtype=float)
+        load[:-1] += ahead[1:]
+        exposed += float(ahead[0])
+    if behind_s is not None:
+        behind = np.asarray(behind_s, dtype=float)
+        load[1:] += behind[:-1]
+        exposed += float(behind[-1])
+    return exposed + float(np.maximum(load - compute, 0.0).sum())

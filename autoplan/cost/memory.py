@@ -7,7 +7,38 @@ and all-reduced in fp32), 4 bytes of fp32 master weights and 8 of Adam's two fp3
 per parameter (Megatron-LM docs, "Distributed Optimizer", table of bytes per parameter: "bf16 param,
 fp32 grads: 18"). ZeRO (Rajbhandari et al. 2020, Sec. 3.1) counts 16 with bf16 gradients, which is 2
 bytes per parameter short of what either runtime allocates. In fp32 training: 4 + 4 + 8 = 16.
-ZeRO-1 divides the 12 optimizer bytes by dp, ZeRO-2 the gradients too (ZeRO, Fig. 1).
+`MemoryBreakdown` files the master with the weights (2 + 4), so weights + gradients + optimizer are
+what the runtime holds between steps at each ZeRO level (`persistent_bytes_per_param`):
+
+    zero 0 (replicated):                    6 + 4 + 8             (fp32: 4 + 4 + 8)
+    zero 1 (ZeroRedundancyOptimizer):       6 + 4 + 8 / dp        (torch shards Adam's state only;
+                                                                   the fp32 masters stay whole; with
+                                                                   tp > 1 it stays replicated: 6 + 4 + 8)
+    zero 2, 3 (FSDP2 over dp_shard ranks):  (4 + 4 + 8) / dp_shard
+
+ZeRO-1 here is torch's ZeroRedundancyOptimizer over the masters, not Megatron's distributed
+optimizer (which shards the masters too, Rajbhandari et al. 2020, Fig. 1, P_os): 4 (1 - 1/dp) bytes
+per parameter more than the ZeRO paper's P_os. FSDP2 (`fully_shard`, Zhao et al. 2023, "PyTorch
+FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 16(12), Sec. 3.2) keeps each
+parameter as a 1/dp_shard fp32 shard (the master, `MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`), its fp32 gradient shard and Adam's state of the shard: ZeRO-3's P_os+g+p
+(Rajbhandari et al. 2020, Sec. 5) with fp32 gradients. HSDP shards over dp_shard = dp / dp_replicate
+ranks and replicates across the dp_replicate groups (Zhao et al. 2023, Sec. 3.2.2, "hybrid
+sharding"; torchtitan's `data_parallel_replicate_degree`), so its figures divide by dp_shard.
+
+[Note: FSDP gathered bytes]
+What FSDP unshards during a step (`MemoryBreakdown.gathered_bytes`). One FSDP unit per block the
+traced graph calls whole (runtime/fsdp.py): the unit's parameters are all-gathered in the compute
+dtype (2 bytes in bf16, 4 in fp32) before it runs.
+- zero 2 (`reshard_after_forward=False`, ZeRO-2's P_os+g): the rank's stages stay gathered from the
+  first forward to the end of the backward: 2 bytes per parameter of the rank.
+- zero 3 (`reshard_after_forward=True`): the unit computing and the next one, prefetched (Zhao et
+  al. 2023, Sec. 4.2, "backward / forward prefetching"): the two largest units of the rank.
+- Gradients: with pp = 1 FSDP reduce-scatters each unit's fp32 gradient after every micro-batch's
+  backward (its autograd hooks), so one unit's unsharded fp32 gradient is in flight; with pp > 1 the
+  pipeline's micro-batches interleave, gradients accumulate unsharded in fp32 over the step (4 bytes
+  per parameter of the rank) and are reduce-scattered after the last backward (torch's pipelining
+  does the same: `torch.distributed.pipelining.stage`, `backward_maybe_with_nosync`).
 
 [Note: tied parameters]
 A block whose parameters are shared with an earlier block (`Block.tied_to_block`, a head tied to the
@@ -55,17 +86,91 @@ from autoplan.cost.time import tp_divisor, tp_sharded
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import MemoryBreakdown
 
-__all__ = ["ALLOWANCE_FIXED_BYTES", "ALLOWANCE_FRACTION", "BYTES_PER_PARAM", "allowance_bytes", "block_act_bytes",
-           "block_static_bytes", "head_backward_bytes", "held_params", "param_counts", "rank_memory"]
+__all__ = ["ALLOWANCE_FIXED_BYTES", "ALLOWANCE_FRACTION", "BYTES_PER_PARAM", "MIN_BYTES_PER_PARAM", "allowance_bytes",
+           "block_act_bytes", "block_static_bytes", "fsdp_transient_bytes", "gathered_bytes_per_param",
+           "head_backward_bytes", "held_params", "param_counts", "persistent_bytes_per_param", "rank_memory",
+           "reduction_buffer_bytes"]
 
 _RECOMPUTED_KINDS = {"layer", "attention", "mlp"}
 
 
+def _fp32(dtype: str) -> bool:
+    return dtype in ("float32", "fp32")
+
+
 def BYTES_PER_PARAM(dtype: str) -> tuple[float, float, float]:  # noqa: N802 (a table, read like a constant)
-    """(weights, gradients, optimizer states) bytes per parameter; see [Note: bytes per parameter]."""
-    if dtype in ("float32", "fp32"):
+    """(weights, gradients, optimizer states) bytes per parameter, replicated (zero 0): bf16 working
+    weight + fp32 master, fp32 gradient, Adam's moments; see [Note: bytes per parameter]."""
+    if _fp32(dtype):
         return 4.0, 4.0, 8.0
-    return 2.0, 4.0, 12.0
+    return 6.0, 4.0, 8.0
+
+
+def MIN_BYTES_PER_PARAM(dtype: str) -> float:  # noqa: N802
+    """The fewest bytes per parameter any plan keeps over all GPUs together: everything sharded
+    (ZeRO-3 / FSDP, Rajbhandari et al. 2020, Sec. 5): fp32 shard, fp32 gradient, Adam's moments."""
+    return 16.0
+
+
+def persistent_bytes_per_param(dtype: str, zero: int, dp: int, dp_replicate: int = 1,
+                               tp: int = 1) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) bytes per parameter one GPU holds between steps at
+    this ZeRO level; see [Note: bytes per parameter]. Zero 1 with tp > 1 keeps a replicated
+    optimizer: torch's ZeroRedundancyOptimizer does not take tensor-parallel DTensor shards
+    (runtime/api.py `make_optimizer`), so nothing is divided there."""
+    weights, grads, optim = BYTES_PER_PARAM(dtype)
+    if zero >= 2:
+        shard = dp // dp_replicate
+        return 4.0 / shard, 4.0 / shard, 8.0 / shard
+    if zero == 1 and tp == 1:
+        optim /= dp
+    return weights, grads, optim
+
+
+def reduction_buffer_bytes(cfg: ParallelConfig, num_params: float, unit_params: Sequence[float] | np.ndarray) -> float:
+    """Transient bytes of the gradient reduction. zero 0 / 1 with dp > 1: the flat copy of one
+    bucket of fp32 gradients (runtime/parallel.py `all_reduce_grads`, DDP's 25 MiB buckets, Li et
+    al. 2020, Sec. 3.2.3), at most all of the rank's gradients. zero >= 2: FSDP2 copies one unit's
+    fp32 gradient into the flat input of its reduce-scatter (`foreach_reduce`), beside the
+    unsharded gradient it reduces. Measured on CPU ranks by tests/test_runtime_fsdp.py."""
+    from autoplan.cost.comm import DDP_BUCKET_BYTES
+
+    if cfg.zero >= 2:
+        return 4.0 * float(np.max(unit_params, initial=0.0))
+    if cfg.dp > 1:
+        return min(float(DDP_BUCKET_BYTES), 4.0 * num_params)
+    return 0.0
+
+
+def gathered_bytes_per_param(dtype: str) -> float:
+    """Bytes of one unsharded FSDP parameter: the compute dtype (MixedPrecisionPolicy's param_dtype)."""
+    return 4.0 if _fp32(dtype) else 2.0
+
+
+def _fsdp_per_block_bytes_per_param(dtype: str, zero: int, pp: int) -> float:
+    """Bytes per parameter FSDP holds unsharded for every parameter of the rank's stages during the
+    step ([Note: FSDP gathered bytes]): zero 2's gathered weights, pp > 1's accumulated gradients."""
+    out = 0.0
+    if zero == 2:
+        out += gathered_bytes_per_param(dtype)
+    if zero >= 2 and pp > 1:
+        out += 4.0
+    return out
+
+
+def fsdp_transient_bytes(dtype: str, zero: int, pp: int, unit_params: Sequence[float] | np.ndarray) -> float:
+    """Bytes FSDP holds unsharded for a few units at a time ([Note: FSDP gathered bytes]): zero 3's
+    two units' gathered weights (the one computing, the one prefetched) and, with pp = 1, one
+    unit's fp32 gradient before its reduce-scatter. `unit_params`: the units' parameter counts."""
+    if zero < 2 or len(unit_params) == 0:
+        return 0.0
+    largest = np.sort(np.asarray(unit_params, dtype=float))[::-1]
+    out = 0.0
+    if zero == 3:
+        out += gathered_bytes_per_param(dtype) * float(largest[:2].sum())
+    if pp == 1:
+        out += 4.0 * float(largest[0])
+    return out
 
 
 ALLOWANCE_FIXED_BYTES = int(2.25 * 2**30)
@@ -110,18 +215,17 @@ def held_params(profile: ModelProfile, cfg: ParallelConfig, ranges: Sequence[tup
 
 
 def block_static_bytes(profile: ModelProfile, cfg: ParallelConfig, dtype: str) -> np.ndarray:
-    """Weights + gradients + optimizer states per block on one GPU. With one stage every tied block
-    sits with its owner and adds no copy; with more, each is charged its copy (the cutting decides
-    where it lands; `held_params` is exact once it has)."""
-    weights, grads, optim = BYTES_PER_PARAM(dtype)
-    if cfg.zero >= 1:
-        optim /= cfg.dp
-    if cfg.zero >= 2:
-        grads /= cfg.dp
+    """Weights + gradients + optimizer states per block on one GPU, and what FSDP holds unsharded
+    for every parameter of a stage (zero 2's gathered weights, pp > 1's accumulated gradients; the
+    few-units terms of `fsdp_transient_bytes` go to the search's reserve). With one stage every
+    tied block sits with its owner and adds no copy; with more, each is charged its copy (the
+    cutting decides where it lands; `held_params` is exact once it has)."""
+    weights, grads, optim = persistent_bytes_per_param(dtype, cfg.zero, cfg.dp, cfg.dp_replicate, cfg.tp)
+    per_param = weights + grads + optim + _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp)
     params = param_counts(profile, cfg)
     if cfg.num_stages == 1:
         params = params - _tied_copies(profile, cfg)
-    return params * (weights + grads + optim)
+    return params * per_param
 
 
 def block_act_bytes(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
@@ -176,7 +280,7 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
     """Peak memory of one GPU holding the given stages (its virtual stages) with the given
     micro-batches in flight on each. `acts` and `params` (`block_act_bytes`, `param_counts`) may be
     passed when the caller has them."""
-    weights_b, grads_b, optim_b = BYTES_PER_PARAM(dtype)
+    weights_b, grads_b, optim_b = persistent_bytes_per_param(dtype, cfg.zero, cfg.dp, cfg.dp_replicate, cfg.tp)
     params = param_counts(profile, cfg) if params is None else params
     acts = block_act_bytes(profile, cfg) if acts is None else acts
     f = cfg.micro_batch_size / profile.batch_size
@@ -185,11 +289,15 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
     blocks = [i for a, b in stage_ranges for i in range(a, b)]
     # Two receive buffers per boundary (activation in, gradient in), one micro-batch each.
     recv = sum(2 * profile.cuts[a - 1].num_bytes * f for a, _ in stage_ranges if a > 0)
+    gathered = (num_params * _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp)
+                + fsdp_transient_bytes(dtype, cfg.zero, cfg.pp, params[blocks]))
     return MemoryBreakdown(
         weights_bytes=num_params * weights_b,
-        grads_bytes=num_params * grads_b / (cfg.dp if cfg.zero >= 2 else 1),
-        optimizer_bytes=num_params * optim_b / (cfg.dp if cfg.zero >= 1 else 1),
+        grads_bytes=num_params * grads_b,
+        optimizer_bytes=num_params * optim_b,
+        gathered_bytes=float(gathered),
         activations_bytes=float(activations),
-        buffers_bytes=float(recv + _working_bytes(profile, cfg, blocks, acts)),
+        buffers_bytes=float(recv + _working_bytes(profile, cfg, blocks, acts)
+                            + reduction_buffer_bytes(cfg, num_params, params[blocks])),
         allowance_bytes=allowance_bytes(gpu),
     )

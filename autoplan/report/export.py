@@ -53,7 +53,8 @@ def _header(plan: Plan) -> list[str]:
             f"tp {plan.tp} x pp {plan.pp} x dp {plan.dp}; {plan.schedule}"
             + (f" with {plan.virtual_stages} virtual stages" if plan.virtual_stages > 1 else "")
             + f"; {plan.num_microbatches} micro-batches of {plan.micro_batch_size}; recompute {plan.recompute}; "
-            f"zero {plan.zero}" + ("; sequence parallel" if plan.sequence_parallel else ""),
+            f"zero {plan.zero}" + (f" (HSDP {plan.dp_replicate} x {plan.dp_shard})" if plan.dp_replicate > 1 else "")
+            + ("; sequence parallel" if plan.sequence_parallel else ""),
             f"predicted: {plan.predicted.step_time_s:.4f} s/step, {plan.predicted.tokens_per_s:,.0f} tokens/s, "
             f"MFU {plan.predicted.mfu:.1%}, peak {plan.predicted.peak_memory_bytes / 2**30:.2f} GiB/GPU"]
 
@@ -92,13 +93,19 @@ def _torchtitan(plan: Plan) -> str:
         comments.append("zb-h1 has no one-stage-per-rank equivalent in torchtitan: exported as 1F1B (same F/B "
                         "order, backward not split into B and W), so expect a larger bubble than predicted; for "
                         "zero bubble, re-plan with 2 stages per rank and use InterleavedZeroBubble or ZBVZeroBubble")
+    reshard = None
     if plan.zero == 0:
         replicate, shard = plan.dp, 1
-    else:
+    elif plan.zero == 1:
         replicate, shard = 1, plan.dp
         comments.append(f"autoplan zero {plan.zero} is exported as FSDP (data_parallel_shard_degree = {plan.dp}); "
                         "torchtitan's FSDP2 also shards parameters (ZeRO-3-like), so memory is lower and "
                         "communication higher than predicted")
+    else:
+        # FSDP2 as autoplan runs it: shard over dp_shard ranks, replicate (HSDP) over dp_replicate;
+        # zero 3 reshards after forward, zero 2 keeps the parameters gathered until the backward.
+        replicate, shard = plan.dp_replicate, plan.dp_shard
+        reshard = "always" if plan.zero == 3 else "never"
     if plan.sequence_parallel:
         comments.append("sequence parallelism: torchtitan applies it with tensor parallelism by default")
     embedding = _embedding_fqns(plan)
@@ -122,6 +129,8 @@ def _torchtitan(plan: Plan) -> str:
         "pipeline_parallel_schedule": schedule,
         "pipeline_parallel_microbatch_size": plan.micro_batch_size,
     }
+    if reshard is not None:
+        parallelism["fsdp_reshard_after_forward"] = reshard
     lines = [f"# {c}" for c in comments]
     lines += ["", "[training]", f"global_batch_size = {plan.job.global_batch}",
               f"local_batch_size = {plan.job.global_batch // plan.dp}", f"seq_len = {plan.job.seq_len}", "",
@@ -163,11 +172,22 @@ def _megatron(plan: Plan) -> str:
         args += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
     elif plan.recompute == "selective":
         args.append(("--recompute-granularity", "selective"))
-    if plan.zero >= 1:
+    if plan.zero == 3 and plan.pp == 1:
+        # Megatron-LM's torch FSDP2 wrapper (`--use-torch-fsdp2`, TorchFullyShardedDataParallel) shards
+        # over the whole data-parallel group and reshards after forward (ZeRO-3); it does not run with pp > 1.
+        args.append(("--use-torch-fsdp2", None))
+    elif plan.zero >= 1:
         args.append(("--use-distributed-optimizer", None))
         if plan.zero == 2:
             comments.append("zero 2: Megatron's distributed optimizer shards optimizer states and reduce-scatters "
                             "gradients (ZeRO-1 with ZeRO-2-like gradient traffic); gradients stay full-size in memory")
+        elif plan.zero == 3:
+            comments.append("zero 3 with pipeline parallelism: Megatron-LM's ZeRO-3 (--use-torch-fsdp2) does not run "
+                            "with pp > 1; exported as the distributed optimizer (ZeRO-1-like): parameters and "
+                            "gradients stay full-size, so memory is higher than predicted")
+    if plan.zero >= 2 and plan.dp_replicate > 1:
+        comments.append(f"HSDP {plan.dp_replicate} x {plan.dp_shard}: Megatron-LM shards over all {plan.dp} "
+                        "data-parallel ranks: less memory, more inter-node traffic than predicted")
 
     v = plan.virtual_stages
     if plan.schedule == "interleaved-1f1b":
@@ -263,6 +283,14 @@ def _deepspeed(plan: Plan) -> str:
                         f"--tensor-model-parallel-size {plan.tp})")
     if plan.zero >= 2 and plan.pp > 1:
         comments.append("DeepSpeed's pipeline engine supports only ZeRO stage 0 or 1")
+    if plan.dp_replicate > 1 and plan.zero == 3:
+        # MiCS: ZeRO-3 sharded inside groups of mics_shard_size ranks, replicated across them (HSDP).
+        config["zero_optimization"] |= {"mics_shard_size": plan.dp_shard, "mics_hierarchical_params_gather": False}
+        comments.append(f"HSDP {plan.dp_replicate} x {plan.dp_shard} as DeepSpeed MiCS (mics_shard_size = "
+                        f"{plan.dp_shard}): build the model under deepspeed.zero.MiCS_Init")
+    elif plan.dp_replicate > 1:
+        comments.append(f"HSDP {plan.dp_replicate} x {plan.dp_shard}: DeepSpeed's ZeRO-2 shards over all {plan.dp} "
+                        "data-parallel ranks (MiCS needs stage 3): less memory, more inter-node traffic than predicted")
     comments += _stage_lines(plan)
     return json.dumps({"_comment": comments, **config}, indent=2) + "\n"
 

@@ -75,6 +75,8 @@ def plans_table(plans, title: str = "") -> Table:
         extras = []
         if plan.zero:
             extras.append(f"zero{plan.zero}")
+        if getattr(plan, "dp_replicate", 1) > 1:
+            extras.append(f"hsdp{plan.dp_replicate}x{plan.dp_shard}")
         if plan.sequence_parallel:
             extras.append("sp")
         recompute = plan.recompute + (" +" + ",".join(extras) if extras else "")

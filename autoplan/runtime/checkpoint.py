@@ -1,39 +1,59 @@
-"""Checkpoints of a pipelined run under the model's own parameter names (see docs/reliability.md).
+"""Checkpoints through torch.distributed.checkpoint (DCP), atomic, under the model's own names
+(docs/reliability.md).
 
-Format (plain per-rank `torch.save` files plus a JSON manifest; not torch.distributed.checkpoint):
+Format "autoplan-checkpoint/2": a DCP checkpoint plus our manifest, in one directory per step.
 
-    DIR/step-000123/manifest.json        written LAST, by rank 0, after every rank's file is durable
-    DIR/step-000123/rank-00000.pt        {"params": {name: tensor}, "optimizer": {"state": {name: {...}},
-    DIR/step-000123/rank-00001.pt         "param_groups": [...]}, "aliases": {...}, "rng": ..., "step": 123}
+    DIR/step-000123/__0_0.distcp, __1_0.distcp, ...   DCP data (one file per rank)
+    DIR/step-000123/.metadata                         DCP metadata (every key's shape, chunks, files)
+    DIR/step-000123/manifest.json                     ours, written LAST by rank 0: format, step,
+                                                      every file's size, model fingerprint, layout
 
-Each rank serializes its stages' parameters (and persistent buffers) and its AdamW state keyed by
-the parameter's *name* in the model, never by optimizer index. Only ranks with dp index 0 (and
-tp index 0) write: the other replicas hold identical copies. Under ZeRO (a ZeroRedundancyOptimizer)
-every replica also writes the optimizer state of its shard, and replica 0 the parameters; loading
-merges the files by name, so the shards need not line up with the reader's. Tensor-parallel shards
-(DTensors) are gathered whole before writing and sliced again on restore, so files hold whole
-tensors and a tp = 2 checkpoint loads under tp = 1 or 4. So a checkpoint saved under one plan
-loads under any other plan of the same model (pp = 2 -> pp = 4, other cuts) and into a plain
-single-process model (`load_full_state_dict`).
+The DCP state dict (keys as torchtitan writes them: model FQNs at the top level, the optimizer as
+torch's `flatten_optimizer_state_dict` under "optimizer"):
 
-Atomicity: rank 0 creates `DIR/.tmp-step-000123/`; every writer writes `rank-R.pt.tmp`, fsyncs it and
-renames it to `rank-R.pt`; a barrier; rank 0 writes `manifest.json` the same way (with every file's
-size), renames the directory to `step-000123` and fsyncs DIR; a last barrier. A checkpoint is
-*complete* when its directory is named `step-*` and its manifest parses and lists files that exist
-with the recorded sizes; anything else (a `.tmp-*` directory, a missing manifest, a short file) is
-ignored by `latest_checkpoint`, so a crash in the middle of a save leaves the previous complete
-checkpoint as the newest one. DIR must be visible to every rank (one node, or a shared filesystem).
+    {fqn: tensor}                                      parameters and persistent buffers; a tied
+                                                       parameter once, under its first name
+    "optimizer": {"state": {fqn: {"step", "exp_avg", "exp_avg_sq", ...}},
+                  "param_groups": {fqn: {"lr", "betas", "weight_decay", ...}}}
+    "autoplan": {"rank-00003": {"rng": {"torch": ...}, "extra": "<json>"}}   per-rank extras
+
+Sharded tensors (tensor-parallel DTensors, FSDP2 shards) are saved as their shards, replicated
+tensors once (DCP deduplicates a key every replica writes); the optimizer state is keyed by the
+parameter's name, never by index, and a ZeroRedundancyOptimizer's owners each write the states of
+the parameters they step. Loading reads exactly the chunks a tensor needs (DCP reshards), so a
+checkpoint saved under one plan loads under any other plan of the same model (pp, tp, dp, ZeRO
+level, cuts) and into a plain single-process model (`load_full_state_dict`, `export_torch_save`).
+
+Atomicity: rank 0 creates `DIR/.tmp-step-000123/`; `dcp.save` writes and fsyncs every rank's data
+file, then rank 0 writes `.metadata` (DCP's own tmp-and-rename) once every rank has written; rank 0
+then writes `manifest.json` (tmp, fsync, rename) with every file's size, renames the directory to
+`step-000123` and fsyncs DIR; a last barrier. A checkpoint is *complete* when its directory is named
+`step-*` and its manifest parses and lists files that exist with the recorded sizes; anything else
+(a `.tmp-*` directory, a missing manifest, a short file) is ignored by `latest_checkpoint`, so a
+crash in the middle of a save leaves the previous complete checkpoint as the newest one. DIR must be
+visible to every rank (one node, or a shared filesystem).
+
+[Note: why not get_state_dict] torch's `get_state_dict` / `set_state_dict` want one nn.Module whose
+parameters the optimizer steps. Here a bf16 plan's optimizer steps fp32 masters that are not the
+stage modules' parameters (precision.py), a tied parameter has one copy per pipeline rank under
+different names, and a ZeroRedundancyOptimizer holds only its shard in an inner optimizer that
+`get_optimizer_state_dict` does not know. So the FQN-keyed state dicts are built here from
+`PartitionedModel.named_parameters` / `state_dict` (the names of the full model) in the layout
+`get_state_dict(..., flatten_optimizer_state_dict=True)` produces, and loaded in place.
 """
 
 from __future__ import annotations
 
-import io
+import contextlib
+import dataclasses
+import functools
 import json
 import os
 import re
 import shutil
 import signal
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,18 +66,27 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "Checkpoint",
     "CheckpointError",
+    "checkpoint_fingerprint",
+    "export_torch_save",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "load_full_optimizer_state",
     "load_full_state_dict",
+    "local_optimizer",
+    "other_format_checkpoints",
+    "named_optimizer_state",
     "restore",
     "save_checkpoint",
 ]
 
-CHECKPOINT_FORMAT = "autoplan-checkpoint/1"
+CHECKPOINT_FORMAT = "autoplan-checkpoint/2"
 MANIFEST = "manifest.json"
+OPTIMIZER_KEY = "optimizer"
+EXTRA_KEY = "autoplan"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_KERNEL_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+"""Optimizer group entries that pick a kernel, not the math: the reader's own choice is kept."""
 
 
 class CheckpointError(ValueError):
@@ -68,8 +97,13 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def rank_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
+def _rank_key(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 # ---- durable writes --------------------------------------------------------------------------
@@ -88,18 +122,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, data: bytes, *, kill_midway: bool = False) -> None:
-    """Write `data` to `path.tmp`, fsync, rename over `path`, fsync the directory.
-
-    `kill_midway` (tests of crash safety) SIGKILLs this process after half the bytes are on disk.
-    """
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path.tmp`, fsync, rename over `path`, fsync the directory."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        if kill_midway:
-            f.write(data[: len(data) // 2])
-            f.flush()
-            os.fsync(f.fileno())
-            os.kill(os.getpid(), signal.SIGKILL)
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -107,11 +133,48 @@ def _atomic_write(path: Path, data: bytes, *, kill_midway: bool = False) -> None
     _fsync_dir(path.parent)
 
 
+class _KillingStream:
+    """A file stream that SIGKILLs this process once `limit` bytes are on disk (fault injection)."""
+
+    def __init__(self, stream, limit: int):
+        self._stream, self._limit, self._written = stream, limit, 0
+
+    def write(self, data) -> int:
+        n = self._stream.write(data)
+        self._written += len(memoryview(data).cast("B"))
+        if self._written >= self._limit:
+            _die(self._stream)
+        return n
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _die(stream) -> None:
+    stream.flush()
+    os.fsync(stream.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killing_filesystem(limit: int):
+    """A DCP FileSystem whose data files SIGKILL this process after `limit` bytes (or, if the
+    file ends sooner, before it is closed): `kill-in-checkpoint` in launch.py."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class KillingFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode or not str(path).endswith(".distcp"):
+                    yield stream
+                    return
+                yield _KillingStream(stream, limit)
+                _die(stream)
+
+    return KillingFileSystem()
+
+
 # ---- what one rank holds -----------------------------------------------------------------------
-
-
-def _param_names(pm) -> dict[int, str]:
-    return {id(p): name for name, p in pm.named_parameters()}
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -122,71 +185,219 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
-def _is_sharded(optimizer: torch.optim.Optimizer | None) -> bool:
-    return optimizer is not None and local_optimizer(optimizer) is not optimizer
+def _canonical(pm, name: str) -> str:
+    """The name a (tied) parameter is saved under: its first name in the model."""
+    return getattr(pm, "aliases", {}).get(name, name)
+
+
+def _param_names(pm) -> dict[int, str]:
+    return {id(p): name for name, p in pm.named_parameters()}
+
+
+def _model_state(pm) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """Saved key -> this rank's (local name, tensor) under it; tied copies share a key."""
+    out: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in pm.state_dict().items():
+        out.setdefault(_canonical(pm, name), []).append((name, tensor))
+    return out
 
 
 def named_optimizer_state(pm, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name: {"state": {name: {...}}, "param_groups": [...]}.
+    """The optimizer's state as DCP saves it: {"state": {name: {...}}, "param_groups": {name:
+    {hyperparameters}}} (torch's flattened optimizer state dict; names are the model's).
 
-    Of a ZeRO optimizer, this rank's shard: the files of all dp ranks together hold the whole."""
-    optimizer = local_optimizer(optimizer)
+    Of a ZeRO optimizer, the state of this rank's shard (every owner saves its own) and the
+    hyperparameters of every local parameter."""
     names = _param_names(pm)
     state: dict[str, dict[str, Any]] = {}
-    groups = []
+    groups: dict[str, dict[str, Any]] = {}
+
+    def name_of(p) -> str:
+        name = names.get(id(p))
+        if name is None:
+            raise CheckpointError("the optimizer holds a parameter the partitioned model does not name")
+        return _canonical(pm, name)
+
     for group in optimizer.param_groups:
-        group_names = []
+        hyper = {k: v for k, v in group.items() if k != "params"}
         for p in group["params"]:
-            name = names.get(id(p))
-            if name is None:
-                raise CheckpointError("the optimizer holds a parameter the partitioned model does not name")
-            group_names.append(name)
-            if p in optimizer.state:
-                state[name] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                               for k, v in optimizer.state[p].items()}
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": group_names})
+            groups.setdefault(name_of(p), hyper)
+    inner = local_optimizer(optimizer)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if p in inner.state and inner.state[p]:
+                state.setdefault(name_of(p), {k: (v.detach() if isinstance(v, torch.Tensor) else v)
+                                              for k, v in inner.state[p].items()})
     return {"state": state, "param_groups": groups}
 
 
-def _whole(value: Any) -> Any:
-    """A tensor-parallel shard (DTensor) gathered whole on the CPU (a collective over its tp group:
-    every tp rank calls it in the same order); any other tensor copied to the CPU."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-
-
-def _rank_payload(pm, optimizer, step: int, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """This rank's file. Called on every rank: tensor-parallel shards are gathered whole (so a
-    checkpoint holds whole tensors under model names and loads under any tp), and only writers
-    write the result."""
-    params = {name: _whole(t) for name, t in pm.state_dict().items()}
-    opt = None
+def _rank_state(pm, optimizer, rank: int, step: int, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What this rank hands `dcp.save` (module docstring)."""
+    state: dict[str, Any] = {key: copies[0][1] for key, copies in _model_state(pm).items()}
     if optimizer is not None:
-        opt = named_optimizer_state(pm, optimizer)
-        opt["state"] = {name: {k: _whole(v) for k, v in state.items()} for name, state in opt["state"].items()}
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "step": step,
-        # A ZeRO shard writer of dp index > 0 adds its optimizer shard only: replica 0 has the params.
-        "params": params if _dp_index(pm) == 0 else {},
-        "optimizer": opt,
-        "aliases": dict(getattr(pm, "aliases", {})),
-        "rng": {"torch": torch.get_rng_state()},
-        "extra": dict(extra or {}),
-    }
+        state[OPTIMIZER_KEY] = named_optimizer_state(pm, optimizer)
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    state[EXTRA_KEY] = {_rank_key(rank): {"rng": rng, "extra": json.dumps({"step": step, **dict(extra or {})})}}
+    return state
 
 
-def _dp_index(pm) -> int:
-    return getattr(getattr(pm, "layout", None), "dp_index", 0)
+# ---- shards DCP cannot describe as one chunk -------------------------------------------------------
+
+# [Note: strided shards in DCP]
+# DCP describes a rank's piece of a DTensor as one box (offsets, sizes) of the global tensor. A
+# fused q/k/v projection sharded by thirds (`_StridedShard(dim, split_factor=3)`, [Note: fused
+# q/k/v] in parallel.py) holds [q_r | k_r | v_r]: three boxes, which `dcp.save` rejects ("overlapping
+# chunks"). Such a DTensor goes to DCP as `_Pieces`: its local boxes (found without communication
+# by sharding an index vector per dimension as the tensor is sharded) as views of the local tensor;
+# `_SavePlanner` writes each as a chunk of the global tensor and `_LoadPlanner` reads into each view
+# in place. The checkpoint holds the tensor under its own name and shape, as any other.
 
 
-def _is_writer(pm, optimizer: torch.optim.Optimizer | None = None) -> bool:
-    """Replica 0 writes (tp index 0); under ZeRO every replica writes its optimizer shard."""
-    layout = getattr(pm, "layout", None)
-    return layout is None or ((_dp_index(pm) == 0 or _is_sharded(optimizer)) and getattr(layout, "tp_index", 0) == 0)
+@dataclass
+class _Pieces:
+    shape: torch.Size
+    tensor: torch.Tensor  # the local tensor
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]  # (global offsets, sizes, local view)
+
+
+def _needs_pieces(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+
+
+def _pieces(value) -> _Pieces:
+    """The local boxes of a DTensor ([Note: strided shards in DCP])."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    local = value.to_local()
+    runs_per_dim = []
+    for d in range(value.dim()):
+        placements = [p if isinstance(p, Shard | _StridedShard) and p.dim == d else Replicate()
+                      for p in value.placements]
+        shape = [1] * value.dim()
+        shape[d] = value.shape[d]
+        index = torch.arange(value.shape[d], device=local.device).view(shape)
+        mine = distribute_tensor(index, value.device_mesh, placements, src_data_rank=None).to_local().flatten().tolist()
+        runs = []  # (local start, global start, length)
+        for j, g in enumerate(mine):
+            if runs and g == runs[-1][1] + runs[-1][2] and j == runs[-1][0] + runs[-1][2]:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((j, g, 1))
+        runs_per_dim.append(runs)
+    boxes = []
+    for combo in itertools.product(*runs_per_dim):
+        view = local
+        for d, (start, _, length) in enumerate(combo):
+            view = view.narrow(d, start, length)
+        boxes.append((tuple(g for _, g, _ in combo), tuple(n for _, _, n in combo), view))
+    return _Pieces(value.shape, local, boxes)
+
+
+def _with_pieces(tree: Any) -> Any:
+    """`tree` with every DTensor DCP cannot describe replaced by its `_Pieces`."""
+    if isinstance(tree, Mapping):
+        return {k: _with_pieces(v) for k, v in tree.items()}
+    return _pieces(tree) if _needs_pieces(tree) else tree
+
+
+class _Placeholder(str):
+    """Where a `_Pieces` was: a value DCP's set-up keeps as it is (it sets what it does not know
+    to None) and flattens to the same key."""
+
+
+def _take_pieces(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[str, _Pieces]:
+    """Replace every `_Pieces` in `tree` by a `_Placeholder`; {its DCP key (the path joined by dots,
+    as DCP's `flatten_state_dict` names it): it}."""
+    found: dict[str, _Pieces] = {}
+    for key, value in tree.items():
+        if isinstance(value, _Pieces):
+            found[".".join((*prefix, str(key)))] = value
+            tree[key] = _Placeholder()
+        elif isinstance(value, dict):
+            found.update(_take_pieces(value, (*prefix, str(key))))
+    return found
+
+
+def _save_planner():
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    class SavePlanner(DefaultSavePlanner):
+        """DCP's default planner, plus `_Pieces` written box by box."""
+
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+            self.pieces = _take_pieces(state_dict)
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)  # their keys stay in the mappings
+            self.state_dict = {k: v for k, v in self.state_dict.items() if k not in self.pieces}
+
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            items = [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                               tensor_data=TensorWriteData(
+                                   chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                                   properties=TensorProperties.create_from_tensor(pieces.tensor),
+                                   size=torch.Size(pieces.shape)))
+                     for fqn, pieces in self.pieces.items() for offsets, sizes, _ in pieces.boxes]
+            self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
+            return self.plan
+
+        def resolve_data(self, write_item):
+            pieces = self.pieces.get(write_item.index.fqn)
+            if pieces is None:
+                return super().resolve_data(write_item)
+            offsets = tuple(write_item.index.offset)
+            view = next(v for o, _, v in pieces.boxes if o == offsets)
+            return view.detach().clone()  # a view would save its whole storage
+
+    return SavePlanner()
+
+
+def _load_planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class LoadPlanner(DefaultLoadPlanner):
+        """DCP's default planner, plus `_Pieces` read box by box into views of the local tensor."""
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            self.pieces = _take_pieces(state_dict)
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            self.state_dict = {k: v for k, v in self.state_dict.items() if k not in self.pieces}
+
+        def create_local_plan(self):
+            # DCP's own planner, less its fallback for checkpoints of torch <= 2.3 (it re-flattens the
+            # state dict, `_Pieces` included, when a key is missing; ours name every key they read).
+            plan = create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+            items = []
+            for fqn, pieces in self.pieces.items():
+                chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in pieces.boxes]
+                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], chunks)
+            return dataclasses.replace(plan, items=[*plan.items, *items])
+
+        def resolve_tensor(self, read_item):
+            pieces = self.pieces.get(read_item.dest_index.fqn)
+            if pieces is None:
+                return super().resolve_tensor(read_item)
+            view = pieces.boxes[read_item.dest_index.index][2]
+            for d, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                view = view.narrow(d, start, length)
+            return view
+
+    return LoadPlanner()
+
+
+# ---- save --------------------------------------------------------------------------------------
 
 
 def _barrier(timeout: timedelta) -> None:
@@ -201,7 +412,16 @@ def _barrier(timeout: timedelta) -> None:
         dist.barrier()
 
 
-# ---- save --------------------------------------------------------------------------------------
+def _layout_of(pm) -> dict[str, Any]:
+    """The plan's layout, for messages (a checkpoint loads under any layout)."""
+    plan = getattr(pm, "plan", None)
+    if plan is None:
+        return {}
+    out = {k: getattr(plan, k) for k in ("pp", "dp", "tp", "zero", "virtual_stages", "dp_replicate")
+           if isinstance(getattr(plan, k, None), int)}
+    out["stage_end_blocks"] = [s.end_block for s in plan.stages]
+    out["dtype"] = plan.job.dtype
+    return out
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torch.optim.Optimizer | None = None, *,
@@ -209,11 +429,13 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
                     _kill_midway: bool = False) -> Path:
     """Save this rank's part of the model and optimizer as checkpoint `step` (steps completed).
 
-    Collective: every rank of the default process group calls it (a single process works too).
-    Returns the final directory `DIR/step-NNNNNN`. `extra` is stored in every rank file and the
-    manifest (JSON-able values). `_kill_midway` SIGKILLs this rank halfway through its file.
+    Collective: every rank of the default process group calls it (a single process works too, with
+    or without a process group). Returns the final directory `DIR/step-NNNNNN`. `extra` (JSON-able
+    values) is stored in the manifest and with this rank's state. `_kill_midway` SIGKILLs this rank
+    halfway through its DCP data file.
     """
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
     root = Path(directory)
     distributed = dist.is_initialized()
@@ -228,19 +450,22 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier(timeout)
-    buf = io.BytesIO()
-    writer = _is_writer(pm, optimizer)
-    # A tp shard is gathered by a collective every rank of its tp group joins, writer or not.
-    if writer or getattr(getattr(pm, "plan", None), "tp", 1) > 1:
-        payload = _rank_payload(pm, optimizer, step, extra)
-    if writer:
-        torch.save(payload, buf)
-        _atomic_write(tmp / rank_file_name(rank), buf.getvalue(), kill_midway=_kill_midway)
-    _barrier(timeout)
-    if rank == 0:
-        files = {p.name: p.stat().st_size for p in sorted(tmp.glob("rank-*.pt"))}
+    state = _with_pieces(_rank_state(pm, optimizer, rank, step, extra))
+    writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+    if _kill_midway:
+        local_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+        writer.fs = _killing_filesystem(max(1, local_bytes // 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ..." in a single process
+        dcp.save(state, storage_writer=writer, planner=_save_planner())
+    if rank == 0:  # dcp.save returned: every rank's data file and the metadata are durable
+        _fsync_dir(tmp)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name != MANIFEST}
+        plan = getattr(pm, "plan", None)
         manifest = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": world_size, "files": files,
-                    "time": time.time(), "extra": dict(extra or {})}
+                    "time": time.time(), "model_fingerprint": getattr(plan, "model_fingerprint", None),
+                    "model": getattr(plan, "model", None), "layout": _layout_of(pm),
+                    "aliases": dict(getattr(pm, "aliases", {})), "extra": dict(extra or {})}
         _atomic_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         if final.exists():  # saving the same step again: swap, never leave no complete copy behind
             old = root / f".tmp-old-{name}"
@@ -252,6 +477,20 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
         _fsync_dir(root)
     _barrier(timeout)
     return final
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, Mapping):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, _Pieces):
+        yield tree.tensor
+    elif isinstance(tree, DTensor):
+        yield tree.to_local()
+    elif isinstance(tree, torch.Tensor):
+        yield tree
 
 
 # ---- find and read -------------------------------------------------------------------------------
@@ -266,7 +505,7 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
     if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
         return None
     files = manifest.get("files")
-    if not isinstance(files, dict) or not files or not isinstance(manifest.get("step"), int):
+    if not isinstance(files, dict) or ".metadata" not in files or not isinstance(manifest.get("step"), int):
         return None
     for fname, size in files.items():
         try:
@@ -298,6 +537,22 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
+def other_format_checkpoints(directory: str | os.PathLike) -> list[tuple[Path, str]]:
+    """(path, format) of the `step-N` directories under `directory` (or `directory` itself) whose
+    manifest names another format (format 1: per-rank torch.save files, before DCP)."""
+    root = Path(directory)
+    candidates = [root] + (sorted(e for e in root.iterdir() if _STEP_DIR.match(e.name)) if root.is_dir() else [])
+    found = []
+    for entry in candidates:
+        try:
+            manifest = json.loads((entry / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(manifest, dict) and manifest.get("format") not in (None, CHECKPOINT_FORMAT):
+            found.append((entry, str(manifest.get("format"))))
+    return found
+
+
 def _resolve(path: str | os.PathLike) -> Path:
     """A checkpoint directory itself, or the newest complete one under a root directory."""
     path = Path(path)
@@ -305,74 +560,180 @@ def _resolve(path: str | os.PathLike) -> Path:
         return path
     latest = latest_checkpoint(path)
     if latest is None:
+        other = other_format_checkpoints(path)
+        if other:
+            raise CheckpointError(f"{str(other[-1][0])!r} is a checkpoint of format {other[-1][1]}; this version reads "
+                                  f"{CHECKPOINT_FORMAT} (torch.distributed.checkpoint) only")
         raise CheckpointError(f"no complete checkpoint in {str(path)!r} (a directory step-N/ with {MANIFEST})")
     return latest
 
 
+def _dcp_load(path: Path, state: dict[str, Any]) -> None:
+    """Fill `state` (tensors in place, other values replaced) from the checkpoint at `path`, in this
+    process alone: a rank reads the chunks its tensors cover, no collective (so `restore` and the
+    full loads run on any subset of ranks, or without a process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    tree = _with_pieces(state)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled ..."
+            dcp.load(tree, storage_reader=dcp.FileSystemReader(path), planner=_load_planner(), no_dist=True)
+    except (Exception, CheckpointException) as exc:  # a corrupt file in a directory whose manifest says complete
+        raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {_one_line(_cause(exc))}") from exc
+    _merge_back(state, tree)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The error behind DCP's CheckpointException (a BaseException holding each rank's failure)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        first = next(iter(failures.values()))  # (exception, traceback) per failed rank
+        first = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(first, BaseException):
+            return first
+    return exc
+
+
+def _merge_back(state: dict[str, Any], tree: Mapping[str, Any]) -> None:
+    """Values DCP replaced in `tree` (non-tensors) into `state`; tensors were loaded in place."""
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and isinstance(state.get(key), dict):
+            _merge_back(state[key], value)
+        elif not isinstance(value, _Pieces | _Placeholder):  # those were loaded in place
+            state[key] = value
+
+
 @dataclass
 class Checkpoint:
-    """Every rank file of one checkpoint, merged by name."""
+    """One complete checkpoint: its manifest and DCP metadata; tensors are read when asked for."""
 
     path: Path
     step: int
     manifest: dict[str, Any]
-    params: dict[str, torch.Tensor]
-    """Parameters and persistent buffers under every name the model uses (tied aliases filled in)."""
-    optimizer_state: dict[str, dict[str, Any]]
-    """Per-parameter optimizer state (AdamW: step, exp_avg, exp_avg_sq) by name."""
-    param_groups: list[dict[str, Any]]
-    """Hyperparameters of the optimizer's groups (of the first rank file; "params" removed)."""
-    aliases: dict[str, str]
-    rng: dict[int, Any]
-    """Rank -> its saved RNG states."""
+    metadata: Any
+    """DCP's `Metadata`: every key's shape, dtype and chunks."""
+
+    def __post_init__(self) -> None:
+        self.aliases: dict[str, str] = dict(self.manifest.get("aliases") or {})
+        """Every name of a tied parameter -> the name it is saved under."""
+        self.model_keys: dict[str, Any] = {}
+        """Saved parameter / buffer name -> its DCP storage metadata."""
+        self.optimizer_keys: dict[str, dict[str, str]] = {}
+        """Parameter name -> {state entry -> DCP key}."""
+        self.hyperparameter_keys: dict[str, dict[str, str]] = {}
+        """Parameter name -> {hyperparameter -> DCP key}."""
+        self.rank_keys: dict[int, dict[tuple[str, ...], str]] = {}
+        """Rank -> {path under "autoplan.rank-R" -> DCP key}."""
+        paths = getattr(self.metadata, "planner_data", None) or {}
+        for key, md in self.metadata.state_dict_metadata.items():
+            path = tuple(paths.get(key, (key,)))
+            if len(path) == 4 and path[0] == OPTIMIZER_KEY and path[1] == "state":
+                self.optimizer_keys.setdefault(path[2], {})[path[3]] = key
+            elif len(path) == 4 and path[0] == OPTIMIZER_KEY and path[1] == "param_groups":
+                self.hyperparameter_keys.setdefault(path[2], {})[path[3]] = key
+            elif len(path) >= 3 and path[0] == EXTRA_KEY and path[1].startswith("rank-"):
+                self.rank_keys.setdefault(int(path[1][5:]), {})[path[2:]] = key
+            elif len(path) == 1:
+                self.model_keys[key] = md
+
+    def saved_name(self, name: str, table: Mapping[str, Any]) -> str | None:
+        """The key `name` (any name of a tied parameter) is saved under in `table`, or None."""
+        if name in table:
+            return name
+        canonical = self.aliases.get(name)
+        if canonical is not None and canonical in table:
+            return canonical
+        return next((other for other, c in self.aliases.items() if c == name and other in table), None)
 
     def lookup(self, name: str, table: Mapping[str, Any] | None = None) -> Any:
         table = self.params if table is None else table
-        if name in table:
-            return table[name]
-        canonical = self.aliases.get(name)
-        if canonical is not None and canonical in table:
-            return table[canonical]
-        for other, c in self.aliases.items():  # `name` is canonical here, saved under an alias
-            if c == name and other in table:
-                return table[other]
-        return None
+        key = self.saved_name(name, table)
+        return None if key is None else table[key]
+
+    def _load_flat(self, keys: Mapping[str, str]) -> dict[str, Any]:
+        """{label: value} of the DCP keys {label: key}, whole, in this process."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        state: dict[str, Any] = {}
+        for key in keys.values():
+            md = self.metadata.state_dict_metadata[key]
+            state[key] = (torch.empty(md.size, dtype=md.properties.dtype)
+                          if isinstance(md, TensorStorageMetadata) else None)
+        # Keys are flat strings here: DCP's flattening maps each back to itself.
+        _dcp_load(self.path, state)
+        return {label: state[key] for label, key in keys.items()}
+
+    @functools.cached_property
+    def params(self) -> dict[str, torch.Tensor]:
+        """Parameters and persistent buffers, whole, under every name the model uses (tied aliases
+        filled in)."""
+        params = self._load_flat({k: k for k in self.model_keys})
+        for name, canonical in self.aliases.items():  # a plain model's state_dict names every tied alias
+            if name not in params and canonical in params:
+                params[name] = params[canonical]
+        return params
+
+    @functools.cached_property
+    def optimizer_state(self) -> dict[str, dict[str, Any]]:
+        """Per-parameter optimizer state (AdamW: step, exp_avg, exp_avg_sq), whole, by name."""
+        flat = self._load_flat({(n, k): key for n, entries in self.optimizer_keys.items()
+                                for k, key in entries.items()})
+        out: dict[str, dict[str, Any]] = {}
+        for (name, k), value in flat.items():
+            out.setdefault(name, {})[k] = value
+        for name, canonical in self.aliases.items():
+            if name not in out and canonical in out:
+                out[name] = out[canonical]
+        return out
+
+    @functools.cached_property
+    def hyperparameters(self) -> dict[str, dict[str, Any]]:
+        """Each parameter's optimizer group hyperparameters (lr, betas, ...), by name."""
+        flat = self._load_flat({(n, k): key for n, entries in self.hyperparameter_keys.items()
+                                for k, key in entries.items()})
+        out: dict[str, dict[str, Any]] = {}
+        for (name, k), value in flat.items():
+            out.setdefault(name, {})[k] = value
+        return out
+
+    @functools.cached_property
+    def rank_state(self) -> dict[int, dict[str, Any]]:
+        """Rank -> what it saved of its own: {"rng": {"torch": ByteTensor, ...}, "extra": {...}}."""
+        flat = self._load_flat({(r, path): key for r, entries in self.rank_keys.items()
+                                for path, key in entries.items()})
+        out: dict[int, dict[str, Any]] = {}
+        for (r, path), value in flat.items():
+            node = out.setdefault(r, {})
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = json.loads(value) if path == ("extra",) else value
+        return out
+
+    @property
+    def rng(self) -> dict[int, Any]:
+        """Rank -> its saved RNG states."""
+        return {r: s.get("rng") for r, s in self.rank_state.items()}
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read a checkpoint (a `step-N` directory, or the newest complete one under a root)."""
+    """Open a checkpoint (a `step-N` directory, or the newest complete one under a root): its
+    manifest and DCP metadata; tensors are read by `restore` or on first use of `params` etc."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     path = _resolve(path)
     manifest = _read_manifest(path)
     assert manifest is not None
-    params: dict[str, torch.Tensor] = {}
-    opt_state: dict[str, dict[str, Any]] = {}
-    groups: list[dict[str, Any]] = []
-    aliases: dict[str, str] = {}
-    rng: dict[int, Any] = {}
-    for fname in sorted(manifest["files"]):
-        try:
-            payload = torch.load(path / fname, map_location="cpu", weights_only=True)
-        except Exception as exc:  # a corrupt file in a directory whose manifest says complete
-            raise CheckpointError(f"cannot read {str(path / fname)!r}: {type(exc).__name__}: "
-                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
-        params.update(payload["params"])
-        aliases.update(payload.get("aliases") or {})
-        optimizer = payload.get("optimizer")
-        if optimizer:
-            opt_state.update(optimizer["state"])
-            if not groups:
-                groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer["param_groups"]]
-        match = re.match(r"rank-(\d+)\.pt$", fname)
-        if match:
-            rng[int(match.group(1))] = payload.get("rng")
-    for name, canonical in aliases.items():  # a plain model's state_dict names every tied alias
-        if name not in params and canonical in params:
-            params[name] = params[canonical]
-    return Checkpoint(path, manifest["step"], manifest, params, opt_state, groups, aliases, rng)
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"cannot read the DCP metadata of {str(path)!r}: {_one_line(exc)}") from exc
+    return Checkpoint(path, manifest["step"], manifest, metadata)
 
 
 def load_full_state_dict(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every rank's parameters merged into one full-model state dict (CPU tensors).
+    """The whole model's state dict (CPU tensors), in one process (no process group needed).
 
     `checkpoint_dir` is a `step-N` directory or a root holding several (the newest complete one is
     read). The result loads into the plain model: `model.load_state_dict(load_full_state_dict(d))`.
@@ -381,11 +742,50 @@ def load_full_state_dict(checkpoint_dir: str | os.PathLike) -> dict[str, torch.T
 
 
 def load_full_optimizer_state(checkpoint_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """Every rank's optimizer state merged, by parameter name."""
+    """Every parameter's optimizer state, whole, by name, in one process."""
     return load_checkpoint(checkpoint_dir).optimizer_state
 
 
+def export_torch_save(checkpoint_dir: str | os.PathLike, out_file: str | os.PathLike, *,
+                      model_only: bool = True) -> Path:
+    """Write a checkpoint as one `torch.save` file, in one process.
+
+    `model_only`: the full model's state dict (`load_full_state_dict`; `model.load_state_dict(
+    torch.load(out_file))`). Otherwise everything DCP holds, as torch's `dcp_to_torch_save` writes
+    it (model FQNs at the top level, "optimizer", "autoplan")."""
+    path = _resolve(checkpoint_dir)
+    out = Path(out_file)
+    if model_only:
+        torch.save(load_full_state_dict(path), out)
+        return out
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp_to_torch_save(path, out)
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"cannot export {str(path)!r}: {_one_line(_cause(exc))}") from exc
+    return out
+
+
+def checkpoint_fingerprint(manifest: Mapping[str, Any]) -> str | None:
+    """The model fingerprint a checkpoint's manifest records (None if it records none)."""
+    return manifest.get("model_fingerprint") or (manifest.get("extra") or {}).get("model_fingerprint")
+
+
 # ---- restore into a (differently) partitioned model ---------------------------------------------
+
+
+def _target_like(param, md) -> torch.Tensor:
+    """An empty tensor to load a saved optimizer-state entry into: laid out as `param` (a DTensor
+    keeps its placements, so DCP reads only this rank's chunk) when it has the parameter's shape,
+    else a plain tensor of the saved shape (AdamW's scalar step)."""
+    if tuple(md.size) == tuple(param.shape):
+        return torch.empty_like(param.detach(), dtype=md.properties.dtype)
+    device = param.to_local().device if hasattr(param, "to_local") else param.device
+    return torch.empty(md.size, dtype=md.properties.dtype, device=device)
 
 
 @torch.no_grad()
@@ -393,64 +793,118 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
             restore_rng: bool = True, rank: int | None = None) -> int:
     """Load `ckpt` into this rank's `PartitionedModel` (any plan of the same model) and optimizer.
 
-    Uses only `pm`'s public `state_dict` / `load_state_dict` / `named_parameters`. Returns the
-    checkpoint's step (the number of steps completed). With `strict`, a local parameter or its
-    optimizer state missing from the checkpoint raises CheckpointError.
+    Reads only this rank's pieces (DCP reshards; no collective: each rank may call it alone).
+    Uses `pm`'s public `state_dict` / `named_parameters` / `aliases` and loads in place. Returns the
+    checkpoint's step. A checkpoint of another model (fingerprint), a local tensor missing from it
+    (with `strict`) or of another shape: one-line CheckpointError before anything is loaded.
+    `rank` (with `restore_rng`): restore that rank's saved RNG state.
     """
-    missing = pm.load_state_dict(ckpt.params, strict=False)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    where = f"checkpoint {str(ckpt.path)!r}"
+    plan = getattr(pm, "plan", None)
+    saved_fp, fp = checkpoint_fingerprint(ckpt.manifest), getattr(plan, "model_fingerprint", None)
+    if saved_fp and fp and saved_fp != fp:
+        layout = ", ".join(f"{k} {v}" for k, v in (ckpt.manifest.get("layout") or {}).items()
+                           if k in ("pp", "dp", "tp", "zero"))
+        raise CheckpointError(f"{where} is of model {ckpt.manifest.get('model')!r} (fingerprint {saved_fp}"
+                              f"{f', saved under {layout}' if layout else ''}); this model's fingerprint is {fp}")
+    targets: dict[str, Any] = {}
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loaded, another local tensor of the same key)
+    missing: list[str] = []
+    for key, local in _model_state(pm).items():
+        saved = ckpt.saved_name(key, ckpt.model_keys)
+        if saved is None:
+            missing.append(local[0][0])
+            continue
+        name, tensor = local[0]
+        md = ckpt.model_keys[saved]
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(tensor.shape):
+            raise CheckpointError(f"{where} entry {saved!r} has shape {tuple(getattr(md, 'size', ()))}, the model's "
+                                  f"{name!r} {tuple(tensor.shape)}; is it of another model?")
+        targets[saved] = tensor
+        copies += [(tensor, other) for _, other in local[1:]]
     if strict and missing:
-        raise CheckpointError(f"checkpoint {str(ckpt.path)!r} has no entry for {len(missing)} parameters of this "
-                              f"rank, e.g. {missing[0]!r}; is it of another model?")
-    local = dict(pm.state_dict())
-    for name, tensor in local.items():
-        source = ckpt.lookup(name)
-        if source is not None and tuple(source.shape) != tuple(tensor.shape):
-            raise CheckpointError(f"checkpoint entry {name!r} has shape {tuple(source.shape)}, the model "
-                                  f"{tuple(tensor.shape)}; is it of another model?")
+        raise CheckpointError(f"{where} has no entry for {len(missing)} parameters of this rank, e.g. "
+                              f"{missing[0]!r}; is it of another model?")
+
+    opt_state: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    inner = None
     if optimizer is not None:
-        optimizer = local_optimizer(optimizer)  # under ZeRO: the shard this rank steps, found by name
-        sd = optimizer.state_dict()
+        inner = local_optimizer(optimizer)  # under ZeRO: the shard this rank steps, found by name
         names = _param_names(pm)
-        index = 0
-        state: dict[int, Any] = {}
+        for group in inner.param_groups:
+            for p in group["params"]:
+                name = _canonical(pm, names[id(p)])
+                saved = ckpt.saved_name(name, ckpt.optimizer_keys)
+                if saved is None:
+                    if strict and ckpt.optimizer_keys:
+                        raise CheckpointError(f"{where} has no optimizer state for {name!r}")
+                    continue
+                entries = {}
+                for k, key in ckpt.optimizer_keys[saved].items():
+                    md = ckpt.metadata.state_dict_metadata[key]
+                    entries[k] = _target_like(p, md) if isinstance(md, TensorStorageMetadata) else None
+                opt_state[saved] = entries
         for group in optimizer.param_groups:
             for p in group["params"]:
-                name = names[id(p)]
-                source = ckpt.lookup(name, ckpt.optimizer_state)
-                if source is None:
-                    if strict and ckpt.optimizer_state:
-                        raise CheckpointError(f"checkpoint {str(ckpt.path)!r} has no optimizer state for {name!r}")
-                else:
-                    state[index] = {k: _like_param(p, v) for k, v in source.items()}
+                saved = ckpt.saved_name(_canonical(pm, names[id(p)]), ckpt.hyperparameter_keys)
+                if saved is not None:
+                    hyper[saved] = dict.fromkeys(ckpt.hyperparameter_keys[saved])
+    per_rank: dict[str, Any] = {}
+    if restore_rng and rank is not None and rank in ckpt.rank_keys:
+        per_rank = {_rank_key(rank): {"rng": {path[1]: torch.empty(ckpt.metadata.state_dict_metadata[key].size,
+                                                                    dtype=torch.uint8)
+                                              for path, key in ckpt.rank_keys[rank].items() if path[0] == "rng"}}}
+
+    state: dict[str, Any] = dict(targets)
+    if opt_state or hyper:
+        state[OPTIMIZER_KEY] = {"state": opt_state, "param_groups": hyper}
+    if per_rank:
+        state[EXTRA_KEY] = per_rank
+    _dcp_load(ckpt.path, state)
+
+    with torch.no_grad():
+        for loaded, other in copies:
+            other.copy_(loaded)
+    precision = getattr(pm, "precision", None)
+    if precision is not None:  # the bf16 working copies follow the restored fp32 masters
+        precision.refresh()
+
+    if inner is not None:
+        loaded_state = state.get(OPTIMIZER_KEY, {}).get("state", {})
+        loaded_hyper = state.get(OPTIMIZER_KEY, {}).get("param_groups", {})
+        names = _param_names(pm)
+        sd = inner.state_dict()
+        by_index: dict[int, Any] = {}
+        index = 0
+        for group in inner.param_groups:
+            for p in group["params"]:
+                saved = ckpt.saved_name(_canonical(pm, names[id(p)]), loaded_state)
+                if saved is not None:
+                    by_index[index] = dict(loaded_state[saved])
                 index += 1
-        sd["state"] = state
-        if len(ckpt.param_groups) == len(sd["param_groups"]):
-            sd["param_groups"] = [{**saved, "params": g["params"]}
-                                  for saved, g in zip(ckpt.param_groups, sd["param_groups"])]
-        optimizer.load_state_dict(sd)
-    if restore_rng and rank is not None and ckpt.manifest.get("world_size") is not None:
-        saved = ckpt.rng.get(rank)
-        if saved and "torch" in saved:
-            torch.set_rng_state(saved["torch"])
+        sd["state"] = by_index
+
+        def saved_group(group) -> dict[str, Any] | None:
+            for p in group["params"]:
+                saved = ckpt.saved_name(_canonical(pm, names[id(p)]), loaded_hyper)
+                if saved is not None:
+                    return {k: v for k, v in loaded_hyper[saved].items() if k not in _KERNEL_FLAGS and k != "params"}
+            return None
+
+        for sd_group, group in zip(sd["param_groups"], inner.param_groups):
+            sd_group.update(saved_group(group) or {})
+        inner.load_state_dict(sd)
+        if optimizer is not inner:  # ZeRO copies the outer groups' hyperparameters into its shard each step
+            for group in optimizer.param_groups:
+                group.update(saved_group(group) or {})
+
+    if per_rank:
+        rng = per_rank[_rank_key(rank)]["rng"]
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
     return ckpt.step
-
-
-def _like_param(param: torch.Tensor, value: Any) -> Any:
-    """A whole optimizer-state tensor from a checkpoint, as this rank's piece of `param`'s state: a
-    tensor of the parameter's shape becomes a DTensor laid out as a sharded parameter (each rank
-    keeps its own slice; no communication); anything else is copied as is."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not isinstance(value, torch.Tensor):
-        return value
-    if isinstance(param, DTensor) and tuple(value.shape) == tuple(param.shape):
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-    return value.clone()
-
-
-def iter_rank_files(path: str | os.PathLike) -> Iterator[Path]:
-    path = _resolve(path)
-    manifest = _read_manifest(path) or {}
-    for fname in sorted(manifest.get("files", {})):
-        yield path / fname
-

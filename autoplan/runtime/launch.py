@@ -13,12 +13,13 @@ Mistakes found before any communication (missing plan, fingerprint mismatch, wro
 TP plans, a checkpoint of another model) print one line and return 2.
 
 Checkpoints and resume (docs/reliability.md): with `checkpoint_dir` and `checkpoint_every=K`,
-every K steps (and after the last step) each rank saves its stages' parameters and AdamW state
-under the model's own names (`checkpoint.save_checkpoint`); with `resume`, training continues from
-the newest complete checkpoint. Synthetic data comes from the model source (`ModelSource.batch`:
-inputs of the shapes, dtypes and value ranges of the model's example inputs, and a target for its
-loss) and is a pure function of (seed, step), so a resumed run sees exactly the batches a straight
-run would.
+every K steps (and after the last step) the ranks save their stages' parameters and AdamW state
+under the model's own names through torch.distributed.checkpoint (`checkpoint.save_checkpoint`:
+shards as shards, replicated tensors once); with `resume`, training continues from the newest
+complete checkpoint, saved under this plan or any other plan of the same model. Synthetic data
+comes from the model source (`ModelSource.batch`: inputs of the shapes, dtypes and value ranges of
+the model's example inputs, and a target for its loss) and is a pure function of (seed, step), so
+a resumed run sees exactly the batches a straight run would.
 
 Fault injection for tests: `_fault` (or the environment variable AUTOPLAN_FAULT), entries
 separated by ';', each `KIND@RANK:STEP[:N]` with RANK a number or '*' (every rank):
@@ -27,8 +28,8 @@ separated by ';', each `KIND@RANK:STEP[:N]` with RANK a number or '*' (every ran
 - `hang@R:S`             rank R sleeps forever before step S (its peers' timeouts must fire)
 - `kill-mid-step@R:S:N`  rank R SIGKILLs itself at its N-th (1-based) P2P transfer of step S
                          (or after its pipeline work of that step, if it has fewer)
-- `kill-in-checkpoint@R:S`  rank R SIGKILLs itself halfway through writing its file of the
-                         checkpoint of step S (S = steps completed)
+- `kill-in-checkpoint@R:S`  rank R SIGKILLs itself halfway through writing its DCP data file
+                         (`__R_0.distcp`) of the checkpoint of step S (S = steps completed)
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ __all__ = ["fail_rank", "free_port", "load_data_function", "run_plan", "supervis
 
 FAULT_ENV = "AUTOPLAN_FAULT"
 _FAULT_KINDS = ("raise", "kill", "hang", "kill-mid-step", "kill-in-checkpoint")
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "autoplan.runtime", "autoplan.runtime.checkpoint")
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "autoplan.runtime",
+                      "autoplan.runtime.checkpoint")
 """Imported once by a forkserver (tests launching many short runs), not by every rank."""
 
 
@@ -546,14 +548,24 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
 
 
 def _check_resumable(plan: Plan, checkpoint_dir: str) -> None:
-    """Refuse (before spawning) to resume from a checkpoint of another model."""
-    from autoplan.runtime.checkpoint import latest_checkpoint
+    """Refuse (before spawning) to resume from a checkpoint of another model, or one whose DCP
+    metadata does not read (CheckpointError is a ValueError: one line, exit 2)."""
+    from autoplan.runtime.checkpoint import (
+        CHECKPOINT_FORMAT,
+        checkpoint_fingerprint,
+        latest_checkpoint,
+        load_checkpoint,
+        other_format_checkpoints,
+    )
 
     latest = latest_checkpoint(checkpoint_dir)
     if latest is None:
+        other = other_format_checkpoints(checkpoint_dir)
+        if other:  # never restart silently from step 0 over checkpoints this version cannot read
+            raise ValueError(f"checkpoint {str(other[-1][0])!r} is of format {other[-1][1]}; this version reads "
+                             f"{CHECKPOINT_FORMAT} only; use another --checkpoint-dir or drop --resume")
         return
-    manifest = json.loads((latest / "manifest.json").read_text())
-    fingerprint = (manifest.get("extra") or {}).get("model_fingerprint")
+    fingerprint = checkpoint_fingerprint(load_checkpoint(latest).manifest)
     if fingerprint is not None and fingerprint != plan.model_fingerprint:
         raise ValueError(f"checkpoint {str(latest)!r} is of model fingerprint {fingerprint}, the plan's model is "
                          f"{plan.model_fingerprint}; use another --checkpoint-dir or drop --resume")

@@ -15,15 +15,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoplan.cluster import Cluster
+from autoplan.cluster import Cluster, group_layout
 from autoplan.cost.calibration import Calibrations
-from autoplan.cost.comm import dp_reduction_exposed_s
+from autoplan.cost.comm import dp_reduction_exposed_s, fsdp_groups, fsdp_unit_times_s, prefetch_exposed_s
 from autoplan.cost.config import ParallelConfig
 from autoplan.cost.memory import (
     BYTES_PER_PARAM,
+    MIN_BYTES_PER_PARAM,
     allowance_bytes,
     block_act_bytes,
     block_static_bytes,
+    fsdp_transient_bytes,
+    gathered_bytes_per_param,
     head_backward_bytes,
     held_params,
     param_counts,
@@ -143,25 +146,46 @@ class SearchContext:
                                                     self.calibrations.for_gpu(gpu)))
 
     def static_bytes(self, cfg: ParallelConfig) -> np.ndarray:
-        key = ("static", cfg.tp, cfg.dp, cfg.zero, cfg.num_stages == 1)
+        key = ("static", cfg.tp, cfg.dp, cfg.zero, cfg.dp_replicate, cfg.pp == 1, cfg.num_stages == 1)
         return self.cached(key, lambda: block_static_bytes(self.profile, cfg, self.job.dtype))
 
     def act_bytes(self, cfg: ParallelConfig) -> np.ndarray:
         key = ("acts", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel)
         return self.cached(key, lambda: block_act_bytes(self.profile, cfg))
 
+    def block_passes(self, t: BlockTimes) -> tuple[np.ndarray, np.ndarray]:
+        """Per block: forward and backward seconds, TP communication included (fwd_s + tp_fwd_s,
+        bwd_s + tp_bwd_s; made once per `BlockTimes`)."""
+        sums = self._pass_arrays.get(id(t))
+        if sums is None:
+            sums = self._pass_arrays[id(t)] = (t.fwd_s + t.tp_fwd_s, t.bwd_s + t.tp_bwd_s, t)
+        return sums[0], sums[1]
+
     def pass_times(self, stage_times: list[BlockTimes], ranges: list[tuple[int, int]]) -> tuple[list[float], list[float]]:
-        """Per stage: forward and backward seconds, TP communication included (each the sum over
-        its blocks of fwd_s + tp_fwd_s, resp. bwd_s + tp_bwd_s; the element-wise sums are made once
-        per `BlockTimes`)."""
+        """Per stage: forward and backward seconds, TP communication included (the sums of
+        `block_passes` over its blocks)."""
         fwd, bwd = [], []
         for t, (a, b) in zip(stage_times, ranges, strict=True):
-            sums = self._pass_arrays.get(id(t))
-            if sums is None:
-                sums = self._pass_arrays[id(t)] = (t.fwd_s + t.tp_fwd_s, t.bwd_s + t.tp_bwd_s, t)
-            fwd.append(float(sums[0][a:b].sum()))
-            bwd.append(float(sums[1][a:b].sum()))
+            f, g = self.block_passes(t)
+            fwd.append(float(f[a:b].sum()))
+            bwd.append(float(g[a:b].sum()))
         return fwd, bwd
+
+    def fsdp_unit_times(self, cfg: ParallelConfig, pp_index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per block (one FSDP unit each): all-gather and gradient-reduction seconds over the FSDP
+        groups of pipeline rank `pp_index` (cost/comm.py [Note: FSDP communication])."""
+        groups_key = ("fsdp-groups", cfg.tp, cfg.pp, cfg.dp, cfg.dp_replicate, cfg.rank_order, pp_index)
+
+        def groups():
+            first = cfg.rank(pp_index, 0, 0)
+            shard, replicate = fsdp_groups(first, cfg.rank(pp_index, 1, 0) - first if cfg.dp > 1 else 1, cfg.dp,
+                                           cfg.dp_replicate)
+            # A collective's time depends on its ranks only through their layout over the nodes.
+            return shard, replicate, (group_layout(self.cluster, shard), group_layout(self.cluster, replicate))
+
+        shard, replicate, layouts = self.cached(groups_key, groups)
+        return self.cached(("fsdp", cfg.tp, layouts), lambda: fsdp_unit_times_s(
+            self.cluster, shard, replicate, self.params(cfg), gathered_bytes_per_param(self.job.dtype)))
 
     def params(self, cfg: ParallelConfig) -> np.ndarray:
         return self.cached(("params", cfg.tp), lambda: param_counts(self.profile, cfg))
@@ -171,8 +195,10 @@ class SearchContext:
         two receive buffers of the largest boundary per virtual stage and two of the largest block
         output (`rank_memory` counts the same at the actual cuts), so the reserve never under-counts
         the GPU it lands on; then the larger of the largest block's full activations (full
-        recompute) and the head's backward transients (`head_backward_bytes`)."""
-        key = ("reserve", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.virtual_stages)
+        recompute) and the head's backward transients (`head_backward_bytes`); then FSDP's units in
+        flight (`fsdp_transient_bytes`)."""
+        key = ("reserve", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.virtual_stages,
+               cfg.zero, cfg.pp == 1)
 
         def make() -> float:
             f = cfg.micro_batch_size / self.profile.batch_size
@@ -180,7 +206,9 @@ class SearchContext:
             reserve = 2 * cfg.virtual_stages * cut_bytes.max() + 2 * (self.largest_output_bytes * f)
             recompute = float(np.max(self.act_bytes(_no_recompute(cfg)))) if cfg.recompute == "full" else 0.0
             head = head_backward_bytes(self.profile, self.act_bytes(cfg), range(self.profile.num_blocks))
-            return reserve + max(recompute, head)
+            # FSDP's few-units terms, for the largest units anywhere ([Note: FSDP gathered bytes]).
+            fsdp = fsdp_transient_bytes(self.job.dtype, cfg.zero, cfg.pp, self.params(cfg))
+            return reserve + max(recompute, head) + fsdp
 
         return self.cached(key, make)
 
@@ -288,6 +316,15 @@ def _stage_capacity(ctx: SearchContext, cfg: ParallelConfig, pp_gpus: list, stat
     embedding. An even split of the GPU refused cuttings whose GPU total fits (the interleaved 1T
     run of Korthikanti et al. 2022, Table 3, was declared out of memory that way). The plan's memory
     is then checked per GPU (`_memories`)."""
+    # The same memory problem recurs (both rank orders, FSDP's HSDP twin): `static` and `acts` are
+    # the search context's cached arrays, alive as long as it is, so their ids name them.
+    key = ("capacity", tuple(g.name for g in pp_gpus), cfg.pp, cfg.virtual_stages, id(static), id(acts),
+           inflight.tobytes(), ctx.reserve(cfg))
+    return ctx.cached(key, lambda: _stage_capacity_uncached(ctx, cfg, pp_gpus, static, acts, inflight))
+
+
+def _stage_capacity_uncached(ctx: SearchContext, cfg: ParallelConfig, pp_gpus: list, static: np.ndarray,
+                             acts: np.ndarray, inflight: np.ndarray) -> np.ndarray:
     per_gpu = np.array([g.mem_bytes - allowance_bytes(g) - ctx.reserve(cfg) for g in pp_gpus])
     num_stages = cfg.num_stages
     rank = np.arange(num_stages) % cfg.pp
@@ -434,8 +471,14 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
     num_stages = cfg.num_stages
     fwd_s, bwd_s = ctx.pass_times(stage_times, ranges)
     split = cfg.schedule == "zb-h1"
+    fsdp = _fsdp_exposed(ctx, cfg, ranges, stage_times)
 
     durations = {ActionKind.F: fwd_s, ActionKind.B: bwd_s}
+    if fsdp is not None:
+        # All-gathers (and with pp = 1 the reduce-scatters) that FSDP overlaps with each pass:
+        # what they leave exposed lengthens the action ([Note: FSDP communication] in cost/comm.py).
+        durations = {ActionKind.F: [f + e for f, e in zip(fwd_s, fsdp.fwd_s, strict=True)],
+                     ActionKind.B: [b + e for b, e in zip(bwd_s, fsdp.bwd_s, strict=True)]}
     if split:
         # Zero-bubble splits backward into input-gradient (B) and weight-gradient (W) halves of
         # about equal cost (Qi et al. 2024, Sec. 2: T_B ~ T_W); TP communication stays with B.
@@ -468,11 +511,15 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         mine = [k for k in range(num_stages) if k % cfg.pp == p]
         # A tied table whose owner sits on the same GPU is one parameter (cost/memory.py, held_params).
         rank_params = held_params(profile, cfg, [ranges[k] for k in mine], params)
-        # Bucketed reduction behind the last backward pass on this rank ([Note: DP buckets] in
-        # cost/comm.py; PyTorch DDP, Li et al. 2020, Sec. 3.2.3): only what runs past it is exposed.
-        dp_ranks = [cfg.rank(p, d, 0) for d in range(cfg.dp)]
-        exposed = dp_reduction_exposed_s(cluster, dp_ranks, rank_params * grad_b, bwd_s[mine[0]])
-        opt = optimizer_time_s(pp_gpus[p], rank_params / (cfg.dp if cfg.zero >= 1 else 1))
+        if fsdp is not None:
+            exposed = fsdp.tail_s[p]
+        else:
+            # Bucketed reduction behind the last backward pass on this rank ([Note: DP buckets] in
+            # cost/comm.py; PyTorch DDP, Li et al. 2020, Sec. 3.2.3): only what runs past it is exposed.
+            dp_ranks = [cfg.rank(p, d, 0) for d in range(cfg.dp)]
+            exposed = dp_reduction_exposed_s(cluster, dp_ranks, rank_params * grad_b, bwd_s[mine[0]])
+        shards = cfg.dp_shard if cfg.zero >= 2 else cfg.dp if cfg.zero == 1 else 1
+        opt = optimizer_time_s(pp_gpus[p], rank_params / shards)
         dp_exposed.append(exposed)
         optim_s.append(opt)
         tails.append(tied_s[p] + exposed + opt)  # the order the runtime does them in (runtime/api.py, step)
@@ -528,6 +575,10 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         "dp_comm_exposed_s": max(dp_exposed),
         "optimizer_s": max(optim_s),
     }
+    if fsdp is not None:
+        breakdown["fsdp_comm_exposed_s"] = max(
+            cfg.num_microbatches * sum(fsdp.fwd_s[k] + fsdp.bwd_s[k] for k in range(num_stages) if k % cfg.pp == p)
+            for p in range(cfg.pp))
     peak_mem = max(m.total_bytes for m in memories)
     capacity = min(g.mem_bytes for g in pp_gpus)
     bound = _bound(sim.bubble_fraction, fwd_s, bwd_s, breakdown, step, peak_mem / capacity, fits, cfg)
@@ -547,7 +598,8 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         StagePlan(
             index=k, pp_rank=k % cfg.pp, first_block=a, end_block=b,
             first_block_name=profile.blocks[a].name, last_block_name=profile.blocks[b - 1].name,
-            fwd_time_s=fwd_s[k], bwd_time_s=bwd_s[k], num_params=int(round(held_params(profile, cfg, [(a, b)], params))),
+            fwd_time_s=fwd_s[k] + (fsdp.fwd_s[k] if fsdp else 0.0), bwd_time_s=bwd_s[k] + (fsdp.bwd_s[k] if fsdp else 0.0),
+            num_params=int(round(held_params(profile, cfg, [(a, b)], params))),
             memory=memories[k % cfg.pp],
         )
         for k, (a, b) in enumerate(ranges)
@@ -559,6 +611,49 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         sequence_parallel=cfg.sequence_parallel, rank_order=cfg.rank_order, stages=stages,
         block_names=tuple(b.name for b in profile.blocks), fits=fits, predicted=predicted,
     )
+
+
+@dataclass(frozen=True)
+class _FsdpExposed:
+    """FSDP communication left exposed ([Note: FSDP communication] in cost/comm.py)."""
+
+    fwd_s: list[float]
+    """Per stage, per micro-batch: added to its forward."""
+    bwd_s: list[float]
+    """Per stage, per micro-batch: added to its backward."""
+    tail_s: list[float]
+    """Per pipeline rank, once per step: zero 2's all-gather, and with pp > 1 the gradient
+    reduce-scatters after the last backward."""
+
+
+def _fsdp_exposed(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[int, int]],
+                  stage_times: list[BlockTimes]) -> _FsdpExposed | None:
+    """What FSDP (zero >= 2) adds to each pass and to each rank's tail; None for zero 0 / 1."""
+    if cfg.zero < 2:
+        return None
+    fwd = [0.0] * cfg.num_stages
+    bwd = [0.0] * cfg.num_stages
+    tail = [0.0] * cfg.pp
+    if cfg.dp <= 1:
+        return _FsdpExposed(fwd, bwd, tail)
+    per_microbatch_reduce = cfg.pp == 1
+    for k, (a, b) in enumerate(ranges):
+        p = k % cfg.pp
+        gather, reduce = ctx.fsdp_unit_times(cfg, p)
+        f, g = ctx.block_passes(stage_times[k])
+        gather, reduce, f, g = gather[a:b], reduce[a:b], f[a:b], g[a:b]
+        forward_gather = prefetch_exposed_s(f, gather)
+        if cfg.zero == 3:
+            fwd[k] = forward_gather
+        else:
+            tail[p] += forward_gather  # gathered once, in the step's first forward
+        if cfg.zero == 3 or per_microbatch_reduce:
+            # Backward runs the units in reverse: gathers ahead, reductions behind.
+            bwd[k] = prefetch_exposed_s(g[::-1], gather[::-1] if cfg.zero == 3 else None,
+                                        reduce[::-1] if per_microbatch_reduce else None)
+        if not per_microbatch_reduce:
+            tail[p] += float(reduce.sum())
+    return _FsdpExposed(fwd, bwd, tail)
 
 
 def _memories(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[int, int]], pp_gpus: list,
@@ -617,12 +712,14 @@ def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dic
     if not fits:
         return f"memory: needs {mem_ratio:.0%} of the GPU's memory; does not fit"
     stage = [a + b for a, b in zip(fwd_s, bwd_s, strict=True)]
+    dp_exposed = breakdown["dp_comm_exposed_s"] + breakdown.get("fsdp_comm_exposed_s", 0.0)
+    dp_cause = (f"FSDP all-gathers and reduce-scatters not hidden ({dp_exposed / step:.0%} of the step)" if cfg.zero >= 2
+                else f"DP gradient reduction not hidden ({dp_exposed / step:.0%} of the step)")
     imbalance = max(stage) / (sum(stage) / len(stage)) - 1 if stage and sum(stage) else 0.0
     causes = {
         f"pipeline bubble ({bubble:.0%} of the step; more micro-batches or interleaving shrink it)": bubble,
         f"slowest stage {imbalance:.0%} above the mean (blocks do not split evenly)": imbalance * (1 - bubble) * 0.5,
-        f"DP gradient reduction not hidden ({breakdown['dp_comm_exposed_s'] / step:.0%} of the step)":
-            breakdown["dp_comm_exposed_s"] / step,
+        dp_cause: dp_exposed / step,
         f"TP communication ({breakdown['tp_comm_s'] / step:.0%} of the step)": breakdown["tp_comm_s"] / step * 0.5,
     }
     cause, weight = max(causes.items(), key=lambda kv: kv[1])
@@ -634,8 +731,8 @@ def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dic
 
 
 def min_gpus_needed(profile: ModelProfile, dtype: str, gpu_mem_bytes: float, allowance: float) -> int:
-    """A lower bound on GPUs: weights, gradients and optimizer states (18 bytes per parameter in
-    mixed precision; cost/memory.py [Note: bytes per parameter]) spread over every GPU, each tied
-    parameter once, activations ignored."""
-    per_param = sum(BYTES_PER_PARAM(dtype))
+    """A lower bound on GPUs: weights, gradients and optimizer states fully sharded (16 bytes per
+    parameter, ZeRO-3 / FSDP; cost/memory.py [Note: bytes per parameter]) spread over every GPU,
+    each tied parameter once, activations ignored."""
+    per_param = MIN_BYTES_PER_PARAM(dtype)
     return max(1, math.ceil(profile.num_params * per_param / max(gpu_mem_bytes - allowance, 1.0)))

@@ -19,8 +19,19 @@ Two bounds prune before any cutting (DESIGN.md):
 
 GPipe is only evaluated when pinned: its bubble equals 1F1B's and it holds all m micro-batches'
 activations (Narayanan et al. 2021, Sec. 2.2.1), so 1F1B dominates it in this model.
-ZeRO-2 is only allowed with pp = 1: it shards gradients, which a pipeline accumulates over
-micro-batches (DeepSpeed refuses ZeRO-2 with pipeline parallelism for the same reason).
+
+[Note: sharded data parallelism in the search]
+Each base configuration with dp > 1 also tries FSDP (zero 2 and 3, cost/memory.py [Note: bytes
+per parameter], cost/comm.py [Note: FSDP communication]), each over all dp ranks and, as HSDP, over
+shard groups of gpus_per_node / tp ranks (a node's worth of data-parallel ranks: its all-gathers
+stay on NVLink; Zhao et al. 2023, Sec. 3.2.2) when that divides dp: at most four options
+(`_shardings`). FSDP moves what ZeRO-1's all-reduce moves plus the parameter all-gathers, so at one
+recompute level it is never faster than ZeRO-1: an FSDP option only descends the recompute ladder
+down to (not including) the rung where ZeRO-1 fits or is dominated. Zero 3 gathers more often than
+zero 2 and holds less, so zero 3 only tries the rungs where zero 2 (same replicate degree) did not
+fit. zb-h1 never runs with FSDP (its weight-gradient pass bypasses FSDP's gradient hooks; the
+runtime refuses it). The plan's note compares the best plan with the best plan of the other kind
+(`_sharding_note`).
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ import numpy as np
 from autoplan.cluster import Cluster
 from autoplan.cost.calibration import Calibrations
 from autoplan.cost.config import ParallelConfig
-from autoplan.cost.memory import BYTES_PER_PARAM, allowance_bytes, block_static_bytes
+from autoplan.cost.memory import MIN_BYTES_PER_PARAM, allowance_bytes, block_static_bytes
 from autoplan.cost.time import block_times
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import RECOMPUTE, Job, Plan
@@ -48,7 +59,7 @@ from autoplan.search.evaluate import Dominated, SearchContext, evaluate, min_gpu
 __all__ = ["PINS", "PlanningError", "SearchResult", "search_plans"]
 
 PINS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero",
-        "sequence_parallel", "rank_order")
+        "dp_replicate", "sequence_parallel", "rank_order")
 _DEFAULT_MBS = (1, 2, 4, 8)
 MAX_MICROBATCHES = 4096
 """Micro-batches per replica per step above which a configuration is not considered: schedules are
@@ -85,7 +96,7 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
     if unknown:
         raise PlanningError(f"unknown pin {sorted(unknown)[0]!r}; pins are {', '.join(PINS)}")
     n_gpus, per_node = cluster.num_gpus, cluster.gpus_per_node
-    for key in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
+    for key in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "dp_replicate"):
         value = pins.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise PlanningError(f"--{key.replace('_', '-')} {value!r} must be a positive integer")
@@ -126,11 +137,23 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
     if recompute is not None and recompute not in RECOMPUTE:
         raise PlanningError(f"unknown recompute {recompute!r}; use one of {', '.join(RECOMPUTE)}")
     zero = pins.get("zero")
-    if zero is not None and zero not in (0, 1, 2):
-        raise PlanningError(f"--zero {zero!r} must be 0, 1 or 2")
-    if zero == 2 and pp not in (None, 1):
-        raise PlanningError("--zero 2 cannot be combined with pipeline parallelism (gradients accumulate over "
-                            "micro-batches on each stage); use --zero 1 or --pp 1")
+    if zero is not None and (zero not in (0, 1, 2, 3) or isinstance(zero, bool)):
+        raise PlanningError(f"--zero {zero!r} must be 0, 1, 2 or 3")
+    replicate = pins.get("dp_replicate")
+    if replicate is not None and replicate > 1:
+        if zero is not None and zero < 2:
+            raise PlanningError(f"--dp-replicate {replicate} (HSDP) shards parameters inside groups of dp / {replicate} "
+                                f"ranks, which needs --zero 2 or 3, not --zero {zero}")
+        if dp is not None and dp % replicate:
+            raise PlanningError(f"--dp-replicate {replicate} must divide --dp {dp}")
+        if n_gpus % (product * replicate) and dp is None:
+            raise PlanningError(f"--dp-replicate {replicate} does not divide the data-parallel degree of any split of "
+                                f"{n_gpus} GPUs with the pinned degrees")
+    fsdp_pinned = (zero is not None and zero >= 2) or (replicate is not None and replicate > 1)
+    if schedule == "zb-h1" and fsdp_pinned:
+        what = f"--zero {zero}" if zero is not None and zero >= 2 else f"--dp-replicate {replicate}"
+        raise PlanningError(f"--schedule zb-h1 cannot run with {what} (FSDP): its weight-gradient pass runs outside "
+                            "autograd, where FSDP's gradient hooks do not see it; use --zero 1 or another schedule")
     if pins.get("sequence_parallel") and tp == 1:
         raise PlanningError("--sequence-parallel needs --tp of at least 2")
     if pins.get("sequence_parallel") and not _sequence_parallel_allowed(profile):
@@ -179,7 +202,7 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict)
             if (n_gpus // tp) % pp:
                 continue
             dp = n_gpus // (tp * pp)
-            if pins.get("dp") not in (None, dp) or job.global_batch % dp:
+            if pins.get("dp") not in (None, dp) or job.global_batch % dp or dp % pins.get("dp_replicate", 1):
                 continue
             per_replica = job.global_batch // dp
             mbss = [pins["micro_batch_size"]] if pins.get("micro_batch_size") else [
@@ -204,7 +227,9 @@ def _schedules(profile: ModelProfile, pp: int, m: int, pins: dict) -> list[tuple
         # One stage: every schedule is the same sequence of forwards and backwards.
         return [(pinned or "1f1b", 1)] if pinned in (None, "1f1b", "gpipe", "zb-h1") else []
     out = []
-    for name in ([pinned] if pinned else ["1f1b", "zb-h1", "interleaved-1f1b"]):
+    fsdp_only = pins.get("zero", 0) >= 2 or pins.get("dp_replicate", 1) > 1  # zb-h1 cannot run FSDP
+    for name in ([pinned] if pinned else ["1f1b", "interleaved-1f1b"] if fsdp_only else
+                 ["1f1b", "zb-h1", "interleaved-1f1b"]):
         if name == "interleaved-1f1b":
             vs = [pins["virtual_stages"]] if pins.get("virtual_stages") else list(_DEFAULT_V)
             out += [(name, v) for v in vs if v >= 2 and pp * v <= profile.num_blocks and m % pp == 0]
@@ -213,25 +238,51 @@ def _schedules(profile: ModelProfile, pp: int, m: int, pins: dict) -> list[tuple
     return out
 
 
-def _ladder(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True) -> list[ParallelConfig]:
-    """Memory-saving variants of a base configuration, fastest first (see the module note).
+def _hsdp_replicate(cfg: ParallelConfig, gpus_per_node: int) -> int | None:
+    """The HSDP replicate degree whose shard groups are one node's data-parallel ranks
+    (tp * dp_shard = gpus_per_node), when that divides dp and leaves more than one group."""
+    shard = gpus_per_node // cfg.tp
+    if shard > 1 and cfg.dp % shard == 0 and cfg.dp // shard > 1:
+        return cfg.dp // shard
+    return None
 
-    Unless pinned, ZeRO-1 (when dp > 1) and sequence parallelism (when tp > 1 and the model's layout
-    has layers for it, `sp_allowed`) are always on: they cost no time in this model and only save
-    memory, so a plan without them is never better.
-    """
-    recomputes = [pins["recompute"]] if pins.get("recompute") else list(RECOMPUTE)
-    zero = pins["zero"] if pins.get("zero") is not None else (1 if cfg.dp > 1 else 0)
+
+def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int) -> list[tuple[int, int]]:
+    """(zero, dp_replicate) options of a base configuration, in the order the ladder tries them
+    ([Note: sharded data parallelism in the search]): ZeRO-1 (zero 0 with dp = 1), then zero 2 and
+    zero 3, each over all of dp and as HSDP."""
+    zero, replicate = pins.get("zero"), pins.get("dp_replicate")
+    if zero is not None and zero < 2:
+        return [(zero, 1)]
+    out = []
+    if zero is None and replicate in (None, 1):
+        out.append((1 if cfg.dp > 1 else 0, 1))
+    if cfg.schedule == "zb-h1" or (zero is None and cfg.dp == 1):
+        return out
+    if replicate is not None:
+        replicates = [replicate]
+    else:
+        hsdp = _hsdp_replicate(cfg, gpus_per_node)
+        replicates = [1] if hsdp is None else [1, hsdp]
+    out += [(z, r) for z in ([zero] if zero is not None else [2, 3]) for r in replicates]
+    return out
+
+
+def _with_memory_options(cfg: ParallelConfig, pins: dict, sp_allowed: bool, recompute: str, zero: int,
+                         replicate: int) -> ParallelConfig:
+    """A rung: the base configuration with a recompute level and a data-parallel sharding. Sequence
+    parallelism (when tp > 1 and the model's layout has layers for it, `sp_allowed`) is always on
+    unless pinned: it costs no time in this model and only saves memory."""
     sp = pins["sequence_parallel"] if pins.get("sequence_parallel") is not None else cfg.tp > 1 and sp_allowed
-    return [dataclasses.replace(cfg, recompute=r, zero=zero, sequence_parallel=sp) for r in recomputes]
+    return dataclasses.replace(cfg, recompute=recompute, zero=zero, dp_replicate=replicate, sequence_parallel=sp)
 
 
-def _frugal(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True) -> ParallelConfig:
-    """The last rung of `_ladder` (the least memory), without making the others."""
+def _frugal(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True, gpus_per_node: int = 1) -> ParallelConfig:
+    """The rung that needs the least memory (most recompute, the most sharded option)."""
     recompute = pins["recompute"] if pins.get("recompute") else RECOMPUTE[-1]
-    zero = pins["zero"] if pins.get("zero") is not None else (1 if cfg.dp > 1 else 0)
-    sp = pins["sequence_parallel"] if pins.get("sequence_parallel") is not None else cfg.tp > 1 and sp_allowed
-    return dataclasses.replace(cfg, recompute=recompute, zero=zero, sequence_parallel=sp)
+    options = _shardings(cfg, pins, gpus_per_node)
+    zero, replicate = min(options, key=lambda o: (o[0] < 2, o[1], -o[0]))  # FSDP over the most ranks, zero 3
+    return _with_memory_options(cfg, pins, sp_allowed, recompute, zero, replicate)
 
 
 def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spec: str, top: int = 5,
@@ -264,6 +315,8 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         notes.append(f"tp {', '.join(map(str, refused))} not considered: "
                      + (f"tp {refused[0]} {why}" if why.startswith("does not") else why))
     all_pinned = all(k in pins for k in ("tp", "pp", "dp", "micro_batch_size", "schedule", "recompute", "zero"))
+    if all_pinned:
+        pins.setdefault("dp_replicate", 1)  # one plan: plain FSDP unless HSDP is asked for
 
     # Bound every base configuration (cheap), then evaluate in increasing order of the bound.
     candidates: list[tuple[float, int, ParallelConfig]] = []
@@ -274,8 +327,10 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     fwd_share_cache: dict[tuple, float] = {}
     for cfg in _base_configs(profile, cluster, job, pins):
         considered += 1
-        frugal = _frugal(cfg, pins, sp_allowed)
-        key = (cfg.tp, cfg.dp, frugal.zero)
+        if not _shardings(cfg, pins, cluster.gpus_per_node):
+            continue
+        frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node)
+        key = (cfg.tp, cfg.dp, frugal.zero, frugal.dp_replicate, cfg.pp == 1)
         if key not in static_cache:
             static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
         if static_cache[key] / cfg.pp > min_capacity and not all_pinned:
@@ -308,44 +363,159 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     candidates.sort()
 
     best: list[tuple[float, int, Plan]] = []  # max-heap (negated) of the top plans
+    best_by_kind: dict[bool, Plan] = {}  # FSDP (zero >= 2) or not -> the fastest plan that fits
+    recomputes = [pins["recompute"]] if pins.get("recompute") else list(RECOMPUTE)
     evaluated = 0
+
+    def ladder(cfg: ParallelConfig, options: list[tuple[int, int]], stop: dict[tuple[int, int], int]) -> None:
+        """Descend the recompute ladder of each sharding option until a rung fits or is dominated;
+        `stop` records that rung per option ([Note: sharded data parallelism in the search])."""
+        nonlocal evaluated
+        no_fit: set[tuple[int, int]] = set()  # (zero, rung) where FSDP over all of dp did not fit or was dominated
+        for option in options:
+            zero, replicate = option
+            limit = len(recomputes)
+            if zero >= 2:
+                limit = min([limit] + [stop[o] for o in stop if o[0] < 2 or (zero == 3 and o == (2, replicate))])
+            stop[option] = limit
+            previous_acts = None
+            for rung, recompute in enumerate(recomputes[:limit]):
+                variant = _with_memory_options(cfg, pins, sp_allowed, recompute, zero, replicate)
+                acts = ctx.act_bytes(variant)
+                if previous_acts is not None and np.array_equal(acts, previous_acts):
+                    continue  # same memory as the rung that did not fit, and slower
+                previous_acts = acts
+                if replicate > 1 and (zero, rung) in no_fit:
+                    continue  # HSDP holds more than FSDP over all of dp, which did not fit (or could not win)
+                cutoff = -best[0][0] if len(best) >= top else float("inf")
+                if zero >= 2 and fsdp_floor_s(ctx, variant) >= cutoff:
+                    stop[option] = rung
+                    if replicate == 1:
+                        no_fit.add((zero, rung))
+                    break  # its communication alone cannot beat the top plans; more recompute is slower
+                evaluated += 1
+                try:
+                    result = evaluate(ctx, variant, require_fit=not all_pinned, cutoff_s=cutoff)
+                except Dominated:
+                    stop[option] = rung
+                    if zero >= 2 and replicate == 1:
+                        no_fit.add((zero, rung))  # HSDP has the same compute and fewer cuttings that fit
+                    break  # later rungs of the ladder are no faster
+                if result is None:
+                    if zero >= 2 and replicate == 1:
+                        no_fit.add((zero, rung))
+                    continue
+                if result.plan.fits or all_pinned:
+                    stop[option] = rung
+                    _keep(best, top, result.step_time_s, evaluated, result.plan)
+                    kind = zero >= 2
+                    if result.plan.fits and (kind not in best_by_kind or result.step_time_s
+                                             < best_by_kind[kind].predicted.step_time_s):
+                        best_by_kind[kind] = result.plan
+                    break
+
     for index, (_, bound, _, cfg) in enumerate(candidates):
         if len(best) >= top and bound >= -best[0][0]:
             continue  # ordered by the estimate, not the bound: later ones may still qualify
-        cutoff = -best[0][0] if len(best) >= top else float("inf")
-        previous_acts = None
-        for variant in _ladder(cfg, pins, sp_allowed):
-            acts = ctx.act_bytes(variant)
-            if previous_acts is not None and np.array_equal(acts, previous_acts):
-                continue  # same memory as the rung that did not fit, and slower
-            previous_acts = acts
-            evaluated += 1
-            try:
-                result = evaluate(ctx, variant, require_fit=not all_pinned, cutoff_s=cutoff)
-            except Dominated:
-                break  # later rungs of the ladder are no faster
-            if result is None:
-                continue
-            if result.plan.fits or all_pinned:
-                entry = (-result.step_time_s, -evaluated, result.plan)
-                twin = next((e for e in best if _same_but_layout(e[2], result.plan)), None)
-                if twin is not None:
-                    # Only the rank layout differs: keep the faster one, not both.
-                    if entry > twin:
-                        best.remove(twin)
-                        best.append(entry)
-                        heapq.heapify(best)
-                elif len(best) < top:
-                    heapq.heappush(best, entry)
-                elif entry > best[0]:
-                    heapq.heapreplace(best, entry)
-                break
+        ladder(cfg, _shardings(cfg, pins, cluster.gpus_per_node), {})
         if progress is not None:
             progress(index + 1, len(candidates), cfg.describe())
     plans = [p for _, _, p in sorted(best, key=lambda e: (-e[0], -e[1]))]
     if not plans:
         _raise_no_plan(profile, cluster, job, pins)
+    note = _sharding_note(ctx, plans[0], best_by_kind, pins)
+    if note:
+        notes.append(note)
+        plans[0] = dataclasses.replace(plans[0], notes=(*plans[0].notes, note))
     return SearchResult(plans, evaluated, considered, time.perf_counter() - started, notes)
+
+
+def _keep(best: list[tuple[float, int, Plan]], top: int, step_time_s: float, order: int, plan: Plan) -> None:
+    """Offer a plan to the max-heap of the `top` fastest."""
+    entry = (-step_time_s, -order, plan)
+    twin = next((e for e in best if _same_but_layout(e[2], plan)), None)
+    if twin is not None:
+        # Only the rank layout differs: keep the faster one, not both.
+        if entry > twin:
+            best.remove(twin)
+            best.append(entry)
+            heapq.heapify(best)
+    elif len(best) < top:
+        heapq.heappush(best, entry)
+    elif entry > best[0]:
+        heapq.heapreplace(best, entry)
+
+
+def _split(plan: Plan) -> str:
+    extras = [plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else ""),
+              f"recompute {plan.recompute}", f"micro-batch {plan.micro_batch_size}"]
+    return f"tp {plan.tp} pp {plan.pp} dp {plan.dp}, " + ", ".join(extras)
+
+
+def _sharding(plan: Plan) -> str:
+    if plan.zero >= 2:
+        over = (f"HSDP: FSDP over {plan.dp_shard} ranks, {plan.dp_replicate} replicas" if plan.dp_replicate > 1
+                else f"FSDP over {plan.dp} ranks")
+        return f"zero {plan.zero} ({over})"
+    if plan.zero == 1:
+        return f"zero 1 (optimizer states sharded over {plan.dp} ranks)"
+    return "zero 0 (replicated)"
+
+
+def _fmt_bytes(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.0f} MiB"
+
+
+def _peak_stage(plan: Plan):
+    return max(plan.stages, key=lambda s: s.memory.total_bytes).memory
+
+
+def _sharding_note(ctx: SearchContext, chosen: Plan, best_by_kind: dict[bool, Plan], pins: dict) -> str | None:
+    """Which data-parallel sharding the best plan uses and why, against the best plan of the other
+    kind the search found ([Note: sharded data parallelism in the search])."""
+    pinned = "zero" in pins or pins.get("dp_replicate", 1) > 1
+    if chosen.zero < 2 and (chosen.dp == 1 or pinned):
+        return None
+    gib = 2**30
+    capacity = min(g.mem_bytes for g in ctx.cluster.gpu_types)
+    fsdp = chosen.zero >= 2
+    other = best_by_kind.get(not fsdp)
+    slower = (f"{other.predicted.step_time_s / chosen.predicted.step_time_s - 1:.0%} slower" if other is not None
+              else None)
+    parts = [_sharding(chosen) + (" (pinned)" if pinned else "")]
+    if fsdp:
+        memory = _peak_stage(chosen)
+        others = memory.total_bytes - memory.activations_bytes
+        persistent = memory.weights_bytes + memory.grads_bytes + memory.optimizer_bytes
+        parts[0] += (f": 16 B/param / {chosen.dp_shard} keeps {_fmt_bytes(persistent)} of weights, gradients and Adam "
+                     f"state per GPU and leaves {_fmt_bytes(capacity - others)} for activations")
+        if not pinned:
+            same = ParallelConfig(
+                tp=chosen.tp, pp=chosen.pp, dp=chosen.dp, micro_batch_size=chosen.micro_batch_size,
+                num_microbatches=chosen.num_microbatches, schedule=chosen.schedule,
+                virtual_stages=chosen.virtual_stages, recompute=chosen.recompute, zero=1 if chosen.dp > 1 else 0,
+                sequence_parallel=chosen.sequence_parallel, rank_order=chosen.rank_order)
+            zero1 = evaluate(ctx, same, require_fit=False)
+            if zero1 is not None and not zero1.plan.fits:
+                parts.append(f"the same split with zero {same.zero} needs "
+                             f"{zero1.plan.predicted.peak_memory_bytes / gib:.0f} GiB per GPU ({capacity / gib:.0f} "
+                             "available)")
+            if other is not None:
+                parts.append(f"the best zero-{other.zero} plan ({_split(other)}) is {slower}")
+            else:
+                parts.append("no zero-0/1 plan fit or came within the search's step-time cutoff")
+        exposed = chosen.predicted.breakdown.get("fsdp_comm_exposed_s", 0.0) + \
+            chosen.predicted.breakdown.get("dp_comm_exposed_s", 0.0)
+        parts.append(f"all-gathers and reduce-scatters hidden behind compute except {exposed * 1e3:.0f} ms per step "
+                     f"({exposed / chosen.predicted.step_time_s:.0%})")
+    elif other is not None:
+        exposed = other.predicted.breakdown.get("fsdp_comm_exposed_s", 0.0) + \
+            other.predicted.breakdown.get("dp_comm_exposed_s", 0.0)
+        parts.append(f"the best FSDP plan, {_sharding(other)} with {_split(other)}, is {slower}: its all-gathers and "
+                     f"reduce-scatters leave {exposed * 1e3:.0f} ms per step exposed")
+    else:
+        parts.append("no FSDP plan (zero 2/3) beat it: where zero 1 fits, FSDP only adds parameter all-gathers")
+    return "; ".join(parts)
 
 
 def pre_cut_bound(cfg: ParallelConfig, total_s: float, fwd_share: float) -> float:
@@ -367,6 +537,24 @@ def pre_cut_bound(cfg: ParallelConfig, total_s: float, fwd_share: float) -> floa
     return max(plain, phi * total_s / (1 - (1 - phi / m) ** p))
 
 
+def fsdp_floor_s(ctx: SearchContext, cfg: ParallelConfig) -> float:
+    """A lower bound on the step time of an FSDP configuration (zero >= 2), valid for every cutting:
+    a pass over units takes at least its compute and at least the communication it overlaps
+    (cost/comm.py `prefetch_exposed_s`: compute + exposed >= sum of all-gathers + reductions), so
+    pipeline rank r is busy m * (max(F_r, A_r) + max(B_r, A_r + R_r)) at least, and the busiest rank
+    at least the mean over ranks. Gathers count in both passes under zero 3, reductions in the
+    backward with pp = 1; each unit at the cheapest of its pipeline ranks' groups."""
+    if cfg.dp <= 1:
+        return 0.0
+    gpu = max(ctx.cluster.gpu_types, key=lambda g: g.peak(ctx.job.dtype))  # the fastest: a bound for every rank
+    fwd, bwd = ctx.block_passes(ctx.block_times(gpu, cfg))
+    comm = [ctx.fsdp_unit_times(cfg, p) for p in range(cfg.pp)]
+    gather = np.min([g for g, _ in comm], axis=0).sum() if cfg.zero == 3 else 0.0
+    reduce = np.min([r for _, r in comm], axis=0).sum() if cfg.pp == 1 else 0.0
+    per_microbatch = max(float(fwd.sum()), gather) + max(float(bwd.sum()), gather + reduce)
+    return cfg.num_microbatches * per_microbatch / cfg.pp
+
+
 def _fwd_share(ctx: SearchContext, cfg: ParallelConfig) -> float:
     """The smallest forward / (forward + backward) ratio of any block (for `pre_cut_bound`)."""
     times = ctx.block_times(min(ctx.cluster.gpu_types, key=lambda g: g.peak(ctx.job.dtype)), cfg)
@@ -376,7 +564,8 @@ def _fwd_share(ctx: SearchContext, cfg: ParallelConfig) -> float:
 
 
 def _same_but_layout(a: Plan, b: Plan) -> bool:
-    keys = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero", "sequence_parallel")
+    keys = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero", "dp_replicate",
+            "sequence_parallel")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
@@ -390,6 +579,7 @@ def _raise_no_plan(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict
                             f"(the weights and optimizer alone need at least {need})")
     raise PlanningError(f"{profile.model_name} does not fit on {cluster.num_gpus} x {gpu.name} in any plan: it needs "
                         f"at least {need} GPUs of that type for its weights, gradients and optimizer states alone "
-                        f"({profile.num_params / 1e9:.1f}B parameters x {sum(BYTES_PER_PARAM(job.dtype)):g} bytes); "
+                        f"({profile.num_params / 1e9:.1f}B parameters x {MIN_BYTES_PER_PARAM(job.dtype):g} bytes, fully "
+                        "sharded); "
                         "reduce the batch or sequence "
                         "length, or use more GPUs")
