@@ -146,6 +146,14 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_checkpoint(args: argparse.Namespace) -> int:
+    from autoplan.runtime.checkpoint import export_torch_save
+
+    out = export_torch_save(args.checkpoint, args.out, model_only=not args.everything)
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from autoplan.runtime import run_plan
 
@@ -240,6 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint every K steps (and after the last)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("export-checkpoint", help="write a checkpoint as one torch.save file (one process)",
+                       description="Reads a checkpoint of `autoplan run --checkpoint-dir` (a step-N directory, or the "
+                                   "newest complete one under DIR; torch.distributed.checkpoint format) and writes the "
+                                   "full model's state dict: `model.load_state_dict(torch.load(FILE))`.")
+    p.add_argument("checkpoint", help="a step-N directory or a --checkpoint-dir")
+    p.add_argument("--out", required=True, metavar="FILE", help="torch.save file to write")
+    p.add_argument("--everything", action="store_true",
+                   help="also the optimizer state and per-rank extras (torch's dcp_to_torch_save)")
+    p.set_defaults(func=cmd_export_checkpoint)
 
     p = sub.add_parser("calibrate", help="measure this machine's GPU (or CPU) and write a calibration file",
                        description="Times a GEMM sweep, fused attention and memory-bound kernels (and with "

@@ -277,11 +277,14 @@ def test_plain_model_export_and_per_rank_extras(saved, tmp_path):
 def test_export_from_the_command_line(saved, tmp_path):
     paths, _ = saved
     out = tmp_path / "m.pt"
-    code = ("import sys; from autoplan.runtime.checkpoint import export_torch_save; "
-            "export_torch_save(sys.argv[1], sys.argv[2])")
-    subprocess.run([sys.executable, "-c", code, str(paths[0]), str(out)], check=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "autoplan", "export-checkpoint", str(paths[0]), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "wrote" in proc.stdout, proc.stderr
     names = {n for n, _ in zoo.build_model(GPT, device="meta").named_parameters()}
     assert set(torch.load(out, weights_only=True)) >= names
+    bad = subprocess.run([sys.executable, "-m", "autoplan", "export-checkpoint", str(tmp_path / "none"), "--out",
+                          str(out)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
 class _FakePlan:

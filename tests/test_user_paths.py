@@ -6,7 +6,8 @@ API), with the source's defaults (its own synthetic batch, its default loss). Th
 gradient are compared with a single-process reference: the whole model built on the CPU with the
 same name-keyed initial values, run over the same micro-batches (gradient accumulation, so batch
 statistics such as BatchNorm's see the same rows), fp32 within 1e-5 relative (tp within 1e-4).
-The ZeRO-1 layout also takes one AdamW step and compares the parameters; the bf16 layout checks
+The ZeRO-1 and FSDP layouts (zero 3, HSDP, zero 2 with tp) also take one AdamW step and compare the
+parameters; the bf16 layout checks
 that the loss falls over 3 steps on one batch.
 
 A layout a model cannot take (tp for a conv net) must be refused by `suggest` in one line; the
@@ -55,12 +56,17 @@ LAYOUTS = {
     "tp2": dict(tp=2, pp=1, dp=2),
     "tp2-pp2": dict(tp=2, pp=2, dp=1),
     "bf16": dict(tp=1, pp=2, dp=2, dtype="bf16"),
+    "zero3-pp2": dict(tp=1, pp=2, dp=2, zero=3),
+    "hsdp": dict(tp=1, pp=1, dp=4, zero=3, dp_replicate=2),
+    "zero2-tp2": dict(tp=2, pp=1, dp=2, zero=2),
 }
+SHARDED = ("dp2-zero1", "zero3-pp2", "hsdp", "zero2-tp2")
+"""Layouts whose optimizer is sharded (ZeRO-1, FSDP): one AdamW step is compared with the plain one."""
 GLOBAL_BATCH = 8
 MICRO_BATCH = 2
-REFUSED = {("convnet", "tp2"), ("convnet", "tp2-pp2")}
+REFUSED = {("convnet", "tp2"), ("convnet", "tp2-pp2"), ("convnet", "zero2-tp2"), ("hf-gpt2", "zero2-tp2")}
 """(model, layout) that suggest must refuse: no tensor-parallel layout (a conv net has no column- and
-row-parallel linear pair)."""
+row-parallel linear pair); FSDP with tp over a fused q/k/v projection (GPT-2's c_attn)."""
 
 
 def _plans(spec: str, seq_len: int | None):
@@ -94,11 +100,11 @@ def _rank_job(rank: int, world_size: int, spec: str, plans: dict) -> dict:
         losses = []
         for _ in range(3 if name == "bf16" else 1):
             loss = pm.step(*inputs, target=target)
-            if name == "bf16" or name == "dp2-zero1":
+            if name == "bf16" or name in SHARDED:
                 optimizer.step()
             losses.append(None if loss is None else float(loss))
         grads = {n: _full(p.grad) for n, p in pm.named_parameters() if p.grad is not None}
-        params = {n: _full(p) for n, p in pm.named_parameters()} if name == "dp2-zero1" else {}
+        params = {n: _full(p) for n, p in pm.named_parameters()} if name in SHARDED else {}
         out[name] = dict(losses=losses, grads=grads, params=params,
                          batch=(inputs, target) if rank == 0 else None)
     return out
@@ -166,7 +172,7 @@ def _check_model(model_name: str) -> None:
         for name, grad in grads.items():
             torch.testing.assert_close(grad, ref_grads[name], rtol=rtol, atol=rtol * scale,
                                        msg=lambda m, n=name, lay=layout: f"{lay}: {n}: {m}")
-        if layout == "dp2-zero1":  # one AdamW step of the sharded optimizer equals the plain one
+        if layout in SHARDED:  # one AdamW step of the sharded optimizer equals the plain one
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             optimizer.step()
             reference = dict(model.named_parameters(remove_duplicate=False))

@@ -33,7 +33,10 @@ dtype (2 bytes in bf16, 4 in fp32) before it runs.
 - zero 2 (`reshard_after_forward=False`, ZeRO-2's P_os+g): the rank's stages stay gathered from the
   first forward to the end of the backward: 2 bytes per parameter of the rank.
 - zero 3 (`reshard_after_forward=True`): the unit computing and the next one, prefetched (Zhao et
-  al. 2023, Sec. 4.2, "backward / forward prefetching"): the two largest units of the rank.
+  al. 2023, Sec. 4.2, "backward / forward prefetching"): the two largest units of the rank. With
+  pp > 1 a unit's backward leaves it gathered until the step's end (`reshard_after_backward=False`,
+  torch's pipelining does the same, so the next micro-batch's backward gathers nothing), so by the
+  last backward the rank's stages are gathered as under zero 2: 2 bytes per parameter of the rank.
 - Gradients: with pp = 1 FSDP reduce-scatters each unit's fp32 gradient after every micro-batch's
   backward (its autograd hooks), so one unit's unsharded fp32 gradient is in flight; with pp > 1 the
   pipeline's micro-batches interleave, gradients accumulate unsharded in fp32 over the step (4 bytes
@@ -149,9 +152,11 @@ def gathered_bytes_per_param(dtype: str) -> float:
 
 def _fsdp_per_block_bytes_per_param(dtype: str, zero: int, pp: int) -> float:
     """Bytes per parameter FSDP holds unsharded for every parameter of the rank's stages during the
-    step ([Note: FSDP gathered bytes]): zero 2's gathered weights, pp > 1's accumulated gradients."""
+    step ([Note: FSDP gathered bytes]): zero 2's gathered weights, and with pp > 1 the accumulated
+    gradients and (zero 3 too) the weights, which stay gathered after each backward until the step's
+    end (`reshard_after_backward=False`, as torch's pipelining sets it)."""
     out = 0.0
-    if zero == 2:
+    if zero == 2 or (zero == 3 and pp > 1):
         out += gathered_bytes_per_param(dtype)
     if zero >= 2 and pp > 1:
         out += 4.0
@@ -166,7 +171,7 @@ def fsdp_transient_bytes(dtype: str, zero: int, pp: int, unit_params: Sequence[f
         return 0.0
     largest = np.sort(np.asarray(unit_params, dtype=float))[::-1]
     out = 0.0
-    if zero == 3:
+    if zero == 3 and pp == 1:
         out += gathered_bytes_per_param(dtype) * float(largest[:2].sum())
     if pp == 1:
         out += 4.0 * float(largest[0])

@@ -7,6 +7,7 @@ result written down as a `Plan`.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -402,6 +403,8 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
         if cuts is None:
             return None
         cache = None
+    if _tie_within_rank(profile, cfg, cuts.boundaries):
+        return None  # FSDP cannot run it: the runtime refuses, so the ladder goes on
     if cutoff_s < float("inf") and _step_lower_bound(ctx, cfg, cuts, stage_times) >= cutoff_s:
         if cache is not None:
             cache.release()
@@ -422,6 +425,25 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
             raise Dominated
         return None
     return Evaluation(cfg, plan)
+
+
+def _tie_within_rank(profile: ModelProfile, cfg: ParallelConfig, boundaries: Sequence[int]) -> bool:
+    """Whether FSDP (zero >= 2) would have to shard one parameter in two virtual stages of a
+    pipeline rank: a tied block and its owner in two stages that one rank runs (T5's decoder
+    embedding and head under interleaving). FSDP manages a parameter in one unit, so the runtime
+    refuses such a plan (runtime/api.py `_check_unshared`)."""
+    if cfg.zero < 2 or cfg.virtual_stages == 1:
+        return False
+    groups: dict[int, set[int]] = {}  # owner block -> stages of it and of every block tied to it
+    for i, block in enumerate(profile.blocks):
+        if block.tied_to_block is not None and block.tied_params:
+            for b in (i, block.tied_to_block):
+                groups.setdefault(block.tied_to_block, set()).add(bisect.bisect_right(boundaries, b) - 1)
+    for stages in groups.values():
+        ranks = [s % cfg.pp for s in stages]
+        if len(set(ranks)) < len(ranks):
+            return True
+    return False
 
 
 def evaluate_cuts(ctx: SearchContext, cfg: ParallelConfig, boundaries: Sequence[int]) -> Plan:
@@ -547,7 +569,11 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         if sharing is None:
             sim = simulate(schedule, durations, comm_time if cfg.pp > 1 else None, tails)
         else:
-            sim = simulate_shared_cores(schedule, compute_time, comm_time if cfg.pp > 1 else None, tails, *sharing)
+            # Each simulated rank stands for its dp x tp peers, which compute the same actions at the
+            # same moments: they share the cores too.
+            threads, cores = sharing
+            sim = simulate_shared_cores(schedule, compute_time, comm_time if cfg.pp > 1 else None, tails,
+                                        threads * cfg.dp * cfg.tp, cores)
         ctx.simulations[sim_key] = sim
     step = sim.makespan_s
 

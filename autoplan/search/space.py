@@ -154,6 +154,9 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
         what = f"--zero {zero}" if zero is not None and zero >= 2 else f"--dp-replicate {replicate}"
         raise PlanningError(f"--schedule zb-h1 cannot run with {what} (FSDP): its weight-gradient pass runs outside "
                             "autograd, where FSDP's gradient hooks do not see it; use --zero 1 or another schedule")
+    if fsdp_pinned and tp is not None and fsdp_refusal(profile, tp) is not None:
+        raise PlanningError(f"--tp {tp} with {'--zero ' + str(zero) if zero else '--dp-replicate'}: "
+                            f"{fsdp_refusal(profile, tp)}; use --zero 1 or --tp 1")
     if pins.get("sequence_parallel") and tp == 1:
         raise PlanningError("--sequence-parallel needs --tp of at least 2")
     if pins.get("sequence_parallel") and not _sequence_parallel_allowed(profile):
@@ -247,10 +250,22 @@ def _hsdp_replicate(cfg: ParallelConfig, gpus_per_node: int) -> int | None:
     return None
 
 
-def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int) -> list[tuple[int, int]]:
+def fsdp_refusal(profile: ModelProfile, tp: int) -> str | None:
+    """Why FSDP (zero 2 / 3) cannot run the model at this tp (one line), or None: a fused q/k/v
+    projection's tensor-parallel [q | k | v] thirds cannot be sharded again by FSDP along the same
+    dim (the profile's layout records it, graph/sharding.py; runtime/fsdp.py refuses it too)."""
+    info = profile.extra.get("tensor_parallel") or {}
+    if tp > 1 and info.get("fused_qkv"):
+        return (f"FSDP (zero 2 / 3) with tp {tp} cannot shard the model's fused q/k/v projection (its tensor-parallel "
+                "[q | k | v] thirds along the dim FSDP shards)")
+    return None
+
+
+def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
+               profile: ModelProfile | None = None) -> list[tuple[int, int]]:
     """(zero, dp_replicate) options of a base configuration, in the order the ladder tries them
     ([Note: sharded data parallelism in the search]): ZeRO-1 (zero 0 with dp = 1), then zero 2 and
-    zero 3, each over all of dp and as HSDP."""
+    zero 3, each over all of dp and as HSDP; no FSDP where `fsdp_refusal` says the model cannot."""
     zero, replicate = pins.get("zero"), pins.get("dp_replicate")
     if zero is not None and zero < 2:
         return [(zero, 1)]
@@ -258,6 +273,8 @@ def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int) -> list[tupl
     if zero is None and replicate in (None, 1):
         out.append((1 if cfg.dp > 1 else 0, 1))
     if cfg.schedule == "zb-h1" or (zero is None and cfg.dp == 1):
+        return out
+    if profile is not None and fsdp_refusal(profile, cfg.tp) is not None:
         return out
     if replicate is not None:
         replicates = [replicate]
@@ -277,10 +294,11 @@ def _with_memory_options(cfg: ParallelConfig, pins: dict, sp_allowed: bool, reco
     return dataclasses.replace(cfg, recompute=recompute, zero=zero, dp_replicate=replicate, sequence_parallel=sp)
 
 
-def _frugal(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True, gpus_per_node: int = 1) -> ParallelConfig:
+def _frugal(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True, gpus_per_node: int = 1,
+            profile: ModelProfile | None = None) -> ParallelConfig:
     """The rung that needs the least memory (most recompute, the most sharded option)."""
     recompute = pins["recompute"] if pins.get("recompute") else RECOMPUTE[-1]
-    options = _shardings(cfg, pins, gpus_per_node)
+    options = _shardings(cfg, pins, gpus_per_node, profile)
     zero, replicate = min(options, key=lambda o: (o[0] < 2, o[1], -o[0]))  # FSDP over the most ranks, zero 3
     return _with_memory_options(cfg, pins, sp_allowed, recompute, zero, replicate)
 
@@ -327,9 +345,9 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     fwd_share_cache: dict[tuple, float] = {}
     for cfg in _base_configs(profile, cluster, job, pins):
         considered += 1
-        if not _shardings(cfg, pins, cluster.gpus_per_node):
+        if not _shardings(cfg, pins, cluster.gpus_per_node, profile):
             continue
-        frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node)
+        frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
         key = (cfg.tp, cfg.dp, frugal.zero, frugal.dp_replicate, cfg.pp == 1)
         if key not in static_cache:
             static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
@@ -417,7 +435,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     for index, (_, bound, _, cfg) in enumerate(candidates):
         if len(best) >= top and bound >= -best[0][0]:
             continue  # ordered by the estimate, not the bound: later ones may still qualify
-        ladder(cfg, _shardings(cfg, pins, cluster.gpus_per_node), {})
+        ladder(cfg, _shardings(cfg, pins, cluster.gpus_per_node, profile), {})
         if progress is not None:
             progress(index + 1, len(candidates), cfg.describe())
     plans = [p for _, _, p in sorted(best, key=lambda e: (-e[0], -e[1]))]
