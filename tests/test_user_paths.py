@@ -16,6 +16,7 @@ test asserts it is, and says which. docs/status.md's table is this matrix.
 
 from __future__ import annotations
 
+import gc
 import math
 from pathlib import Path
 
@@ -105,8 +106,12 @@ def _rank_job(rank: int, world_size: int, spec: str, plans: dict) -> dict:
             losses.append(None if loss is None else float(loss))
         grads = {n: _full(p.grad) for n, p in pm.named_parameters() if p.grad is not None}
         params = {n: _full(p) for n, p in pm.named_parameters()} if name in SHARDED else {}
+        if pm.layout.dp_index or pm.layout.tp_index:  # whole tensors (gathered collectively): one copy is enough
+            grads, params = {}, {}
         out[name] = dict(losses=losses, grads=grads, params=params,
                          batch=(inputs, target) if rank == 0 else None)
+        del pm, optimizer  # the layouts run one after another: free this one's model and state first
+        gc.collect()
     return out
 
 

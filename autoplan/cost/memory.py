@@ -92,7 +92,7 @@ from autoplan.plan import MemoryBreakdown
 __all__ = ["ALLOWANCE_FIXED_BYTES", "ALLOWANCE_FRACTION", "BYTES_PER_PARAM", "MIN_BYTES_PER_PARAM", "allowance_bytes",
            "block_act_bytes", "block_static_bytes", "fsdp_transient_bytes", "gathered_bytes_per_param",
            "head_backward_bytes", "held_params", "param_counts", "persistent_bytes_per_param", "rank_memory",
-           "reduction_buffer_bytes"]
+           "reduction_buffer_bytes", "stage_is_one_unit"]
 
 _RECOMPUTED_KINDS = {"layer", "attention", "mlp"}
 
@@ -150,12 +150,22 @@ def gathered_bytes_per_param(dtype: str) -> float:
     return 4.0 if _fp32(dtype) else 2.0
 
 
-def _fsdp_per_block_bytes_per_param(dtype: str, zero: int, pp: int) -> float:
+def stage_is_one_unit(profile: ModelProfile) -> bool:
+    """Whether FSDP runs each stage as one unit: a graph traced by torch.export calls no module
+    whole, so the stage's root unit holds every parameter (runtime/fsdp.py `unit_paths`)."""
+    return profile.tracer == "export"
+
+
+def _fsdp_per_block_bytes_per_param(dtype: str, zero: int, pp: int, one_unit: bool = False) -> float:
     """Bytes per parameter FSDP holds unsharded for every parameter of the rank's stages during the
     step ([Note: FSDP gathered bytes]): zero 2's gathered weights, and with pp > 1 the accumulated
     gradients and (zero 3 too) the weights, which stay gathered after each backward until the step's
-    end (`reshard_after_backward=False`, as torch's pipelining sets it)."""
+    end (`reshard_after_backward=False`, as torch's pipelining sets it). A stage that is one unit
+    (`stage_is_one_unit`) is gathered whole from its forward through its backward (FSDP does not
+    reshard a root after forward) and its whole gradient exists before the reduce-scatter."""
     out = 0.0
+    if zero >= 2 and one_unit:
+        return gathered_bytes_per_param(dtype) + 4.0
     if zero == 2 or (zero == 3 and pp > 1):
         out += gathered_bytes_per_param(dtype)
     if zero >= 2 and pp > 1:
@@ -163,11 +173,12 @@ def _fsdp_per_block_bytes_per_param(dtype: str, zero: int, pp: int) -> float:
     return out
 
 
-def fsdp_transient_bytes(dtype: str, zero: int, pp: int, unit_params: Sequence[float] | np.ndarray) -> float:
+def fsdp_transient_bytes(dtype: str, zero: int, pp: int, unit_params: Sequence[float] | np.ndarray,
+                         one_unit: bool = False) -> float:
     """Bytes FSDP holds unsharded for a few units at a time ([Note: FSDP gathered bytes]): zero 3's
     two units' gathered weights (the one computing, the one prefetched) and, with pp = 1, one
     unit's fp32 gradient before its reduce-scatter. `unit_params`: the units' parameter counts."""
-    if zero < 2 or len(unit_params) == 0:
+    if zero < 2 or len(unit_params) == 0 or one_unit:  # one unit: counted per parameter
         return 0.0
     largest = np.sort(np.asarray(unit_params, dtype=float))[::-1]
     out = 0.0
@@ -226,7 +237,8 @@ def block_static_bytes(profile: ModelProfile, cfg: ParallelConfig, dtype: str) -
     tied block sits with its owner and adds no copy; with more, each is charged its copy (the
     cutting decides where it lands; `held_params` is exact once it has)."""
     weights, grads, optim = persistent_bytes_per_param(dtype, cfg.zero, cfg.dp, cfg.dp_replicate, cfg.tp)
-    per_param = weights + grads + optim + _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp)
+    per_param = weights + grads + optim + _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp,
+                                                                          stage_is_one_unit(profile))
     params = param_counts(profile, cfg)
     if cfg.num_stages == 1:
         params = params - _tied_copies(profile, cfg)
@@ -294,8 +306,9 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
     blocks = [i for a, b in stage_ranges for i in range(a, b)]
     # Two receive buffers per boundary (activation in, gradient in), one micro-batch each.
     recv = sum(2 * profile.cuts[a - 1].num_bytes * f for a, _ in stage_ranges if a > 0)
-    gathered = (num_params * _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp)
-                + fsdp_transient_bytes(dtype, cfg.zero, cfg.pp, params[blocks]))
+    one_unit = stage_is_one_unit(profile)
+    gathered = (num_params * _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp, one_unit)
+                + fsdp_transient_bytes(dtype, cfg.zero, cfg.pp, params[blocks], one_unit))
     return MemoryBreakdown(
         weights_bytes=num_params * weights_b,
         grads_bytes=num_params * grads_b,
@@ -303,6 +316,6 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
         gathered_bytes=float(gathered),
         activations_bytes=float(activations),
         buffers_bytes=float(recv + _working_bytes(profile, cfg, blocks, acts)
-                            + reduction_buffer_bytes(cfg, num_params, params[blocks])),
+                            + reduction_buffer_bytes(cfg, num_params, [num_params] if one_unit else params[blocks])),
         allowance_bytes=allowance_bytes(gpu),
     )

@@ -32,6 +32,7 @@ from autoplan.cost.memory import (
     held_params,
     param_counts,
     rank_memory,
+    stage_is_one_unit,
 )
 from autoplan.cost.sharing import simulate_shared_cores
 from autoplan.cost.time import (
@@ -208,7 +209,8 @@ class SearchContext:
             recompute = float(np.max(self.act_bytes(_no_recompute(cfg)))) if cfg.recompute == "full" else 0.0
             head = head_backward_bytes(self.profile, self.act_bytes(cfg), range(self.profile.num_blocks))
             # FSDP's few-units terms, for the largest units anywhere ([Note: FSDP gathered bytes]).
-            fsdp = fsdp_transient_bytes(self.job.dtype, cfg.zero, cfg.pp, self.params(cfg))
+            fsdp = fsdp_transient_bytes(self.job.dtype, cfg.zero, cfg.pp, self.params(cfg),
+                                        stage_is_one_unit(self.profile))
             return reserve + max(recompute, head) + fsdp
 
         return self.cached(key, make)
