@@ -147,7 +147,7 @@ def test_search_proposes_tp_only_where_the_layout_allows():
     assert conv.notes[0] == ("tp 2, 4 not considered: the model has no tensor-parallel layout: none of its 1 linear "
                              "layers feeds another through element-wise or attention ops only (no column- and "
                              "row-parallel pair)")
-    assert conv.notes[1].startswith("cpu priced with: ")  # the calibration, and where its numbers come from
+    assert any(n.startswith("cpu priced with: ") for n in conv.notes)  # the calibration, and where its numbers come from
     with pytest.raises(PlanningError, match="no tensor-parallel layout") as info:
         autoplan.suggest(ConvNet(), "1x4xcpu", global_batch=8, example_inputs=(torch.randn(1, 3, 8, 8),), tp=2)
     assert "\n" not in str(info.value)

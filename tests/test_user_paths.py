@@ -58,9 +58,13 @@ LAYOUTS = {
     "tp2-pp2": dict(tp=2, pp=2, dp=1),
     "bf16": dict(tp=1, pp=2, dp=2, dtype="bf16"),
     "zero3-pp2": dict(tp=1, pp=2, dp=2, zero=3),
+}
+EXTENDED_LAYOUTS = {
     "hsdp": dict(tp=1, pp=1, dp=4, zero=3, dp_replicate=2),
     "zero2-tp2": dict(tp=2, pp=1, dp=2, zero=2),
 }
+"""Run for every model by the extended suite (`pytest -m extended`); the default suite runs them on the
+zoo (tests/test_runtime_fsdp.py) and through `autoplan suggest` -> `autoplan run`."""
 SHARDED = ("dp2-zero1", "zero3-pp2", "hsdp", "zero2-tp2")
 """Layouts whose optimizer is sharded (ZeRO-1, FSDP): one AdamW step is compared with the plain one."""
 GLOBAL_BATCH = 8
@@ -70,9 +74,9 @@ REFUSED = {("convnet", "tp2"), ("convnet", "tp2-pp2"), ("convnet", "zero2-tp2"),
 row-parallel linear pair); FSDP with tp over a fused q/k/v projection (GPT-2's c_attn)."""
 
 
-def _plans(spec: str, seq_len: int | None):
+def _plans(spec: str, seq_len: int | None, layouts: dict):
     plans, refused = {}, {}
-    for name, pins in LAYOUTS.items():
+    for name, pins in layouts.items():
         pins = dict(pins)
         dtype = pins.pop("dtype", "fp32")
         try:
@@ -145,10 +149,10 @@ def _merged(results: dict, layout: str, key: str) -> dict:
     return merged
 
 
-def _check_model(model_name: str) -> None:
+def _check_model(model_name: str, layouts: dict) -> None:
     spec, seq_len = MODELS[model_name]
-    plans, refused = _plans(spec, seq_len)
-    expected_refused = {layout for (m, layout) in REFUSED if m == model_name}
+    plans, refused = _plans(spec, seq_len, layouts)
+    expected_refused = {layout for (m, layout) in REFUSED if m == model_name and layout in layouts}
     assert set(refused) == expected_refused, f"refused: {refused}"
     for message in refused.values():
         assert "\n" not in message and "tp" in message, message
@@ -195,7 +199,15 @@ def _check_model(model_name: str) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_every_layout_matches_a_single_process_reference(model_name):
-    _check_model(model_name)
+    _check_model(model_name, LAYOUTS)
+
+
+@pytest.mark.multiproc
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_hsdp_and_fsdp_with_tp_match_a_single_process_reference(model_name):
+    _check_model(model_name, EXTENDED_LAYOUTS)
 
 
 
