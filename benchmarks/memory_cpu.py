@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from autoplan.runtime.measure import LiveBytes
+from autoplan.runtime.measure import LiveBytes, storage_key
 
 CASES = [  # (spec, batch, seq)
     ("gpt:num_layers=2,hidden_size=256,num_heads=4,vocab_size=4096,max_seq_len=512", 2, 512),
@@ -47,11 +47,11 @@ def measure(spec: str, batch: int, seq: int, dtype: torch.dtype) -> dict:
     model = build_model(spec, device="cpu", dtype=dtype)
     (ids,) = example_inputs(spec, batch_size=batch, seq_len=seq, device="cpu")
     targets = example_targets(spec, batch_size=batch, seq_len=seq, device="cpu")
-    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    state = {storage_key(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
+        key = storage_key(t.untyped_storage())
         if key not in state:
             saved[key] = t.untyped_storage().nbytes()
         return t

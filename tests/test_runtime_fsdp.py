@@ -216,7 +216,7 @@ def test_fsdp_plans_from_suggest_run_through_autoplan_run(pins, tmp_path):
 MEMORY_MODEL = "llama:num_layers=4,hidden_size=64,num_heads=4,num_kv_heads=2,vocab_size=256,max_seq_len=64"
 MEMORY_LAYOUTS = {"zero0": dict(pp=2, dp=2, zero=0), "zero1": dict(pp=2, dp=2, zero=1),
                   "zero2": dict(pp=2, dp=2, zero=2), "zero3": dict(pp=1, dp=4, zero=3),
-                  "hsdp": dict(pp=1, dp=4, zero=3, dp_replicate=2)}
+                  "hsdp": dict(pp=1, dp=4, zero=3, dp_replicate=2), "zero3-pp2": dict(pp=2, dp=2, zero=3)}
 
 
 def _memory_job(rank, world_size, plans):

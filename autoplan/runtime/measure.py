@@ -19,13 +19,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytes", "held_state_bytes", "storage_bytes"]
+__all__ = ["LiveBytes", "held_state_bytes", "storage_bytes", "storage_key"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """A storage's identity: its StorageImpl, which keeps its address when FSDP frees and regrows the
+    storage in place (`resize_`), where its data pointer changes (counting by data pointer counts a
+    regrown storage once per regrowth)."""
+    return storage._cdata
 
 
 def storage_bytes(tensors: Iterable[Any], seen: set[int] | None = None) -> int:
@@ -37,8 +44,8 @@ def storage_bytes(tensors: Iterable[Any], seen: set[int] | None = None) -> int:
         if not isinstance(t, torch.Tensor):
             continue
         storage = _local(t).untyped_storage()
-        key = storage.data_ptr()
-        if key and key not in seen:
+        key = storage_key(storage)
+        if storage.data_ptr() and key not in seen:
             seen.add(key)
             total += storage.nbytes()
     return total
@@ -66,7 +73,7 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, ignore: set[int] | None = None) -> None:
         super().__init__()
         self.ignore = set() if ignore is None else ignore
-        """data_ptr of storages that are not the ops' (parameters, buffers)."""
+        """`storage_key`s of storages that are not the ops' (parameters, buffers)."""
         self._live: dict[int, weakref.ref] = {}
         self.peak = 0
 
@@ -85,8 +92,8 @@ class LiveBytes(TorchDispatchMode):
             # when the op on it runs.
             if type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu":
                 storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self._live and key not in self.ignore:
+                key = storage_key(storage)
+                if storage.data_ptr() and key not in self._live and key not in self.ignore:
                     self._live[key] = weakref.ref(storage)
                     weakref.finalize(storage, self._forget, key)
                     grew = True
