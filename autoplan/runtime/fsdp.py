@@ -39,11 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FSDPError", "ShardedStage", "finish_step", "shard_stage", "start_step", "unit_paths"]
-
-
-class FSDPError(ValueError):
-    """The plan's sharded data parallelism cannot run this stage (one-line message)."""
+__all__ = ["ShardedStage", "finish_step", "fsdp_roots", "shard_stage", "start_step", "unit_paths"]
 
 
 class ShardedStage(nn.Module):
