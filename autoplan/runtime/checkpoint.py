@@ -678,11 +678,7 @@ class Checkpoint:
     @functools.cached_property
     def optimizer_state(self) -> dict[str, dict[str, Any]]:
         """Per-parameter optimizer state (AdamW: step, exp_avg, exp_avg_sq), whole, by name."""
-        flat = self._load_flat({(n, k): key for n, entries in self.optimizer_keys.items()
-                                for k, key in entries.items()})
-        out: dict[str, dict[str, Any]] = {}
-        for (name, k), value in flat.items():
-            out.setdefault(name, {})[k] = value
+        out = self._load_by_name(self.optimizer_keys)
         for name, canonical in self.aliases.items():
             if name not in out and canonical in out:
                 out[name] = out[canonical]
@@ -691,8 +687,11 @@ class Checkpoint:
     @functools.cached_property
     def hyperparameters(self) -> dict[str, dict[str, Any]]:
         """Each parameter's optimizer group hyperparameters (lr, betas, ...), by name."""
-        flat = self._load_flat({(n, k): key for n, entries in self.hyperparameter_keys.items()
-                                for k, key in entries.items()})
+        return self._load_by_name(self.hyperparameter_keys)
+
+    def _load_by_name(self, keys: Mapping[str, Mapping[str, str]]) -> dict[str, dict[str, Any]]:
+        """{parameter name: {entry: value}} for `keys` ({parameter name: {entry: DCP key}})."""
+        flat = self._load_flat({(n, k): key for n, entries in keys.items() for k, key in entries.items()})
         out: dict[str, dict[str, Any]] = {}
         for (name, k), value in flat.items():
             out.setdefault(name, {})[k] = value
