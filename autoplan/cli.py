@@ -160,6 +160,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_plan(args.plan, model=args.model, steps=args.steps, nproc=args.nproc, trace_path=args.trace,
                     metrics_path=args.metrics, seed=args.seed, timeout_s=args.timeout,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                    skip_nonfinite=args.skip_nonfinite,
                     data=args.data)
 
 
@@ -241,12 +242,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: synthetic batches shaped like the model's example inputs)")
     p.add_argument("--nproc", type=int, help="spawn this many local processes (must equal the plan's GPU count)")
     p.add_argument("--trace", help="write the measured per-action timeline (Chrome trace JSON)")
-    p.add_argument("--metrics", help="write one JSON object per step (step, loss, step_time_s, predicted_step_time_s)")
+    p.add_argument("--metrics", help="append one JSON object per step (run, step, loss, step_time_s, predicted_step_time_s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any rank waits on another before failing")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (step-N/ dirs; shared by all ranks)")
-    p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint every K steps (and after the last)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
+    p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint every K steps (and after the last; default 500 "
+                   "with --checkpoint-dir)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --checkpoint-dir")
+    p.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
+                   help="skip the optimizer step of up to N steps whose loss or gradients are not finite (default 0: "
+                        "the first such step stops the run)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("export-checkpoint", help="write a checkpoint as one torch.save file (one process)",

@@ -312,6 +312,22 @@ class PartitionedModel:
     def parameters(self) -> Iterator[nn.Parameter]:
         return (p for _, p in self._params)
 
+    def nonfinite_stages(self) -> list[int]:
+        """This rank's stages whose gradients hold a NaN or an infinity (after `step`, before the
+        optimizer): one norm per gradient, as Megatron-LM's and torchtitan's gradient-norm checks
+        find them (a non-finite element makes its norm non-finite)."""
+        bad = []
+        for index in sorted(self.stages):
+            grads = []
+            for p in self.stages[index].module.parameters():
+                p = self.precision.master_of.get(id(p), p) if self.precision is not None else p
+                if p.grad is not None:
+                    grad = p.grad
+                    grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+            if grads and not torch.stack(torch._foreach_norm(grads)).isfinite().all():
+                bad.append(index)
+        return bad
+
     def zero_grad(self) -> None:
         for _, p in self._params:
             p.grad = None
@@ -564,7 +580,7 @@ def partition(
         for name, _ in module.named_parameters(remove_duplicate=False):
             if name in aliases:
                 holders.setdefault(aliases[name], []).append(plan.stages[index].pp_rank)
-    layout = build_layout(plan, rank, world_size, device.type, holders)
+    layout = build_layout(plan, rank, world_size, device.type, holders, timeout=timeout)
 
     mine = {s.index: all_modules[s.index] for s in plan.stages if s.pp_rank == layout.pp_index}
     on_meta = any(p.device.type == "meta" for m in mine.values() for p in m.parameters())

@@ -29,7 +29,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -486,50 +485,32 @@ def _stderr_progress(line: str) -> None:
 
 
 def _collectives_spawned(rank: int, world: int, port: int, payload: dict, run_dir: str) -> None:
-    """Entry of a locally spawned rank; failures are recorded as `launch.supervise` reads them."""
-    from autoplan.runtime.launch import fail_rank
-
-    try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-        result = _collectives_rank(payload["device"], payload["sweep"], payload["timeout_s"], _stderr_progress)
-        if result is not None:
-            (Path(run_dir) / "collectives.json").write_text(json.dumps(result))
-    except BaseException as exc:  # noqa: BLE001 - a rank reports everything
-        fail_rank(rank, run_dir, exc)
+    """Entry of a locally spawned rank (`ranks.LocalJob` ties it to the launcher and records its failure)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    result = _collectives_rank(payload["device"], payload["sweep"], payload["timeout_s"], _stderr_progress)
+    if result is not None:
+        (Path(run_dir) / "collectives.json").write_text(json.dumps(result))
 
 
 def _measure_collectives(device: str, nproc: int, sweep: _Sweep, timeout_s: float) -> dict[str, Any]:
     """Spawn `nproc` local ranks (gloo on CPU, NCCL on CUDA) and return rank 0's curves; a rank
     that fails, or a run longer than `timeout_s` overall, raises CalibrationRunError."""
-    import torch.multiprocessing as mp
+    from autoplan.runtime.ranks import LocalJob, free_port
 
-    from autoplan.runtime.launch import free_port, supervise
-
-    ctx = mp.get_context("spawn")
     payload = {"device": device, "sweep": sweep, "timeout_s": timeout_s}
-    with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-") as run_dir:
-        port = free_port()
-        procs = [ctx.Process(target=_collectives_spawned, args=(r, nproc, port, payload, run_dir), daemon=True,
-                             name=f"autoplan-calibrate-{r}") for r in range(nproc)]
-        deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s
 
-        def check_deadline() -> None:
-            if time.monotonic() > deadline:
-                raise CalibrationRunError(f"the collective benchmark did not finish in {timeout_s:g} s")
+    def check_deadline() -> None:
+        if time.monotonic() > deadline:
+            raise CalibrationRunError(f"the collective benchmark did not finish in {timeout_s:g} s")
 
-        try:
-            for p in procs:
-                p.start()
-            if supervise(procs, run_dir, grace_s=5.0, on_poll=check_deadline) != 0:
-                raise CalibrationRunError("the collective benchmark failed (the line above names the rank)")
-            return json.loads((Path(run_dir) / "collectives.json").read_text())
-        finally:
-            for p in procs:
-                if p.pid is not None and p.exitcode is None:
-                    p.kill()
-                    p.join(5)
+    with LocalJob(nproc, name="autoplan-calibrate") as job:
+        job.start(_collectives_spawned, (nproc, free_port(), payload, job.run_dir))
+        if job.supervise(grace_s=5.0, on_poll=check_deadline) != 0:
+            raise CalibrationRunError("the collective benchmark failed (the line above names the rank)")
+        return json.loads((Path(job.run_dir) / "collectives.json").read_text())
 
 
 # ---- the command ----------------------------------------------------------------------------------------

@@ -179,6 +179,8 @@ class PipelineExecutor:
         self.on_weight_grads = on_weight_grads
         """Called after each W action (zb-h1), whose weight gradients autograd does not accumulate
         itself: mixed precision moves them to the fp32 masters (precision.py)."""
+        self.on_action: Callable[[Action], None] | None = None
+        """Called before each action (the launcher's heartbeat records where the rank is)."""
 
     # ------------------------------------------------------------------------------------------
     def run(self, microbatches: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
@@ -200,6 +202,8 @@ class PipelineExecutor:
             ActionKind.SEND_B: self._send_b, ActionKind.RECV_B: self._recv_b,
         }
         for action in self.actions:
+            if self.on_action is not None:
+                self.on_action(action)
             start = time.perf_counter()
             handlers[action.kind](action.stage, action.microbatch)
             trace.append(ActionRecord(action, start, time.perf_counter()))

@@ -2,15 +2,18 @@
 
 Two ways in (DESIGN.md, "Launch"):
 - torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment): this process is one rank.
-- `--nproc N`: spawn N local processes (gloo on CPU, NCCL with one GPU each) on a free port. The
-  launcher polls its children. When one fails (raises, exits non-zero, or is killed by a signal),
+- `--nproc N`: spawn N local processes (gloo on CPU, NCCL with one GPU each) on a free loopback
+  port (`ranks.LocalJob`: the ranks die with the launcher, log to files, beat). The launcher polls
+  its children. When one fails (raises, exits non-zero, is killed by a signal, or stops beating),
   the others get a grace period to fail by themselves (every wait on a peer has a timeout, and a
   dead peer fails the wait at once), then are terminated (SIGTERM, then SIGKILL). The launcher
-  prints one line naming the rank that failed first and why (its error, exit code or signal), and
-  how the others ended, and returns 1.
+  prints one line naming the rank to blame and why (its error, exit code, signal, or where it
+  stopped), how the others ended, and the rank logs, and returns 1. SIGTERM to the launcher kills
+  the ranks and returns 143. A checkpoint directory is locked for the job (`CheckpointDirLock`).
 
-Mistakes found before any communication (missing plan, fingerprint mismatch, wrong world size,
-TP plans, a checkpoint of another model) print one line and return 2.
+Mistakes found before any process starts (missing plan, fingerprint mismatch, wrong world size,
+bad numbers, unwritable outputs, a checkpoint of another model or a locked checkpoint directory)
+print one line and return 2.
 
 Checkpoints and resume (docs/reliability.md): with `checkpoint_dir` and `checkpoint_every=K`,
 every K steps (and after the last step) the ranks save their stages' parameters and AdamW state
@@ -26,6 +29,9 @@ separated by ';', each `KIND@RANK:STEP[:N]` with RANK a number or '*' (every ran
 - `raise@R:S`            rank R raises RuntimeError before step S (0-based)
 - `kill@R:S`             rank R SIGKILLs itself before step S
 - `hang@R:S`             rank R sleeps forever before step S (its peers' timeouts must fire)
+- `stop@R:S`             rank R SIGSTOPs itself before step S (frozen, heartbeat included)
+- `nan@R:S`              rank R makes one gradient element of its stage NaN in step S
+- `nan-weight@R:S`       rank R makes one weight element of its stage NaN before step S (NaN loss)
 - `kill-mid-step@R:S:N`  rank R SIGKILLs itself at its N-th (1-based) P2P transfer of step S
                          (or after its pipeline work of that step, if it has fewer)
 - `kill-in-checkpoint@R:S`  rank R SIGKILLs itself halfway through writing its DCP data file
@@ -36,12 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
+import math
 import os
 import signal
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,29 +55,33 @@ from pathlib import Path
 import torch
 
 from autoplan.plan import Plan, PlanError
+from autoplan.runtime.ranks import LocalJob, current_heartbeat, fail_rank, free_port, one_line, supervise
 
-__all__ = ["fail_rank", "free_port", "load_data_function", "run_plan", "supervise", "synthetic_batch"]
+__all__ = ["CheckpointDirLock", "NonFiniteError", "check_output_file", "fail_rank", "free_port", "load_data_function",
+           "run_plan", "supervise", "synthetic_batch"]
 
 FAULT_ENV = "AUTOPLAN_FAULT"
-_FAULT_KINDS = ("raise", "kill", "hang", "kill-mid-step", "kill-in-checkpoint")
+_FAULT_KINDS = ("raise", "kill", "hang", "stop", "nan", "nan-weight", "kill-mid-step", "kill-in-checkpoint")
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "autoplan.runtime",
                       "autoplan.runtime.checkpoint")
 """Imported once by a forkserver (tests launching many short runs), not by every rank."""
+DEFAULT_CHECKPOINT_EVERY = 500
+"""Steps between checkpoints when only --checkpoint-dir is given: torchtitan's default interval
+(`checkpoint.interval = 500`, torchtitan/config/job_config.py); a save also follows the last step."""
+MAX_STEPS = 100_000_000
+"""More steps than any published pre-training run (Llama 3 405B: about 1.2 M steps, arXiv:2407.21783)."""
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradients hold a NaN or an infinity (and --skip-nonfinite is used up)."""
 
 
 def _error(message: str) -> None:
     print(f"autoplan: error: {message}", file=sys.stderr, flush=True)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _note(message: str) -> None:
+    print(f"autoplan: {message}", file=sys.stderr, flush=True)
 
 
 def _check(plan: Plan, spec: str) -> None:
@@ -92,6 +101,9 @@ def _check(plan: Plan, spec: str) -> None:
     if plan.model_digest and digest and digest != plan.model_digest and spec == plan.model:
         raise ValueError(f"{spec} changed since the plan was made (sha256 {digest[:12]}, the plan has "
                          f"{plan.model_digest[:12]}); re-plan with `autoplan suggest --model {spec} ... --out`")
+    if digest:  # a model file is code every rank runs: say which, before it is imported
+        _note(f"model code: {Path(getattr(source, 'path', spec)).resolve()} (sha256 {digest[:12]}"
+              f"{', as planned' if digest == plan.model_digest else ''})")
     source.check_seq_len(plan.job.seq_len)
     # With tp > 1 this traces the model as partition does, for the layout the profile found.
     check_model(source.build("meta"), plan, source.example_inputs(plan.micro_batch_size, plan.job.seq_len,
@@ -165,7 +177,7 @@ def load_data_function(data: str, plan: Plan, *, check: bool = True):
         result = fn(0, rows, plan.job.seq_len)
     except Exception as exc:
         raise ValueError(f"--data {data}: {spec.function}(0, {rows}, {plan.job.seq_len}) raised "
-                         f"{_one_line(exc)}") from None
+                         f"{one_line(exc)}") from None
     if not (isinstance(result, tuple | list) and len(result) == 2):
         raise ValueError(f"--data {data}: {spec.function}(step, batch_size, seq_len) must return (inputs, target), "
                          f"got {type(result).__name__}")
@@ -196,7 +208,7 @@ def _batch_fn(pm, data: str | None, plan: Plan, seed: int):
 def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace_path: str | None,
            metrics_path: str | None, lr: float, fail_at: tuple[int, int] | None = None, data: str | None = None,
            checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = False,
-           faults: tuple[_Fault, ...] = (), on_phase=None) -> None:
+           faults: tuple[_Fault, ...] = (), skip_nonfinite: int = 0, run_id: str = "", on_phase=None) -> None:
     import torch.distributed as dist
 
     from autoplan.runtime import checkpoint as ckpt
@@ -206,6 +218,9 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     init_distributed(timeout)
     rank = dist.get_rank()
     device = default_device()
+    beat = current_heartbeat()
+    where = beat.at if beat is not None else (lambda step, action: None)
+    where(None, "building its stages")
     pm = partition(spec, plan, device=device, seed=seed, timeout=timeout)
     if on_phase is not None:
         on_phase("built")
@@ -219,18 +234,8 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
 
     start_step = 0
     if resume and checkpoint_dir:
-        # Rank 0 picks the checkpoint so every rank resumes from the same one.
-        chosen = [str(ckpt.latest_checkpoint(checkpoint_dir) or "") if rank == 0 else None]
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(chosen, src=0)
-        if chosen[0]:
-            loaded = ckpt.load_checkpoint(chosen[0])
-            same_layout = loaded.manifest.get("world_size") == dist.get_world_size()
-            start_step = ckpt.restore(loaded, pm, optimizer, strict=True, rank=rank if same_layout else None)
-            if rank == 0:
-                print(f"resumed from {chosen[0]} (step {start_step})", flush=True)
-        elif rank == 0:
-            print(f"no complete checkpoint in {checkpoint_dir}; starting from step 0", flush=True)
+        where(None, "loading a checkpoint")
+        start_step = _resume(ckpt, checkpoint_dir, pm, optimizer, rank)
 
     step_box = [start_step]
     mid_step = [f for f in faults if f.kind == "kill-mid-step" and (f.rank is None or f.rank == rank)]
@@ -245,45 +250,60 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
                         _sigkill_self()
 
         pm.executor.comm.op_hook = hook
+    if beat is not None:
+        pm.executor.on_action = lambda action: where(step_box[0], action)
 
     clock_offset = time.time() - time.perf_counter()  # perf_counter -> epoch seconds, comparable across ranks
     events = []
-    metrics = []
+    skipped = 0
     for step in range(start_step, steps):
         step_box[0] = step
-        if (fail_at is not None and fail_at == (rank, step)) or any(f.hits("raise", rank, step) for f in faults):
-            raise RuntimeError(f"injected failure at step {step}")
-        if any(f.hits("kill", rank, step) for f in faults):
-            _sigkill_self()
-        if any(f.hits("hang", rank, step) for f in faults):
-            while True:
-                time.sleep(3600)
+        where(step, "starting the step")
+        _inject(faults, fail_at, rank, step)
+        if any(f.hits("nan-weight", rank, step) for f in faults):
+            _poison(pm, "weight")
         inputs, targets = make_batch(step)
         start = time.perf_counter()
         loss = pm.step(*inputs, target=targets)
         if any(f.hits("kill-mid-step", rank, step) for f in faults):
             _sigkill_self()  # fewer P2P transfers than asked for: die before the collectives
+        if any(f.hits("nan", rank, step) for f in faults):
+            _poison(pm, "grad")
+        where(step, "checking the loss and gradients")
+        loss_value, nonfinite = _loss_and_nonfinite(pm, loss if rank == loss_src else None, device)
         optimizer_start = time.perf_counter()
-        optimizer.step()
+        if nonfinite:
+            skipped += 1
+            message = f"{nonfinite} at step {step}"
+            if skipped > skip_nonfinite:
+                raise NonFiniteError(f"{message}; stopped (--skip-nonfinite N skips up to N such steps)")
+            if rank == 0:
+                print(f"step {step}  skipped: {message} ({skipped} of --skip-nonfinite {skip_nonfinite})", flush=True)
+            pm.zero_grad()
+        else:
+            where(step, "in the optimizer step")
+            optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time_s = time.perf_counter() - start
         tail = [*pm.last_reductions, ("OPTIMIZER", optimizer_start, start + step_time_s)]
-        # One collective: the loss (only its owner contributes) and the slowest rank's step time.
-        report = torch.tensor([float(loss) if rank == loss_src else -float("inf"), step_time_s], device=device)
-        dist.all_reduce(report, op=dist.ReduceOp.MAX)
-        loss_value, step_time_s = float(report[0]), float(report[1])
+        where(step, "reporting the step time")
+        step_time_s = _slowest(step_time_s, device)
         events += [(str(r.action), r.start_s + clock_offset, r.end_s + clock_offset, step) for r in pm.last_trace]
         events += [(phase, a + clock_offset, b + clock_offset, step) for phase, a, b in tail]
-        if rank == 0:
+        if rank == 0 and not nonfinite:
             print(f"step {step}  loss {loss_value:.4f}  step {step_time_s:.3f} s  "
                   f"predicted {plan.predicted.step_time_s:.3f} s", flush=True)
-            metrics.append({"step": step, "loss": loss_value, "step_time_s": step_time_s,
-                            "predicted_step_time_s": plan.predicted.step_time_s})
-            if metrics_path:  # rewritten every step: a run that dies later keeps what it measured
-                Path(metrics_path).write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        if rank == 0 and metrics_path:  # appended per step: a run that dies later keeps what it measured
+            record = {"run": run_id, "step": step, "loss": loss_value if not nonfinite else None,
+                      "step_time_s": step_time_s, "predicted_step_time_s": plan.predicted.step_time_s}
+            if nonfinite:
+                record["skipped"] = nonfinite
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
         done = step + 1
         if checkpoint_dir and checkpoint_every and (done % checkpoint_every == 0 or done == steps):
+            where(step, f"saving the checkpoint of step {done}")
             path = ckpt.save_checkpoint(
                 checkpoint_dir, done, pm, optimizer, timeout=timeout,
                 extra={"seed": seed, "model": spec, "model_fingerprint": plan.model_fingerprint, "pp": plan.pp,
@@ -291,15 +311,100 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
                 _kill_midway=any(f.hits("kill-in-checkpoint", rank, done) for f in faults))
             if rank == 0:
                 print(f"checkpoint {path}", flush=True)
+    where(steps, "finishing")
     if trace_path:
         gathered = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(events, gathered, dst=0)
         if rank == 0:
             _write_trace(trace_path, gathered)
-    if rank == 0 and metrics_path:
-        Path(metrics_path).write_text("".join(json.dumps(m) + "\n" for m in metrics))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _resume(ckpt, checkpoint_dir: str, pm, optimizer, rank: int) -> int:
+    """Restore the newest good checkpoint (rank 0 picks it, so every rank resumes from the same one);
+    returns the step to start at."""
+    import torch.distributed as dist
+
+    chosen = [str(ckpt.latest_checkpoint(checkpoint_dir) or "") if rank == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    if not chosen[0]:
+        if rank == 0:
+            print(f"no complete checkpoint in {checkpoint_dir}; starting from step 0", flush=True)
+        return 0
+    loaded = ckpt.load_checkpoint(chosen[0])
+    same_layout = loaded.manifest.get("world_size") == dist.get_world_size()
+    start_step = ckpt.restore(loaded, pm, optimizer, strict=True, rank=rank if same_layout else None)
+    if rank == 0:
+        print(f"resumed from {chosen[0]} (step {start_step})", flush=True)
+    return start_step
+
+
+def _inject(faults: tuple[_Fault, ...], fail_at: tuple[int, int] | None, rank: int, step: int) -> None:
+    """The faults that strike before a step (module docstring)."""
+    if (fail_at is not None and fail_at == (rank, step)) or any(f.hits("raise", rank, step) for f in faults):
+        raise RuntimeError(f"injected failure at step {step}")
+    if any(f.hits("kill", rank, step) for f in faults):
+        _sigkill_self()
+    if any(f.hits("stop", rank, step) for f in faults):
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen, threads included, until SIGCONT or SIGKILL
+    if any(f.hits("hang", rank, step) for f in faults):
+        while True:
+            time.sleep(3600)
+
+
+def _poison(pm, what: str) -> None:
+    """Faults `nan` and `nan-weight`: one element of a gradient (or a weight) of this rank's first
+    stage becomes NaN."""
+    for _, p in pm.named_parameters():
+        tensor = p.grad if what == "grad" else p.data
+        if tensor is not None:
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            with torch.no_grad():
+                local.view(-1)[0] = float("nan")
+            return
+
+
+def _loss_and_nonfinite(pm, loss: torch.Tensor | None, device: torch.device) -> tuple[float, str]:
+    """One MAX all-reduce before the optimizer step: the loss (only its owner contributes a value)
+    and whether any stage's loss or gradients hold a NaN or an infinity. Returns the loss and "" or
+    what is not finite ("non-finite loss (stage 3) and gradients in stages 0, 3").
+
+    Why flags, not the loss itself: gloo's MAX of -inf and NaN is -inf, so a NaN loss reduced as a
+    value read as -inf (issue "Faults and hostile input")."""
+    import torch.distributed as dist
+
+    num_stages = pm.plan.num_stages
+    report = torch.zeros(2 + num_stages, device=device)
+    report[0] = -float("inf")
+    if loss is not None:
+        value = float(loss)
+        if math.isfinite(value):
+            report[0] = value
+        else:
+            report[1] = 1.0
+    for stage in pm.nonfinite_stages():
+        report[2 + stage] = 1.0
+    dist.all_reduce(report, op=dist.ReduceOp.MAX)
+    values = report.tolist()
+    bad_stages = [s for s in range(num_stages) if values[2 + s] > 0]
+    parts = []
+    if values[1] > 0:
+        parts.append(f"loss (stage {num_stages - 1})")
+    if bad_stages:
+        parts.append(f"gradients in stage{'s' if len(bad_stages) > 1 else ''} {', '.join(map(str, bad_stages))}")
+    return values[0], ("non-finite " + " and ".join(parts)) if parts else ""
+
+
+def _slowest(step_time_s: float, device: torch.device) -> float:
+    """The slowest rank's step time (what the step took for the job)."""
+    import torch.distributed as dist
+
+    report = torch.tensor([step_time_s], device=device)
+    dist.all_reduce(report, op=dist.ReduceOp.MAX)
+    return float(report[0])
 
 
 def _write_trace(path: str, per_rank: list) -> None:
@@ -343,139 +448,136 @@ class _StartProgress:
                   file=sys.stderr, flush=True)
 
 
-def _spawned(rank: int, world_size: int, port: int, payload: dict, error_dir: str) -> None:
-    """Entry of a spawned rank: on any failure, record it, print one line, and exit 1 at once
-    (os._exit: no interpreter teardown that could wait on a dead peer)."""
-    try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-        payload = dict(payload)
-        plan = Plan.from_dict(payload.pop("plan"))
-        _mark_phase(error_dir, rank, "started")
-        _train(plan, **payload, on_phase=lambda phase: _mark_phase(error_dir, rank, phase))
-    except BaseException as exc:  # noqa: BLE001 - a rank reports everything, KeyboardInterrupt included
-        fail_rank(rank, error_dir, exc)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Done (the process group is destroyed, every file written and closed): leave without the
-    # interpreter's teardown, where C++ destructors of torch's thread pools occasionally abort a
-    # finished rank ("terminate called without an active exception", SIGABRT; seen once in about
-    # a hundred CPU runs).
-    os._exit(0)
+def _loopback_process_group(rank: int, world_size: int, port: int, timeout: timedelta) -> None:
+    """The process group of a local job, reachable from this machine only ([Note: loopback only]).
+
+    [Note: loopback only] `init_process_group` from MASTER_ADDR/MASTER_PORT makes rank 0's TCPStore
+    listen on every interface (`[::]`), whatever MASTER_ADDR says: any host that reaches the machine
+    could connect to a local job. Rank 0 binds the listening socket to 127.0.0.1 itself and hands it
+    to the store (`master_listen_fd`, as torchrun's agent hands over its own socket); gloo and NCCL
+    pick their interfaces from GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, which the launcher sets to
+    the loopback interface unless the user set them."""
+    import torch.distributed as dist
+
+    from autoplan.runtime.api import default_device
+
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(max(128, world_size))
+        store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(default_device())
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def fail_rank(rank: int, error_dir: str, exc: BaseException) -> None:
-    """Record a spawned rank's failure where `supervise` reads it, print one line, exit 1 at once."""
-    line = _one_line(exc)
-    try:
-        record = json.dumps({"time": time.time(), "error": line})
-        tmp = Path(error_dir) / f"rank-{rank}.json.tmp"
-        tmp.write_text(record)
-        os.replace(tmp, Path(error_dir) / f"rank-{rank}.json")
-    except OSError:
-        pass
-    print(f"autoplan: error: rank {rank} failed: {line}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(1)
+def _spawned(rank: int, world_size: int, port: int, payload: dict, run_dir: str) -> None:
+    """Entry of a rank the launcher spawned (through `ranks.LocalJob`, which ties it to the launcher,
+    logs it and records its failure)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(variable, _loopback_interface())
+    payload = dict(payload)
+    plan = Plan.from_dict(payload.pop("plan"))
+    _mark_phase(run_dir, rank, "started")
+    _loopback_process_group(rank, world_size, port, timedelta(seconds=payload["timeout_s"]))
+    _train(plan, **payload, on_phase=lambda phase: _mark_phase(run_dir, rank, phase))
 
 
-# ---- the launcher ----------------------------------------------------------------------------------
+def _loopback_interface() -> str:
+    """The name of the loopback interface ("lo" on Linux, "lo0" on macOS and the BSDs)."""
+    with contextlib.suppress(OSError, AttributeError):
+        for _, name in socket.if_nameindex():
+            if name.startswith("lo"):
+                return name
+    return "lo"
 
 
-def _how(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
+# ---- the checkpoint directory's lock ------------------------------------------------------------
+
+
+LOCK_NAME = ".autoplan.lock"
+
+
+class CheckpointDirLock:
+    """One job per checkpoint directory: an exclusive `flock` on DIR/.autoplan.lock, held by the
+    launcher (or torchrun's rank 0) for the whole run. The file names its holder (host, pid, start
+    time, command) for the refusal's line. A lock left by a job that died is stale by construction:
+    the kernel releases a flock with its holder's last descriptor, so the next job simply takes it
+    (no pid guessing, which fails across hosts). On NFS, `flock` maps to byte-range locks, which
+    NFSv4 servers honour (docs/reliability.md)."""
+
+    def __init__(self, directory: str):
+        self.path = Path(directory) / LOCK_NAME
+        self._file = None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")  # noqa: SIM115 - held open for the run: the lock lives with it
         try:
-            return f"killed by signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise ValueError(f"--checkpoint-dir {str(self.path.parent)!r} is in use by {holder}; wait for that "
+                             f"job to end, stop it, or use another --checkpoint-dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"job pid {os.getpid()} on {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')} ({' '.join(sys.argv[:4])[:120]})\n")
+        handle.flush()
+        self._file = handle
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # releases the flock; the file stays (removing it would race a taker)
+            self._file = None
+
+    def __enter__(self) -> CheckpointDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
-def supervise(procs: list, error_dir: str, grace_s: float, poll_s: float = 0.05, on_poll=None) -> int:
-    """Wait for the ranks; on the first failure give the rest `grace_s` to end, then stop them.
+class _Terminated(Exception):
+    """The launcher got SIGTERM (a scheduler's stop, `kill`): handled as Ctrl-C is."""
 
-    Prints one line naming the first failing rank and its reason; returns 0 or 1.
-    """
-    from multiprocessing.connection import wait
 
-    first_seen: dict[int, float] = {}  # rank -> when the launcher saw it end non-zero
-    stopped: dict[int, str] = {}  # rank -> how the launcher stopped it
-    failure_at = term_at = None
-    while True:
-        alive = [p for p in procs if p.exitcode is None]
-        now = time.monotonic()
-        for r, p in enumerate(procs):
-            if p.exitcode not in (None, 0) and r not in first_seen:
-                first_seen[r] = now
-        if not alive:
-            break
-        if on_poll is not None and not first_seen:
-            on_poll()
-        if first_seen and failure_at is None:
-            failure_at = now
-        if failure_at is not None and term_at is None and now - failure_at >= grace_s:
-            term_at = now
-            for r, p in enumerate(procs):
-                if p.exitcode is None:
-                    stopped[r] = f"stopped by the launcher {grace_s:.0f} s after the failure"
-                    p.terminate()
-        if term_at is not None and now - term_at >= 3.0:
-            for p in alive:
-                p.kill()
-        wait([p.sentinel for p in alive], timeout=poll_s)
-    for p in procs:
-        p.join()
-    if not first_seen:
-        return 0
+@contextlib.contextmanager
+def _sigterm_stops_the_job():
+    """SIGTERM raises in the launcher's main thread, so that `LocalJob` kills the ranks on the way out
+    (a process ended by SIGTERM's default action runs no cleanup)."""
+    def handler(signum, frame):
+        raise _Terminated()
 
-    errors: dict[int, dict] = {}
-    for r in first_seen:
-        with contextlib.suppress(OSError, ValueError):
-            errors[r] = json.loads((Path(error_dir) / f"rank-{r}.json").read_text())
-    failed = [r for r in first_seen if r not in stopped]
-    if not failed:
-        failed = list(first_seen)
-    # The rank that failed first: one killed by a signal (its peers fail *because* it died), else
-    # the earliest recorded error, else the first the launcher saw.
-    signalled = [r for r in failed if procs[r].exitcode < 0]
-    if signalled:
-        primary = min(signalled, key=lambda r: (first_seen[r], r))
-    elif any(r in errors for r in failed):
-        primary = min((r for r in failed if r in errors), key=lambda r: (errors[r]["time"], r))
-    else:
-        primary = min(failed, key=lambda r: (first_seen[r], r))
-
-    def reason(r: int) -> str:
-        code = procs[r].exitcode
-        if r in stopped:
-            return stopped[r]
-        if r in errors and code == 1:
-            text = errors[r]["error"]
-            return f"exit code 1, {text[:160] + '...' if len(text) > 160 else text}"
-        return _how(code)
-
-    code = procs[primary].exitcode
-    if primary in errors and code == 1:
-        head = f"rank {primary} failed: {errors[primary]['error']}"
-    elif code < 0:
-        head = f"rank {primary} was {_how(code)}"
-    else:
-        head = f"rank {primary} exited with code {code}"
-    others = [f"rank {r}: {reason(r)}" for r in range(len(procs)) if r != primary and r in first_seen]
-    ok = [r for r in range(len(procs)) if r not in first_seen]
-    tail = "; ".join(others + ([f"ranks {', '.join(map(str, ok))} exited cleanly"] if ok else []))
-    _error(f"{head}" + (f" (then {tail})" if tail else ""))
-    return 1
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: the caller owns signals
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps: int = 10, nproc: int | None = None,
              trace_path: str | None = None, metrics_path: str | None = None, seed: int = 0, timeout_s: float = 60.0,
              lr: float = 1e-3, checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-             resume: bool = False, data: str | None = None, _fail_at: tuple[int, int] | None = None,
-             _fault: str | None = None,
+             resume: bool = False, data: str | None = None, skip_nonfinite: int = 0,
+             _fail_at: tuple[int, int] | None = None, _fault: str | None = None,
              _grace_s: float = 10.0, _start_method: str = "spawn") -> int:
     """Train `plan` for `steps` steps with AdamW; returns the exit code.
 
@@ -485,71 +587,137 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
 
     `model` overrides the plan's model spec. Without RANK/WORLD_SIZE in the environment, spawns
     `nproc` (default: the plan's GPU count) local processes. `timeout_s` bounds every wait on a
-    peer. `checkpoint_dir` + `checkpoint_every=K` save a checkpoint every K steps and after the
-    last; `resume` continues from the newest complete checkpoint in `checkpoint_dir` (`steps` is
-    the total, so a run resumed at step 3 with steps=6 trains steps 3, 4, 5). `_fail_at=(rank,
-    step)` makes that rank raise before that step; `_fault` (default: $AUTOPLAN_FAULT) injects
-    other faults (module docstring). `_grace_s`: how long the launcher lets the other ranks fail by
-    themselves before it terminates them. `_start_method`: "spawn" (default) or "forkserver".
+    peer. `checkpoint_dir` saves a checkpoint every `checkpoint_every` steps (default
+    DEFAULT_CHECKPOINT_EVERY) and after the last; `resume` continues from the newest good checkpoint
+    in `checkpoint_dir` (`steps` is the total, so a run resumed at step 3 with steps=6 trains steps
+    3, 4, 5). A step whose loss or gradients are not finite stops the run (exit 1, naming the step
+    and the stages), unless fewer than `skip_nonfinite` such steps were skipped so far: then its
+    optimizer step is skipped. `metrics_path` is appended to, one JSON record per step tagged with
+    this run's id. `_fail_at=(rank, step)` makes that rank raise before that step; `_fault`
+    (default: $AUTOPLAN_FAULT) injects other faults (module docstring). `_grace_s`: how long the
+    launcher lets the other ranks fail by themselves before it terminates them. `_start_method`:
+    "spawn" (default) or "forkserver".
     """
+    lock = None
     try:
         plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         spec = model or plan.model
-        if steps < 1:
-            raise ValueError(f"--steps {steps} must be at least 1")
+        _check_run_arguments(steps, timeout_s, lr, seed, skip_nonfinite, checkpoint_every, nproc)
+        for flag, path in (("--metrics", metrics_path), ("--trace", trace_path)):
+            if path is not None:
+                check_output_file(flag, path)
         _check(plan, spec)
         if data is not None:
             load_data_function(data, plan)
         faults = _parse_faults(os.environ.get(FAULT_ENV) if _fault is None else _fault)
-        if checkpoint_every is not None and checkpoint_every < 1:
-            raise ValueError(f"--checkpoint-every {checkpoint_every} must be at least 1")
-        if (checkpoint_every is not None or resume) and not checkpoint_dir:
-            raise ValueError("--checkpoint-every and --resume need --checkpoint-dir DIR")
+        if resume and not checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir DIR")
+        if checkpoint_every is not None and not checkpoint_dir:
+            raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
         if checkpoint_dir is not None:
             checkpoint_dir = str(checkpoint_dir)
+            if not checkpoint_dir.strip():
+                raise ValueError("--checkpoint-dir is empty; name a directory")
             if Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
                 raise ValueError(f"--checkpoint-dir {checkpoint_dir!r} exists and is not a directory")
+            torchrun_rank = int(os.environ.get("RANK", "0")) if "WORLD_SIZE" in os.environ else 0
+            if torchrun_rank == 0:  # the launcher, or torchrun's rank 0, holds it for the job
+                lock = CheckpointDirLock(checkpoint_dir)
+                lock.acquire()
             if resume:
                 _check_resumable(plan, checkpoint_dir)
-    except (PlanError, ValueError) as exc:
+    except (PlanError, ValueError, TypeError) as exc:
+        if lock is not None:
+            lock.release()
         _error(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
         return 2
-    payload = dict(spec=spec, steps=steps, seed=seed, timeout_s=timeout_s, trace_path=trace_path, data=data,
+    if checkpoint_dir is not None and checkpoint_every is None:
+        checkpoint_every = DEFAULT_CHECKPOINT_EVERY
+        if int(os.environ.get("RANK", "0")) == 0:
+            _note(f"checkpoints into {checkpoint_dir} every {checkpoint_every} steps and after the last "
+                  f"(--checkpoint-every K to change)")
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    payload = dict(spec=spec, steps=steps, seed=seed, timeout_s=float(timeout_s), trace_path=trace_path, data=data,
                    metrics_path=metrics_path, lr=lr, fail_at=_fail_at, checkpoint_dir=checkpoint_dir,
-                   checkpoint_every=checkpoint_every, resume=resume, faults=faults)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
-        world_size = int(os.environ["WORLD_SIZE"])
-        if world_size != plan.num_gpus:
-            _error(f"the plan needs {plan.num_gpus} ranks but WORLD_SIZE is {world_size}")
+                   checkpoint_every=checkpoint_every, resume=resume, faults=faults, skip_nonfinite=skip_nonfinite,
+                   run_id=run_id)
+    try:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
+            return _run_this_rank(plan, payload)
+        nproc = plan.num_gpus if nproc is None else nproc
+        if nproc != plan.num_gpus:
+            _error(f"--nproc {nproc} but the plan needs {plan.num_gpus} processes (tp {plan.tp} * pp {plan.pp} * "
+                   f"dp {plan.dp})")
             return 2
-        try:
-            _train(plan, **payload)
-        except Exception as exc:
-            _error(f"rank {os.environ['RANK']} failed: {_one_line(exc)}")
-            return 1
-        return 0
-    nproc = plan.num_gpus if nproc is None else nproc
-    if nproc != plan.num_gpus:
-        _error(f"--nproc {nproc} but the plan needs {plan.num_gpus} processes (tp {plan.tp} * pp {plan.pp} * dp {plan.dp})")
+        payload["plan"] = plan.to_dict()
+        with _sigterm_stops_the_job(), LocalJob(nproc, start_method=_start_method, preload=FORKSERVER_PRELOAD) as job:
+            try:
+                progress = _StartProgress(job.run_dir, nproc)
+                job.start(_spawned, (nproc, free_port(), payload, job.run_dir))
+                return job.supervise(grace_s=_grace_s, on_poll=progress)
+            except _Terminated:
+                job.failed = True
+                _error(f"stopped by SIGTERM; every rank was killed (logs: {job.logs})")
+                return 143
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_this_rank(plan: Plan, payload: dict) -> int:
+    """Under torchrun: train as the rank the environment names; one line on failure."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size != plan.num_gpus:
+        _error(f"the plan needs {plan.num_gpus} ranks but WORLD_SIZE is {world_size}")
         return 2
-    ctx = multiprocessing.get_context(_start_method)
-    if _start_method == "forkserver":  # a no-op once the server runs; it then keeps its own list
-        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    payload["plan"] = plan.to_dict()
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="autoplan-run-") as error_dir:
-        procs = [ctx.Process(target=_spawned, args=(r, nproc, port, payload, error_dir), daemon=True,
-                             name=f"autoplan-rank-{r}") for r in range(nproc)]
-        try:
-            progress = _StartProgress(error_dir, nproc)
-            for p in procs:
-                p.start()
-            return supervise(procs, error_dir, grace_s=_grace_s, on_poll=progress)
-        finally:  # KeyboardInterrupt or a launcher bug: never leave ranks behind
-            for p in procs:
-                if p.pid is not None and p.exitcode is None:
-                    p.kill()
-                    p.join(5)
+    try:
+        _train(plan, **payload)
+    except Exception as exc:
+        _error(f"rank {os.environ['RANK']} failed: {one_line(exc)}")
+        return 1
+    return 0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_run_arguments(steps, timeout_s, lr, seed, skip_nonfinite, checkpoint_every, nproc) -> None:
+    """The numbers of a run, before anything is built (one line each: ValueError or TypeError)."""
+    for flag, value, low in (("--steps", steps, 1), ("--seed", seed, 0), ("--skip-nonfinite", skip_nonfinite, 0)):
+        if not _is_int(value):
+            raise TypeError(f"{flag} must be an integer, got {value!r}")
+        if value < low:
+            raise ValueError(f"{flag} {value} must be at least {low}")
+    for flag, value in (("--checkpoint-every", checkpoint_every), ("--nproc", nproc)):
+        if value is not None and not _is_int(value):
+            raise TypeError(f"{flag} must be an integer, got {value!r}")
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} must be at least 1")
+    if steps > MAX_STEPS:
+        raise ValueError(f"--steps {steps} is more than {MAX_STEPS:,}; train in runs of at most that and --resume")
+    for flag, value in (("--timeout", timeout_s), ("lr", lr)):
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise TypeError(f"{flag} must be a number, got {value!r}")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{flag} {value} must be a finite number above 0")
+
+
+def check_output_file(flag: str, path: str | os.PathLike) -> None:
+    """Refuse, before any work, an output file that could not be written: empty, a directory, or in
+    a directory that does not exist or is not writable."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{flag} must be a path, got {path!r}")
+    if not str(path).strip():
+        raise ValueError(f"{flag} is empty; name a file")
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a directory; name a file")
+    parent = target.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {str(path)!r}: directory {str(parent)!r} does not exist; create it first")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{flag} {str(path)!r} is not writable")
 
 
 def _check_resumable(plan: Plan, checkpoint_dir: str) -> None:

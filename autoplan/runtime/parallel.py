@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -625,10 +626,13 @@ class ParallelLayout:
 
 
 def build_layout(plan, rank: int, world_size: int, device_type: str,
-                 tied_holders: Mapping[str, Sequence[int]]) -> ParallelLayout:
+                 tied_holders: Mapping[str, Sequence[int]], *, timeout: timedelta | None = None) -> ParallelLayout:
     """Mesh and groups for `rank`; collective: every rank calls it with the same arguments.
 
     `tied_holders` maps a tied parameter's canonical name to the pipeline indices that hold a copy.
+    `timeout` bounds every collective of every group made here: torch gives a subgroup its own
+    default (30 minutes on gloo, 10 on NCCL), not the world group's, so a dp peer that hung made its
+    partner wait half an hour in the gradient all-reduce (issue "Faults and hostile input").
     """
     pp_index, dp_index, tp_index = plan.coords(rank)
     stage_rank = {s.index: plan.rank(s.pp_rank, dp_index, tp_index) for s in plan.stages}
@@ -640,8 +644,11 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
 
         layout = torch.tensor([[[[plan.rank(p, r * shard + s, t) for t in range(plan.tp)] for s in range(shard)]
                                 for r in range(replicate)] for p in range(plan.pp)])
-        mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torchtitan flattens them the same way
+        override = _group_options(device_type, timeout)
+        mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+                          backend_override=(override,) * 4)
+        # torchtitan flattens the dp dimensions the same way
+        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=override)
         dp_group = dp_mesh.get_group() if plan.dp > 1 else None
         tp_mesh = mesh["tp"] if plan.tp > 1 else None
         if plan.zero >= 2:
@@ -654,11 +661,20 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
         for d in range(plan.dp):  # new_group is collective: every rank creates every group
             for t in range(plan.tp):
                 ranks = [plan.rank(p, d, t) for p in holders]
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     tie_groups[name] = group
     return ParallelLayout(rank, world_size, pp_index, dp_index, tp_index, plan.pp, plan.dp, plan.tp,
                           stage_rank, mesh, dp_group, tie_groups, tp_mesh, fsdp_mesh)
+
+
+def _group_options(device_type: str, timeout: timedelta | None) -> tuple[str | None, object | None]:
+    """DeviceMesh's (backend, options) for groups whose collectives time out after `timeout`."""
+    if timeout is None:
+        return (None, None)
+    options = dist.ProcessGroupNCCL.Options() if device_type == "cuda" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return (None, options)
 
 
 DP_BUCKET_BYTES = 25 * 2**20
