@@ -6,7 +6,8 @@ Format "autoplan-checkpoint/2": a DCP checkpoint plus our manifest, in one direc
     DIR/step-000123/__0_0.distcp, __1_0.distcp, ...   DCP data (one file per rank)
     DIR/step-000123/.metadata                         DCP metadata (every key's shape, chunks, files)
     DIR/step-000123/manifest.json                     ours, written LAST by rank 0: format, step,
-                                                      every file's size, model fingerprint, layout
+                                                      every file's size and sha256, model
+                                                      fingerprint, layout
 
 The DCP state dict (keys as torchtitan writes them: model FQNs at the top level, the optimizer as
 torch's `flatten_optimizer_state_dict` under "optimizer"):
@@ -26,12 +27,16 @@ level, cuts) and into a plain single-process model (`load_full_state_dict`, `exp
 
 Atomicity: rank 0 creates `DIR/.tmp-step-000123/`; `dcp.save` writes and fsyncs every rank's data
 file, then rank 0 writes `.metadata` (DCP's own tmp-and-rename) once every rank has written; rank 0
-then writes `manifest.json` (tmp, fsync, rename) with every file's size, renames the directory to
-`step-000123` and fsyncs DIR; a last barrier. A checkpoint is *complete* when its directory is named
-`step-*` and its manifest parses and lists files that exist with the recorded sizes; anything else
-(a `.tmp-*` directory, a missing manifest, a short file) is ignored by `latest_checkpoint`, so a
-crash in the middle of a save leaves the previous complete checkpoint as the newest one. DIR must be
-visible to every rank (one node, or a shared filesystem).
+then writes `manifest.json` (tmp, fsync, rename) with every file's size and sha256 ([Note:
+checkpoint checksums]), renames the directory to `step-000123` and fsyncs DIR; a last barrier. A
+checkpoint is *complete* when its directory is named `step-*` and holds a manifest; a directory
+without one (a `.tmp-*` directory, a save that died before its manifest) is what a crash leaves and
+is ignored, so a crash in the middle of a save leaves the previous checkpoint as the newest one. A
+complete checkpoint is *damaged* when `verify_checkpoint` finds a reason (the manifest does not
+parse, names a file outside the directory, a file's size or sha256 differs, ...):
+`choose_checkpoint` / `latest_checkpoint` skip it (and say why) for the newest one that verifies,
+and `load_checkpoint` refuses it. DIR must be visible to every rank (one node, or a shared
+filesystem).
 
 [Note: why not get_state_dict] torch's `get_state_dict` / `set_state_dict` want one nn.Module whose
 parameters the optimizer steps. Here a bf16 plan's optimizer steps fp32 masters that are not the
@@ -47,11 +52,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import stat
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -67,6 +74,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "checkpoint_fingerprint",
+    "choose_checkpoint",
     "export_torch_save",
     "latest_checkpoint",
     "list_checkpoints",
@@ -78,6 +86,7 @@ __all__ = [
     "named_optimizer_state",
     "restore",
     "save_checkpoint",
+    "verify_checkpoint",
 ]
 
 CHECKPOINT_FORMAT = "autoplan-checkpoint/2"
@@ -156,22 +165,32 @@ def _die(stream) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _killing_filesystem(limit: int):
-    """A DCP FileSystem whose data files SIGKILL this process after `limit` bytes (or, if the
-    file ends sooner, before it is closed): `kill-in-checkpoint` in launch.py."""
+def _data_filesystem(kill_after_bytes: int | None = None):
+    """DCP's FileSystem, recording the data files this rank writes (`written`: hashed after the
+    save, [Note: checkpoint checksums]). With `kill_after_bytes`, a data file SIGKILLs this process
+    after that many bytes (or, if the file ends sooner, before it is closed): `kill-in-checkpoint`
+    in launch.py."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    class KillingFileSystem(FileSystem):
+    class DataFileSystem(FileSystem):
+        def __init__(self) -> None:
+            super().__init__()
+            self.written: list[Path] = []
+
         @contextlib.contextmanager
         def create_stream(self, path, mode):
             with super().create_stream(path, mode) as stream:
                 if "w" not in mode or not str(path).endswith(".distcp"):
                     yield stream
                     return
-                yield _KillingStream(stream, limit)
+                self.written.append(Path(path))
+                if kill_after_bytes is None:
+                    yield stream
+                    return
+                yield _KillingStream(stream, kill_after_bytes)
                 _die(stream)
 
-    return KillingFileSystem()
+    return DataFileSystem()
 
 
 # ---- what one rank holds -----------------------------------------------------------------------
@@ -452,15 +471,21 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
     _barrier(timeout)
     state = _with_pieces(_rank_state(pm, optimizer, rank, step, extra))
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+    kill_after_bytes = None
     if _kill_midway:
-        local_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
-        writer.fs = _killing_filesystem(max(1, local_bytes // 2))
+        kill_after_bytes = max(1, sum(t.numel() * t.element_size() for t in _tensors(state)) // 2)
+    writer.fs = _data_filesystem(kill_after_bytes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ..." in a single process
         dcp.save(state, storage_writer=writer, planner=_save_planner())
-    if rank == 0:  # dcp.save returned: every rank's data file and the metadata are durable
+    # dcp.save returned: every rank's data file and the metadata are durable.
+    files = _gather_to_rank0({p.name: _file_entry(p) for p in writer.fs.written})
+    if rank == 0:
         _fsync_dir(tmp)
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.name != MANIFEST}
+        for p in sorted(tmp.iterdir()):  # `.metadata` (rank 0 wrote it), and any file no rank reported
+            if p.name != MANIFEST and p.name not in files:
+                files[p.name] = _file_entry(p)
+        files = dict(sorted(files.items()))
         plan = getattr(pm, "plan", None)
         manifest = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": world_size, "files": files,
                     "time": time.time(), "model_fingerprint": getattr(plan, "model_fingerprint", None),
@@ -479,6 +504,18 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
     return final
 
 
+def _gather_to_rank0(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """On rank 0, every rank's `entries` merged (elsewhere {})."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(entries)
+    rank = dist.get_rank()
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(entries, gathered, dst=0)
+    return {name: entry for part in gathered or [] for name, entry in part.items()}
+
+
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
@@ -493,31 +530,183 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
         yield tree
 
 
-# ---- find and read -------------------------------------------------------------------------------
+# ---- integrity -----------------------------------------------------------------------------------
+
+# [Note: checkpoint checksums]
+# The manifest records every file's size and sha256: `"files": {"__0_0.distcp": {"size": 123,
+# "sha256": "9f86..."}, ".metadata": {...}}`. sha256 rather than zlib.crc32: hashlib's sha256 runs on
+# the SHA extensions of current x86 CPUs, 1.5 GB/s against crc32's 2.2 GB/s (256 MiB in memory, a
+# 2-core x86 VM), so the read costs more than either; `sha256sum FILE` checks a file by hand; and no
+# damaged or swapped file matches by chance (a 32-bit crc misses one random damage in 4e9).
+# Who hashes: each rank the data file it wrote, right after `dcp.save` fsynced it (a re-read, from
+# the page cache, of 1/world-size of the checkpoint per rank, in parallel: about 0.7 s per GB of a
+# rank's file, added to each save), and rank 0 `.metadata`; one gather_object (the collective
+# `dcp.save` itself uses) brings the digests to rank 0, which writes the manifest. Verifying reads the
+# whole checkpoint once: `choose_checkpoint` does it for the checkpoints it tries (newest first, up
+# to the first that verifies), `load_checkpoint` for a path it is given (`checksums=False` where the
+# caller has just verified it, as each rank of a resume after rank 0 chose).
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def _read_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest of a complete checkpoint directory, else None."""
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    """What the manifest records of one file ([Note: checkpoint checksums])."""
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+class _Damaged(Exception):
+    """Why a checkpoint directory cannot be used (one line naming the file)."""
+
+
+def _parse_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at `path`, of the expected shape: format 2, a step count, a
+    size and sha256 for every file (`.metadata` among them), a model fingerprint entry."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
-        return None
+        text = (path / MANIFEST).read_bytes()
+    except OSError as exc:
+        raise _Damaged(f"cannot read {MANIFEST} ({_one_line(exc)})") from None
+    try:
+        manifest = json.loads(text)
+    except ValueError as exc:
+        raise _Damaged(f"{MANIFEST} does not parse ({_one_line(exc)})") from None
+    if not isinstance(manifest, dict):
+        raise _Damaged(f"{MANIFEST} is not a JSON object")
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise _Damaged(f"{MANIFEST} is of format {manifest.get('format')!r}; this version reads {CHECKPOINT_FORMAT}")
+    step = manifest.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise _Damaged(f"{MANIFEST} records step {step!r}, not a count of steps")
     files = manifest.get("files")
-    if not isinstance(files, dict) or ".metadata" not in files or not isinstance(manifest.get("step"), int):
-        return None
-    for fname, size in files.items():
-        try:
-            if (path / fname).stat().st_size != size:
-                return None
-        except OSError:
-            return None
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise _Damaged(f"{MANIFEST} does not list .metadata (DCP's metadata) among its files")
+    for name, entry in files.items():
+        size = entry.get("size") if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        if (not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str)
+                or not _SHA256.fullmatch(digest)):
+            raise _Damaged(f"{MANIFEST} records no size and sha256 of {name!r} (saved before checksums?)")
+    if "model_fingerprint" not in manifest:  # save_checkpoint writes the entry, null without a plan
+        raise _Damaged(f"{MANIFEST} records no model fingerprint")
     return manifest
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint under `directory`, oldest first."""
+def _check_name(name: str) -> None:
+    """A manifest names files of its own directory only: plain names, no path."""
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
+        raise _Damaged(f"{MANIFEST} names {name!r}, not a file of the checkpoint's own directory")
+
+
+def _check_files(path: Path, manifest: Mapping[str, Any]) -> None:
+    """Every file the manifest lists is a regular file in `path` with the recorded size (stat only:
+    no data is read)."""
+    match = _STEP_DIR.match(path.name)
+    if match and int(match.group(1)) != manifest["step"]:
+        raise _Damaged(f"{MANIFEST} records step {manifest['step']}, the directory's name step {int(match.group(1))}")
+    home = path.resolve()
+    for name, entry in manifest["files"].items():
+        _check_name(name)
+        file = path / name
+        if file.resolve().parent != home:
+            raise _Damaged(f"{name} is a link to {str(file.resolve())!r}, outside the checkpoint's directory")
+        try:
+            st = file.stat()
+        except FileNotFoundError:
+            raise _Damaged(f"{name} is missing") from None
+        except OSError as exc:
+            raise _Damaged(f"{name} does not stat ({_one_line(exc)})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise _Damaged(f"{name} is not a regular file")
+        if st.st_size != entry["size"]:
+            raise _Damaged(f"{name} has {st.st_size} bytes, {MANIFEST} records {entry['size']}")
+
+
+def _check_structure(path: Path) -> dict[str, Any]:
+    """The manifest of `path` once it and the files' names, sizes and step check (no data read)."""
+    manifest = _parse_manifest(path)
+    _check_files(path, manifest)
+    return manifest
+
+
+def _check_checksums(path: Path, manifest: Mapping[str, Any]) -> None:
+    """Every listed file's sha256 is the recorded one (reads every file once)."""
+    for name in sorted(manifest["files"], key=lambda n: n != ".metadata"):  # .metadata first: it is unpickled next
+        if _sha256(path / name) != manifest["files"][name]["sha256"]:
+            raise _Damaged(f"{name} does not match its sha256 in {MANIFEST} (one of them changed after the save)")
+
+
+def _read_metadata(path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as exc:
+        raise _Damaged(f"DCP's .metadata does not read ({_one_line(exc)})") from None
+
+
+def _check_needed_files(metadata: Any, manifest: Mapping[str, Any]) -> None:
+    """Every file DCP's metadata reads from is one the manifest lists (and so was checked)."""
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name not in manifest["files"]:
+            raise _Damaged(f"DCP's .metadata reads from {name!r}, a file {MANIFEST} does not list")
+
+
+def _check_saved_steps(checkpoint: Checkpoint) -> None:
+    """Each rank's own record of the step (its `autoplan.rank-R` extra, inside its data file) is the
+    manifest's: a manifest over another checkpoint's files is refused (a few bytes read per rank)."""
+    keys = {r: entries[("extra",)] for r, entries in checkpoint.rank_keys.items() if ("extra",) in entries}
+    try:
+        extras = checkpoint._load_flat(keys)
+    except CheckpointError as exc:
+        raise _Damaged(f"the ranks' records of their step do not read ({_one_line(_cause(exc.__cause__ or exc))})") from None
+    for rank, text in sorted(extras.items()):
+        try:
+            step = json.loads(text).get("step")
+        except (TypeError, ValueError, AttributeError):
+            step = None
+        if step != checkpoint.step:
+            raise _Damaged(f"rank {rank}'s data records step {step}, {MANIFEST} step {checkpoint.step} "
+                           f"(the files of another checkpoint?)")
+
+
+def _open(path: Path, *, checksums: bool) -> Checkpoint:
+    """The checkpoint at `path` once every check of `verify_checkpoint` passes, else _Damaged."""
+    manifest = _check_structure(path)
+    if checksums:
+        _check_checksums(path, manifest)
+    metadata = _read_metadata(path)
+    _check_needed_files(metadata, manifest)
+    try:
+        checkpoint = Checkpoint(path, manifest["step"], manifest, metadata)
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:  # checksums=False and a crafted .metadata
+        raise _Damaged(f"DCP's .metadata holds keys autoplan did not write ({_one_line(exc)})") from None
+    _check_saved_steps(checkpoint)
+    return checkpoint
+
+
+def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> str | None:
+    """Why the checkpoint directory `path` is damaged (one line naming the file), or None if it
+    verifies: its manifest parses, is of format 2 and records a model fingerprint; it names plain
+    files of `path` only (no `/`, `..`, absolute path, or link out of it), each present with its
+    recorded size and (with `checksums`: reads every file) sha256; DCP's metadata reads from those
+    files only; the manifest's step is the directory name's and every rank's own record of it."""
+    try:
+        _open(Path(path), checksums=checksums)
+    except _Damaged as exc:
+        return str(exc)
+    return None
+
+
+# ---- find and read -------------------------------------------------------------------------------
+
+
+def _step_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step in the name, path) of every `step-N` directory under `directory`, oldest first."""
     root = Path(directory)
     if not root.is_dir():
         return []
@@ -525,16 +714,48 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     for entry in root.iterdir():
         match = _STEP_DIR.match(entry.name)
         if match and entry.is_dir():
-            manifest = _read_manifest(entry)
-            if manifest is not None and manifest["step"] == int(match.group(1)):
-                found.append((manifest["step"], entry))
+            found.append((int(match.group(1)), entry))
     return sorted(found)
 
 
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under `directory` (incomplete ones ignored), or None."""
-    found = list_checkpoints(directory)
-    return found[-1][1] if found else None
+def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under `directory` whose manifest, file names,
+    sizes and step check, oldest first (no data read: `choose_checkpoint` checks the sha256s)."""
+    found = []
+    for step, entry in _step_dirs(directory):
+        try:
+            _check_structure(entry)
+        except _Damaged:
+            continue
+        found.append((step, entry))
+    return found
+
+
+def choose_checkpoint(directory: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under `directory` that verifies (`verify_checkpoint`), or None; and
+    (path, reason) of each newer one that does not, newest first.
+
+    A `step-N` directory without a manifest (a save that did not finish) is skipped silently, as
+    `.tmp-*` directories are. Reads the files of the checkpoints it tries, newest first, up to the
+    first that verifies; older ones are not read."""
+    skipped: list[tuple[Path, str]] = []
+    for _, entry in reversed(_step_dirs(directory)):
+        if not os.path.lexists(entry / MANIFEST):
+            continue
+        reason = verify_checkpoint(entry)
+        if reason is None:
+            return entry, skipped
+        skipped.append((entry, reason))
+    return None, skipped
+
+
+def latest_checkpoint(directory: str | os.PathLike, skipped: list[tuple[Path, str]] | None = None) -> Path | None:
+    """The newest checkpoint under `directory` that verifies, or None (`choose_checkpoint`);
+    (path, reason) of each newer damaged one is appended to `skipped`."""
+    chosen, damaged = choose_checkpoint(directory)
+    if skipped is not None:
+        skipped.extend(damaged)
+    return chosen
 
 
 def other_format_checkpoints(directory: str | os.PathLike) -> list[tuple[Path, str]]:
@@ -553,19 +774,25 @@ def other_format_checkpoints(directory: str | os.PathLike) -> list[tuple[Path, s
     return found
 
 
-def _resolve(path: str | os.PathLike) -> Path:
-    """A checkpoint directory itself, or the newest complete one under a root directory."""
-    path = Path(path)
-    if _read_manifest(path) is not None:
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        other = other_format_checkpoints(path)
-        if other:
-            raise CheckpointError(f"{str(other[-1][0])!r} is a checkpoint of format {other[-1][1]}; this version reads "
-                                  f"{CHECKPOINT_FORMAT} (torch.distributed.checkpoint) only")
-        raise CheckpointError(f"no complete checkpoint in {str(path)!r} (a directory step-N/ with {MANIFEST})")
-    return latest
+def _open_or_refuse(path: Path, *, checksums: bool) -> Checkpoint:
+    try:
+        return _open(path, checksums=checksums)
+    except _Damaged as exc:
+        raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {exc}; resume from an older checkpoint "
+                              f"(move this one away) or save it again") from None
+
+
+def _refuse_empty(root: Path, skipped: list[tuple[Path, str]]) -> None:
+    """No checkpoint under `root` verifies: say why in one line."""
+    other = other_format_checkpoints(root)
+    if other:
+        raise CheckpointError(f"{str(other[-1][0])!r} is a checkpoint of format {other[-1][1]}; this version reads "
+                              f"{CHECKPOINT_FORMAT} (torch.distributed.checkpoint) only")
+    if skipped:
+        newest, reason = skipped[0]
+        raise CheckpointError(f"no usable checkpoint in {str(root)!r}: {len(skipped)} damaged, the newest "
+                              f"{newest.name}: {reason}; restore them from a copy or move them away")
+    raise CheckpointError(f"no complete checkpoint in {str(root)!r} (a directory step-N/ with {MANIFEST})")
 
 
 def _dcp_load(path: Path, state: dict[str, Any]) -> None:
@@ -716,19 +943,22 @@ class Checkpoint:
         return {r: s.get("rng") for r, s in self.rank_state.items()}
 
 
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open a checkpoint (a `step-N` directory, or the newest complete one under a root): its
-    manifest and DCP metadata; tensors are read by `restore` or on first use of `params` etc."""
-    from torch.distributed.checkpoint import FileSystemReader
+def load_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> Checkpoint:
+    """Open a checkpoint (a `step-N` directory, or the newest one that verifies under a root): its
+    manifest and DCP metadata; tensors are read by `restore` or on first use of `params` etc.
 
-    path = _resolve(path)
-    manifest = _read_manifest(path)
-    assert manifest is not None
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"cannot read the DCP metadata of {str(path)!r}: {_one_line(exc)}") from exc
-    return Checkpoint(path, manifest["step"], manifest, metadata)
+    A damaged checkpoint (`verify_checkpoint`; with `checksums`, every file is read once) is refused
+    with a one-line CheckpointError before anything is loaded. Under a root, damaged newer ones are
+    skipped with a warning each (`choose_checkpoint` names them)."""
+    path = Path(path)
+    if os.path.lexists(path / MANIFEST):  # a checkpoint directory itself
+        return _open_or_refuse(path, checksums=checksums)
+    chosen, skipped = choose_checkpoint(path)
+    if chosen is None:
+        _refuse_empty(path, skipped)
+    for damaged, reason in skipped:
+        warnings.warn(f"skipping checkpoint {str(damaged)!r}: {reason}", stacklevel=2)
+    return _open_or_refuse(chosen, checksums=False)  # choose_checkpoint has just read every file
 
 
 def load_full_state_dict(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -752,10 +982,10 @@ def export_torch_save(checkpoint_dir: str | os.PathLike, out_file: str | os.Path
     `model_only`: the full model's state dict (`load_full_state_dict`; `model.load_state_dict(
     torch.load(out_file))`). Otherwise everything DCP holds, as torch's `dcp_to_torch_save` writes
     it (model FQNs at the top level, "optimizer", "autoplan")."""
-    path = _resolve(checkpoint_dir)
-    out = Path(out_file)
+    loaded = load_checkpoint(checkpoint_dir)
+    path, out = loaded.path, Path(out_file)
     if model_only:
-        torch.save(load_full_state_dict(path), out)
+        torch.save(loaded.params, out)
         return out
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -796,13 +1026,22 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
     Uses `pm`'s public `state_dict` / `named_parameters` / `aliases` and loads in place. Returns the
     checkpoint's step. A checkpoint of another model (fingerprint), a local tensor missing from it
     (with `strict`) or of another shape: one-line CheckpointError before anything is loaded.
-    `rank` (with `restore_rng`): restore that rank's saved RNG state.
+    `rank` (with `restore_rng`): restore that rank's saved RNG state. `ckpt` was verified by
+    `load_checkpoint`; its files' names and sizes are checked again here (no data read), in case
+    they changed since.
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     where = f"checkpoint {str(ckpt.path)!r}"
+    try:
+        _check_structure(ckpt.path)
+    except _Damaged as exc:
+        raise CheckpointError(f"{where} changed after it was opened: {exc}; open it again (load_checkpoint)") from None
     plan = getattr(pm, "plan", None)
     saved_fp, fp = checkpoint_fingerprint(ckpt.manifest), getattr(plan, "model_fingerprint", None)
+    if fp and not saved_fp:
+        raise CheckpointError(f"{where} records no model fingerprint, so it may be of another model (this "
+                              f"model's is {fp}); resume from a checkpoint saved by a plan of this model")
     if saved_fp and fp and saved_fp != fp:
         layout = ", ".join(f"{k} {v}" for k, v in (ckpt.manifest.get("layout") or {}).items()
                            if k in ("pp", "dp", "tp", "zero"))

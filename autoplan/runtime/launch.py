@@ -208,7 +208,8 @@ def _batch_fn(pm, data: str | None, plan: Plan, seed: int):
 def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace_path: str | None,
            metrics_path: str | None, lr: float, fail_at: tuple[int, int] | None = None, data: str | None = None,
            checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = False,
-           faults: tuple[_Fault, ...] = (), skip_nonfinite: int = 0, run_id: str = "", on_phase=None) -> None:
+           faults: tuple[_Fault, ...] = (), skip_nonfinite: int = 0, run_id: str = "", resume_from: str | None = None,
+           on_phase=None) -> None:
     import torch.distributed as dist
 
     from autoplan.runtime import checkpoint as ckpt
@@ -235,7 +236,7 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     start_step = 0
     if resume and checkpoint_dir:
         where(None, "loading a checkpoint")
-        start_step = _resume(ckpt, checkpoint_dir, pm, optimizer, rank)
+        start_step = _resume(ckpt, checkpoint_dir, resume_from, pm, optimizer, rank)
 
     step_box = [start_step]
     mid_step = [f for f in faults if f.kind == "kill-mid-step" and (f.rank is None or f.rank == rank)]
@@ -321,19 +322,25 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     dist.destroy_process_group()
 
 
-def _resume(ckpt, checkpoint_dir: str, pm, optimizer, rank: int) -> int:
-    """Restore the newest good checkpoint (rank 0 picks it, so every rank resumes from the same one);
-    returns the step to start at."""
+def _resume(ckpt, checkpoint_dir: str, chosen_by_launcher: str | None, pm, optimizer, rank: int) -> int:
+    """Restore the checkpoint the launcher verified (`_check_resumable`; rank 0 chooses where no
+    launcher did, and shares the choice so every rank resumes from the same one); returns the step
+    to start at."""
     import torch.distributed as dist
 
-    chosen = [str(ckpt.latest_checkpoint(checkpoint_dir) or "") if rank == 0 else None]
+    chosen = [chosen_by_launcher]
+    if rank == 0 and chosen[0] is None:
+        path, skipped = ckpt.choose_checkpoint(checkpoint_dir)
+        for damaged, reason in skipped:
+            print(f"checkpoint {damaged} is damaged ({reason}); resuming from {path or 'step 0'}", flush=True)
+        chosen = [str(path or "")]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(chosen, src=0)
     if not chosen[0]:
         if rank == 0:
             print(f"no complete checkpoint in {checkpoint_dir}; starting from step 0", flush=True)
         return 0
-    loaded = ckpt.load_checkpoint(chosen[0])
+    loaded = ckpt.load_checkpoint(chosen[0], checksums=False)  # every file's sha256 was just checked
     same_layout = loaded.manifest.get("world_size") == dist.get_world_size()
     start_step = ckpt.restore(loaded, pm, optimizer, strict=True, rank=rank if same_layout else None)
     if rank == 0:
@@ -599,6 +606,7 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
     "spawn" (default) or "forkserver".
     """
     lock = None
+    resume_from: str | None = None  # the launcher's (or torchrun rank 0's) verified choice; "": none
     try:
         plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         spec = model or plan.model
@@ -624,8 +632,8 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
             if torchrun_rank == 0:  # the launcher, or torchrun's rank 0, holds it for the job
                 lock = CheckpointDirLock(checkpoint_dir)
                 lock.acquire()
-            if resume:
-                _check_resumable(plan, checkpoint_dir)
+            if resume and torchrun_rank == 0:  # verified once (a full read); rank 0 shares the choice
+                resume_from = str(_check_resumable(plan, checkpoint_dir) or "")
     except (PlanError, ValueError, TypeError) as exc:
         if lock is not None:
             lock.release()
@@ -640,7 +648,7 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
     payload = dict(spec=spec, steps=steps, seed=seed, timeout_s=float(timeout_s), trace_path=trace_path, data=data,
                    metrics_path=metrics_path, lr=lr, fail_at=_fail_at, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, resume=resume, faults=faults, skip_nonfinite=skip_nonfinite,
-                   run_id=run_id)
+                   run_id=run_id, resume_from=resume_from)
     try:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
             return _run_this_rank(plan, payload)
@@ -720,25 +728,34 @@ def check_output_file(flag: str, path: str | os.PathLike) -> None:
         raise ValueError(f"{flag} {str(path)!r} is not writable")
 
 
-def _check_resumable(plan: Plan, checkpoint_dir: str) -> None:
-    """Refuse (before spawning) to resume from a checkpoint of another model, or one whose DCP
-    metadata does not read (CheckpointError is a ValueError: one line, exit 2)."""
+def _check_resumable(plan: Plan, checkpoint_dir: str) -> Path | None:
+    """The checkpoint to resume from: the newest that verifies (`checkpoint.choose_checkpoint`: sizes,
+    sha256s, names, step; a damaged newer one is named on stderr and skipped), or None to start at
+    step 0. Refuses, before spawning (one line, exit 2), a checkpoint of another model, a directory
+    whose every checkpoint is damaged, or one holding only checkpoints of an older format."""
     from autoplan.runtime.checkpoint import (
         CHECKPOINT_FORMAT,
         checkpoint_fingerprint,
-        latest_checkpoint,
+        choose_checkpoint,
         load_checkpoint,
         other_format_checkpoints,
     )
 
-    latest = latest_checkpoint(checkpoint_dir)
-    if latest is None:
+    chosen, skipped = choose_checkpoint(checkpoint_dir)
+    if chosen is None:
         other = other_format_checkpoints(checkpoint_dir)
         if other:  # never restart silently from step 0 over checkpoints this version cannot read
             raise ValueError(f"checkpoint {str(other[-1][0])!r} is of format {other[-1][1]}; this version reads "
                              f"{CHECKPOINT_FORMAT} only; use another --checkpoint-dir or drop --resume")
-        return
-    fingerprint = checkpoint_fingerprint(load_checkpoint(latest).manifest)
-    if fingerprint is not None and fingerprint != plan.model_fingerprint:
-        raise ValueError(f"checkpoint {str(latest)!r} is of model fingerprint {fingerprint}, the plan's model is "
+        if skipped:  # nor over damaged ones
+            newest, reason = skipped[0]
+            raise ValueError(f"no checkpoint in {checkpoint_dir!r} verifies ({len(skipped)} damaged; the newest, "
+                             f"{str(newest)!r}: {reason}); move them away to start from step 0, or drop --resume")
+        return None
+    for path, reason in skipped:
+        _note(f"checkpoint {path} is damaged ({reason}); resuming from {chosen}")
+    fingerprint = checkpoint_fingerprint(load_checkpoint(chosen, checksums=False).manifest)  # just verified
+    if fingerprint != plan.model_fingerprint:  # None included: a manifest without a fingerprint is refused
+        raise ValueError(f"checkpoint {str(chosen)!r} is of model fingerprint {fingerprint}, the plan's model is "
                          f"{plan.model_fingerprint}; use another --checkpoint-dir or drop --resume")
+    return chosen
