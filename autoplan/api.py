@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoplan._checks import require, require_int, require_paths, require_strings
 from autoplan.cluster import Cluster, parse_cluster, with_collective_curves
 from autoplan.cost.calibration import Calibrations
 from autoplan.graph import zoo
@@ -20,7 +21,7 @@ from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.profile import Progress, config_info, model_fingerprint, profile_traced
 from autoplan.graph.source import ModelSource, ModuleSource, as_source, trace_with_target
 from autoplan.graph.trace import TracedModel, trace_model
-from autoplan.plan import Job, Plan
+from autoplan.plan import MAX_JOB_SIZE, Job, Plan
 from autoplan.search._gc import gc_paused
 from autoplan.search.space import SearchResult, search_plans
 
@@ -32,7 +33,10 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} cannot be a compute dtype; use one of bf16, fp16, fp32")
         return dtype
+    require("dtype", dtype, str, "a string (bf16, fp16 or fp32) or a torch.dtype")
     try:
         return _DTYPES[dtype.lower()]
     except KeyError:
@@ -84,8 +88,13 @@ def profile_with_graph(
 def _profile_with_graph(model, *, batch_size, seq_len, example_inputs, loss_fn, example_target, dtype, device,
                         leaf_modules, tracer, cache_dir, progress) -> ProfiledModel:
     torch_dtype = parse_dtype(dtype)
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch size {batch_size} must be at least 1")
+    require_int("batch_size", batch_size, high=MAX_JOB_SIZE)
+    require_int("seq_len", seq_len, high=MAX_JOB_SIZE, optional=True)
+    require("device", device, str, "a string (meta, cpu or cuda)")
+    require("tracer", tracer, str, "a string (auto, fx, export or modules)")
+    require_strings("leaf_modules", leaf_modules)
+    if example_inputs is not None:
+        require("example_inputs", example_inputs, (tuple, list), "a tuple or list of the model's inputs")
     source = as_source(model, example_inputs, loss_fn)
     module = source.build("meta")
     if example_inputs is None:
@@ -142,6 +151,7 @@ def _calibrations(calibration: Any) -> Calibrations:
         return Calibrations()
     if isinstance(calibration, Calibrations):
         return calibration
+    require_paths("calibration", calibration)
     if isinstance(calibration, (str, os.PathLike)):
         calibration = [calibration]
     return Calibrations.from_files(list(calibration))
@@ -170,10 +180,12 @@ def suggest_with_stats(
 ) -> tuple[SearchResult, ProfiledModel]:
     """`suggest`, also returning the search statistics and the profiled model. `calibration`: a file
     `autoplan calibrate` wrote (or several, one per GPU type) to use in place of the shipped ones."""
-    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
-        raise ValueError(f"global batch {global_batch!r} must be a positive integer")
-    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
-        raise ValueError(f"sequence length {seq_len!r} must be a positive integer")
+    require_int("global_batch", global_batch, high=MAX_JOB_SIZE)
+    require_int("seq_len", seq_len, high=MAX_JOB_SIZE, optional=True)  # None: the model's own length
+    require("top", top, int, "an integer")  # its range is the search's to refuse (after the cluster is parsed)
+    require("sequence_parallel", pins.get("sequence_parallel"), bool, "True, False or None", optional=True)
+    for name, value in (("intra_node_bw_gbps", intra_node_bw_gbps), ("inter_node_bw_gbps", inter_node_bw_gbps)):
+        require(name, value, (int, float), "a number of GB/s", optional=True)
     if isinstance(cluster, str):
         cluster_obj = parse_cluster(cluster, intra_node_bw_gbps=intra_node_bw_gbps, inter_node_bw_gbps=inter_node_bw_gbps)
     elif isinstance(cluster, Cluster):

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoplan._files import read_json
+from autoplan._files import parse_yaml, read_json, read_text
 
 __all__ = [
     "BASELINE_SCHEMA_VERSION",
@@ -102,18 +102,9 @@ def _type_name(v: object) -> str:
 
 def load_suite(path: str | os.PathLike) -> Suite:
     """Read and validate a suite YAML; see the module docstring for the format."""
-    import yaml
-
     path = Path(path)
-    if not path.exists():
-        raise SuiteError(f"suite file {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SuiteError(f"suite {str(path)!r} is not valid YAML{where}: {problem}") from None
+    text = read_text(path, "suite file", SuiteError, "write one as docs/ci.md describes")
+    data = parse_yaml(text, f"suite {str(path)!r}", SuiteError)
     return parse_suite(data, where=str(path))
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from autoplan import __version__
+from autoplan._files import check_output_file
 
 __all__ = ["main"]
 
@@ -296,6 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
+        for flag in ("out", "plot"):  # an output nobody could write is refused before any work
+            if getattr(args, flag, None) is not None:
+                check_output_file(f"--{flag}", getattr(args, flag))
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("autoplan: interrupted", file=sys.stderr)

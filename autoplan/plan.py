@@ -58,6 +58,13 @@ class PlanError(ValueError):
     """A plan file or object that cannot be used as it is."""
 
 
+JOB_DTYPES = ("bfloat16", "float16", "float32")
+"""Compute dtypes a plan may name (mixed precision with fp32 optimizer state, or fp32 throughout)."""
+MAX_JOB_SIZE = 2**31
+"""Largest global batch or sequence length a plan may carry: far above any run (Llama 3 405B: 16M
+tokens per step, arXiv:2407.21783), low enough that nothing downstream overflows."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Job:
     global_batch: int
@@ -243,7 +250,9 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
-        data = read_json(path, "plan file", PlanError, f"create one with `autoplan suggest --out {path}`")
+        if not isinstance(path, str | os.PathLike):
+            raise TypeError(f"a plan is loaded from a path (a plan JSON file), got {type(path).__name__}")
+        data = read_json(path, "plan file", PlanError, f"create one with `autoplan suggest --out {str(path)!r}`")
         plan = cls.from_dict(data)
         problems = validate(plan)
         if problems:
@@ -306,6 +315,12 @@ def validate(plan: Plan) -> list[str]:
     for name in ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "num_microbatches"):
         if not isinstance(getattr(plan, name), int) or getattr(plan, name) < 1:
             problems.append(f"{name} = {getattr(plan, name)!r} must be a positive integer")
+    job = plan.job
+    for name, value in (("job.global_batch", job.global_batch), ("job.seq_len", job.seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_JOB_SIZE:
+            problems.append(f"{name} = {value!r} must be an integer from 1 to {MAX_JOB_SIZE:,}")
+    if job.dtype not in JOB_DTYPES:
+        problems.append(f"job.dtype {job.dtype!r} is not one of {', '.join(JOB_DTYPES)}")
     if problems:
         return problems
     if plan.tp * plan.pp * plan.dp != num_gpus:

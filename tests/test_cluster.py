@@ -283,7 +283,7 @@ def test_yaml_custom_gpu(tmp_path) -> None:
         ("nodes: 1\ngpus_per_node: 8\ngpu: H100\ninter_node: {bandwidth: 5}\n", "unknown field 'bandwidth'"),
         ("nodes: 1\ngpus_per_node: 8\ngpu: H100\nname: 3\n", "name must be a string"),
         ("- 1\n- 2\n", "expected a mapping"),
-        ("nodes: [1\n", "invalid YAML at line"),
+        ("nodes: [1\n", r"is not valid YAML \(line 2\)"),
     ],
 )
 def test_malformed_yaml(tmp_path, text: str, match: str) -> None:

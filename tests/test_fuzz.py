@@ -7,8 +7,15 @@ documented exception: argparse's own usage errors (a usage line, then `autoplan 
 Planner property: on random small ModelProfiles and clusters, `search_plans` either raises
 PlanningError (a ValueError) or returns plans that all pass `autoplan.plan.validate`.
 
-Inputs stay cheap (tiny zoo models, small clusters) so the whole file runs in well under a minute.
-Crashes fuzzing found are kept at the end as regression tests.
+Nonsense property, for inputs the strategies know are nonsense (a model larger than any published
+one, files nested deeper than any autoplan file, wrong types to the Python API): exit 2 with one line
+(CLI), or ValueError / TypeError with a one-line message (API); never accepted.
+
+Inputs stay cheap (tiny zoo models, small clusters). Generated CLI and API inputs per run: 2,020
+(the `max_examples` below: 500 model specs, 250 cluster strings, 120 cluster YAML files, 150 pin
+sets, 250 plan files, 100 suites, 250 nested files for 9 readers, 400 API calls), plus 150 planner
+profiles; hypothesis runs each test to its `max_examples` (`--hypothesis-show-statistics` prints the
+counts); about 20 s on 2 cores. Crashes fuzzing found are kept at the end as regression tests.
 """
 
 from __future__ import annotations
@@ -67,7 +74,8 @@ small_ints = st.integers(-3, 9)
 # Huge values only where they are refused cheaply; a huge dimension that used to crash is a regression
 # test below; num_layers in the 1e5s is minutes of tracing, not a crash (docs/reliability.md).
 values = st.one_of(small_ints.map(str), st.sampled_from(["0", "-1", "1e3", "nan", "inf", "true", "", "4.5", "0x10",
-                                                         "9" * 40, "1_0", " 2", "٣"]), weird_text)
+                                                         "9" * 40, "1_0", " 2", "٣", "1025", "65537", "1e400",
+                                                         "99999999999999999999", "-inf", "9" * 5000]), weird_text)
 pairs = st.lists(st.tuples(st.one_of(st.sampled_from(ZOO_KEYS), weird_text), values), max_size=6)
 families = st.sampled_from(["gpt", "llama", "gpt2-small", "llama3-8b", "GPT", "nope", "", "gpt:", "x.py", "/tmp/nope.py"])
 
@@ -110,15 +118,31 @@ yaml_trees = st.recursive(
 # ---- CLI: model specs, clusters, YAML, pins --------------------------------------------------------
 
 
-@settings(max_examples=250, **SETTINGS)
+@settings(max_examples=500, **SETTINGS)
 @given(spec=model_specs())
 @example(spec="gpt:num_layers=2,hidden_size=16,num_heads=2")
 @example(spec="llama:num_layers=1,hidden_size=8,num_heads=2,vocab_size=16,max_seq_len=4")
 def test_cli_profile_survives_any_model_spec(spec):
-    check_cli(["profile", "--model", spec, "--json", "--seq-len", "8"])
+    code = check_cli(["profile", "--model", spec, "--json", "--seq-len", "8"])
+    if any(f"{key}={huge}" in spec for key in ZOO_KEYS for huge in ("1025", "65537", "99999999999999999999", "nan",
+                                                                    "inf", "-inf", "1e400")):
+        assert code == 2, spec  # larger than any published model, or not finite: refused
 
 
-@settings(max_examples=150, **SETTINGS)
+@pytest.mark.parametrize("key, value", [("num_layers", "1025"), ("num_layers", "99999999999999999999"),
+                                        ("hidden_size", "65537"), ("vocab_size", str(2**20 + 1)),
+                                        ("max_seq_len", str(2**24 + 1)), ("norm_eps", "nan"), ("norm_eps", "1"),
+                                        ("num_heads", "1025"), ("ffn_hidden_size", str(2**18 + 2))])
+def test_a_model_larger_than_any_published_is_refused_at_once(key, value):
+    started = time.perf_counter()
+    base = {"num_layers": "2", "hidden_size": "16", "num_heads": "2", key: value}
+    spec = "gpt:" + ",".join(f"{k}={v}" for k, v in base.items())
+    code, _, err = run_cli(["suggest", "--model", spec, "--cluster", "1x8xH100-80GB", "--global-batch", "8"])
+    assert code == 2 and err.startswith("autoplan: error: value") and key in err, err
+    assert time.perf_counter() - started < 5
+
+
+@settings(max_examples=250, **SETTINGS)
 @given(cluster=cluster_strings())
 @example(cluster="1x2xH100-80GB")
 def test_cli_suggest_survives_any_cluster_string(cluster):
@@ -137,7 +161,7 @@ def test_cli_suggest_survives_any_cluster_yaml(tmp_path, tree, raw, text):
 pin_values = st.one_of(st.integers(-3, 5), st.sampled_from([0, -1]))
 
 
-@settings(max_examples=80, **SETTINGS)
+@settings(max_examples=150, **SETTINGS)
 @given(pins=st.dictionaries(st.sampled_from(["--tp", "--pp", "--dp", "--micro-batch-size", "--virtual-stages"]),
                             pin_values, max_size=3),
        batch=st.sampled_from([-1, 0, 1, 3, 4]), seq=st.sampled_from([-8, 0, 1, 8]),
@@ -230,6 +254,107 @@ def test_cli_check_survives_any_suite_file(tmp_path, text, baseline):
         (tmp_path / "base.json").write_text(baseline)
         argv += ["--baseline", str(tmp_path / "base.json")]
     check_cli(argv)
+
+
+# ---- nested and huge files, for every reader ---------------------------------------------------------
+
+READERS = ["plan-show", "plan-export", "plan-run", "suite", "baseline", "trace", "cluster", "calibration", "hf-config"]
+
+
+@st.composite
+def nested_texts(draw):
+    """(text, depth, block): JSON or YAML nested `depth` levels, in flow (`[[...]]`, `{"a": {...}}`)
+    or YAML block style (`block`: not JSON at all)."""
+    depth = draw(st.one_of(st.integers(1, 80), st.sampled_from([64, 65, 1000, 5000, 100_000])))
+    style = draw(st.sampled_from(["list", "dict", "block", "mixed"]))
+    if style == "list":
+        return "[" * depth + "]" * depth, depth, False
+    if style == "dict":
+        return '{"a": ' * depth + "1" + "}" * depth, depth, False
+    if style == "block":
+        depth = min(depth, 3000)  # YAML block style: one indentation per level
+        return "".join(" " * i + "k:\n" for i in range(depth)) + " " * depth + "1\n", depth, True
+    return "[" + '{"x": [' * depth + "]}" * depth + "]", 2 * depth + 1, False
+
+
+@settings(max_examples=250, **SETTINGS)
+@given(nested=nested_texts(), reader=st.sampled_from(READERS))
+def test_every_reader_refuses_nesting_deeper_than_any_autoplan_file_in_one_line(tmp_path, plan_text, nested, reader):
+    text, depth, block = nested
+    path = tmp_path / ("f.yaml" if reader in ("suite", "cluster") else "f.json")
+    path.write_text(text)
+    plan = tmp_path / "plan.json"
+    plan.write_text(plan_text)
+    if reader == "hf-config":
+        (tmp_path / "config.json").write_text(text)
+    argv = {"plan-show": ["show", str(path)], "plan-export": ["export", str(path), "--to", "megatron"],
+            "plan-run": ["run", str(path), "--nproc", "999"], "suite": ["check", str(path)],
+            "baseline": ["check", str(tmp_path / "suite.yaml"), "--baseline", str(path)],
+            "trace": ["show", str(plan), "--trace", str(path)],
+            "cluster": ["suggest", "--model", TINY, "--cluster", str(path), *TINY_ARGS, "--top", "0"],
+            "calibration": ["suggest", "--model", TINY, "--cluster", "1x2xH100-80GB", *TINY_ARGS,
+                            "--calibration", str(path)],
+            "hf-config": ["profile", "--model", f"hf:{tmp_path / 'config.json'}"]}[reader]
+    if reader == "baseline":
+        (tmp_path / "suite.yaml").write_text(yaml.safe_dump({"cases": [{"name": "c", "model": TINY,
+                                                                         "cluster": "1x2xH100-80GB", "global_batch": 4,
+                                                                         "seq_len": 8}]}))
+    code = check_cli(argv)
+    assert code in (1, 2), (reader, depth, code)  # nothing nested is a valid file of any kind
+    if depth > 64 and (not block or reader in ("suite", "cluster")):  # block style is YAML only
+        _, _, err = run_cli(argv)
+        assert code == 2 and "more than 64 levels deep" in err, (reader, depth, err[-300:])
+
+
+# ---- the Python API: wrong types and values ----------------------------------------------------------
+
+_WRONG = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), weird_text,
+                   st.lists(st.integers(), max_size=2), st.dictionaries(weird_text, st.integers(), max_size=2),
+                   st.sampled_from([object(), b"bytes", 1j, float("nan"), (1, 2)]))
+_SUGGEST_ARGS = ["model", "cluster", "global_batch", "seq_len", "top", "dtype", "intra_node_bw_gbps", "tracer",
+                 "leaf_modules", "calibration", "tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages",
+                 "recompute", "zero", "dp_replicate", "sequence_parallel", "example_inputs"]
+_VALID = {"model": TINY, "cluster": "1x2xH100-80GB", "global_batch": 4, "seq_len": 8}
+
+
+@settings(max_examples=400, **SETTINGS)
+@given(function=st.sampled_from(["suggest", "profile", "parse_cluster", "partition", "Plan.load"]),
+       argument=st.sampled_from(_SUGGEST_ARGS), value=_WRONG)
+def test_the_api_answers_any_wrong_argument_in_one_line(function, argument, value):
+    """A wrong type or value anywhere in the public API: ValueError or TypeError with one line,
+    before any work that could hang; never AttributeError, KeyError, ZeroDivisionError, ..."""
+    import autoplan
+
+    kwargs = dict(_VALID)
+    if function == "suggest":
+        kwargs[argument] = value
+        call = lambda: autoplan.suggest(**kwargs)  # noqa: E731
+    elif function == "profile":
+        key = {"global_batch": "batch_size", "cluster": "device", "top": "dtype"}.get(argument, argument)
+        if key not in ("model", "batch_size", "seq_len", "dtype", "device", "tracer", "leaf_modules",
+                       "example_inputs"):
+            key = "seq_len"
+        call = lambda: autoplan.profile(**{"model": TINY, "seq_len": 8, key: value})  # noqa: E731
+    elif function == "parse_cluster":
+        call = lambda: autoplan.parse_cluster(value)  # noqa: E731
+    elif function == "partition":
+        call = lambda: autoplan.partition(TINY, value)  # noqa: E731
+    else:
+        call = lambda: autoplan.Plan.load(value)  # noqa: E731
+    started = time.perf_counter()
+    try:
+        result = call()
+    except (ValueError, TypeError) as exc:
+        message = str(exc).strip()
+        assert message and len(message.splitlines()) == 1, (function, argument, value, message)
+        if not message.startswith("the model rejects"):  # the model's own words about inputs it was given
+            assert "object has no attribute" not in message and "not supported between" not in message, message
+    else:
+        assert function in ("suggest", "profile") and result, (function, argument, value)
+        # Accepted only where the generated value happens to be a valid one: None (the default), a
+        # flag, an integer in range, a number, a list (of no leaf modules).
+        assert value is None or isinstance(value, bool | int | float | list), (function, argument, value)
+    assert time.perf_counter() - started < 20
 
 
 # ---- planner -------------------------------------------------------------------------------------
@@ -337,3 +462,40 @@ def test_cli_huge_values_are_refused_quickly(argv):
     code, _, err = run_cli(argv)
     assert code == 2 and err.strip().startswith("autoplan: error:"), err[-600:]
     assert time.perf_counter() - started < 60
+
+
+# ---- nonsense once accepted with exit 0 (issue "Faults and hostile input"): now one line, exit 2 ----
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--virtual-stages", "3"], "virtual_stages=3"),          # was dropped silently (no interleaved plan fits)
+    (["--intra-node-bw", "inf"], "intra_node_bw_gbps must be a finite number"),
+    (["--inter-node-bw", "nan"], "inter_node_bw_gbps must be a finite number"),
+    (["--intra-node-bw", "0"], "intra_node_bw_gbps must be a finite number"),
+    (["--out", ""], "--out is empty"),
+    (["--out", "/nonexistent-dir/p.json"], "does not exist; create it first"),
+])
+def test_suggest_refuses_what_it_once_dropped_or_accepted(extra, words):
+    code, _, err = run_cli(["suggest", "--model", TINY, "--cluster", "1x4xH100-80GB", *TINY_ARGS, *extra])
+    assert code == 2 and err.count("\n") == 1 and words in err, err
+
+
+@pytest.mark.parametrize("field, value, words", [(("job", "seq_len"), 0, "job.seq_len = 0"),
+                                                 (("job", "dtype"), "int8", "job.dtype 'int8'"),
+                                                 (("job", "global_batch"), 2**40, "job.global_batch"),
+                                                 (("job", "seq_len"), True, "job.seq_len")])
+@pytest.mark.parametrize("command", ["show", "export", "run"])
+def test_plan_commands_refuse_a_job_no_model_runs(tmp_path, plan_text, field, value, words, command):
+    data = json.loads(plan_text)
+    data[field[0]][field[1]] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    argv = {"show": ["show", str(path)], "export": ["export", str(path), "--to", "megatron"],
+            "run": ["run", str(path), "--steps", "1"]}[command]
+    code, _, err = run_cli(argv)
+    assert code == 2 and err.count("\n") == 1 and words in err, err
+
+
+def test_a_spec_with_a_non_finite_float_is_refused():
+    code, _, err = run_cli(["profile", "--model", TINY + ",norm_eps=nan"])
+    assert code == 2 and "norm_eps must be a finite number" in err, err

@@ -42,6 +42,7 @@ from typing import Any
 
 import networkx as nx
 
+from autoplan._files import parse_yaml
 from autoplan.cluster.devices import GPU, GPUS, ClusterSpecError, cpu_device, get_gpu
 
 __all__ = [
@@ -621,20 +622,13 @@ def _count(text: str, what: str, spec: str) -> int:
 
 
 def _load_yaml(path: Path) -> Cluster:
-    import yaml
-
     try:
         text = path.read_text()
     except OSError as e:
         raise ClusterSpecError(
             f"cannot read cluster file {str(path)!r}: {e.strerror or e}; check the path"
         ) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ClusterSpecError(f"{path}: invalid YAML{at}; fix the syntax") from None
+    data = parse_yaml(text, f"cluster file {str(path)!r}", ClusterSpecError)
     cluster = _from_mapping(data, str(path))
     if not cluster.name:
         cluster = dataclasses.replace(cluster, name=path.stem)
@@ -786,7 +780,12 @@ def _yaml_number(value: Any) -> Any:
     return value
 
 
+MAX_LINK_GBPS = 1e5
+"""No link is faster (NVLink 5: 900 GB/s per GPU per direction); a bigger figure is a typo."""
+
+
 def _bw_arg(name: str, value: float) -> float:
-    if not _is_number(value) or not value > 0:
-        raise ClusterSpecError(f"{name} must be a positive number of GB/s, got {value!r}")
+    if not _is_number(value) or not math.isfinite(value) or not 0 < value <= MAX_LINK_GBPS:
+        raise ClusterSpecError(f"{name} must be a finite number of GB/s above 0 and at most {MAX_LINK_GBPS:g}, "
+                               f"got {value!r}")
     return float(value) * _GB

@@ -30,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from autoplan._files import read_json
 from autoplan.cluster import GPU
 
 __all__ = ["CALIBRATION_SCHEMA", "Calibration", "CalibrationError", "Calibrations", "default_calibration",
@@ -146,12 +147,7 @@ class Calibration:
 def load_calibration(path: str | Path) -> Calibration:
     """Read a calibration file; a missing or malformed one raises CalibrationError (one line)."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CalibrationError(f"calibration file {path} not found; write one with `autoplan calibrate --out {path}`") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CalibrationError(f"calibration file {path} is not readable JSON ({exc}); re-run `autoplan calibrate`") from None
+    data = read_json(path, "calibration file", CalibrationError, f"write one with `autoplan calibrate --out {path}`")
     if not isinstance(data, dict):
         raise CalibrationError(f"calibration file {path}: expected a JSON object")
     return Calibration.from_dict(data, where=str(path))

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoplan._files import read_json
 from autoplan.graph.source import (
     InputTemplate,
     ModelSource,
@@ -196,10 +197,7 @@ class HFSource(ModelSource):
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise SourceError(f"hf: {str(path)!r} holds no config.json; point hf: at a model directory or its config.json")
-        try:
-            data = json.loads(file.read_text())
-        except (OSError, ValueError) as exc:
-            raise SourceError(f"hf: {str(file)!r} is not valid JSON ({str(exc).splitlines()[0]}); fix the file") from None
+        data = read_json(file, "hf: config", SourceError, "point hf: at a model directory or its config.json")
         model_type = data.pop("model_type", None) if isinstance(data, dict) else None
         if model_type not in transformers.CONFIG_MAPPING:
             types = sorted(transformers.CONFIG_MAPPING.keys())

@@ -67,11 +67,36 @@ class ModelSpecError(ValueError):
 # Configs
 
 
+UPPER_BOUNDS: dict[str, float] = {
+    "num_layers": 1024,          # published dense and MoE models: at most 128 (Megatron-LM's 1T, arXiv:2104.04473)
+    "hidden_size": 65536,        # at most 25600 (the same 1T model); PaLM 540B: 18432 (arXiv:2204.02311)
+    "num_heads": 1024,           # at most 160 (the 1T model's 160 heads)
+    "num_kv_heads": 1024,
+    "ffn_hidden_size": 262144,   # 4 x the widest hidden size
+    "vocab_size": 2**20,         # at most 262144 (Gemma 3's tokenizer)
+    "max_seq_len": 2**24,        # at most 10M tokens (Llama 4 Scout's context)
+    "rope_theta": 1e12,          # Llama 3: 5e5; long-context variants up to about 1e8
+    "norm_eps": 1.0,
+}
+"""Largest value of each config field a spec may give: well above every published model (the
+sources beside each), low enough that a model of these sizes still fits some cluster's memory
+(about 5e13 parameters at the bounds) and that tracing it ends in seconds. Without them
+`gpt:num_layers=99999999999999999999` traced for ever (issue "Faults and hostile input")."""
+
+
 def _check_positive(config: object, names: tuple[str, ...]) -> None:
+    """Each field finite, above 0 and at most its UPPER_BOUNDS entry."""
     for name in names:
         value = getattr(config, name)
-        if value <= 0:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ModelSpecError(f"value {value!r} for {name} must be a finite number")
+        if not value > 0:
             raise ModelSpecError(f"value {value!r} for {name} must be positive")
+        bound = UPPER_BOUNDS.get(name)
+        if bound is not None and (value >= bound if name == "norm_eps" else value > bound):
+            limit = "below 1" if name == "norm_eps" else f"at most {bound:,g}" if isinstance(bound, float) else \
+                f"at most {bound:,}"
+            raise ModelSpecError(f"value {value!r} for {name} must be {limit} (larger than any published model)")
 
 
 def _check_heads(hidden_size: int, num_heads: int) -> None:

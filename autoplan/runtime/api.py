@@ -493,7 +493,7 @@ class PartitionedModel:
 
 def partition(
     model: nn.Module | str | ModelSource,
-    plan: Plan,
+    plan: Plan | str | os.PathLike,
     *,
     example_inputs: Sequence[Any] | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -516,6 +516,11 @@ def partition(
     follows the model's output. The default process group is initialized from the torchrun
     environment when none exists.
     """
+    if isinstance(plan, str | os.PathLike):  # a plan file, as `autoplan run` takes it
+        plan = Plan.load(plan)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan (autoplan.suggest(...)[0]) or a plan file's path, got "
+                        f"{type(plan).__name__}")
     leaf_modules = plan.leaf_modules if leaf_modules is None else leaf_modules  # traced as planned
     tracer = plan.tracer if tracer is None else tracer
     try:

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from autoplan._files import check_output_file
 from autoplan.plan import Plan, PlanError
 from autoplan.runtime.ranks import LocalJob, current_heartbeat, fail_rank, free_port, one_line, supervise
 
@@ -709,23 +710,6 @@ def _check_run_arguments(steps, timeout_s, lr, seed, skip_nonfinite, checkpoint_
             raise TypeError(f"{flag} must be a number, got {value!r}")
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"{flag} {value} must be a finite number above 0")
-
-
-def check_output_file(flag: str, path: str | os.PathLike) -> None:
-    """Refuse, before any work, an output file that could not be written: empty, a directory, or in
-    a directory that does not exist or is not writable."""
-    if not isinstance(path, str | os.PathLike):
-        raise TypeError(f"{flag} must be a path, got {path!r}")
-    if not str(path).strip():
-        raise ValueError(f"{flag} is empty; name a file")
-    target = Path(path)
-    if target.is_dir():
-        raise ValueError(f"{flag} {str(path)!r} is a directory; name a file")
-    parent = target.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {str(path)!r}: directory {str(parent)!r} does not exist; create it first")
-    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise ValueError(f"{flag} {str(path)!r} is not writable")
 
 
 def _check_resumable(plan: Plan, checkpoint_dir: str) -> Path | None:

@@ -226,6 +226,8 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict)
 
 def _schedules(profile: ModelProfile, pp: int, m: int, pins: dict) -> list[tuple[str, int]]:
     pinned = pins.get("schedule")
+    if (pins.get("virtual_stages") or 1) > 1:  # only interleaving has virtual stages: a pin of v > 1 is one of it
+        pinned = "interleaved-1f1b"
     if pp == 1:
         # One stage: every schedule is the same sequence of forwards and backwards.
         return [(pinned or "1f1b", 1)] if pinned in (None, "1f1b", "gpipe", "zb-h1") else []
