@@ -253,3 +253,20 @@ def test_bad_run_arguments_are_one_line_before_any_process_starts(plan_file, tmp
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("autoplan: error: ") and words in lines[0], lines
     assert time.monotonic() - start < 20  # refused before spawning (a launch takes longer)
+
+
+def test_run_says_which_model_file_every_rank_imports_and_refuses_one_changed_since_planning(tmp_path, capsys):
+    model = tmp_path / "model.py"
+    model.write_text((Path(__file__).parents[1] / "examples" / "custom_model.py").read_text())
+    plan = tmp_path / "p.json"
+    assert main(["suggest", "--model", f"{model}:build", "--cluster", "1x2xA100-80GB", "--global-batch", "4",
+                 "--seq-len", "16", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(plan), "--nproc", "999"]) == 2  # checked, then refused before spawning
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith(f"autoplan: every rank imports {model.resolve()} (sha256 ") and "as planned" in lines[0]
+    assert len(lines) == 2 and lines[1].startswith("autoplan: error: --nproc 999"), lines
+    model.write_text(model.read_text() + "\n# changed\n")
+    assert main(["run", str(plan)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "changed since the plan was made" in lines[0], lines

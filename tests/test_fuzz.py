@@ -51,7 +51,9 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
 
 
 def check_cli(argv: list[str]) -> int:
+    started = time.perf_counter()
     code, _, err = run_cli(argv)
+    assert time.perf_counter() - started < 20, argv  # no hang: every generated input ends in seconds
     assert code in (0, 1, 2), (argv, code, err[-2000:])
     assert "Traceback" not in err, (argv, err[-4000:])
     if code == 2:

@@ -88,7 +88,7 @@ def _note(message: str) -> None:
 def _check(plan: Plan, spec: str) -> None:
     """Everything that can be checked before a process is spawned: the model builds, is the one
     the plan was made for (structure, and the file it comes from), and takes the plan's inputs."""
-    from autoplan.graph.source import parse_source
+    from autoplan.graph.source import FileSource, parse_source
     from autoplan.runtime.api import check_model
 
     try:
@@ -102,8 +102,8 @@ def _check(plan: Plan, spec: str) -> None:
     if plan.model_digest and digest and digest != plan.model_digest and spec == plan.model:
         raise ValueError(f"{spec} changed since the plan was made (sha256 {digest[:12]}, the plan has "
                          f"{plan.model_digest[:12]}); re-plan with `autoplan suggest --model {spec} ... --out`")
-    if digest:  # a model file is code every rank runs: say which, before it is imported
-        _note(f"model code: {Path(getattr(source, 'path', spec)).resolve()} (sha256 {digest[:12]}"
+    if isinstance(source, FileSource):  # a model file is code every rank runs: say which, before importing it
+        _note(f"every rank imports {Path(source.path).resolve()} (sha256 {digest[:12]}"
               f"{', as planned' if digest == plan.model_digest else ''})")
     source.check_seq_len(plan.job.seq_len)
     # With tp > 1 this traces the model as partition does, for the layout the profile found.
