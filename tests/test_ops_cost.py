@@ -106,7 +106,7 @@ def test_a_bad_calibration_file_is_one_line(tmp_path):
                                 "memory": {"bandwidth_efficiency": 0.8, "kernel_floor_s": 5e-6}}))
     with pytest.raises(CalibrationError, match=r"gemm.efficiency.bf16 must be a number in \(0, 1\]"):
         load_calibration(path)
-    with pytest.raises(CalibrationError, match="not found"):
+    with pytest.raises(CalibrationError, match="does not exist"):
         load_calibration(tmp_path / "missing.json")
 
 
@@ -125,7 +125,7 @@ def test_suggest_uses_a_calibration_file_through_the_cli(tmp_path, capsys):
     calibrated = json.loads(capsys.readouterr().out)["plans"][0]["predicted"]["step_time_s"]
     assert calibrated > shipped * 1.2
     assert cli_main([*args, "--calibration", str(tmp_path / "nope.json")]) == 2
-    assert "not found" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_the_api_takes_a_calibration_object():
