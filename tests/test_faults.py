@@ -114,6 +114,7 @@ def _loopback(address: str) -> bool:
             or address.startswith("0000:0000:0000:0000:0000:ffff:7f"))
 
 
+@pytest.mark.extended  # about 30 s: in `.ci/run`'s second pass, with the other long multi-process tests
 @pytest.mark.timeout(180)
 def test_a_killed_launcher_takes_its_ranks_along_and_a_job_listens_on_loopback_and_locks_its_checkpoints(
         plan_file, tmp_path):
@@ -156,6 +157,7 @@ def test_a_killed_launcher_takes_its_ranks_along_and_a_job_listens_on_loopback_a
     assert (ckpt / "step-000002" / "manifest.json").exists()  # --checkpoint-dir alone: saved after the last step
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(120)
 def test_sigterm_to_the_launcher_stops_every_rank(plan_file, tmp_path):
     tmpdir = tmp_path / "tmp"
@@ -175,6 +177,7 @@ def test_sigterm_to_the_launcher_stops_every_rank(plan_file, tmp_path):
         job.wait(10)
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(150)
 def test_a_frozen_rank_is_named_whichever_it_is(plan_file, capsys):
     """SIGSTOP (the `stop` fault: the rank stops itself, threads included, as `kill -STOP` does) of
