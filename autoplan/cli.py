@@ -77,6 +77,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     console = _console()
     console.print(f"[dim]{result.traced.note}[/dim]")
     console.print(profile_table(result.profile))
+    if result.profile.extra.get("timing_dtype_note"):
+        console.print(f"note: {result.profile.extra['timing_dtype_note']}")
     spread = result.profile.extra.get("timing_spread") or {}
     if spread.get("median") is not None:  # a timed profile: how far each block's repeats disagreed
         console.print(f"timing spread ((max - min) / median of each block's repeats): median {spread['median']:.1%}, "

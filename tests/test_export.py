@@ -1,142 +1,138 @@
-"""Exports of a plan to torchtitan (TOML), Megatron-LM (arguments) and DeepSpeed (JSON)."""
+"""What every export target shares (autoplan/report/export): refusals in one line with exit 2, the
+`--allow-approx` contract (every difference at the top of the file and on stderr), the stage and
+model-shape helpers. Each target's own checks, with the target's code, are in test_export_<target>.py."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-import tomllib
+from export_cases import CASES, GPT, SMALL_LLAMA, case
 
-import autoplan
-from autoplan.report.export import ExportError, export_plan, stage_layer_counts
+from autoplan.report.export import (
+    EXPORT_TARGETS,
+    ExportError,
+    export_plan,
+    model_shape,
+    stage_layer_counts,
+    stage_layer_ranges,
+)
 
-SMALL = "gpt:num_layers=8,hidden_size=256,num_heads=4,vocab_size=1024,max_seq_len=256"
-
-# Real Megatron-LM flags (megatron/training/arguments.py); every exported flag must be one of them.
-MEGATRON_FLAGS = {
-    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
-    "--micro-batch-size", "--global-batch-size", "--seq-length", "--num-layers", "--sequence-parallel",
-    "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--use-distributed-optimizer",
-    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--bf16", "--fp16", "--use-torch-fsdp2",
-}
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def _plan(**pins):
-    kw = dict(pp=4, tp=1, dp=1, schedule="1f1b", micro_batch_size=2) | pins
-    return autoplan.suggest(SMALL, "1x4xA100-80GB", global_batch=16, seq_len=256, **kw)[0]
+def _autoplan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autoplan", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
 
 
-@pytest.fixture(scope="module")
-def plan():
-    return _plan()
+def test_unknown_targets_and_non_plans_are_refused_in_one_line():
+    with pytest.raises(ExportError, match="unknown export target 'nemo'; use one of torchtitan, megatron, deepspeed"):
+        export_plan(case("gpt"), "nemo")
+    with pytest.raises(ExportError, match="takes a Plan"):
+        export_plan({"tp": 1}, "megatron")
 
 
-@pytest.fixture(scope="module")
-def interleaved():
-    return _plan(pp=2, dp=2, schedule="interleaved-1f1b", virtual_stages=2, zero=1)
+@pytest.mark.parametrize("target", list(EXPORT_TARGETS))
+@pytest.mark.parametrize("name", CASES)
+def test_an_export_is_exact_refused_or_approximate_with_every_difference_on_top(target, name):
+    """Per (target, case): either the target states the plan exactly (no differences), or it refuses
+    without --allow-approx in one line that names the way out, and with it lists every difference
+    before the configuration itself starts."""
+    plan = case(name)
+    try:
+        exact = export_plan(plan, target)
+    except ExportError as refusal:
+        message = str(refusal)
+        assert "\n" not in message and message
+        try:
+            approx = export_plan(plan, target, allow_approx=True)
+        except ExportError as again:  # no nearest config at all (a model the target lacks): same words
+            assert str(again) == message
+            assert "--allow-approx" not in message
+            return
+        assert "--allow-approx" in message and approx.differences
+        assert approx.differences[0] in message
+        head = approx.text[: len(approx.text) // 2 + 200]
+        for difference in approx.differences:
+            assert difference in head or difference.replace('"', '\\"') in head, (target, name, difference)
+        return
+    assert exact.differences == () and exact.target == target and exact.text and exact.command
 
 
-def _megatron_args(text: str) -> dict[str, str | None]:
-    body = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
-    start, end = body.index("MEGATRON_ARGS=("), body.index(")")
-    tokens = shlex.split(" ".join(body[start + 1:end]))
-    args: dict[str, str | None] = {}
-    for tok in tokens:
-        if tok.startswith("--"):
-            args[tok] = None
-            last = tok
-        else:
-            args[last] = tok
-    return args
+def test_stage_layers_follow_the_cuts():
+    plan = case("empty-last-stage")
+    assert stage_layer_counts(plan) == [2, 3, 3, 0]
+    assert [list(r) for r in stage_layer_ranges(plan)] == [[0, 1], [2, 3, 4], [5, 6, 7], []]
+    interleaved = case("interleaved-uneven")
+    assert sum(stage_layer_counts(interleaved)) == 12 and len(interleaved.stages) == 6
 
 
-def test_torchtitan(plan):
-    cfg = tomllib.loads(export_plan(plan, "torchtitan"))
-    par = cfg["parallelism"]
-    assert (par["pipeline_parallel_degree"], par["tensor_parallel_degree"]) == (4, 1)
-    assert par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] == plan.dp
-    assert par["pipeline_parallel_schedule"] == "1F1B"
-    assert par["pipeline_parallel_microbatch_size"] == plan.micro_batch_size
-    parts = par["module_fqns_per_model_part"]
-    assert len(parts) == plan.num_stages
-    assert parts[0][:2] == ["tok_embeddings", "pos_embeddings"]
-    expected = [list(plan.block_names[s.first_block:s.end_block]) for s in plan.stages]
-    expected[0] = ["tok_embeddings", "pos_embeddings"] + expected[0][1:]
-    assert parts == expected
-    assert cfg["activation_checkpoint"]["mode"] == plan.recompute
-    assert cfg["training"]["global_batch_size"] == 16
+def test_model_shapes_from_zoo_presets_specs_and_hugging_face_configs(tmp_path):
+    llama = model_shape(case("preset-llama3-8b"))
+    assert (llama.family, llama.preset, llama.num_layers, llama.hidden_size, llama.num_kv_heads,
+            llama.ffn_hidden_size, llama.vocab_size, llama.rope_theta, llama.tie_embeddings) == (
+        "llama", "llama3-8b", 32, 4096, 8, 14336, 128256, 500000.0, False)
+    small = model_shape(case("default"))
+    assert (small.preset, small.num_heads, small.num_kv_heads, small.hidden_size) == (None, 4, 2, 256)
+    assert SMALL_LLAMA.startswith("llama:") and GPT.startswith("gpt:")
+    gpt = model_shape(case("gpt"))
+    assert (gpt.family, gpt.tie_embeddings, gpt.rope_theta, gpt.ffn_hidden_size) == ("gpt", True, None, 1024)
+
+    import autoplan
+    pytest.importorskip("transformers")
+    hf = autoplan.suggest("hf:llama:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+                          "intermediate_size=160,vocab_size=300", "1x2xA100-80GB", global_batch=4, seq_len=64)[0]
+    shape = model_shape(hf)
+    assert (shape.family, shape.hf_model_type, shape.num_layers, shape.num_kv_heads, shape.ffn_hidden_size,
+            shape.vocab_size) == ("llama", "llama", 2, 2, 160, 300)
+    bert = autoplan.suggest("hf:bert:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,intermediate_size=128,"
+                            "vocab_size=300", "1x2xA100-80GB", global_batch=4, seq_len=64)[0]
+    assert model_shape(bert) is None  # not a decoder any target's model definition has: each target refuses
 
 
-def test_torchtitan_interleaved_and_zb(interleaved):
-    text = export_plan(interleaved, "torchtitan")
-    par = tomllib.loads(text)["parallelism"]
-    assert par["pipeline_parallel_schedule"] == "Interleaved1F1B"
-    assert len(par["module_fqns_per_model_part"]) == 4
-    assert par["data_parallel_shard_degree"] == 2 and "FSDP" in text
-    zb = export_plan(_plan(schedule="zb-h1"), "torchtitan")
-    assert tomllib.loads(zb)["parallelism"]["pipeline_parallel_schedule"] == "1F1B"
-    assert "# zb-h1" in zb and "ZeroBubble" in zb
+@pytest.mark.slow
+def test_the_cli_refuses_with_exit_2_and_writes_nothing_then_allow_approx_lists_every_difference(tmp_path):
+    """The user's path: `suggest --out`, `export --to X --out F` (refused: exit 2, one line, no file),
+    `export --allow-approx` (exit 0, each difference on stderr and at the top of F, the run command)."""
+    plan = tmp_path / "p.json"
+    done = _autoplan("suggest", "--model", SMALL_LLAMA, "--cluster", "1x4xA100-80GB", "--global-batch", "16",
+                     "--seq-len", "512", "--pp", "4", "--tp", "1", "--dp", "1", "--schedule", "zb-h1", "--out",
+                     str(plan), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for target in EXPORT_TARGETS:
+        out = tmp_path / f"{target}.out"
+        refused = _autoplan("export", str(plan), "--to", target, "--out", str(out), cwd=tmp_path)
+        if refused.returncode == 0:  # this target runs zb-h1 as planned: nothing to approximate
+            assert "approximate:" not in refused.stderr and "run it: " in refused.stderr
+            continue
+        assert refused.returncode == 2, refused.stderr
+        lines = refused.stderr.strip().splitlines()
+        assert len(lines) == 1 and "--allow-approx" in lines[0] and "Traceback" not in refused.stderr
+        assert not out.exists()
+        approx = _autoplan("export", str(plan), "--to", target, "--out", str(out), "--allow-approx", cwd=tmp_path)
+        assert approx.returncode == 0, approx.stderr
+        listed = [line.removeprefix("approximate: ") for line in approx.stderr.splitlines()
+                  if line.startswith("approximate: ")]
+        assert listed and "run it: " in approx.stderr
+        plural = "s" if len(listed) > 1 else ""
+        assert f"({len(listed)} difference{plural} from the plan, listed at its top)" in approx.stderr
+        text = out.read_text()
+        for difference in listed:
+            assert difference[:60] in text[: len(text) // 2 + 200]
 
 
-def test_megatron(plan, interleaved):
-    args = _megatron_args(export_plan(plan, "megatron"))
-    assert set(args) <= MEGATRON_FLAGS
-    assert args["--tensor-model-parallel-size"] == "1" and args["--pipeline-model-parallel-size"] == "4"
-    assert args["--micro-batch-size"] == "2" and args["--global-batch-size"] == "16"
-    assert args["--num-layers"] == "8"
-    iargs = _megatron_args(export_plan(interleaved, "megatron"))
-    assert set(iargs) <= MEGATRON_FLAGS
-    assert iargs["--num-layers-per-virtual-pipeline-stage"] == "2"
-    assert "--use-distributed-optimizer" in iargs
+def test_a_model_file_plan_is_refused_by_the_targets_that_lack_its_model():
+    """A model file (the repo's example) has no counterpart in torchtitan's or Megatron's model
+    definitions: no nearest config exists, so even --allow-approx refuses, in one line."""
+    import autoplan
 
-
-def test_megatron_uneven_cuts(plan):
-    # Stages of 1, 3, 3, 1 layers: the first and last stage counts must be passed explicitly.
-    cuts = (0, 2, 5, 8, 11)
-    stages = tuple(dataclasses.replace(s, first_block=a, end_block=b)
-                   for s, a, b in zip(plan.stages, cuts[:-1], cuts[1:]))
-    uneven = dataclasses.replace(plan, stages=stages)
-    assert stage_layer_counts(uneven) == [1, 3, 3, 1]
-    text = export_plan(uneven, "megatron")
-    args = _megatron_args(text)
-    assert set(args) <= MEGATRON_FLAGS
-    assert args["--decoder-first-pipeline-num-layers"] == "1"
-    assert args["--decoder-last-pipeline-num-layers"] == "1"
-    ds = json.loads(export_plan(uneven, "deepspeed"))
-    assert ds["_autoplan_pipeline"]["layer_boundaries"] == list(cuts)
-
-
-def test_deepspeed(plan):
-    cfg = json.loads(export_plan(plan, "deepspeed"))
-    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * plan.dp
-    assert cfg["gradient_accumulation_steps"] == plan.num_microbatches
-    assert cfg["zero_optimization"]["stage"] == plan.zero
-    pipe = cfg["_autoplan_pipeline"]
-    assert pipe["num_stages"] == 4 and pipe["layer_boundaries"] == list(plan.boundaries)
-    assert isinstance(cfg["_comment"], list) and any("partition_method" in c for c in cfg["_comment"])
-    assert "custom" not in json.dumps(pipe)
-
-
-def test_unknown_target(plan):
-    with pytest.raises(ExportError, match="unknown export target 'jax'.*torchtitan, megatron, deepspeed"):
-        export_plan(plan, "jax")
-
-
-def test_export_command_writes_file(plan, tmp_path, capsys):
-    import argparse
-
-    from rich.console import Console
-
-    from autoplan.report.commands import register
-
-    plan.save(tmp_path / "plan.json")
-    parser = argparse.ArgumentParser(prog="autoplan")
-    register(parser.add_subparsers(dest="command"), lambda stderr=False: Console(stderr=stderr))
-    args = parser.parse_args(["export", str(tmp_path / "plan.json"), "--to", "deepspeed", "--out", str(tmp_path / "ds.json")])
-    assert args.func(args) == 0
-    assert json.loads((tmp_path / "ds.json").read_text())["train_batch_size"] == 16
-    args = parser.parse_args(["export", str(tmp_path / "plan.json"), "--to", "megatron"])
-    assert args.func(args) == 0
-    assert "--pipeline-model-parallel-size 4" in capsys.readouterr().out
+    plan = autoplan.suggest(f"{ROOT / 'examples' / 'custom_model.py'}:build", "1x2xA100-80GB", global_batch=8,
+                            seq_len=64)[0]
+    assert model_shape(plan) is None
+    for target in ("torchtitan", "megatron"):
+        with pytest.raises(ExportError) as refusal:
+            export_plan(plan, target, allow_approx=True)
+        assert "\n" not in str(refusal.value) and "--allow-approx" not in str(refusal.value)

@@ -232,3 +232,16 @@ def test_deferred_code_block_runs_like_an_eager_one():
     assert dict(deferred.named_parameters()).keys() == dict(eager.named_parameters()).keys()
     torch.testing.assert_close(deferred(ids), eager(ids))
     assert deferred.code == eager.code
+
+
+def test_cpu_without_half_precision_instructions_times_in_fp32(monkeypatch):
+    from autoplan.graph.profile import timing_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    dtype, note = timing_dtype("cpu", torch.bfloat16)
+    assert dtype == torch.float32 and "timed in fp32" in note and "bfloat16" in note
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert timing_dtype("cpu", torch.bfloat16) == (torch.bfloat16, None)
+    assert timing_dtype("cpu", torch.float32) == (torch.float32, None)
+    assert timing_dtype("meta", torch.bfloat16) == (torch.bfloat16, None)

@@ -101,8 +101,10 @@ def _check(kind, plan, results, i, *, rtol=1e-5, atol=1e-6):
             torch.testing.assert_close(grad, ref_grads[name], rtol=rtol, atol=atol,
                                        msg=lambda m, n=name, r=rank: f"rank {r} grad {n}: {m}")
             # Adam divides by the root of the second moment: gradients near zero carry summation-order
-            # differences into the step at about 1e-5 (lr 1e-2).
-            torch.testing.assert_close(res[i]["params"][name], ref_params[name], rtol=1e-4, atol=1e-4,
+            # differences into the step, usually about 1e-5 (lr 1e-2); on an AVX2-only EPYC one element
+            # of 8,192 in a tp-sharded MLP weight differed by 1.3e-4 after 3 steps (1.3% of one step),
+            # so the bound is 2e-4: still two orders of magnitude under a wrong step (lr = 1e-2).
+            torch.testing.assert_close(res[i]["params"][name], ref_params[name], rtol=1e-4, atol=2e-4,
                                        msg=lambda m, n=name, r=rank: f"rank {r} param {n} after {STEPS} steps: {m}")
             seen.add(name)
     assert {n for n, _ in zoo.build_model(kind, device="meta").named_parameters()} <= seen

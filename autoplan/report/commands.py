@@ -43,8 +43,13 @@ def register(subparsers: argparse._SubParsersAction, console_factory: ConsoleFac
     p = subparsers.add_parser("export", help="write a plan as a torchtitan, Megatron-LM or DeepSpeed configuration")
     p.add_argument("plan", help="plan JSON written by `autoplan suggest --out`")
     p.add_argument("--to", required=True, dest="target", metavar="{torchtitan,megatron,deepspeed}",
-                   help="torchtitan (TOML), megatron (shell arguments) or deepspeed (JSON config)")
-    p.add_argument("--out", help="write to this file instead of stdout")
+                   help="torchtitan (config-registry Python file, 0.3), megatron (Megatron-LM arguments, "
+                        "core 0.16), deepspeed (JSON config and PipelineModule arguments, 0.19)")
+    p.add_argument("--out", help="write to this file instead of stdout (torchtitan: a .py file; its stem is the "
+                                 "--module its command line names)")
+    p.add_argument("--allow-approx", action="store_true",
+                   help="where the target cannot state the plan exactly, write the nearest config with every "
+                        "difference listed at its top and on stderr (default: refuse, exit 2)")
     p.set_defaults(func=lambda args: cmd_export(args, console_factory))
 
 
@@ -125,15 +130,22 @@ def cmd_export(args: argparse.Namespace, console_factory: ConsoleFactory) -> int
     from autoplan.report.export import export_plan
 
     plan = Plan.load(args.plan)
-    text = export_plan(plan, args.target)
+    export = export_plan(plan, args.target, allow_approx=args.allow_approx, filename=args.out)
+    err = console_factory(stderr=True)
+    for difference in export.differences:
+        err.print(f"approximate: {difference}", markup=False, highlight=False, soft_wrap=True)
     if args.out:
         out = Path(args.out)
         tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text)
+        tmp.write_text(export.text)
         tmp.replace(out)
-        console_factory(stderr=True).print(f"wrote the {args.target} configuration to {args.out}")
+        err.print(f"wrote the {export.target} configuration to {args.out}"
+                  + (f" ({len(export.differences)} difference{'s' if len(export.differences) > 1 else ''} from the "
+                     "plan, listed at its top)" if export.differences else ""), markup=False, highlight=False,
+                  soft_wrap=True)
+        err.print(f"run it: {export.command}", markup=False, highlight=False, soft_wrap=True)
     else:
-        print(text, end="")
+        print(export.text, end="")
     return 0
 
 

@@ -1,0 +1,187 @@
+"""What every export target shares: the result type, refusals, the plan's stages in layers, and the
+model's shape as the targets' model definitions need it.
+
+A target never falls back silently. Where it cannot state part of a plan it records a *difference*
+(one sentence: what the plan says, what the written config does instead, and what that changes);
+`export_plan` refuses an export with differences unless the user passed `--allow-approx`, and then
+the differences head the written file and go to stderr. Where no nearest config exists (a model the
+target does not have), the target raises `ExportError` itself.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from autoplan.plan import Plan
+
+__all__ = [
+    "Export",
+    "ExportError",
+    "TransformerShape",
+    "plan_summary",
+    "model_shape",
+    "stage_blocks",
+    "stage_layer_counts",
+    "stage_layer_ranges",
+    "stage_lines",
+]
+
+
+class ExportError(ValueError):
+    """An export that cannot be made, in one line naming the problem and the fix; the CLI exits 2."""
+
+
+@dataclass(frozen=True)
+class Export:
+    """A written configuration."""
+
+    target: str
+    """The target's name, as `--to` takes it."""
+    text: str
+    """The file's contents; any differences are listed at its top."""
+    command: str
+    """The command line that runs the file (also written inside it)."""
+    differences: tuple[str, ...] = ()
+    """How the written config differs from the plan; empty when the target states the plan exactly."""
+    notes: tuple[str, ...] = field(default=())
+    """What the user must still supply (data, tokenizer, launcher), not a difference from the plan."""
+
+
+# ---- stages as layers ------------------------------------------------------------------------
+
+_LAYER_RE = re.compile(r"^(?:.*\.)?layers\.(\d+)(?:\..*)?$")
+
+
+def stage_blocks(plan: Plan) -> list[list[str]]:
+    """The block names of every (virtual) stage, in stage order (stage s runs on pp rank s % pp)."""
+    return [list(plan.block_names[s.first_block:s.end_block]) for s in plan.stages]
+
+
+def _layer_indices(blocks: list[str]) -> list[int]:
+    return sorted({int(m.group(1)) for b in blocks if (m := _LAYER_RE.match(b))})
+
+
+def stage_layer_counts(plan: Plan) -> list[int]:
+    """Transformer layers (distinct `layers.N` indices) per (virtual) stage, in stage order."""
+    return [len(_layer_indices(blocks)) for blocks in stage_blocks(plan)]
+
+
+def stage_layer_ranges(plan: Plan) -> list[range]:
+    """The layer indices of every (virtual) stage as a range; raises ExportError if a stage's layers
+    are not consecutive (a plan cuts a chain of blocks, so they always are)."""
+    ranges = []
+    for index, blocks in enumerate(stage_blocks(plan)):
+        layers = _layer_indices(blocks)
+        if layers and layers != list(range(layers[0], layers[-1] + 1)):
+            raise ExportError(f"stage {index} holds layers {layers}, which are not consecutive; re-plan the model")
+        ranges.append(range(layers[0], layers[-1] + 1) if layers else range(0))
+    return ranges
+
+
+# ---- comments every target writes ------------------------------------------------------------
+
+def plan_summary(plan: Plan) -> list[str]:
+    """Three lines: the plan, its layout, its prediction."""
+    layout = (f"tp {plan.tp} x pp {plan.pp} x dp {plan.dp}; {plan.schedule}"
+              + (f" with {plan.virtual_stages} virtual stages per rank" if plan.virtual_stages > 1 else "")
+              + f"; {plan.num_microbatches} micro-batches of {plan.micro_batch_size}; recompute {plan.recompute}; "
+              f"zero {plan.zero}" + (f" (HSDP {plan.dp_replicate} x {plan.dp_shard})" if plan.dp_replicate > 1 else "")
+              + ("; sequence parallel" if plan.sequence_parallel else "") + f"; {plan.job.dtype}")
+    return [f"autoplan plan for {plan.model} on {plan.cluster.get('name', '?')} ({plan.num_gpus} GPUs)",
+            layout,
+            f"predicted: {plan.predicted.step_time_s:.4f} s/step, {plan.predicted.tokens_per_s:,.0f} tokens/s, "
+            f"MFU {plan.predicted.mfu:.1%}, peak {plan.predicted.peak_memory_bytes / 2**30:.2f} GiB/GPU"]
+
+
+def stage_lines(plan: Plan) -> list[str]:
+    """One line per (virtual) stage: its pp rank and its blocks."""
+    return [f"stage {s.index} (pp rank {s.pp_rank}): blocks {s.first_block}..{s.end_block - 1} "
+            f"({s.first_block_name} .. {s.last_block_name})" for s in plan.stages]
+
+
+# ---- the model's shape -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """A decoder-only transformer as the targets' own model definitions describe one."""
+
+    family: str
+    """"llama" (RMSNorm, rotary positions, SwiGLU, no biases) or "gpt" (LayerNorm, learned
+    positions, GELU MLP, biases)."""
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_seq_len: int
+    """Positions the model accepts (learned position rows, or the rotary tables' length)."""
+    tie_embeddings: bool
+    norm_eps: float
+    rope_theta: float | None = None
+    """Rotary base; None for learned positions."""
+    preset: str | None = None
+    """The zoo preset the plan names unchanged (e.g. "llama3-8b"), else None."""
+    hf_model_type: str | None = None
+    """For `hf:` sources: the transformers model type (e.g. "llama")."""
+    hf_path: str | None = None
+    """For `hf:PATH` sources: the directory (or config.json) the plan was made from."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+# transformers model types whose decoder is Llama's (RMSNorm, rope, SwiGLU, GQA, no biases) and
+# whose config uses Llama's field names (transformers' LlamaConfig, MistralConfig).
+_HF_LLAMA_LIKE = ("llama", "mistral")
+
+
+def model_shape(plan: Plan) -> TransformerShape | None:
+    """The plan's model as a TransformerShape: zoo gpt / llama specs and presets, and `hf:` sources
+    of a Llama-like model type (llama, mistral); None for anything else (model files, other
+    Hugging Face types), which a target then refuses in its own words."""
+    text = plan.model
+    if text.startswith("hf:"):
+        return _hf_shape(text)
+    from autoplan.graph import zoo
+
+    try:
+        spec = zoo.parse_model_spec(text)
+    except zoo.ModelSpecError:
+        return None
+    config = spec.config
+    if config is None:  # a model file
+        return None
+    preset = spec.name if spec.name in zoo.PRESETS else None
+    if isinstance(config, zoo.LlamaConfig):
+        return TransformerShape("llama", config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+                                config.ffn_hidden_size, config.vocab_size, config.max_seq_len, config.tie_embeddings,
+                                config.norm_eps, rope_theta=config.rope_theta, preset=preset)
+    return TransformerShape("gpt", config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+                            config.ffn_hidden_size, config.vocab_size, config.max_seq_len, config.tie_embeddings,
+                            config.norm_eps, preset=preset)
+
+
+def _hf_shape(text: str) -> TransformerShape | None:
+    from autoplan.graph.hf import HFSource
+    from autoplan.graph.source import SourceError
+
+    try:
+        source = HFSource.from_spec(text)
+    except (SourceError, ImportError) as exc:
+        raise ExportError(f"cannot read the plan's model {text!r}: {exc}") from None
+    config = source._config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _HF_LLAMA_LIKE or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return None
+    heads = config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    theta = float(theta if theta is not None else getattr(config, "rope_theta", 10000.0))
+    return TransformerShape(
+        "llama", config.num_hidden_layers, config.hidden_size, heads,
+        getattr(config, "num_key_value_heads", None) or heads, config.intermediate_size, config.vocab_size,
+        config.max_position_embeddings, bool(getattr(config, "tie_word_embeddings", False)), float(config.rms_norm_eps),
+        rope_theta=theta, hf_model_type=model_type, hf_path=str(source.path) if source.path is not None else None)

@@ -1,0 +1,377 @@
+"""Megatron-LM export: the plan as the full argument list of Megatron-LM's `pretrain_gpt.py`
+(Megatron-LM core_v0.16.1, megatron-core 0.16.1), written as a bash file.
+
+The file defines `MEGATRON_ARGS` (model shape, parallel layout, schedule, recompute, sharding, batch
+and precision) and, when executed rather than sourced, runs `torchrun ... pretrain_gpt.py
+"${MEGATRON_ARGS[@]}" ... "$@"`. Flag names and rules are those of Megatron-LM's
+`megatron/training/arguments.py` at core_v0.16.1 (recorded in
+tests/data/megatron_lm_core_v0.16.1_flags.json) and of megatron-core's `TransformerConfig`.
+
+The stage cuts go into `--pipeline-model-parallel-layout` (megatron-core
+`PipelineParallelLayerLayout`): one `|`-separated entry per (virtual) stage in stage order, `E`
+for the embedding, `t` per transformer layer, `L` for the loss (output layer and final norm). It
+states any cut autoplan makes, uneven middle stages and empty stages included, and sets the
+virtual stages (entries / pp), which the older `--decoder-first/last-pipeline-num-layers` flags
+cannot (validate_args / TransformerConfig refuse 0 layers and uneven middles).
+
+docs/export-megatron.md has the mapping table and what does not translate.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+
+from autoplan.plan import Plan
+from autoplan.report.export.common import (
+    Export,
+    ExportError,
+    TransformerShape,
+    model_shape,
+    plan_summary,
+    stage_layer_counts,
+    stage_lines,
+)
+
+__all__ = ["MEGATRON_VERSION", "pipeline_layout", "write"]
+
+MEGATRON_VERSION = "core_v0.16.1"
+"""The Megatron-LM release whose flags and rules this target writes."""
+
+# Flags that choose the training data; the run defaults add --mock-data only when none is given,
+# because validate_args allows a single data source.
+_DATA_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
+               "--data-args-path", "--per-split-data-args-path")
+
+# What a plan does not fix but pretrain_gpt.py needs to start: an iteration count and a learning
+# rate (megatron/training/training.py builds the optimizer and the loop from them). They come before
+# "$@", so a flag given on the command line overrides them (argparse keeps the last value).
+_RUN_DEFAULTS = (("--train-iters", "100"), ("--lr", "1.0e-4"))
+
+
+def pipeline_layout(plan: Plan) -> str:
+    """The plan's stages as Megatron's `--pipeline-model-parallel-layout` string: per stage in
+    stage order (stage s on pp rank s % pp, virtual stage s // pp: PipelineParallelLayerLayout's
+    own order), `E` on the first stage, `t*N` for its N layers, `L` on the last stage."""
+    counts = stage_layer_counts(plan)
+    entries = []
+    for index, count in enumerate(counts):
+        entry = "E" if index == 0 else ""
+        entry += "t" * count if count <= 1 else f"t*{count}"
+        entry += "L" if index == len(counts) - 1 else ""
+        entries.append(entry)
+    return "|".join(entries)
+
+
+def write(plan: Plan, *, filename: str | None = None) -> Export:
+    """The plan as a bash file of Megatron-LM arguments; see the module docstring."""
+    shape = model_shape(plan)
+    if shape is None:
+        raise ExportError(
+            f"Megatron-LM's pretrain_gpt.py builds only GPT and Llama-like decoders, and autoplan cannot "
+            f"read {plan.model!r} as one; plan a zoo gpt/llama spec or preset, or an hf: llama/mistral "
+            f"model, or export this plan to torchtitan")
+    differences: list[str] = []
+    notes: list[str] = []
+    sections = [
+        ("model (the plan's model, as megatron-core's GPTModel builds it)", _model_args(plan, shape, differences)),
+        ("vocabulary (tokenizer.py build_tokenizer: --padded-vocab-size is the model's vocabulary)",
+         _vocab_args(plan, shape, differences)),
+        ("parallelism and pipeline stages", _parallel_args(plan, differences)),
+        ("activation recompute", _recompute_args(plan)),
+        ("data-parallel sharding", _sharding_args(plan, shape, differences)),
+        ("batch and precision", _batch_args(plan, differences)),
+    ]
+    notes += _notes(plan, shape)
+    name = filename or "megatron_args.sh"
+    command = f"MEGATRON_LM=/path/to/Megatron-LM bash {shlex.quote(name)}"
+    nodes = _nodes(plan)[1]
+    if nodes > 1:
+        command = f"NODE_RANK=<0..{nodes - 1}> MASTER_ADDR=<first node> " + command
+    text = _render(plan, sections, differences, notes, command, uses_fsdp=_uses_fsdp(sections))
+    return Export("megatron", text, command, tuple(differences), tuple(notes))
+
+
+# ---- model -----------------------------------------------------------------------------------
+
+Arg = tuple[str, "str | None"]
+
+
+def _model_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> list[Arg]:
+    if plan.tp > 1 and shape.num_heads % plan.tp:
+        # TransformerConfig.__post_init__: num_attention_heads must be a multiple of tp.
+        raise ExportError(f"Megatron-LM needs the {shape.num_heads} attention heads divisible by tp {plan.tp}; "
+                          "re-plan with a tp that divides them")
+    if shape.num_kv_heads % plan.tp and plan.tp % shape.num_kv_heads:
+        # TransformerConfig.__post_init__: num_query_groups must be a multiple or a divisor of tp.
+        raise ExportError(f"Megatron-LM needs the {shape.num_kv_heads} key/value heads to be a multiple or a "
+                          f"divisor of tp {plan.tp}; re-plan with such a tp")
+    if plan.job.seq_len > shape.max_seq_len:
+        # validate_args: max_position_embeddings >= seq_length.
+        raise ExportError(f"sequence length {plan.job.seq_len} exceeds the model's {shape.max_seq_len} positions, "
+                          "which Megatron-LM refuses; re-plan with a shorter --seq-len")
+    args: list[Arg] = [
+        ("--num-layers", str(shape.num_layers)),
+        ("--hidden-size", str(shape.hidden_size)),
+        ("--ffn-hidden-size", str(shape.ffn_hidden_size)),
+        ("--num-attention-heads", str(shape.num_heads)),
+    ]
+    head_dim = _hf_head_dim(plan)
+    if head_dim is not None and head_dim != shape.head_dim:
+        # Some Llama-like checkpoints (e.g. Mistral NeMo) set head_dim apart from hidden / heads;
+        # Megatron's --kv-channels is that size (validate_args defaults it to hidden / heads).
+        args.append(("--kv-channels", str(head_dim)))
+    if shape.num_kv_heads != shape.num_heads:
+        args += [("--group-query-attention", None), ("--num-query-groups", str(shape.num_kv_heads))]
+    args += [
+        ("--max-position-embeddings", str(shape.max_seq_len)),
+        ("--seq-length", str(plan.job.seq_len)),
+        ("--norm-epsilon", repr(float(shape.norm_eps))),
+    ]
+    if shape.family == "llama":
+        # Llama: RMSNorm, SwiGLU (F.silu gated: core_transformer_config_from_args), no biases,
+        # rotary positions applied to the whole head (--rotary-percent 1.0, the default), rotate-half
+        # rather than interleaved pairs (the default), as the zoo and transformers' Llama do.
+        args += [("--normalization", "RMSNorm"), ("--swiglu", None), ("--disable-bias-linear", None),
+                 ("--position-embedding-type", "rope")]
+        theta = float(shape.rope_theta if shape.rope_theta is not None else 10000.0)
+        if theta != int(theta):
+            differences.append(f"rotary base {theta:g} is not an integer and Megatron-LM's --rotary-base takes "
+                               f"an int: written as {round(theta)}, so positions rotate slightly differently")
+        args.append(("--rotary-base", str(round(theta))))
+    else:
+        # GPT: LayerNorm, GELU, biases and learned absolute positions are Megatron's defaults. The
+        # zoo's tanh-approximated GELU is what Megatron runs too: with biases, MLP uses the fused
+        # bias_gelu (megatron/core/fusions/fused_bias_gelu.py), a tanh approximation.
+        args += [("--normalization", "LayerNorm"), ("--position-embedding-type", "learned_absolute")]
+    if not shape.tie_embeddings:
+        args.append(("--untie-embeddings-and-output-weights", None))
+    # The zoo and Llama-like checkpoints train without dropout; Megatron's defaults are 0.1.
+    args += [("--attention-dropout", "0.0"), ("--hidden-dropout", "0.0")]
+    return args
+
+
+def _hf_head_dim(plan: Plan) -> int | None:
+    """The `head_dim` of an `hf:` model's config, where it sets one (TransformerShape has none)."""
+    if not plan.model.startswith("hf:"):
+        return None
+    from autoplan.graph.hf import HFSource
+
+    value = getattr(HFSource.from_spec(plan.model)._config, "head_dim", None)
+    return int(value) if value else None
+
+
+def _vocab_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> list[Arg]:
+    vocab = shape.vocab_size
+    # The output layer and embedding are split over tp (tensor_parallel/layers.py divide), so the
+    # vocabulary must be a multiple of tp; Megatron pads it to one.
+    padded = math.ceil(vocab / plan.tp) * plan.tp
+    if padded != vocab:
+        differences.append(f"the vocabulary of {vocab} is not divisible by tp {plan.tp}, which Megatron's "
+                           f"vocab-parallel embedding and output layer need: padded to {padded} "
+                           f"({padded - vocab} unused rows of embedding and logits)")
+    # _NullTokenizer(vocab_size) holds vocab_size + 1 tokens (its EOD id is vocab_size), so
+    # --vocab-size V - 1 gives the plan's V; --padded-vocab-size keeps Megatron from padding it to a
+    # multiple of 128 * tp (its default --make-vocab-size-divisible-by).
+    return [("--tokenizer-type", "NullTokenizer"), ("--vocab-size", str(vocab - 1)),
+            ("--padded-vocab-size", str(padded))]
+
+
+# ---- parallelism -----------------------------------------------------------------------------
+
+def _parallel_args(plan: Plan, differences: list[str]) -> list[Arg]:
+    if plan.num_gpus != plan.tp * plan.pp * plan.dp:
+        raise ExportError(f"the plan's {plan.num_gpus} GPUs are not tp x pp x dp = {plan.tp * plan.pp * plan.dp}; "
+                          "re-plan (the plan file is inconsistent)")
+    args: list[Arg] = [("--tensor-model-parallel-size", str(plan.tp)),
+                       ("--pipeline-model-parallel-size", str(plan.pp))]
+    if plan.rank_order == "tp-pp-dp":
+        # Megatron's default rank order is tp-cp-ep-dp-pp (parallel_state), autoplan's "tp-dp-pp".
+        args.append(("--use-tp-pp-dp-mapping", None))
+    if plan.sequence_parallel and plan.tp > 1:
+        # validate_args switches sequence parallelism off with tp == 1 (as autoplan's is a no-op then).
+        args.append(("--sequence-parallel", None))
+    if plan.pp > 1:
+        args.append(("--pipeline-model-parallel-layout", pipeline_layout(plan)))
+        _check_final_norm(plan, differences)
+        if plan.schedule == "gpipe":
+            differences.append("schedule gpipe: Megatron-LM has no all-forward-all-backward pipeline schedule; it "
+                               "runs 1F1B (schedules.py forward_backward_pipelining_without_interleaving), which "
+                               "has the same bubble but holds at most pp micro-batches of activations, so peak "
+                               "memory is lower than predicted")
+        elif plan.schedule == "zb-h1":
+            differences.append("schedule zb-h1: megatron-core 0.16.1 has no zero-bubble pipeline schedule (no "
+                               "split of the backward into input and weight gradients in schedules.py); it runs "
+                               "1F1B, so the pipeline bubble is larger and the step slower than predicted")
+        elif plan.schedule == "interleaved-1f1b" and plan.num_microbatches % plan.pp:
+            # schedules.py forward_backward_pipelining_with_interleaving, default group size pp.
+            raise ExportError(f"Megatron's interleaved schedule needs the {plan.num_microbatches} micro-batches "
+                              f"divisible by pp {plan.pp}; re-plan")
+    elif plan.num_stages > 1:
+        # validate_args: virtual stages need pp > 1.
+        differences.append(f"{plan.num_stages} stages on one pipeline rank: Megatron-LM's virtual stages need "
+                           "pp > 1, so the model runs as one stage (same work, no stage boundaries)")
+    return args
+
+
+def _check_final_norm(plan: Plan, differences: list[str]) -> None:
+    # Without MTP, megatron-core builds the final norm on the post-process stage, the one holding
+    # the loss (TransformerBlock.has_final_layernorm_in_this_stage); autoplan may cut before it.
+    names = plan.block_names
+    if len(names) >= 2 and names[-2].rsplit(".", 1)[-1] == "norm" and plan.stages[-1].first_block > len(names) - 2:
+        differences.append(f"the plan puts the final norm ({names[-2]}) on stage {_stage_of(plan, len(names) - 2)} "
+                           f"and the output layer on stage {plan.num_stages - 1}; Megatron builds the final norm "
+                           "with the output layer on the last stage (a negligible shift of work)")
+
+
+def _stage_of(plan: Plan, block: int) -> int:
+    return next(s.index for s in plan.stages if s.first_block <= block < s.end_block)
+
+
+def _recompute_args(plan: Plan) -> list[Arg]:
+    if plan.recompute == "full":
+        # Every layer recomputed whole: uniform chunks of one layer (TransformerBlock._checkpointed_forward).
+        return [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
+                ("--recompute-num-layers", "1")]
+    if plan.recompute == "selective":
+        # Megatron's selective recompute is Korthikanti et al.'s attention-core recompute; its
+        # recompute_modules default is ["core_attn"] (TransformerConfig.__post_init__).
+        return [("--recompute-granularity", "selective")]
+    return []
+
+
+def _sharding_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> list[Arg]:
+    if plan.zero == 0:
+        return []  # DistributedDataParallel all-reduces gradients: autoplan's zero 0.
+    if plan.zero == 1:
+        # The distributed optimizer shards optimizer states and fp32 main weights over dp and
+        # reduce-scatters gradients into full-size buffers: ZeRO-1 (distrib_optimizer.py).
+        return [("--use-distributed-optimizer", None)]
+    # zero 2 / 3 are FSDP2 (reshard_after_forward False / True), which Megatron runs as
+    # --use-torch-fsdp2 (TorchFullyShardedDataParallel, fully_shard over the dp group) when
+    # validate_args allows it.
+    blockers = []
+    if plan.pp > 1:
+        blockers.append("pipeline parallelism")
+    if shape.tie_embeddings:
+        blockers.append("tied embeddings (it requires --untie-embeddings-and-output-weights)")
+    if plan.job.dtype in ("float16", "fp16"):
+        blockers.append("fp16")
+    if not blockers:
+        args: list[Arg] = [("--use-torch-fsdp2", None)]
+        if plan.zero == 2:
+            args.append(("--torch-fsdp2-no-reshard-after-forward", None))
+        # validate_args: FSDP2 refuses gradient-accumulation fusion (on by default).
+        args.append(("--no-gradient-accumulation-fusion", None))
+        if plan.dp_replicate > 1:
+            differences.append(f"HSDP {plan.dp_replicate} x {plan.dp_shard}: Megatron's torch FSDP2 wrapper shards "
+                               f"over the whole data-parallel group (a 1-D DeviceMesh), i.e. over all {plan.dp} "
+                               "ranks: less memory, more cross-node all-gather / reduce-scatter traffic than "
+                               "predicted")
+        return args
+    args = [("--use-distributed-optimizer", None)]
+    if plan.dp_replicate > 1:
+        # Optimizer-state sharding inside groups of dp_shard ranks, replicated across them.
+        args.append(("--num-distributed-optimizer-instances", str(plan.dp_replicate)))
+    kept = "gradients" if plan.zero == 2 else "gradients and parameters"
+    differences.append(f"zero {plan.zero} (FSDP2, reshard after forward {'on' if plan.zero == 3 else 'off'}): "
+                       f"Megatron-LM's --use-torch-fsdp2 does not run with {' or '.join(blockers)} "
+                       f"(validate_args); written as the distributed optimizer (ZeRO-1), so every GPU keeps full "
+                       f"{kept} and memory per GPU is higher than predicted")
+    return args
+
+
+def _batch_args(plan: Plan, differences: list[str]) -> list[Arg]:
+    # ConstantNumMicroBatchesCalculator: num_microbatches = global / (micro * dp).
+    per_step = plan.micro_batch_size * plan.dp * plan.num_microbatches
+    if per_step != plan.job.global_batch:
+        differences.append(f"global batch {plan.job.global_batch} is not micro-batch {plan.micro_batch_size} x dp "
+                           f"{plan.dp} x {plan.num_microbatches} micro-batches; written as {per_step}, which "
+                           "Megatron needs to be that product")
+    args: list[Arg] = [("--micro-batch-size", str(plan.micro_batch_size)), ("--global-batch-size", str(per_step))]
+    if plan.job.dtype in ("bfloat16", "bf16"):
+        args.append(("--bf16", None))
+    elif plan.job.dtype in ("float16", "fp16"):
+        args.append(("--fp16", None))  # dynamic loss scaling, Megatron's default without --loss-scale
+    return args
+
+
+# ---- the file --------------------------------------------------------------------------------
+
+def _nodes(plan: Plan) -> tuple[int, int]:
+    """(processes per node, nodes) for torchrun."""
+    groups = plan.cluster.get("groups") or [{}]
+    per_node = int(groups[0].get("gpus_per_node", plan.num_gpus) or plan.num_gpus)
+    per_node = max(1, min(per_node, plan.num_gpus))
+    return per_node, math.ceil(plan.num_gpus / per_node)
+
+
+def _uses_fsdp(sections: list[tuple[str, list[Arg]]]) -> bool:
+    return any(flag == "--use-torch-fsdp2" for _, args in sections for flag, _ in args)
+
+
+def _notes(plan: Plan, shape: TransformerShape) -> list[str]:
+    notes = [
+        f"needs a Megatron-LM {MEGATRON_VERSION} checkout (set MEGATRON_LM) with Transformer Engine installed "
+        "(the default --transformer-impl transformer_engine)",
+        "data: without a data flag the run uses --mock-data and a NullTokenizer of the plan's vocabulary; pass "
+        "--data-path ... (and --tokenizer-type / --tokenizer-model) after the file name to train on data, "
+        f"keeping token ids below the {shape.vocab_size} of --padded-vocab-size",
+        "--train-iters and --lr are placeholders for a short run; pass your own after the file name",
+    ]
+    per_node, nodes = _nodes(plan)
+    if nodes > 1:
+        notes.append(f"{nodes} nodes x {per_node} GPUs: run the file on every node with NODE_RANK=0..{nodes - 1} "
+                     "and MASTER_ADDR set to the first node")
+    return notes
+
+
+def _render(plan: Plan, sections: list[tuple[str, list[Arg]]], differences: list[str], notes: list[str],
+            command: str, *, uses_fsdp: bool) -> str:
+    lines = ["#!/usr/bin/env bash",
+             f"# Megatron-LM {MEGATRON_VERSION} arguments for pretrain_gpt.py, written by `autoplan export --to megatron`."]
+    if differences:
+        lines.append("#")
+        lines.append("# DIFFERENCES FROM THE PLAN (written with --allow-approx):")
+        lines += [f"#   - {d}" for d in differences]
+    lines.append("#")
+    lines += [f"# {line}" for line in plan_summary(plan)]
+    counts = stage_layer_counts(plan)
+    lines.append("# layers per stage: " + ", ".join(f"stage {i}: {c}" for i, c in enumerate(counts)))
+    lines += [f"# {line}" for line in stage_lines(plan)]
+    lines.append("#")
+    lines += [f"# note: {n}" for n in notes]
+    lines.append(f"# run it: {command} [more Megatron-LM flags]")
+    lines.append("# source it (. file) to get MEGATRON_ARGS without running anything.")
+    lines.append("")
+    lines.append("MEGATRON_ARGS=(")
+    for title, args in sections:
+        if not args:
+            continue
+        lines.append(f"    # {title}")
+        for flag, value in args:
+            lines.append(f"    {flag}" + ("" if value is None else f" {shlex.quote(value)}"))
+    lines.append(")")
+    lines.append("")
+    lines.append("# Not part of the plan; flags given after the file name come later and override them.")
+    lines.append("RUN_DEFAULTS=(" + " ".join(f"{f} {v}" for f, v in _RUN_DEFAULTS) + ")")
+    lines.append("")
+    per_node, nodes = _nodes(plan)
+    lines.append('if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then')
+    lines.append("    set -eo pipefail")
+    lines.append("    # validate_args allows one data source: mock data unless a data flag is given.")
+    lines.append("    DATA_ARGS=(--mock-data)")
+    lines.append('    for arg in "$@"; do')
+    lines.append(f'        case "$arg" in {"|".join(_DATA_FLAGS)}) DATA_ARGS=() ;; esac')
+    lines.append("    done")
+    if plan.tp > 1 and not uses_fsdp:
+        lines.append("    # validate_args: tensor parallelism before Blackwell needs one CUDA connection.")
+        lines.append("    export CUDA_DEVICE_MAX_CONNECTIONS=1")
+    lines.append(f"    exec torchrun --nproc-per-node {per_node} --nnodes \"${{NNODES:-{nodes}}}\" "
+                 '--node-rank "${NODE_RANK:-0}" \\')
+    lines.append('        --master-addr "${MASTER_ADDR:-localhost}" --master-port "${MASTER_PORT:-6000}" \\')
+    lines.append('        "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM ' + MEGATRON_VERSION
+                 + ' checkout}/pretrain_gpt.py" \\')
+    lines.append('        "${MEGATRON_ARGS[@]}" "${RUN_DEFAULTS[@]}" ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} "$@"')
+    lines.append("fi")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,452 @@
+"""torchtitan 0.3 export: a config-registry Python file and the torchrun command that runs it.
+
+torchtitan 0.3 reads no TOML. A run is `torchrun ... -m torchtitan.train --module M --config F`:
+`ConfigManager._load_config` (torchtitan/config/manager.py) imports `M` (a short model name or any
+importable module path) and calls `F()` for a `Trainer.Config`. So the export is a module whose
+`autoplan_plan()` returns the plan as a `Trainer.Config`, and a command line whose PYTHONPATH holds
+the file's directory.
+
+Every rule below names the torchtitan 0.3.0 code it follows. What torchtitan cannot state exactly is
+a *difference* (common.py); a model torchtitan has no definition for is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autoplan.plan import Plan
+from autoplan.report.export.common import (
+    Export,
+    ExportError,
+    TransformerShape,
+    model_shape,
+    plan_summary,
+    stage_blocks,
+    stage_lines,
+)
+
+__all__ = ["CONFIG_FUNCTION", "DEFAULT_MODULE", "TORCHTITAN_VERSION", "write"]
+
+TORCHTITAN_VERSION = "0.3.0"
+CONFIG_FUNCTION = "autoplan_plan"
+"""The config-registry function the file defines (`--config`)."""
+DEFAULT_MODULE = "autoplan_torchtitan"
+"""The module name the command line uses when the file goes to stdout (save it as this name + .py)."""
+
+# torchtitan/models/llama3/__init__.py `llama3_configs`: the flavors and the shapes their builders
+# (_8b, _70b, _405b) make. Hidden sizes are compute_ffn_hidden_dim(dim, multiple_of, ffn_dim_multiplier)
+# (torchtitan/models/common/feed_forward.py): 8B: 1024, 1.3 -> 14336; 70B: 4096, 1.3 -> 28672;
+# 405B: 4096, 1.2 -> 53248. Key: (layers, dim, heads, kv heads, ffn, vocab, rope theta, norm eps).
+# tests/test_export_torchtitan.py checks this table against torchtitan's registry.
+_FLAVORS: dict[tuple, str] = {
+    (32, 4096, 32, 8, 14336, 128256, 500000.0, 1e-5): "8B",
+    (80, 8192, 64, 8, 28672, 128256, 500000.0, 1e-5): "70B",
+    (126, 16384, 128, 8, 53248, 128256, 500000.0, 1e-5): "405B",
+}
+_HF_ASSETS = "./assets/hf/Llama-3.1-8B"
+"""The tokenizer directory torchtitan's own llama3 configs name (config_registry.py llama3_8b); a
+placeholder the user overrides with --hf-assets-path."""
+_DEFAULT_NORM_EPS = 1e-5
+"""torchtitan/models/common/nn_modules.py `RMSNorm.Config.eps`; the llama3 builders leave it."""
+
+
+def write(plan: Plan, *, filename: str | None = None) -> Export:
+    """The plan as a torchtitan 0.3 config-registry module (see the module docstring)."""
+    shape = _llama_shape(plan)
+    module, directory, copy = _module_name(filename)
+    settings = _Settings()
+    fqns = _stage_fqns(plan) if plan.pp > 1 else None
+    _model(plan, shape, settings)
+    _batch(plan, settings)
+    _parallelism(plan, settings)
+    _schedule(plan, settings)
+    _recompute(plan, settings)
+    _precision(plan, settings)
+    command = _command(plan, module, directory, filename if copy else None, copy)
+    text = _render(plan, settings, fqns, command)
+    return Export("torchtitan", text, command, tuple(settings.differences), tuple(_notes(plan, shape)))
+
+
+
+# ---- what torchtitan has a model for ---------------------------------------------------------
+
+def _llama_shape(plan: Plan) -> TransformerShape:
+    """torchtitan builds only its own model definitions (torchtitan/models/*); the dense decoder
+    autoplan's Llamas are is `Llama3Model` (torchtitan/models/llama3/model.py)."""
+    shape = model_shape(plan)
+    if shape is None:
+        what = ("a Hugging Face model that is not Llama-like (llama, mistral without biases)"
+                if plan.model.startswith("hf:") else "not a zoo or Hugging Face Llama")
+        raise ExportError(f"torchtitan has no model for {plan.model} ({what}); torchtitan builds only its own "
+                          "model definitions, so export it with --to megatron or --to deepspeed, or plan a llama: "
+                          "spec of the same shape")
+    if shape.family != "llama":
+        raise ExportError(f"torchtitan has no model for {plan.model} (no GPT-2 family definition in torchtitan "
+                          f"{TORCHTITAN_VERSION}); export it with --to megatron or --to deepspeed")
+    return shape
+
+
+# Module names `--module` would not resolve to the file: ConfigManager._load_config first looks a name
+# up among torchtitan's own models and experiments (torchtitan.models._supported_models,
+# torchtitan.experiments._supported_experiments), and a file named torch or torchtitan on PYTHONPATH
+# would shadow the packages themselves.
+_TAKEN_MODULES = frozenset({
+    "torch", "torchtitan", "deepseek_v3", "flux", "gpt_oss", "kimi_k2_7", "llama3", "muse_glimmer", "qwen3",
+    "qwen3_5", "alphabet_sort", "autoparallel", "dapo_math", "graph_trainer", "rl", "search_r1", "torchft",
+    "transformers_modeling_backend",
+})
+
+
+def _module_name(filename: str | None) -> tuple[str, str, str | None]:
+    """(module name for --module, directory for PYTHONPATH, the .py copy the command makes or None).
+    ConfigManager imports the module with importlib (torchtitan/config/manager.py `_load_config`), so
+    it must be a NAME.py file with NAME an identifier no torchtitan short name takes. Any other --out
+    path is still written as given; the command then first copies it to such a name beside it."""
+    if filename is None:
+        return DEFAULT_MODULE, ".", None
+    path = Path(filename)
+    directory = str(path.parent) if str(path.parent) else "."
+    if path.suffix == ".py" and path.stem.isidentifier() and path.stem not in _TAKEN_MODULES:
+        return path.stem, directory, None
+    module = re.sub(r"\W", "_", path.name)  # plan.out -> plan_out, my.plan.py -> my_plan_py
+    if not module.isidentifier() or module in _TAKEN_MODULES:
+        module = f"autoplan_{module}"
+    return module, directory, str(path.parent / f"{module}.py")
+
+
+# ---- the settings, and what they cannot state -----------------------------------------------
+
+@dataclass
+class _Settings:
+    """Python source lines of the `Trainer.Config` keyword arguments, and the differences."""
+
+    model: list[str] = field(default_factory=list)
+    """Lines of `_autoplan_model_spec()`'s body."""
+    flavor: str | None = None
+    training: dict[str, str] = field(default_factory=dict)
+    parallelism: dict[str, str] = field(default_factory=dict)
+    activation_checkpoint: str = "None"
+    differences: list[str] = field(default_factory=list)
+    imports: set[str] = field(default_factory=set)
+
+
+def _model(plan: Plan, shape: TransformerShape, settings: _Settings) -> None:
+    """A torchtitan flavor when the shape is one exactly; else `Llama3Model.Config` of that shape,
+    built with the layer builder every llama3 flavor uses, so any ffn width is exact (the builders
+    take `hidden_dim` itself; compute_ffn_hidden_dim is only how the flavors choose it)."""
+    key = (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.ffn_hidden_size,
+           shape.vocab_size, float(shape.rope_theta or 0.0), float(shape.norm_eps))
+    if key in _FLAVORS and not shape.tie_embeddings:
+        settings.imports.add("from torchtitan.models.llama3 import model_registry")
+        settings.flavor = _FLAVORS[key]
+        # torchtitan/models/llama3/__init__.py model_registry(flavor): its ModelSpec, unchanged.
+        settings.model = [f"return model_registry({settings.flavor!r})"]
+        return
+    tie = shape.tie_embeddings
+    if tie and plan.pp > 1:
+        # torchtitan/models/common/decoder.py Decoder.Config.update_from_config: "Weight tying is
+        # not supported with Pipeline Parallel."
+        settings.differences.append(
+            f"the plan's model ties its input and output embeddings, which torchtitan refuses with pipeline "
+            f"parallelism; written untied, adding {shape.vocab_size * shape.hidden_size:,} parameters (and "
+            "their gradients and optimizer state) to the last stage")
+        tie = False
+    settings.imports.update({
+        "import dataclasses",
+        "from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm",
+        "from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, "
+        "_output_linear_init",
+        "from torchtitan.models.llama3 import Llama3Model, model_registry",
+    })
+    dim, vocab, eps = shape.hidden_size, shape.vocab_size, float(shape.norm_eps)
+    # RoPE tables must cover training.seq_len (torchtitan/config/configs.py TrainingConfig.seq_len).
+    max_seq = max(shape.max_seq_len, plan.job.seq_len)
+    lines = [
+        "# torchtitan/models/llama3/__init__.py: the builder every llama3 flavor (_8b, _70b, ...) uses, with",
+        "# this plan's exact shape; plain RoPE (scaling 'none') as autoplan's Llama has.",
+        "layers = _build_llama3_layers(",
+        f"    n_layers={shape.num_layers}, dim={dim}, n_heads={shape.num_heads}, n_kv_heads={shape.num_kv_heads},",
+        f"    hidden_dim={shape.ffn_hidden_size}, fuse_qkv=True, attn_backend='flex',",
+        f"    rope=ComplexRoPE.Config(dim={shape.head_dim}, max_seq_len={max_seq}, theta={float(shape.rope_theta)!r},"
+        " scaling='none'),",
+        ")",
+    ]
+    if eps != _DEFAULT_NORM_EPS:
+        lines += [
+            f"# the builder leaves RMSNorm.eps at {_DEFAULT_NORM_EPS}; this model uses {eps!r}",
+            "layers = [dataclasses.replace(layer, attention_norm=dataclasses.replace(layer.attention_norm, "
+            f"eps={eps!r}),",
+            f"                               ffn_norm=dataclasses.replace(layer.ffn_norm, eps={eps!r}))",
+            "          for layer in layers]",
+        ]
+    lines += [
+        "model = Llama3Model.Config(",
+        f"    dim={dim}, vocab_size={vocab},",
+        f"    tok_embeddings=Embedding.Config(num_embeddings={vocab}, embedding_dim={dim}, "
+        "param_init=_EMBEDDING_INIT),",
+        f"    norm=RMSNorm.Config(normalized_shape={dim}, eps={eps!r}, param_init=_NORM_INIT),",
+        f"    lm_head=Linear.Config(in_features={dim}, out_features={vocab}, "
+        f"param_init=_output_linear_init({dim})),",
+        "    layers=layers,",
+        f"    enable_weight_tying={tie},",
+        ")",
+        "# model_registry's ModelSpec (parallelize_llama, pipeline_llm, the HF state-dict adapter) with",
+        "# this model in place of the flavor's.",
+        "return dataclasses.replace(model_registry('debugmodel'), flavor='autoplan', model=model)",
+    ]
+    settings.model = lines
+
+
+def _batch(plan: Plan, settings: _Settings) -> None:
+    """torchtitan/trainer.py Trainer.__init__: gradient_accumulation_steps = global_batch_size //
+    (local_batch_size * batch degree), batch degree = dp_replicate * dp_shard; with pp > 1 each of
+    those steps is split into local_batch_size // pipeline_parallel_microbatch_size micro-batches
+    (torchtitan/distributed/pipeline_parallel.py _build_pipeline_schedule). One forward therefore
+    sees the plan's micro-batch in both cases."""
+    micro, count = plan.micro_batch_size, plan.num_microbatches
+    if plan.job.global_batch != micro * count * plan.dp:
+        raise ExportError(f"the plan's global batch {plan.job.global_batch} is not micro-batch {micro} x "
+                          f"{count} micro-batches x dp {plan.dp}; re-plan it with autoplan suggest")
+    if plan.pp > 1:
+        # One accumulation step of `count` pipeline micro-batches.
+        settings.training["local_batch_size"] = str(micro * count)
+        settings.parallelism["pipeline_parallel_microbatch_size"] = str(micro)
+    else:
+        # `count` accumulation steps of one micro-batch each.
+        settings.training["local_batch_size"] = str(micro)
+    settings.training["global_batch_size"] = str(plan.job.global_batch)
+    settings.training["seq_len"] = str(plan.job.seq_len)
+
+
+def _parallelism(plan: Plan, settings: _Settings) -> None:
+    """Degrees and data parallelism. torchtitan/models/llama3/parallelize.py parallelize_llama always
+    applies FSDP2 (`apply_fsdp_to_decoder`, torchtitan/distributed/fsdp.py) over the
+    (dp_replicate, fsdp) mesh: shard degree 1 is plain replication (DDP semantics), replicate x shard
+    is HSDP. torchtitan/distributed/parallel_dims.py ParallelDims._validate: the degrees multiply to
+    the world size."""
+    p = settings.parallelism
+    p["tensor_parallel_degree"] = str(plan.tp)
+    p["pipeline_parallel_degree"] = str(plan.pp)
+    # torchtitan/config/configs.py ParallelismConfig.enable_sequence_parallel defaults to True.
+    p["enable_sequence_parallel"] = str(bool(plan.sequence_parallel))
+    if plan.zero == 0:
+        replicate, shard, reshard = plan.dp, 1, "never"  # no sharding: nothing to reshard
+    elif plan.zero == 1:
+        replicate, shard, reshard = 1, plan.dp, "never"
+        settings.differences.append(
+            f"the plan shards only optimizer state over dp {plan.dp} (ZeRO-1), which torchtitan has no mode for; "
+            f"written as FSDP over dp {plan.dp} without resharding after forward (ZeRO-2-like: parameters and "
+            "gradients sharded too), so each GPU holds less memory than planned but pays parameter all-gathers "
+            "and gradient reduce-scatters the plan did not predict")
+    else:
+        replicate, shard = plan.dp_replicate, plan.dp_shard
+        # fsdp.py get_fsdp_reshard_after_forward_policy: "always" / "never"; "default" would depend on pp.
+        reshard = "always" if plan.zero == 3 else "never"
+    p["data_parallel_replicate_degree"] = str(replicate)
+    p["data_parallel_shard_degree"] = str(shard)
+    p["fsdp_reshard_after_forward"] = repr(reshard)
+    if plan.rank_order != "tp-dp-pp":
+        # parallel_dims.py ParallelDims builds its mesh as ["pp", "dp_replicate", "fsdp", "tp"]:
+        # tp innermost, pp outermost, which is autoplan's "tp-dp-pp".
+        settings.differences.append(
+            f"the plan orders ranks {plan.rank_order} (pipeline neighbours {plan.tp} ranks apart); torchtitan's "
+            "device mesh is always pp-outermost (tp-dp-pp), so pipeline neighbours land "
+            f"{plan.tp * plan.dp} ranks apart and their point-to-point traffic may cross nodes")
+
+
+_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
+"""autoplan schedule -> torch.distributed.pipelining.schedules get_schedule_class name (torchtitan
+passes parallelism.pipeline_parallel_schedule to it in pipeline_parallel.py)."""
+
+
+def _schedule(plan: Plan, settings: _Settings) -> None:
+    if plan.pp == 1:
+        return
+    # torchtitan/trainer.py Trainer.Config._validate_cuda_graphs refuses pp > 1 with CUDA graphs on.
+    settings.training["disable_cuda_graphs"] = "True"
+    looped = plan.virtual_stages > 1
+    if plan.schedule == "zb-h1":
+        # torch.distributed.pipelining has zero-bubble schedules only for several stages per rank
+        # (InterleavedZeroBubble, ZBVZeroBubble); a one-stage-per-rank ZB-H1 is not among them.
+        name = "Interleaved1F1B" if looped else "1F1B"
+        settings.differences.append(
+            f"the plan's zb-h1 schedule (split backward, Qi et al. 2023) has no one-stage-per-rank schedule in "
+            f"torch.distributed.pipelining; written as {name}, whose larger bubble makes steps slower than predicted")
+    elif plan.schedule == "gpipe" and looped:
+        name = "LoopedBFS"  # GPipe order over several stages per rank
+    elif plan.schedule == "interleaved-1f1b" and not looped:
+        name = "1F1B"  # one stage per rank: interleaving has nothing to interleave
+    else:
+        name = _SCHEDULES[plan.schedule]
+    if name == "Interleaved1F1B":
+        # torch/distributed/pipelining/schedules.py ScheduleInterleaved1F1B.__init__: the micro-batches
+        # run in rounds of max(1, n // pp) and must divide into them, else it raises at startup.
+        count, rounds = plan.num_microbatches, max(1, plan.num_microbatches // plan.pp)
+        if count % rounds:
+            raise ExportError(f"torch's Interleaved1F1B cannot run {count} micro-batches on pp {plan.pp} (they must "
+                              f"divide into {rounds} rounds); re-plan with a micro-batch count that is a multiple of "
+                              f"pp {plan.pp}")
+    settings.parallelism["pipeline_parallel_schedule"] = repr(name)
+
+
+def _recompute(plan: Plan, settings: _Settings) -> None:
+    """torchtitan/distributed/activation_checkpoint.py: FullAC wraps each TransformerBlock in a
+    checkpoint (= autoplan "full"); None (tyro subcommand "none") checkpoints nothing."""
+    if plan.recompute == "full":
+        settings.activation_checkpoint = "FullAC.Config()"
+        settings.imports.add("from torchtitan.distributed.activation_checkpoint import FullAC")
+        return
+    settings.activation_checkpoint = "None"
+    if plan.recompute == "selective":
+        settings.differences.append(
+            "the plan's selective recompute (Korthikanti et al. 2022: only the attention core, softmax(QK^T)V, "
+            "is recomputed) has no torchtitan policy; written as no activation checkpointing, since torchtitan's "
+            "fused flex attention already keeps no seq x seq scores and recomputes them in its backward, while its "
+            "SelectiveAC (op-level: saves matmuls and attention outputs, recomputes every other matmul and the "
+            "pointwise ops) would recompute more than the plan; activation memory and backward time differ from "
+            "the prediction")
+
+
+def _precision(plan: Plan, settings: _Settings) -> None:
+    """torchtitan/config/configs.py TrainingConfig: FSDP2's MixedPrecisionPolicy casts parameters to
+    mixed_precision_param for compute (torchtitan/distributed/fsdp.py apply_fsdp_to_decoder, always
+    applied) and keeps `dtype` (float32) as the stored, optimizer-updated copy: autoplan's
+    "bfloat16 compute, fp32 optimizer state"."""
+    settings.training["dtype"] = "'float32'"
+    if plan.job.dtype == "float16":
+        settings.training["mixed_precision_param"] = "'bfloat16'"
+        settings.differences.append(
+            "the plan computes in float16, which torchtitan's mixed precision does not offer (bfloat16 or "
+            "float32 only); written as bfloat16 (same memory and speed, no loss scaling)")
+    else:
+        settings.training["mixed_precision_param"] = repr(plan.job.dtype)
+
+
+# ---- stages ----------------------------------------------------------------------------------
+
+def _fqn(block: str) -> str:
+    """A plan block name as torchtitan's Decoder names the module (torchtitan/models/common/decoder.py:
+    tok_embeddings, layers.N (a ModuleDict), norm, lm_head)."""
+    parts = block.split(".")
+    if block == "embedding" or parts[-1] == "embed_tokens":
+        return "tok_embeddings"
+    if len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit():
+        return f"layers.{parts[-1]}"
+    if parts[-1] == "norm":
+        return "norm"
+    if block in ("output", "lm_head"):
+        return "lm_head"
+    raise ExportError(f"the plan's block {block!r} has no torchtitan Llama module; re-plan the model")
+
+
+def _stage_fqns(plan: Plan) -> list[list[str]]:
+    """parallelism.module_fqns_per_model_part: one list per (virtual) stage, in stage order. torchtitan
+    gives pp rank r stages r, r + pp, ... (pipeline_parallel.py _get_pp_rank_to_stage_indices_mapping,
+    "loop" style), as autoplan places stage s on rank s % pp; _split_module keeps exactly these."""
+    return [[_fqn(b) for b in blocks] for blocks in stage_blocks(plan)]
+
+
+# ---- the file --------------------------------------------------------------------------------
+
+def _nodes(plan: Plan) -> tuple[int, int]:
+    """(processes per node, nodes) for torchrun."""
+    groups = plan.cluster.get("groups") or [{}]
+    per_node = int(groups[0].get("gpus_per_node", plan.num_gpus) or plan.num_gpus)
+    per_node = max(1, min(per_node, plan.num_gpus))
+    return per_node, math.ceil(plan.num_gpus / per_node)
+
+
+def _command(plan: Plan, module: str, directory: str, source: str | None, copy: str | None) -> str:
+    """torchtitan/train.py runs `main()` as `python -m torchtitan.train` (its README launches it with
+    torchrun); ConfigManager reads --module/--config from the same argument list."""
+    per_node, nodes = _nodes(plan)
+    launch = (f"torchrun --standalone --nproc-per-node {per_node}" if nodes == 1 else
+              f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d "
+              "--rdzv-endpoint $HEAD_NODE:29500")
+    prefix = f"cp {shlex.quote(source)} {shlex.quote(copy)} && " if source and copy else ""
+    return (f"{prefix}PYTHONPATH={shlex.quote(directory)} {launch} -m torchtitan.train "
+            f"--module {module} --config {CONFIG_FUNCTION}")
+
+
+def _notes(plan: Plan, shape: TransformerShape) -> list[str]:
+    per_node, nodes = _nodes(plan)
+    notes = [
+        f"needs torchtitan {TORCHTITAN_VERSION} (and its torch) on every node",
+        f"data and tokenizer: the file trains on torchtitan's 'c4' dataset with the tokenizer in hf_assets_path "
+        f"({_HF_ASSETS!r}); point --hf-assets-path and --dataloader.dataset at yours, with token ids below "
+        f"{shape.vocab_size}",
+        "steps and learning rate are placeholders (--training.steps, --optimizer.lr on the command line)",
+    ]
+    if nodes > 1:
+        notes.append(f"run the command on each of the {nodes} nodes with HEAD_NODE set to the first node's address")
+    return notes
+
+
+def _kwargs(items: dict[str, str], indent: str) -> list[str]:
+    return [f"{indent}{key}={value}," for key, value in items.items()]
+
+
+def _render(plan: Plan, settings: _Settings, fqns: list[list[str]] | None, command: str) -> str:
+    lines: list[str] = []
+    if settings.differences:
+        lines.append("# DIFFERENCES FROM THE PLAN (written with --allow-approx):")
+        lines += [f"# - {d}" for d in settings.differences]
+        lines.append("#")
+    lines += [f"# {line}" for line in plan_summary(plan)]
+    if plan.pp > 1:
+        lines += [f"#   {line}" for line in stage_lines(plan)]
+    lines += [
+        f"# torchtitan {TORCHTITAN_VERSION} config-registry module written by `autoplan export --to torchtitan`.",
+        "# Run it:",
+        f"#   {command}",
+        '"""autoplan plan as a torchtitan config: `--module <this file\'s stem> --config autoplan_plan`."""',
+        "",
+    ]
+    imports = set(settings.imports) | {
+        "from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss",
+        "from torchtitan.components.optimizer import default_adamw",
+        "from torchtitan.config import ParallelismConfig, TrainingConfig",
+        "from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader",
+        "from torchtitan.trainer import Trainer",
+    }
+    plain = sorted(i for i in imports if i.startswith("import "))
+    lines += plain + ([""] if plain else []) + sorted(i for i in imports if i.startswith("from ")) + ["", ""]
+    flavor = f"torchtitan's llama3 flavor {settings.flavor!r}" if settings.flavor else "a torchtitan Llama3Model"
+    lines += ["def _autoplan_model_spec():", f'    """The plan\'s model ({plan.model}) as {flavor}."""']
+    lines += [f"    {line}" for line in settings.model]
+    parallelism = dict(settings.parallelism)
+    if fqns is not None:
+        parallelism["module_fqns_per_model_part"] = "MODULE_FQNS_PER_MODEL_PART"
+    lines += ["", ""]
+    if fqns is not None:
+        lines.append("# The plan's stages, in stage order; pp rank r runs stages r, r + pp, ... "
+                     "(torchtitan's 'loop' placement).")
+        lines.append("MODULE_FQNS_PER_MODEL_PART = [")
+        lines += [f"    {stage!r},  # stage {i}, pp rank {i % plan.pp}" for i, stage in enumerate(fqns)]
+        lines += ["]", "", ""]
+    lines += [
+        f"def {CONFIG_FUNCTION}() -> Trainer.Config:",
+        f'    """The plan: tp {plan.tp} x pp {plan.pp} x dp {plan.dp} = {plan.num_gpus} GPUs."""',
+        "    model_spec = _autoplan_model_spec()",
+        "    return Trainer.Config(",
+        "        model_spec=model_spec,",
+        "        loss=ChunkedLossWrapper.Config(",
+        "            loss_fn=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size),",
+        "        ),",
+        f"        hf_assets_path={_HF_ASSETS!r},",
+        "        optimizer=default_adamw(lr=3e-4),",
+        "        dataloader=HuggingFaceTextDataLoader.Config(dataset='c4'),",
+        "        training=TrainingConfig(",
+        *_kwargs(settings.training, "            "),
+        "        ),",
+        "        parallelism=ParallelismConfig(",
+        *_kwargs(parallelism, "            "),
+        "        ),",
+        f"        activation_checkpoint={settings.activation_checkpoint},",
+        "    )",
+    ]
+    return "\n".join(lines) + "\n"
