@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 from autoplan.api import profile, profile_with_graph, suggest, suggest_with_stats  # noqa: E402
 from autoplan.cluster import Cluster, parse_cluster  # noqa: E402
+from autoplan.graph.aux_loss import attach_aux_loss, aux_loss_scale  # noqa: E402
 from autoplan.graph.blocks import Block, ModelProfile  # noqa: E402
 from autoplan.plan import Plan, validate  # noqa: E402
 from autoplan.runtime import PartitionedModel, partition, run_plan  # noqa: E402
@@ -22,6 +23,8 @@ __all__ = [
     "PartitionedModel",
     "Plan",
     "__version__",
+    "attach_aux_loss",
+    "aux_loss_scale",
     "parse_cluster",
     "partition",
     "profile",

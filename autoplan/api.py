@@ -18,7 +18,13 @@ from autoplan.cluster import Cluster, parse_cluster, with_collective_curves
 from autoplan.cost.calibration import Calibrations
 from autoplan.graph import zoo
 from autoplan.graph.blocks import ModelProfile
-from autoplan.graph.profile import Progress, config_info, model_fingerprint, profile_traced
+from autoplan.graph.profile import (
+    Progress,
+    config_info,
+    context_parallel_support,
+    model_fingerprint,
+    profile_traced,
+)
 from autoplan.graph.source import ModelSource, ModuleSource, as_source, trace_with_target
 from autoplan.graph.trace import TracedModel, trace_model
 from autoplan.plan import MAX_JOB_SIZE, Job, Plan
@@ -130,6 +136,7 @@ def _profile_with_graph(model, *, batch_size, seq_len, example_inputs, loss_fn, 
                           dtype=torch_dtype, device=device, info=info, batch_size=rows,
                           seq_len=seq_len or 1,  # a model without a sequence counts samples
                           cache_dir=cache_dir, progress=progress)
+    prof = dataclasses.replace(prof, extra={**prof.extra, "context_parallel": context_parallel_support(module, prof)})
     return ProfiledModel(module, traced, prof, tuple(inputs), source, loss)
 
 
@@ -232,7 +239,9 @@ def suggest(model: str | nn.Module, cluster: str | Cluster, *, global_batch: int
     preset, a compact string (`"2x8xH100-80GB"`) or a YAML path. Keyword arguments: `seq_len`
     (None: the model's own length, as the CLI without --seq-len), `top`, `dtype`, `intra_node_bw_gbps`, `inter_node_bw_gbps`, and pins that fix a dimension:
     `tp, pp, dp, micro_batch_size, schedule, virtual_stages, recompute, zero` (0-3; 2 and 3 are FSDP),
-    `dp_replicate` (HSDP replicate degree, with zero 2 / 3), `sequence_parallel`.
+    `dp_replicate` (HSDP replicate degree, with zero 2 / 3), `ep` (expert parallelism over dp
+    replicas, for mixture-of-experts models), `cp` (context parallelism: dp ranks splitting each
+    sequence; dp counts them), `sequence_parallel`.
     When every dimension is pinned the plan is returned even if it does not fit (`plan.fits`).
     """
     result, _ = suggest_with_stats(model, cluster, global_batch=global_batch, **kwargs)

@@ -50,7 +50,7 @@ BASELINE_SCHEMA_VERSION = 1
 # Pin names and the types a YAML value may have (keys as `autoplan.suggest` takes them).
 _PIN_TYPES: dict[str, tuple[type, ...]] = {
     "tp": (int,), "pp": (int,), "dp": (int,), "micro_batch_size": (int,), "virtual_stages": (int,), "zero": (int,),
-    "dp_replicate": (int,),
+    "dp_replicate": (int,), "ep": (int,), "cp": (int,),
     "schedule": (str,), "recompute": (str,), "rank_order": (str,), "sequence_parallel": (bool,),
 }
 _CASE_KEYS = {"name", "model", "cluster", "global_batch", "seq_len", "dtype", "pins"}

@@ -91,7 +91,7 @@ DEFAULT_SUGGEST = {"model": "llama3-8b", "cluster": "2x8xH100-80GB", "global_bat
 
 def _pins(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages",
-                                          "recompute", "zero", "dp_replicate", "sequence_parallel")
+                                          "recompute", "zero", "dp_replicate", "ep", "cp", "sequence_parallel")
             if getattr(args, k) is not None}
 
 
@@ -230,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="0 replicated, 1 optimizer states sharded, 2 / 3 FSDP (3 reshards after forward)")
     pins.add_argument("--dp-replicate", type=int, metavar="N",
                       help="HSDP with --zero 2/3: FSDP shards over dp / N ranks and replicates N times (1: plain FSDP)")
+    pins.add_argument("--ep", type=int, metavar="N",
+                      help="expert parallelism (mixture-of-experts models): split each layer's experts over N "
+                           "data-parallel replicas, tokens sent by all-to-all (zero 0, 2 or 3)")
+    pins.add_argument("--cp", type=int, metavar="N",
+                      help="context parallelism (long sequences): N data-parallel ranks split each sequence into "
+                           "2N load-balanced chunks and all-gather keys and values; dp counts them")
     pins.add_argument("--sequence-parallel", action="store_true", default=None)
     p.set_defaults(func=cmd_suggest)
 

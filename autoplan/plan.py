@@ -171,6 +171,15 @@ class Plan:
     """HSDP (zero >= 2): the dp replicas form dp_replicate groups of dp_shard = dp / dp_replicate;
     FSDP shards over a group and replicates across groups (torchtitan's
     `data_parallel_replicate_degree`). 1: plain FSDP (or DDP-style for zero 0 / 1)."""
+    cp: int = 1
+    """Context parallelism: groups of cp consecutive dp ranks split every sequence into 2 * cp
+    load-balanced chunks and all-gather keys and values in attention (runtime/context.py). dp counts
+    them: dp / cp replicas take distinct batches (torchtitan's dp_shard x cp); gradients are averaged
+    over all dp ranks."""
+    ep: int = 1
+    """Expert parallelism: groups of ep consecutive dp replicas split each mixture-of-experts
+    layer's experts ep ways and send tokens to them by all-to-all (runtime/experts.py). 1: every
+    replica holds every expert."""
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -180,6 +189,11 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel ranks that take distinct batches: dp / cp."""
+        return self.dp // self.cp
 
     @property
     def dp_shard(self) -> int:
@@ -328,9 +342,18 @@ def validate(plan: Plan) -> list[str]:
                         f"but the cluster has {num_gpus} GPUs")
     if gpus_per_node % plan.tp != 0:
         problems.append(f"tp = {plan.tp} does not divide the {gpus_per_node} GPUs of a node, so a TP group would span nodes")
-    if plan.micro_batch_size * plan.num_microbatches * plan.dp != plan.job.global_batch:
-        problems.append(f"micro_batch_size*num_microbatches*dp = {plan.micro_batch_size}*{plan.num_microbatches}*"
-                        f"{plan.dp} != global batch {plan.job.global_batch}")
+    if not isinstance(plan.cp, int) or isinstance(plan.cp, bool) or plan.cp < 1 or plan.dp % plan.cp:
+        problems.append(f"cp = {plan.cp!r} must be a positive integer dividing dp = {plan.dp} (sequences are split "
+                        "over data-parallel ranks)")
+        return problems
+    if plan.micro_batch_size * plan.num_microbatches * plan.replicas != plan.job.global_batch:
+        problems.append(f"micro_batch_size*num_microbatches*(dp/cp) = {plan.micro_batch_size}*{plan.num_microbatches}*"
+                        f"{plan.replicas} != global batch {plan.job.global_batch}")
+    if plan.cp > 1 and plan.job.seq_len % (2 * plan.cp):
+        problems.append(f"seq_len {plan.job.seq_len} is not divisible by 2 * cp = {2 * plan.cp} (each rank holds two "
+                        "chunks of every sequence)")
+    if plan.cp > 1 and plan.ep > 1:
+        problems.append(f"cp {plan.cp} with ep {plan.ep} is not supported (experts route whole sequences)")
     if plan.recompute not in RECOMPUTE:
         problems.append(f"recompute {plan.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if plan.zero not in (0, 1, 2, 3):
@@ -339,6 +362,15 @@ def validate(plan: Plan) -> list[str]:
         problems.append(f"dp_replicate = {plan.dp_replicate!r} must be a positive integer dividing dp = {plan.dp}")
     elif plan.dp_replicate > 1 and plan.zero < 2:
         problems.append(f"dp_replicate = {plan.dp_replicate} (HSDP) needs zero 2 or 3 (FSDP), not zero {plan.zero}")
+    if not isinstance(plan.ep, int) or isinstance(plan.ep, bool) or plan.ep < 1 or plan.dp % plan.ep:
+        problems.append(f"ep = {plan.ep!r} must be a positive integer dividing dp = {plan.dp} (experts are split "
+                        "over data-parallel replicas)")
+    elif plan.ep > 1 and plan.zero == 1:
+        problems.append(f"ep = {plan.ep} cannot run with zero 1 (torch's ZeroRedundancyOptimizer shards over all dp "
+                        "replicas, whose experts differ); re-plan with --zero 0, 2 or 3, or --ep 1")
+    elif plan.ep > 1 and plan.dp_replicate > 1:
+        problems.append(f"ep = {plan.ep} cannot run with dp_replicate = {plan.dp_replicate} (HSDP); re-plan with "
+                        "--dp-replicate 1 or --ep 1")
     if plan.tracer not in ("auto", "fx", "export", "modules"):
         problems.append(f"tracer {plan.tracer!r} is not one of auto, fx, export, modules")
     if plan.rank_order not in RANK_ORDERS:

@@ -25,12 +25,16 @@ import torch
 from _dist import run_ranks
 
 import autoplan
+from autoplan.graph.aux_loss import aux_loss_scale, recording_aux_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 
 MODELS = {
     "zoo-gpt": ("gpt:num_layers=4,hidden_size=64,num_heads=4,vocab_size=256,max_seq_len=64", 32),
     "zoo-llama": ("llama:num_layers=4,hidden_size=64,num_heads=4,num_kv_heads=2,vocab_size=256,max_seq_len=64", 32),
+    # A mixture of experts with shared experts, capacity dropping and the load-balancing loss.
+    "zoo-moe": ("moe:num_layers=4,hidden_size=64,num_heads=4,num_kv_heads=2,ffn_hidden_size=96,vocab_size=256,"
+                "max_seq_len=64,num_experts=4,experts_per_token=2,num_shared_experts=1", 32),
     "model-file": (str(ROOT / "examples/custom_model.py") + ":build", 32),
     "convnet": (str(ROOT / "tests/user_models/convnet.py") + ":build", None),
     # transformers models from tiny configs with their defaults, but dropout 0 where a config turns it
@@ -136,8 +140,10 @@ def _reference(spec: str, plan, inputs, target):
 
     for k in range(chunks):
         loss = source.loss_fn(model(*[rows_of(x, k) for x in inputs]), rows_of(target, k)) / chunks
-        loss.backward()
-        total += loss.item()
+        # Auxiliary losses (MoE load balancing) scaled as the loss is, and part of the loss reported.
+        with aux_loss_scale(1 / chunks), recording_aux_losses() as aux:
+            loss.backward()
+        total += loss.item() + sum(float(a) for a in aux)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
     return model, total, grads
 

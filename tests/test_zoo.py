@@ -43,6 +43,14 @@ LLAMA_PUBLISHED = {
     "llama3-8b": 8.03e9,
     "llama3-70b": 70.6e9,
     "llama3-405b": 405.9e9,
+    "llama3.1-8b": 8.03e9,
+    "llama3.1-70b": 70.6e9,
+    "llama3.1-405b": 405.9e9,
+    # Mixture-of-experts presets (tests/test_moe.py checks them to 0.01B): Mixtral 8x7B 46.7B
+    # (arXiv:2401.04088), 8x22B 141B and Qwen3-30B-A3B 30.5B (their model cards).
+    "mixtral-8x7b": 46.7e9,
+    "mixtral-8x22b": 141e9,
+    "qwen3-30b-a3b": 30.5e9,
 }
 
 
@@ -394,5 +402,8 @@ def test_model_info():
         "vocab_size": 128256,
         "max_seq_len": 8192,
         "ffn_hidden_size": 28672,
+        "num_experts": None,
+        "experts_per_token": None,
     }
     assert model_info("gpt2-small")["num_kv_heads"] == 12
+    assert model_info("mixtral-8x7b")["num_experts"] == 8 and model_info("mixtral-8x7b")["experts_per_token"] == 2

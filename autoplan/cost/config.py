@@ -36,6 +36,13 @@ class ParallelConfig:
     """Megatron sequence parallelism: norms/dropout sharded along the sequence over tp."""
     rank_order: str = "tp-dp-pp"
     """See plan.py [Note: rank layout]."""
+    cp: int = 1
+    """Context-parallel degree: groups of cp consecutive dp ranks split each sequence (2 * cp
+    load-balanced chunks) and exchange keys and values; dp counts them, so dp / cp replicas take
+    distinct batches (torchtitan's dp_shard x cp)."""
+    ep: int = 1
+    """Expert-parallel degree: each group of ep consecutive dp replicas splits a layer's experts
+    ep ways and exchanges tokens by all-to-all (folded over dp, as torchtitan and Megatron-LM do)."""
 
     @property
     def num_gpus(self) -> int:
@@ -44,6 +51,16 @@ class ParallelConfig:
     @property
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel ranks that take distinct batches (dp / cp)."""
+        return self.dp // self.cp
+
+    def batch_share(self, profile_batch: int) -> float:
+        """The share of the profiled batch one GPU computes per micro-batch: the micro-batch's rows,
+        and 1/cp of each sequence."""
+        return self.micro_batch_size / profile_batch / self.cp
 
     @property
     def dp_shard(self) -> int:
@@ -57,6 +74,10 @@ class ParallelConfig:
         extras = [self.schedule + v, f"recompute={self.recompute}"]
         if self.zero:
             extras.append(f"zero={self.zero}")
+        if self.cp > 1:
+            extras.append(f"cp={self.cp}")
+        if self.ep > 1:
+            extras.append(f"ep={self.ep}")
         if self.dp_replicate > 1:
             extras.append(f"hsdp={self.dp_replicate}x{self.dp_shard}")
         if self.sequence_parallel:

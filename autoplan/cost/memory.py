@@ -85,12 +85,12 @@ import numpy as np
 
 from autoplan.cluster import GPU
 from autoplan.cost.config import ParallelConfig
-from autoplan.cost.time import tp_divisor, tp_sharded
+from autoplan.cost.time import gathered_kv_bytes, tp_divisor, tp_sharded
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import MemoryBreakdown
 
 __all__ = ["ALLOWANCE_FIXED_BYTES", "ALLOWANCE_FRACTION", "BYTES_PER_PARAM", "MIN_BYTES_PER_PARAM", "allowance_bytes",
-           "block_act_bytes", "block_static_bytes", "fsdp_transient_bytes", "gathered_bytes_per_param",
+           "block_act_bytes", "block_static_bytes", "expert_shard_surplus", "fsdp_transient_bytes", "gathered_bytes_per_param",
            "head_backward_bytes", "held_params", "param_counts", "persistent_bytes_per_param", "rank_memory",
            "reduction_buffer_bytes", "stage_is_one_unit"]
 
@@ -205,9 +205,31 @@ def allowance_bytes(gpu: GPU) -> float:
 
 
 def param_counts(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
-    """Parameters each block puts on one GPU (tied copies included; divided by `tp_divisor`)."""
+    """Parameters each block puts on one GPU (tied copies included; divided by `tp_divisor`). With
+    expert parallelism a block's experts are split ep ways: they are part of what tp replicates
+    (the layout shards no expert), so 1 - 1/ep of them leave the GPU."""
     itemsize = 2 if profile.dtype in ("bfloat16", "float16") else 4
-    return np.array([b.param_bytes / itemsize / tp_divisor(profile, i, cfg.tp) for i, b in enumerate(profile.blocks)])
+    counts = np.array([b.param_bytes / itemsize / tp_divisor(profile, i, cfg.tp) for i, b in enumerate(profile.blocks)])
+    if cfg.ep > 1:
+        counts -= np.asarray(expert_params(profile), dtype=float) * (1 - 1 / cfg.ep)
+    return counts
+
+
+def expert_params(profile: ModelProfile) -> list[int]:
+    """Per block, the parameters of its grouped experts (graph/profile.py `extra["experts"]`)."""
+    experts = profile.extra.get("experts") or {}
+    return list(experts.get("block_params") or [0] * profile.num_blocks)
+
+
+def expert_shard_surplus(profile: ModelProfile, cfg: ParallelConfig, ranges: Sequence[tuple[int, int]]) -> float:
+    """Parameters one GPU keeps sharded beyond its 1/dp_shard share under FSDP with expert
+    parallelism: a GPU's 1/ep of the experts is sharded over the dp / ep replicas holding the same
+    experts, not over dp (runtime/fsdp.py), so it keeps ep times the share of its experts. 0 without
+    ep or FSDP."""
+    if cfg.zero < 2 or cfg.ep == 1:
+        return 0.0
+    experts = expert_params(profile)
+    return sum(sum(experts[a:b]) for a, b in ranges) / cfg.ep * (cfg.ep - 1)
 
 
 def _tied_copies(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
@@ -242,12 +264,16 @@ def block_static_bytes(profile: ModelProfile, cfg: ParallelConfig, dtype: str) -
     params = param_counts(profile, cfg)
     if cfg.num_stages == 1:
         params = params - _tied_copies(profile, cfg)
-    return params * per_param
+    out = params * per_param
+    if cfg.zero >= 2 and cfg.ep > 1:
+        out = out + np.array([expert_shard_surplus(profile, cfg, [(i, i + 1)]) for i in range(profile.num_blocks)]) \
+            * (weights + grads + optim)
+    return out
 
 
 def block_act_bytes(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
     """Activation bytes each block keeps per micro-batch in flight on one GPU."""
-    f = cfg.micro_batch_size / profile.batch_size
+    f = cfg.batch_share(profile.batch_size)
     out = np.zeros(profile.num_blocks)
     for i, b in enumerate(profile.blocks):
         if cfg.tp > 1 and tp_sharded(b.kind):
@@ -264,6 +290,11 @@ def block_act_bytes(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
         elif b.kind in _RECOMPUTED_KINDS and cfg.recompute == "selective":
             saved -= b.attention_core_saved_bytes / (cfg.tp if tp_sharded(b.kind) else 1)
         out[i] = saved * f
+    if cfg.cp > 1 and cfg.recompute == "none":
+        # Attention keeps the gathered keys and values of the whole sequence for its backward
+        # (runtime/context.py); this GPU's own 1/cp of them is counted above. Recompute of the
+        # attention (selective, full) gathers them again instead.
+        out += gathered_kv_bytes(profile, cfg) * (1 - 1 / cfg.cp)
     return out
 
 
@@ -281,7 +312,7 @@ def _working_bytes(profile: ModelProfile, cfg: ParallelConfig, blocks: Sequence[
     """Transient memory of one backward: the gradient of the largest block output exists next to
     its activation; then the larger of one layer's full activations brought back by full recompute
     and the head's backward transients (`head_backward_bytes`): they do not coexist."""
-    f = cfg.micro_batch_size / profile.batch_size
+    f = cfg.batch_share(profile.batch_size)
     largest_output = max((profile.blocks[i].output_bytes for i in blocks), default=0) * f
     recompute = 0.0
     if cfg.recompute == "full":
@@ -300,8 +331,9 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
     weights_b, grads_b, optim_b = persistent_bytes_per_param(dtype, cfg.zero, cfg.dp, cfg.dp_replicate, cfg.tp)
     params = param_counts(profile, cfg) if params is None else params
     acts = block_act_bytes(profile, cfg) if acts is None else acts
-    f = cfg.micro_batch_size / profile.batch_size
+    f = cfg.batch_share(profile.batch_size)
     num_params = held_params(profile, cfg, stage_ranges, params)
+    sharded_params = num_params + expert_shard_surplus(profile, cfg, stage_ranges)
     activations = sum(acts[a:b].sum() * inflight for (a, b), inflight in zip(stage_ranges, stage_inflight, strict=True))
     blocks = [i for a, b in stage_ranges for i in range(a, b)]
     # Two receive buffers per boundary (activation in, gradient in), one micro-batch each.
@@ -310,9 +342,9 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
     gathered = (num_params * _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp, one_unit)
                 + fsdp_transient_bytes(dtype, cfg.zero, cfg.pp, params[blocks], one_unit))
     return MemoryBreakdown(
-        weights_bytes=num_params * weights_b,
-        grads_bytes=num_params * grads_b,
-        optimizer_bytes=num_params * optim_b,
+        weights_bytes=sharded_params * weights_b,
+        grads_bytes=sharded_params * grads_b,
+        optimizer_bytes=sharded_params * optim_b,
         gathered_bytes=float(gathered),
         activations_bytes=float(activations),
         buffers_bytes=float(recv + _working_bytes(profile, cfg, blocks, acts)

@@ -74,7 +74,7 @@ class BlockTimes:
 
 def _scale(profile: ModelProfile, cfg: ParallelConfig) -> float:
     """Everything in a profile is linear in the batch (DESIGN.md): scale to the micro-batch size."""
-    return cfg.micro_batch_size / profile.batch_size
+    return cfg.batch_share(profile.batch_size)
 
 
 def cpu_sharing(profile: ModelProfile, gpu: GPU, cluster: Cluster) -> tuple[float, float] | None:
@@ -176,7 +176,82 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             ar = allreduce_time_s(cluster, tp_ranks, b.tp_comm_bytes * f)
             tp_fwd[i] = ar
             tp_bwd[i] = ar + (ar if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 0.0)
+    if cfg.cp > 1:
+        gather = kv_exchange_times_s(profile, cluster, cfg)
+        tp_fwd += gather
+        # The backward reduce-scatters the keys' and values' gradients (the same volume); full
+        # recompute gathers them again.
+        tp_bwd += gather * np.array([2.0 if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 1.0
+                                     for b in profile.blocks])
+    if cfg.ep > 1:
+        exchange = expert_exchange_times_s(profile, cluster, cfg)
+        tp_fwd += exchange
+        # Backward sends the gradients of both exchanges back; full recompute repeats the forward's.
+        tp_bwd += exchange * np.array([2.0 if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 1.0
+                                       for b in profile.blocks])
     return BlockTimes(fwd, bwd, tp_fwd, tp_bwd, hw)
+
+
+def gathered_kv_bytes(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
+    """Per block, the bytes of keys and values its attention reads for one micro-batch on one GPU,
+    whole sequences: what context parallelism all-gathers (from the profile's fused attention
+    operators, shape (batch, heads, q_len, kv_len, head_dim), at the model's key/value heads; tp
+    divides the heads)."""
+    rows = cfg.micro_batch_size / profile.batch_size
+    # The operator lists query heads; grouped-query attention gathers its key/value heads only.
+    kv_share = profile.num_kv_heads / profile.num_heads if profile.num_kv_heads and profile.num_heads else 1.0
+    out = np.zeros(profile.num_blocks)
+    for i, b in enumerate(profile.blocks):
+        for op in b.ops:
+            if op.kind == "attention" and op.phase == "fwd" and len(op.shape) == 5:
+                batch, heads, _, kv_len, head_dim = op.shape
+                heads *= kv_share
+                itemsize = {"fp32": 4, "fp8": 1}.get(dtype_key(op.dtype), 2)
+                out[i] += 2 * batch * heads * kv_len * head_dim * itemsize * op.count * rows
+        if cfg.tp > 1 and tp_sharded(b.kind):
+            out[i] /= cfg.tp
+    return out
+
+
+def kv_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> np.ndarray:
+    """Per block, seconds of context parallelism's key/value all-gather in one forward of one
+    micro-batch: each of the cp ranks contributes its 1/cp of the sequence's keys and values and
+    receives the rest (Llama 3's all-gather context parallelism, arXiv:2407.21783 Sec. 3.3.2; a ring
+    all-gather of N bytes over n ranks costs (n - 1) alpha + (n - 1)/n N / beta, Thakur et al. 2005,
+    `allgather_time_s`). Not overlapped with compute (Llama 3 notes the all-gather is exposed but
+    small beside long-context attention). The cp group is cp consecutive dp ranks."""
+    kv = gathered_kv_bytes(profile, cfg)
+    ranks = [cfg.rank(0, d, 0) for d in range(cfg.cp)]
+    priced: dict[float, float] = {}
+    out = np.zeros(profile.num_blocks)
+    for i, num_bytes in enumerate(kv):
+        if num_bytes > 0:
+            if num_bytes not in priced:
+                priced[num_bytes] = allgather_time_s(cluster, ranks, float(num_bytes))
+            out[i] = priced[num_bytes]
+    return out
+
+
+def expert_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> np.ndarray:
+    """Per block, seconds of expert parallelism's two all-to-alls in one pass of one micro-batch:
+    dispatch (tokens to the ranks holding their experts) and combine (results back), each of the
+    bytes the block's experts receive (`extra["experts"]`). In an all-to-all over n ranks each
+    rank sends (n - 1) / n of its buffer, 1/n to each peer (Thakur et al. 2005, Sec. 2; GShard,
+    arXiv:2006.16668, Sec. 3.2, prices MoE dispatch the same way), so its time is one message of
+    (n - 1) / n of the buffer at the group's slowest link: NVLink when the ep group (ep dp
+    replicas of tp ranks each, [Note: rank layout] in plan.py) sits in one node, the network
+    otherwise. The exchanges are not overlapped with compute (torchtitan and Megatron-LM's default
+    dispatchers wait for them). Zero for blocks without experts."""
+    experts = profile.extra.get("experts") or {}
+    sent = np.asarray(experts.get("block_dispatch_bytes") or [0] * profile.num_blocks, dtype=float)
+    if cfg.ep == 1 or not sent.any():
+        return np.zeros(profile.num_blocks)
+    ranks = [cfg.rank(0, d, 0) for d in range(cfg.ep)]
+    same_node = len({r // cluster.gpus_per_node for r in ranks}) == 1
+    link = cluster.intra_node if same_node else cluster.inter_node
+    share = (cfg.ep - 1) / cfg.ep
+    one = sent * _scale(profile, cfg) * share / link.bw_bytes_per_s + np.where(sent > 0, (cfg.ep - 1) * link.latency_s, 0.0)
+    return 2 * one
 
 
 def cut_transfer_time_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, cut_index: int,

@@ -309,7 +309,9 @@ class FusedAttention(torch.overrides.TorchFunctionMode):
             options = dict(zip(names, (None, 0.0, False, None, False), strict=True))
             options.update(zip(names, args[3:], strict=False))
             options.update(kwargs)
-            if not options["enable_gqa"] and q.dim() == 4 and q.shape[1] == k.shape[1] == v.shape[1]:
+            same_heads = q.dim() == 4 and q.shape[1] == k.shape[1] == v.shape[1]
+            grouped = options["enable_gqa"] and q.dim() == 4 and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
+            if same_heads or grouped:  # the cpu kernel reads grouped key/value heads itself
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q, k, v, options["dropout_p"], options["is_causal"], attn_mask=options["attn_mask"],
                     scale=options["scale"])[0]

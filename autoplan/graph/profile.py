@@ -32,7 +32,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from autoplan.graph.blocks import Block, CrossingTensor, CutCandidate, ModelProfile
+from autoplan.graph.experts import expert_modules
 from autoplan.graph.operators import (
     RECORDER_VERSION,
     Call,
@@ -52,6 +53,7 @@ from autoplan.graph.operators import (
     OperatorRecorder,
     merge_batches,
 )
+from autoplan.graph.positions import POSITIONS_ATTRIBUTE
 from autoplan.graph.trace import TracedModel, crossing_values, extract_submodule, trace_with_loss
 
 __all__ = ["ProfileError", "config_info", "fake_output", "flop_counter", "model_fingerprint", "profile_model", "profile_traced"]
@@ -773,6 +775,53 @@ def _tensor_parallel(traced: TracedModel, example_inputs: Sequence[Any]) -> dict
     return summary
 
 
+@contextlib.contextmanager
+def _recording_expert_inputs(gm: nn.Module) -> Iterator[dict[str, int]]:
+    """Bytes of the token groups each grouped-experts module (graph/experts.py) receives in the
+    forward run: what expert parallelism's all-to-all sends, per profile batch. Only a call with
+    one tensor of leading dimension num_experts counts (tokens grouped by expert); a module with
+    stacked expert weights that takes ungrouped tokens (transformers' MixtralExperts, which
+    routes inside) records nothing and is not offered expert parallelism."""
+    recorded: dict[str, int] = {}
+    handles = []
+    for path, module in expert_modules(gm).items():
+        def record(module, args, path=path):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if len(tensors) == 1 and tensors[0].dim() >= 2 and tensors[0].shape[0] == module.num_experts:
+                recorded[path] = recorded.get(path, 0) + _nbytes(tensors[0])
+        handles.append(module.register_forward_pre_hook(record))
+    try:
+        yield recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _experts(traced: TracedModel, dispatched: dict[str, int], fingerprints: Sequence[str]) -> dict[str, Any]:
+    """`extra["experts"]` for a model whose grouped experts take tokens grouped by expert (else
+    nothing): per block, the parameters its experts hold and the bytes of tokens they receive per
+    profile batch (sent by one all-to-all to dispatch and one to combine, forward and backward:
+    cost/time.py), and the smallest expert count (what the expert-parallel degree must divide).
+    The fake run computes a repeated block once, so its copies (same fingerprint) are counted as
+    the one that ran."""
+    found = expert_modules(traced.gm)
+    grouped_types = {type(found[name]) for name in dispatched if name in found}
+    found = {name: m for name, m in found.items() if type(m) in grouped_types}
+    if not found:
+        return {}
+    params, sent, counts = [], [], set()
+    for paths in traced.block_modules or [[] for _ in traced.block_names]:
+        inside = {name: m for path in paths for name, m in _named_modules_under(traced.gm, path) if name in found}
+        params.append(sum(p.numel() for m in inside.values() for p in m.parameters(recurse=False)))
+        sent.append(sum(dispatched.get(name, 0) for name in inside))
+        counts.update(m.num_experts for m in inside.values())
+    if not any(params):
+        return {}
+    by_fingerprint = {fp: n for fp, n in zip(fingerprints, sent) if n}
+    sent = [n or by_fingerprint.get(fp, 0) for fp, n in zip(fingerprints, sent)]
+    return {"experts": {"num_experts": min(counts), "block_params": params, "block_dispatch_bytes": sent}}
+
+
 def _named_modules_under(gm: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     try:
         module = gm.get_submodule(path)
@@ -921,7 +970,8 @@ def profile_traced(
                 if progress is not None:
                     progress(traced.num_blocks, traced.num_blocks, traced.block_names[-1])
                 return cached
-    run = _run_fake(traced, example_inputs, dtype)
+    with _recording_expert_inputs(traced.gm) as dispatched:
+        run = _run_fake(traced, example_inputs, dtype)
     cuts = _cut_candidates(traced, run)
     first_input = next((x for x in example_inputs if isinstance(x, torch.Tensor)), None)
     if batch_size is None:
@@ -1057,6 +1107,7 @@ def profile_traced(
         num_layers=info.get("num_layers"),
         torch_version=torch.__version__,
         extra={"tracer_note": traced.note, "tensor_parallel": _tensor_parallel(traced, example_inputs),
+               **_experts(traced, dispatched, [b.fingerprint for b in blocks]),
                **({"threads": torch.get_num_threads()} if device == "cpu" else {}),
                **({"batch_scaling": "affine" if fixed else "linear (the model rejects a doubled batch)",
                    "timing_spread": {"median": round(statistics.median(spreads), 4) if spreads else None,
@@ -1103,4 +1154,23 @@ def profile_model(
         traced, inputs, model_name=model_name or type(model).__name__, fingerprint=fingerprint, dtype=dtype,
         device=device, info=merged, warmup=warmup, repeats=repeats, cache_dir=cache_dir, progress=progress,
     )
-    return profile, traced
+    extra = {**profile.extra, "context_parallel": context_parallel_support(model, profile)}
+    return dataclasses.replace(profile, extra=extra), traced
+
+
+def context_parallel_support(model: nn.Module, profile: ModelProfile) -> dict[str, Any]:
+    """Whether the runtime can split this model's sequences over ranks (runtime/context.py), and
+    why not: the model must read its positions from `sequence_positions()` (graph/positions.py),
+    compute attention with `scaled_dot_product_attention` (which the runtime intercepts; the
+    profile lists it as a fused attention operator), and hold no per-sequence state across tokens
+    other than attention (a mixture of experts' per-sequence capacity and balance loss)."""
+    if not getattr(type(model), POSITIONS_ATTRIBUTE, False):
+        why = (f"{type(model).__name__} does not read token positions from autoplan's sequence_positions() "
+               "(graph/positions.py; the zoo's llama does)")
+    elif not any(op.kind == "attention" for b in profile.blocks for op in b.ops):
+        why = "it calls no scaled_dot_product_attention, the attention context parallelism intercepts"
+    elif profile.extra.get("experts"):
+        why = "its experts take a capacity and a balance loss per whole sequence"
+    else:
+        return {"allowed": True, "note": ""}
+    return {"allowed": False, "note": why}

@@ -1,4 +1,4 @@
-"""Built-in models (Megatron GPT, Llama) at any size, and the model spec grammar.
+"""Built-in models (Megatron GPT, Llama, mixture-of-experts Llama) at any size, and the model spec grammar.
 
 A model spec names a model in one string, for the CLI and for configs:
 
@@ -31,6 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from autoplan.graph.aux_loss import attach_aux_loss
+from autoplan.graph.positions import sequence_positions
+
 __all__ = [
     "GPTConfig",
     "GPTLayer",
@@ -38,6 +41,9 @@ __all__ = [
     "LlamaConfig",
     "LlamaLayer",
     "LlamaModel",
+    "MoEConfig",
+    "MoEFeedForward",
+    "MoEModel",
     "ModelSpec",
     "ModelSpecError",
     "PRESETS",
@@ -77,6 +83,11 @@ UPPER_BOUNDS: dict[str, float] = {
     "max_seq_len": 2**24,        # at most 10M tokens (Llama 4 Scout's context)
     "rope_theta": 1e12,          # Llama 3: 5e5; long-context variants up to about 1e8
     "norm_eps": 1.0,
+    "num_experts": 4096,         # at most 384 routed experts (Kimi K2, arXiv:2507.20534); DeepSeek-V3: 256
+    "experts_per_token": 4096,   # checked against num_experts too
+    "num_shared_experts": 64,    # DeepSeekMoE 16B: 2, DeepSeek-V3: 1 (arXiv:2401.06066, 2412.19437)
+    "capacity_factor": 4096.0,   # above num_experts / experts_per_token nothing is dropped anyway
+    "head_size": 1024,           # at most 256 (Gemma 2)
 }
 """Largest value of each config field a spec may give: well above every published model (the
 sources beside each), low enough that a model of these sizes still fits some cluster's memory
@@ -221,7 +232,63 @@ class LlamaConfig:
         return self.hidden_size // self.num_heads
 
 
-ModelConfig = GPTConfig | LlamaConfig
+@dataclass(frozen=True)
+class MoEConfig(LlamaConfig):
+    """A Llama decoder whose MLPs are mixtures of experts: a router picks `experts_per_token` of
+    `num_experts` SwiGLU experts per token (Mixtral, Jiang et al. 2024, arXiv:2401.04088; Qwen3-MoE),
+    optionally beside always-used shared experts (DeepSeekMoE, Dai et al. 2024, arXiv:2401.06066).
+    `ffn_hidden_size` is the width of one expert (and of each shared expert)."""
+
+    head_size: int | None = None
+    """Width of one attention head; None means hidden_size / num_heads (Qwen3 sets 128 beside a
+    hidden size of 2048 and 32 heads)."""
+    num_experts: int = 8
+    """Routed experts per layer."""
+    experts_per_token: int = 2
+    """Experts each token is sent to (top-k)."""
+    num_shared_experts: int = 0
+    """Experts every token goes through besides the routed ones (DeepSeekMoE); 0 for none."""
+    capacity_factor: float = 1.25
+    """Each expert takes at most ceil(capacity_factor * seq_len * experts_per_token / num_experts)
+    tokens of a sequence; the rest of its tokens skip that expert (pass through the residual).
+    GShard (Lepikhin et al. 2020, arXiv:2006.16668, Sec. 2.2) and Switch Transformer (Fedus et al.
+    2022, arXiv:2101.03961, Sec. 2.2; 1.25 in its Table 1). num_experts / experts_per_token or more
+    drops nothing."""
+    router_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformer Eq. 4: alpha = 0.01); 0 disables it."""
+    normalize_top_k: bool = True
+    """Rescale the chosen experts' router probabilities to sum to 1 (Mixtral, Qwen3-MoE)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, ("num_experts", "experts_per_token", "capacity_factor")
+                        + (("head_size",) if self.head_size is not None else ()))
+        if self.experts_per_token > self.num_experts:
+            raise ModelSpecError(
+                f"experts_per_token {self.experts_per_token} exceeds num_experts {self.num_experts}; "
+                f"choose experts_per_token <= num_experts"
+            )
+        for name in ("num_shared_experts", "router_aux_loss_coef"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ModelSpecError(f"value {value!r} for {name} must be 0 or more")
+        if self.num_shared_experts > UPPER_BOUNDS["num_shared_experts"]:
+            raise ModelSpecError(f"value {self.num_shared_experts} for num_shared_experts must be at most "
+                                 f"{UPPER_BOUNDS['num_shared_experts']}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_size or self.hidden_size // self.num_heads
+
+
+def expert_capacity(seq_len: int, experts_per_token: int, num_experts: int, capacity_factor: float) -> int:
+    """Tokens of one sequence one expert takes: ceil(capacity_factor * seq_len * k / E) (GShard
+    Sec. 2.2, per group; a group here is one sequence), at least 1 and at most seq_len (a token
+    picks an expert once)."""
+    return max(1, min(seq_len, math.ceil(capacity_factor * seq_len * experts_per_token / num_experts)))
+
+
+ModelConfig = GPTConfig | LlamaConfig  # MoEConfig is a LlamaConfig
 
 # ---------------------------------------------------------------------------------------------
 # GPT (Megatron-LM)
@@ -369,8 +436,13 @@ class RotaryEmbedding(nn.Module):
         # torch.narrow rather than `self.cos[:seq_len]`: fx does not proxy buffers by default, and a
         # real tensor cannot be sliced by a Proxy length, while a torch function call records one.
         seq_len = q.shape[2]
-        cos = torch.narrow(self.cos, 0, 0, seq_len).to(q.dtype)
-        sin = torch.narrow(self.sin, 0, 0, seq_len).to(q.dtype)
+        positions = sequence_positions()  # a share of the sequence under context parallelism
+        if positions is not None and positions.numel() == seq_len:
+            cos = self.cos.index_select(0, positions.to(self.cos.device)).to(q.dtype)
+            sin = self.sin.index_select(0, positions.to(self.sin.device)).to(q.dtype)
+        else:
+            cos = torch.narrow(self.cos, 0, 0, seq_len).to(q.dtype)
+            sin = torch.narrow(self.sin, 0, 0, seq_len).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -393,10 +465,16 @@ class LlamaAttention(nn.Module):
         k = self.wk(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         v = self.wv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         q, k = self.rope(q, k)
-        if self.num_rep > 1:  # grouped-query attention (Ainslie et al. 2023)
-            k = k.repeat_interleave(self.num_rep, dim=1)
-            v = v.repeat_interleave(self.num_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.num_rep > 1 and sequence_positions() is not None:
+            # Under context parallelism the kernel reads each key/value head for its num_rep query
+            # heads (`enable_gqa`), so the runtime gathers keys and values at their own size, as
+            # Llama 3 does (runtime/context.py).
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            if self.num_rep > 1:  # grouped-query attention (Ainslie et al. 2023)
+                k = k.repeat_interleave(self.num_rep, dim=1)
+                v = v.repeat_interleave(self.num_rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).flatten(2))
 
 
@@ -428,6 +506,9 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    positions_from_context = True
+    """Rotary positions come from `sequence_positions()` (graph/positions.py): context parallel."""
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
@@ -446,6 +527,116 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.output(self.norm(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts
+#
+# [Note: static dispatch]
+# Tokens reach their experts through buffers of fixed shape: each expert takes at most `capacity`
+# tokens of each sequence (`expert_capacity`), in token order, and a token over an expert's
+# capacity skips it (GShard, arXiv:2006.16668, Algorithm 1 with one group per sequence). Fixed
+# shapes let the model build and trace on meta, let FlopCounterMode count the experts' FLOPs at
+# the capacity the run uses, and make expert parallelism one `all_to_all` of equal splits. One
+# group per sequence makes the dropping, and the load-balancing loss computed per sequence
+# (DeepSeek-V3's sequence-wise balance loss, arXiv:2412.19437 Eq. 17-20, with Switch's weighting),
+# independent of how the batch is split into micro-batches and data-parallel shards, so a
+# pipelined run reproduces a single-process one exactly.
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU MLPs stored as stacked matrices, applied to tokens grouped by expert:
+    input (experts, tokens, h) -> (experts, tokens, h), one batched matmul per matrix.
+
+    The leading dimension of every parameter and of the input is the expert, so an expert-parallel
+    runtime can keep a slice of the experts on each rank and exchange the token groups (the
+    contract `runtime/experts.py` relies on; torchtitan's GroupedExperts has the same layout)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, num_layers: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        # Megatron-LM scaled_init_method_normal for the output projection, as in LlamaMLP.
+        self.init_stds = {"w2": INIT_STD / math.sqrt(2 * num_layers)}
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return torch.bmm(F.silu(torch.bmm(tokens, self.w1)) * torch.bmm(tokens, self.w3), self.w2)
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k routing (Shazeer et al. 2017, arXiv:1701.06538) to GroupedExperts, plus shared experts;
+    see [Note: static dispatch]."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        h, f = config.hidden_size, config.ffn_hidden_size
+        self.num_experts, self.top_k = config.num_experts, config.experts_per_token
+        self.capacity_factor, self.aux_loss_coef = config.capacity_factor, config.router_aux_loss_coef
+        self.normalize_top_k = config.normalize_top_k
+        self.router = nn.Linear(h, config.num_experts, bias=False)
+        self.experts = GroupedExperts(config.num_experts, h, f, config.num_layers)
+        self.shared_experts = None
+        if config.num_shared_experts:
+            shared = dataclasses.replace(config, ffn_hidden_size=f * config.num_shared_experts)
+            self.shared_experts = LlamaMLP(shared)  # n shared experts = one MLP n times as wide (DeepSeekMoE)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, h = x.shape
+        E, k = self.num_experts, self.top_k
+        capacity = expert_capacity(s, k, E, self.capacity_factor)
+        probs = self.router(x).float().softmax(dim=-1)  # (b, s, E)
+        weights, chosen = probs.topk(k, dim=-1)  # (b, s, k)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        chosen = chosen.flatten(1)  # (b, s*k), token-major
+        picks = torch.zeros(b, s * k, E, dtype=torch.int32, device=x.device).scatter_(2, chosen.unsqueeze(2), 1)
+        place = ((picks.cumsum(1) - 1) * picks).sum(2)  # each pick's place in its expert's queue
+        slot = torch.where(place < capacity, chosen * capacity + place, E * capacity)  # dropped -> spare slot
+        index = slot.unsqueeze(2).expand(b, s * k, h)
+        tokens = x.unsqueeze(2).expand(b, s, k, h).reshape(b, s * k, h)
+        buffer = x.new_zeros(b, E * capacity + 1, h).scatter_add(1, index, tokens)
+        grouped = buffer[:, :-1].reshape(b, E, capacity, h).transpose(0, 1).reshape(E, b * capacity, h)
+        done = self.experts(grouped).reshape(E, b, capacity, h).transpose(0, 1).reshape(b, E * capacity, h)
+        done = torch.cat([done, done.new_zeros(b, 1, h)], dim=1).gather(1, index)  # the spare slot gives 0
+        out = (done.view(b, s, k, h) * weights.to(done.dtype).unsqueeze(3)).sum(dim=2)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if self.aux_loss_coef:
+            # Switch Transformer's load-balancing loss (arXiv:2101.03961 Eq. 4-6), per sequence:
+            # E * sum_e f_e * P_e with f_e the share of the sequence's picks routed to e (not
+            # differentiable) and P_e its mean router probability; averaged over sequences.
+            share = picks.float().mean(dim=1)
+            balance = E * (share * probs.mean(dim=1)).sum(dim=1).mean()
+            out = attach_aux_loss(out, self.aux_loss_coef * balance)
+        return out
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attention = LlamaAttention(config)
+        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.moe = MoEFeedForward(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.moe(self.mlp_norm(x))
+
+
+class MoEModel(LlamaModel):
+    """LlamaModel with MoELayer layers."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.tok_embeddings = _embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(MoELayer(config) for _ in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -495,7 +686,7 @@ def init_weights(
             elif isinstance(mod, norm_types) or (param.dim() < 2 and not isinstance(mod, nn.Embedding)):
                 param.fill_(1.0)  # norm scales (and other 1-D scales of user modules)
             else:
-                std = getattr(mod, "init_std", INIT_STD)
+                std = getattr(mod, "init_stds", {}).get(local, getattr(mod, "init_std", INIT_STD))
                 gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
                 values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
                 param.copy_(values)
@@ -559,12 +750,37 @@ PRESETS: dict[str, ModelConfig] = {
     # Llama 3: "The Llama 3 Herd of Models" (Dubey et al. 2024), Table 3 (layers, model/FFN dims,
     # heads, 8 KV heads, RoPE theta 500000); pre-training context 8192 (Sec. 3.4.1: sequences of 8,192
     # tokens; the HF configs meta-llama/Meta-Llama-3-{8B,70B} give max_position_embeddings 8192), then
-    # extended to 131072 in the last stage of pre-training (Sec. 3.4.2): ask for it with
-    # `llama3-8b:max_seq_len=131072` (RoPE scaling is not modelled; shapes and FLOPs are the same).
+    # extended to 131072 in the last stage of pre-training (Sec. 3.4.2): the llama3.1 presets below
+    # (RoPE scaling is not modelled; shapes and FLOPs are the same).
     # Vocabulary 128256 from the HF configs (405B: meta-llama/Llama-3.1-405B).
     "llama3-8b": LlamaConfig(num_layers=32, hidden_size=4096, num_heads=32, ffn_hidden_size=14336, **_LLAMA3),
     "llama3-70b": LlamaConfig(num_layers=80, hidden_size=8192, num_heads=64, ffn_hidden_size=28672, **_LLAMA3),
     "llama3-405b": LlamaConfig(num_layers=126, hidden_size=16384, num_heads=128, ffn_hidden_size=53248, **_LLAMA3),
+    # Llama 3.1: the same models after the long-context stage (Dubey et al. 2024, Sec. 3.4.2: context
+    # extended to 131,072 tokens); shapes as Llama 3, max_position_embeddings 131072 from the HF configs
+    # meta-llama/Llama-3.1-{8B,70B,405B}. For plans at long context (context parallelism).
+    "llama3.1-8b": LlamaConfig(num_layers=32, hidden_size=4096, num_heads=32, ffn_hidden_size=14336,
+                               **{**_LLAMA3, "max_seq_len": 131072}),
+    "llama3.1-70b": LlamaConfig(num_layers=80, hidden_size=8192, num_heads=64, ffn_hidden_size=28672,
+                                **{**_LLAMA3, "max_seq_len": 131072}),
+    "llama3.1-405b": LlamaConfig(num_layers=126, hidden_size=16384, num_heads=128, ffn_hidden_size=53248,
+                                 **{**_LLAMA3, "max_seq_len": 131072}),
+    # Mixtral: Jiang et al. 2024 (arXiv:2401.04088), Table 1 for 8x7B (8 experts, top 2, 32k context);
+    # the rest of both from the HF configs mistralai/Mixtral-8x7B-v0.1 and -8x22B-v0.1 (vocabulary,
+    # RoPE theta 1e6, 64k context and the router loss weight of 8x22B).
+    "mixtral-8x7b": MoEConfig(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336,
+                              vocab_size=32000, max_seq_len=32768, rope_theta=1e6, num_experts=8, experts_per_token=2,
+                              router_aux_loss_coef=0.02),
+    "mixtral-8x22b": MoEConfig(num_layers=56, hidden_size=6144, num_heads=48, num_kv_heads=8, ffn_hidden_size=16384,
+                               vocab_size=32768, max_seq_len=65536, rope_theta=1e6, num_experts=8, experts_per_token=2,
+                               router_aux_loss_coef=0.001),
+    # Qwen3-30B-A3B: Qwen3 Technical Report (arXiv:2505.09388), Table 2 (48 layers, 32 / 4 heads, 128
+    # experts, 8 routed, no shared experts); widths, head size 128, vocabulary, context 40960, RoPE
+    # theta and router loss weight from the HF config Qwen/Qwen3-30B-A3B. Qwen3's q/k RMSNorm is
+    # not modelled (2 * head_size parameters per layer).
+    "qwen3-30b-a3b": MoEConfig(num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4, head_size=128,
+                               ffn_hidden_size=768, vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+                               num_experts=128, experts_per_token=8, router_aux_loss_coef=0.001),
 }
 
 PRESET_SOURCES: dict[str, tuple[str, ...]] = {
@@ -580,10 +796,19 @@ PRESET_SOURCES: dict[str, tuple[str, ...]] = {
     "llama3-8b": (_LLAMA3_PAPER, "https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json"),
     "llama3-70b": (_LLAMA3_PAPER, "https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json"),
     "llama3-405b": (_LLAMA3_PAPER, "https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json"),
+    "llama3.1-8b": (_LLAMA3_PAPER, "https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json"),
+    "llama3.1-70b": (_LLAMA3_PAPER, "https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json"),
+    "llama3.1-405b": (_LLAMA3_PAPER, "https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json"),
+    "mixtral-8x7b": ("https://arxiv.org/abs/2401.04088",
+                     "https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json"),
+    "mixtral-8x22b": ("https://arxiv.org/abs/2401.04088",
+                      "https://huggingface.co/mistralai/Mixtral-8x22B-v0.1/blob/main/config.json"),
+    "qwen3-30b-a3b": ("https://arxiv.org/abs/2505.09388", "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json"),
 }
 """Where each preset's shapes and context length come from (paper, then model card or config)."""
 
-_FAMILIES: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig}
+_FAMILIES: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig, "moe": MoEConfig}
+_MODELS: dict[type, type] = {GPTConfig: GPTModel, LlamaConfig: LlamaModel, MoEConfig: MoEModel}
 _REQUIRED_KEYS = ("num_layers", "hidden_size", "num_heads")
 
 # ---------------------------------------------------------------------------------------------
@@ -592,12 +817,12 @@ _REQUIRED_KEYS = ("num_layers", "hidden_size", "num_heads")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A parsed model spec. `config` is set for gpt/llama; `path` and `function` for files."""
+    """A parsed model spec. `config` is set for gpt/llama/moe; `path` and `function` for files."""
 
     text: str
     """The spec as written."""
     family: str
-    """One of "gpt", "llama", "file"."""
+    """One of "gpt", "llama", "moe", "file"."""
     config: ModelConfig | None
     path: str | None
     function: str | None
@@ -606,7 +831,7 @@ class ModelSpec:
 
 
 def _family_of(config: ModelConfig) -> str:
-    return "gpt" if isinstance(config, GPTConfig) else "llama"
+    return next(family for family, cls in _FAMILIES.items() if type(config) is cls)
 
 
 def _parse_value(family: str, key: str, raw: str, type_hint: object) -> object:
@@ -797,9 +1022,8 @@ def build_model(
     if spec.family == "file":
         module, _ = load_user_model(spec, device=device)
         return module.to(dtype=dtype) if dtype != torch.float32 else module
-    cls = GPTModel if spec.family == "gpt" else LlamaModel
     with torch.device("meta"):
-        model = cls(spec.config)
+        model = _MODELS[type(spec.config)](spec.config)
     if dtype != torch.float32:
         model.to(dtype=dtype)
     if torch.device(device).type != "meta":
@@ -848,7 +1072,8 @@ def example_targets(
 
 def model_info(spec: str | ModelSpec | ModelConfig) -> dict:
     """Shape facts of a spec: name, family, num_layers, hidden_size, num_heads, num_kv_heads,
-    vocab_size, max_seq_len, ffn_hidden_size (None for file models)."""
+    vocab_size, max_seq_len, ffn_hidden_size (None for file models); num_experts and
+    experts_per_token (None but for mixture-of-experts models)."""
     spec = _as_spec(spec)
     keys = (
         "num_layers",
@@ -861,4 +1086,5 @@ def model_info(spec: str | ModelSpec | ModelConfig) -> dict:
     )
     info: dict = {"name": spec.name, "family": spec.family}
     info.update({k: (getattr(spec.config, k) if spec.config is not None else None) for k in keys})
+    info.update({k: getattr(spec.config, k, None) for k in ("num_experts", "experts_per_token")})
     return info

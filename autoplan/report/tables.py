@@ -77,6 +77,10 @@ def plans_table(plans, title: str = "") -> Table:
             extras.append(f"zero{plan.zero}")
         if getattr(plan, "dp_replicate", 1) > 1:
             extras.append(f"hsdp{plan.dp_replicate}x{plan.dp_shard}")
+        if getattr(plan, "cp", 1) > 1:
+            extras.append(f"cp{plan.cp}")
+        if getattr(plan, "ep", 1) > 1:
+            extras.append(f"ep{plan.ep}")
         if plan.sequence_parallel:
             extras.append("sp")
         recompute = plan.recompute + (" +" + ",".join(extras) if extras else "")

@@ -33,12 +33,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoplan.graph.aux_loss import recording_aux_losses
+from autoplan.graph.experts import expert_modules
+from autoplan.graph.positions import POSITIONS_ATTRIBUTE, holding_positions
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.source import ModelSource, OutputTemplate, as_source, trace_with_target
 from autoplan.graph.trace import retarget_device
 from autoplan.plan import Plan
 from autoplan.runtime.comm import P2P
+from autoplan.runtime.context import ContextParallelAttention, shard_sequence
 from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
+from autoplan.runtime.experts import reduce_expert_grads, shard_experts
 from autoplan.runtime.fsdp import finish_step, fsdp_roots, shard_stage, start_step
 from autoplan.runtime.parallel import (
     ParallelLayout,
@@ -265,8 +270,16 @@ class PartitionedModel:
                  input_names: Sequence[str], aliases: Mapping[str, str], device: torch.device,
                  batch_size_of_example: int | None, precision: MixedPrecision | None = None,
                  compute_dtype: torch.dtype = torch.float32,
-                 source: ModelSource | None = None, output_template: OutputTemplate | None = None):
+                 source: ModelSource | None = None, output_template: OutputTemplate | None = None,
+                 expert_params: Sequence[nn.Parameter] = (), context: ContextParallelAttention | None = None):
         self.plan = plan
+        self.context = context
+        """Context parallelism (cp > 1): this rank's positions of every sequence and the attention
+        that gathers keys and values over the cp group (runtime/context.py), else None."""
+        self.expert_params = list(expert_params)
+        self._has_aux_losses: bool | None = None  # found on the first step (`_aux_loss`)
+        """This rank's slices of the experts under expert parallelism (runtime/experts.py): their
+        gradients are reduced over the replicas holding the same experts, not over all of dp."""
         self.source = source
         """The model source (graph/source.py): it makes batches and targets for `autoplan run`."""
         self.output_template = output_template
@@ -437,12 +450,16 @@ class PartitionedModel:
                 value = value.to(compute_dtype)
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 rows = value.shape[0]
-                if rows == local * plan.dp and plan.dp > 1:
-                    value = value[self.layout.dp_index * local:(self.layout.dp_index + 1) * local]
+                replica = self.layout.dp_index // plan.cp  # the ranks of a cp group share their sequences
+                if rows == local * plan.replicas and plan.replicas > 1:
+                    value = value[replica * local:(replica + 1) * local]
                 elif rows != local:
                     raise PartitionError(
-                        f"input {name!r} has {rows} rows; expected the global batch {local * plan.dp} or this replica's "
-                        f"{local} (micro_batch_size {plan.micro_batch_size} * num_microbatches {plan.num_microbatches})")
+                        f"input {name!r} has {rows} rows; expected the global batch {local * plan.replicas} or this "
+                        f"replica's {local} (micro_batch_size {plan.micro_batch_size} * num_microbatches "
+                        f"{plan.num_microbatches})")
+                if self.context is not None:
+                    value = shard_sequence(value, self.context.positions, plan.job.seq_len)
                 for m, chunk in enumerate(value.to(self.device).chunk(plan.num_microbatches)):
                     out[m][name] = chunk
             else:
@@ -453,7 +470,9 @@ class PartitionedModel:
     def step(self, *inputs: Any, target: Any = None, zero_grad: bool = True) -> torch.Tensor | None:
         """Forward and backward of one batch through the pipeline, gradients reduced.
 
-        Returns the mean loss over the global batch on ranks of the last pipeline stage, else None.
+        Returns the mean loss over the global batch on ranks of the last pipeline stage, else None;
+        a model's auxiliary losses (`autoplan.attach_aux_loss`: a router's load-balancing loss) are
+        part of it, as they are of the gradients.
         """
         if zero_grad:
             self.zero_grad()
@@ -461,7 +480,13 @@ class PartitionedModel:
             self.precision.refresh()  # the optimizer stepped the fp32 masters since the last step
         microbatches = self._microbatches(inputs, target)
         start_step(self._fsdp_roots, self.plan.pp)
-        loss = self.executor.run(microbatches)
+        with recording_aux_losses() as aux_losses:
+            if self.context is not None:  # this rank's chunks of every sequence (runtime/context.py)
+                with holding_positions(self.context.positions), self.context:
+                    loss = self.executor.run(microbatches)
+            else:
+                loss = self.executor.run(microbatches)
+        aux = self._aux_loss(aux_losses)
         fsdp_start = time.perf_counter()
         finish_step(self._fsdp_roots, self.plan.pp)  # FSDP's reduce-scatter under pp > 1 (fsdp.py)
         fsdp_end = time.perf_counter()
@@ -483,12 +508,33 @@ class PartitionedModel:
             self.last_reductions.append(("TIED_GRAD_SYNC", tie_start, time.perf_counter()))
         if not self._fsdp_roots and self.layout.dp_group is not None:  # FSDP reduced its gradients itself
             dp_start = time.perf_counter()
-            all_reduce_grads([p for _, p in self._params], self.layout.dp_group, average=True)
+            experts = {id(p) for p in self.expert_params}
+            all_reduce_grads([p for _, p in self._params if id(p) not in experts], self.layout.dp_group, average=True)
+            if self.expert_params:
+                reduce_expert_grads(self.expert_params, self.layout.expert_dp_group, self.plan.dp)
             self.last_reductions.append(("DP_GRAD_SYNC", dp_start, time.perf_counter()))
+        if loss is not None and aux is not None:
+            loss = loss + aux
         if loss is not None and self.layout.dp_group is not None:
             dist.all_reduce(loss, group=self.layout.dp_group)
             loss /= self.plan.dp
         return loss
+
+    def _aux_loss(self, recorded: list[torch.Tensor]) -> torch.Tensor | None:
+        """The auxiliary losses (graph/aux_loss.py) of this replica's step, summed over its pipeline
+        ranks onto the last one, or None for a model without any. Whether the model has any is
+        agreed by the pipeline ranks on the first step (a stage without MoE layers records none)."""
+        mine = torch.stack(recorded).sum() if recorded else torch.zeros((), device=self.device)
+        if self._has_aux_losses is None:
+            flag = torch.tensor([1.0 if recorded else 0.0], device=self.device)
+            if self.layout.pp_group is not None:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.layout.pp_group)
+            self._has_aux_losses = bool(flag.item())
+        if not self._has_aux_losses:
+            return None
+        if self.layout.pp_group is not None:
+            dist.all_reduce(mine, group=self.layout.pp_group)
+        return mine
 
 
 def partition(
@@ -564,6 +610,8 @@ def partition(
             shape = list(value.shape)
             if value.dim() > 0 and shape[0] == batch:
                 shape[0] = plan.micro_batch_size
+            if plan.cp > 1 and value.dim() > 1 and shape[1] == plan.job.seq_len:  # this rank's share of it
+                shape[1] = plan.job.seq_len // plan.cp
             value = torch.empty(shape, dtype=value.dtype, device=prop_device)
         fake_inputs[name] = value
     values = propagate_values(traced, fake_inputs)
@@ -571,6 +619,16 @@ def partition(
     if traced.tracer == "export":
         retarget_device(traced.gm, device)
 
+    if plan.cp > 1 and not getattr(type(model), POSITIONS_ATTRIBUTE, False):
+        raise PartitionError(f"the plan has cp {plan.cp} but {type(model).__name__} does not read token positions "
+                             "from autoplan's sequence_positions() (graph/positions.py); re-plan it with "
+                             "`autoplan suggest` (cp 1)")
+    if plan.cp > 1 and expert_modules(traced.gm):
+        raise PartitionError(f"the plan has cp {plan.cp} but the model has experts, whose capacity and balance loss "
+                             "are per whole sequence; re-plan it with `autoplan suggest` (cp 1)")
+    if plan.ep > 1 and not expert_modules(traced.gm):
+        raise PartitionError(f"the plan has ep {plan.ep} but the model has no grouped experts (graph/experts.py) to "
+                             "split; re-plan it with `autoplan suggest` (ep 1)")
     init_distributed(timeout, world_size=plan.num_gpus)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size != plan.num_gpus:
@@ -607,6 +665,11 @@ def partition(
     if tp_plan and not on_meta:  # real weights: each rank keeps its slice of the moved tensors
         for module in mine.values():
             shard(module)
+    expert_params: list[nn.Parameter] = []
+    # Found before slicing: a slice no longer has num_experts experts (graph/experts.py).
+    experts_of = {i: list(expert_modules(module).values()) for i, module in mine.items()} if plan.ep > 1 else {}
+    if plan.ep > 1:  # each rank keeps its 1/ep of the experts (runtime/experts.py)
+        expert_params = shard_experts(list(mine.values()), layout.ep_group, layout.ep_index, plan.ep)
     if sequence_parallel:  # between two layers only this rank's 1/tp of the sequence crosses a cut
         layer_blocks = {i for i, name in enumerate(traced.block_names) if name in set(layers)}
         specs = [_sequence_sharded(spec, layer_blocks, plan.tp) for spec in specs]
@@ -626,10 +689,13 @@ def partition(
             stage.runner = DTensorStage(stage.runner or stage.module, layout.tp_mesh)
     if fsdp:
         _check_unshared(mine, plan)
-        for stage in stages.values():
+        for index, stage in stages.items():
             stage.runner = shard_stage(stage.module, stage.runner, mesh=layout.fsdp_mesh, zero=plan.zero,
-                                       compute_dtype=compute_dtype)
+                                       compute_dtype=compute_dtype, experts=experts_of.get(index, ()),
+                                       expert_mesh=layout.expert_fsdp_mesh, dp=plan.dp)
             stage.params = [p for p in stage.module.parameters() if p.requires_grad]
+        # fully_shard replaced the expert slices by sharded parameters
+        expert_params = [p for units in experts_of.values() for unit in units for p in unit.parameters()]
     schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
     executor = PipelineExecutor(
         stages, schedule.with_comms()[layout.pp_index], num_stages=plan.num_stages,
@@ -642,7 +708,9 @@ def partition(
     return PartitionedModel(plan=plan, layout=layout, stages=stages, executor=executor,
                             input_names=traced.input_names, aliases=aliases, device=device,
                             batch_size_of_example=batch, precision=precision, compute_dtype=compute_dtype,
-                            source=source,
+                            source=source, expert_params=expert_params,
+                            context=ContextParallelAttention(layout.cp_group, plan.cp, layout.cp_index, plan.job.seq_len)
+                            if plan.cp > 1 else None,
                             output_template=output_template)
 
 

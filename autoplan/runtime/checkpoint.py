@@ -443,6 +443,12 @@ def _layout_of(pm) -> dict[str, Any]:
     return out
 
 
+EXPERT_PARALLEL_REFUSAL = (
+    "checkpoints of a plan with ep {ep} are not supported yet: each rank holds a slice of the experts under the "
+    "same names, which torch.distributed.checkpoint would store once; run without --checkpoint-dir or re-plan "
+    "with --ep 1")
+
+
 def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torch.optim.Optimizer | None = None, *,
                     extra: Mapping[str, Any] | None = None, timeout: timedelta = timedelta(seconds=60),
                     _kill_midway: bool = False) -> Path:
@@ -456,6 +462,8 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    if getattr(getattr(pm, "plan", None), "ep", 1) > 1:
+        raise ValueError(EXPERT_PARALLEL_REFUSAL.format(ep=pm.plan.ep))
     root = Path(directory)
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoplan.graph.aux_loss import aux_loss_scale
 from autoplan.runtime.comm import P2P
 from autoplan.runtime.split import StageSpec
 from autoplan.schedule.actions import Action, ActionKind
@@ -201,12 +202,14 @@ class PipelineExecutor:
             ActionKind.SEND_F: self._send_f, ActionKind.RECV_F: self._recv_f,
             ActionKind.SEND_B: self._send_b, ActionKind.RECV_B: self._recv_b,
         }
-        for action in self.actions:
-            if self.on_action is not None:
-                self.on_action(action)
-            start = time.perf_counter()
-            handlers[action.kind](action.stage, action.microbatch)
-            trace.append(ActionRecord(action, start, time.perf_counter()))
+        # Auxiliary losses inside the stages (graph/aux_loss.py) get the loss's own 1 / M.
+        with aux_loss_scale(self.loss_scale):
+            for action in self.actions:
+                if self.on_action is not None:
+                    self.on_action(action)
+                start = time.perf_counter()
+                handlers[action.kind](action.stage, action.microbatch)
+                trace.append(ActionRecord(action, start, time.perf_counter()))
         self.comm.wait_sends()
         self.last_trace = trace
         self._state.clear()

@@ -27,6 +27,13 @@ across groups). Composed with tensor parallelism, a tp-sharded parameter becomes
   in place of precision.py's working copies: the sharded parameters are the fp32 masters, gathered
   in bf16, and gradients are reduced and kept in fp32: 4 + 4 + 8 bytes per parameter, sharded
   (cost/memory.py).
+- Expert parallelism (ep > 1): a rank's slice of the experts (runtime/experts.py) differs across
+  its ep group, so each grouped-experts module is a unit of its own sharded over the replicas
+  holding the same experts (`ParallelLayout.expert_fsdp_mesh`, dp / ep ranks), as torchtitan shards
+  experts over its "dp_shard_mod_ep" mesh (torchtitan/models/llama4/infra/parallelize.py). Its
+  gradient already sums the tokens of the ep group, so FSDP divides the reduced sum by dp, not by
+  the mesh's size (`set_gradient_divide_factor`), which gives the mean over all dp replicas, as
+  every other parameter gets.
 - zb-h1 is refused: its weight-gradient pass runs outside autograd's accumulation, where FSDP's
   gradient hooks do not see it.
 """
@@ -84,16 +91,26 @@ def unit_paths(module: nn.Module) -> list[str]:
 
 
 def shard_stage(module: nn.Module, runner: Callable[..., Any] | None, *, mesh, zero: int,
-                compute_dtype: torch.dtype) -> ShardedStage:
+                compute_dtype: torch.dtype, experts: Sequence[nn.Module] = (), expert_mesh=None,
+                dp: int = 1) -> ShardedStage:
     """`module` (a stage, already tensor-parallel and materialized) sharded with `fully_shard`
     over `mesh` as [Note: FSDP under the pipeline executor] says; returns the root unit to call in
-    its place. Its parameters are replaced by sharded DTensor parameters: collect them afterwards."""
+    its place. Its parameters are replaced by sharded DTensor parameters: collect them afterwards.
+    `experts` (ep > 1): its grouped-experts modules, already sliced (runtime/experts.py), which
+    shard over `expert_mesh`; `dp`: the replicas in all."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if compute_dtype == torch.float32:
         policy = MixedPrecisionPolicy()
     reshard = zero >= 3
+    for unit in experts:  # innermost first: an outer unit leaves their parameters to them
+        fully_shard(unit, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        unit.set_gradient_divide_factor(float(dp))
+        # A custom factor reduces with PREMUL_SUM, which gloo lacks; a sum divided afterwards is the
+        # same mean. Not on one rank: torch's single-rank path divides by the factor itself
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce).
+        unit.set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
     for path in unit_paths(module):
         fully_shard(module.get_submodule(path), mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     root = ShardedStage(module, runner)

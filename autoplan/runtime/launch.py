@@ -624,6 +624,10 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
         if checkpoint_every is not None and not checkpoint_dir:
             raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
         if checkpoint_dir is not None:
+            if plan.ep > 1:
+                from autoplan.runtime.checkpoint import EXPERT_PARALLEL_REFUSAL
+
+                raise ValueError(EXPERT_PARALLEL_REFUSAL.format(ep=plan.ep))
             checkpoint_dir = str(checkpoint_dir)
             if not checkpoint_dir.strip():
                 raise ValueError("--checkpoint-dir is empty; name a directory")

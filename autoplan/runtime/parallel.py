@@ -623,6 +623,24 @@ class ParallelLayout:
     fsdp_mesh: object | None = None
     """The mesh FSDP shards over (zero >= 2): 1-D "dp_shard", or 2-D ("dp_replicate", "dp_shard")
     for HSDP; None otherwise."""
+    ep_index: int = 0
+    """This rank's place in its expert-parallel group (dp_index % ep): which slice of the experts
+    it holds (runtime/experts.py)."""
+    ep_group: dist.ProcessGroup | None = None
+    """The ep consecutive dp replicas (same pp and tp index) that exchange tokens, or None (ep 1)."""
+    pp_group: dist.ProcessGroup | None = None
+    """The pipeline ranks with this rank's dp and tp index (the mesh's "pp" axis), or None (pp 1)."""
+    cp_index: int = 0
+    """This rank's place in its context-parallel group (dp_index % cp): which chunks of every
+    sequence it holds (runtime/context.py)."""
+    cp_group: dist.ProcessGroup | None = None
+    """The cp consecutive dp ranks (same pp and tp index) that split each sequence, or None (cp 1)."""
+    expert_dp_group: dist.ProcessGroup | None = None
+    """The dp replicas holding the same experts (dp_index % ep equal), over which expert gradients
+    are summed; None when there is one (ep = dp) or ep is 1."""
+    expert_fsdp_mesh: object | None = None
+    """With ep > 1 and zero >= 2: the 1-D mesh of those same replicas ("edp"), over which FSDP
+    shards the experts (fsdp.py); None otherwise."""
 
 
 def build_layout(plan, rank: int, world_size: int, device_type: str,
@@ -636,7 +654,7 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
     """
     pp_index, dp_index, tp_index = plan.coords(rank)
     stage_rank = {s.index: plan.rank(s.pp_rank, dp_index, tp_index) for s in plan.stages}
-    mesh = dp_group = tp_mesh = fsdp_mesh = None
+    mesh = dp_group = tp_mesh = fsdp_mesh = expert_fsdp_mesh = None
     replicate = getattr(plan, "dp_replicate", 1)
     shard = plan.dp // replicate
     if world_size > 1 or plan.zero >= 2:
@@ -653,6 +671,14 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
         tp_mesh = mesh["tp"] if plan.tp > 1 else None
         if plan.zero >= 2:
             fsdp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
+        if plan.zero >= 2 and getattr(plan, "ep", 1) > 1:
+            # The dp index read as (dp / ep, ep): the first axis holds the replicas with the same
+            # experts, torchtitan's "dp_shard_mod_ep" (torchtitan/distributed/parallel_dims.py).
+            ep = plan.ep
+            expert_layout = torch.tensor([[[[plan.rank(p, o * ep + i, t) for t in range(plan.tp)] for i in range(ep)]
+                                           for o in range(plan.dp // ep)] for p in range(plan.pp)])
+            expert_fsdp_mesh = DeviceMesh(device_type, expert_layout, mesh_dim_names=("pp", "edp", "ep", "tp"),
+                                          backend_override=(override,) * 4)["edp"]
     tie_groups: dict[str, dist.ProcessGroup] = {}
     for name in sorted(tied_holders):
         holders = sorted(set(tied_holders[name]))
@@ -664,8 +690,33 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
                 group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     tie_groups[name] = group
+    ep, cp = getattr(plan, "ep", 1), getattr(plan, "cp", 1)
+    # Expert and context parallelism fold over dp: groups of ep (cp) consecutive dp ranks, and for
+    # ep the dp ranks holding the same experts (one per ep group).
+    ep_group = _dp_subgroup(plan, rank, lambda d: d // ep, timeout) if ep > 1 else None
+    expert_dp_group = _dp_subgroup(plan, rank, lambda d: d % ep, timeout) if 1 < ep < plan.dp else None
+    cp_group = _dp_subgroup(plan, rank, lambda d: d // cp, timeout) if cp > 1 else None
     return ParallelLayout(rank, world_size, pp_index, dp_index, tp_index, plan.pp, plan.dp, plan.tp,
-                          stage_rank, mesh, dp_group, tie_groups, tp_mesh, fsdp_mesh)
+                          stage_rank, mesh, dp_group, tie_groups, tp_mesh, fsdp_mesh,
+                          pp_group=mesh["pp"].get_group() if mesh is not None and plan.pp > 1 else None,
+                          ep_index=dp_index % ep, ep_group=ep_group, cp_index=dp_index % cp, cp_group=cp_group,
+                          expert_dp_group=expert_dp_group, expert_fsdp_mesh=expert_fsdp_mesh)
+
+
+def _dp_subgroup(plan, rank: int, key, timeout: timedelta | None) -> dist.ProcessGroup:
+    """The group of this rank among those that split each (pp, tp) coordinate's dp ranks by
+    `key(dp_index)`. new_group is collective: every rank creates every group, in the same order."""
+    mine = None
+    for p in range(plan.pp):
+        for t in range(plan.tp):
+            parts: dict[int, list[int]] = {}
+            for d in range(plan.dp):
+                parts.setdefault(key(d), []).append(plan.rank(p, d, t))
+            for ranks in parts.values():
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine = group
+    return mine
 
 
 def _group_options(device_type: str, timeout: timedelta | None) -> tuple[str | None, object | None]:

@@ -26,6 +26,8 @@ from autoplan.cost.memory import (
     allowance_bytes,
     block_act_bytes,
     block_static_bytes,
+    expert_params,
+    expert_shard_surplus,
     fsdp_transient_bytes,
     gathered_bytes_per_param,
     head_backward_bytes,
@@ -41,6 +43,8 @@ from autoplan.cost.time import (
     cpu_sharing,
     cut_transfer_time_s,
     cut_transfer_times_s,
+    expert_exchange_times_s,
+    kv_exchange_times_s,
     optimizer_time_s,
     tied_sync_times_s,
 )
@@ -143,16 +147,18 @@ class SearchContext:
         return self._cache[key]
 
     def block_times(self, gpu, cfg: ParallelConfig) -> BlockTimes:
-        key = ("times", gpu.name, cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel)
+        spread = cfg.ep > 1 or cfg.cp > 1  # their groups' links depend on the rank layout
+        key = ("times", gpu.name, cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.ep, cfg.cp,
+               cfg.rank_order if spread else None, cfg.pp if spread else None)
         return self.cached(key, lambda: block_times(self.profile, gpu, self.cluster, cfg, self.job.dtype,
                                                     self.calibrations.for_gpu(gpu)))
 
     def static_bytes(self, cfg: ParallelConfig) -> np.ndarray:
-        key = ("static", cfg.tp, cfg.dp, cfg.zero, cfg.dp_replicate, cfg.pp == 1, cfg.num_stages == 1)
+        key = ("static", cfg.tp, cfg.dp, cfg.zero, cfg.dp_replicate, cfg.pp == 1, cfg.num_stages == 1, cfg.ep)
         return self.cached(key, lambda: block_static_bytes(self.profile, cfg, self.job.dtype))
 
     def act_bytes(self, cfg: ParallelConfig) -> np.ndarray:
-        key = ("acts", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel)
+        key = ("acts", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.cp)
         return self.cached(key, lambda: block_act_bytes(self.profile, cfg))
 
     def block_passes(self, t: BlockTimes) -> tuple[np.ndarray, np.ndarray]:
@@ -186,11 +192,25 @@ class SearchContext:
             return shard, replicate, (group_layout(self.cluster, shard), group_layout(self.cluster, replicate))
 
         shard, replicate, layouts = self.cached(groups_key, groups)
-        return self.cached(("fsdp", cfg.tp, layouts), lambda: fsdp_unit_times_s(
-            self.cluster, shard, replicate, self.params(cfg), gathered_bytes_per_param(self.job.dtype)))
+        gather_bytes = gathered_bytes_per_param(self.job.dtype)
+        if cfg.ep == 1:
+            return self.cached(("fsdp", cfg.tp, layouts), lambda: fsdp_unit_times_s(
+                self.cluster, shard, replicate, self.params(cfg), gather_bytes))
+
+        def with_experts() -> tuple[np.ndarray, np.ndarray]:
+            # A block's experts are a unit of their own, sharded over the dp / ep replicas holding
+            # the same experts (runtime/fsdp.py): every ep-th rank of the shard group.
+            local_experts = np.asarray(expert_params(self.profile), dtype=float) / cfg.ep
+            gather, reduce = fsdp_unit_times_s(self.cluster, shard, replicate, self.params(cfg) - local_experts,
+                                               gather_bytes)
+            expert_gather, expert_reduce = fsdp_unit_times_s(self.cluster, shard[::cfg.ep], range(0), local_experts,
+                                                             gather_bytes)
+            return gather + expert_gather, reduce + expert_reduce
+
+        return self.cached(("fsdp", cfg.tp, cfg.ep, layouts), with_experts)
 
     def params(self, cfg: ParallelConfig) -> np.ndarray:
-        return self.cached(("params", cfg.tp), lambda: param_counts(self.profile, cfg))
+        return self.cached(("params", cfg.tp, cfg.ep), lambda: param_counts(self.profile, cfg))
 
     def reserve(self, cfg: ParallelConfig) -> float:
         """Bytes reserved per GPU for buffers (receive buffers, backward transients) before cutting:
@@ -200,10 +220,10 @@ class SearchContext:
         recompute) and the head's backward transients (`head_backward_bytes`); then FSDP's units in
         flight (`fsdp_transient_bytes`)."""
         key = ("reserve", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.virtual_stages,
-               cfg.zero, cfg.pp == 1)
+               cfg.zero, cfg.pp == 1, cfg.cp)
 
         def make() -> float:
-            f = cfg.micro_batch_size / self.profile.batch_size
+            f = cfg.batch_share(self.profile.batch_size)
             cut_bytes = np.array([0.0] + [nb * f for nb in self.cut_num_bytes] + [0.0])
             reserve = 2 * cfg.virtual_stages * cut_bytes.max() + 2 * (self.largest_output_bytes * f)
             recompute = float(np.max(self.act_bytes(_no_recompute(cfg)))) if cfg.recompute == "full" else 0.0
@@ -217,7 +237,7 @@ class SearchContext:
 
     def link_times(self, cfg: ParallelConfig) -> np.ndarray:
         src, dst = cfg.rank(0, 0), cfg.rank(1 % cfg.pp, 0)
-        key = ("link", cfg.tp, cfg.micro_batch_size, src, dst)
+        key = ("link", cfg.tp, cfg.micro_batch_size, cfg.cp, src, dst)
 
         def make() -> np.ndarray:
             out = np.zeros(self.profile.num_blocks + 1)
@@ -520,7 +540,7 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
     def comm_time(src_stage: int, dst_stage: int, kind) -> float:
         boundary = ranges[max(src_stage, dst_stage)][0]  # first block of the later stage
         src, dst = pp_ranks[src_stage % cfg.pp], pp_ranks[dst_stage % cfg.pp]
-        key = (cfg.tp, cfg.micro_batch_size, boundary, src, dst)
+        key = (cfg.tp, cfg.micro_batch_size, cfg.cp, boundary, src, dst)
         if key not in comm_cache:
             comm_cache[key] = cut_transfer_time_s(profile, cluster, cfg, boundary - 1, src, dst)
         return comm_cache[key]
@@ -543,7 +563,8 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
             dp_ranks = [cfg.rank(p, d, 0) for d in range(cfg.dp)]
             exposed = dp_reduction_exposed_s(cluster, dp_ranks, rank_params * grad_b, bwd_s[mine[0]])
         shards = cfg.dp_shard if cfg.zero >= 2 else cfg.dp if cfg.zero == 1 else 1
-        opt = optimizer_time_s(pp_gpus[p], rank_params / shards)
+        opt = optimizer_time_s(pp_gpus[p], (rank_params + expert_shard_surplus(profile, cfg, [ranges[k] for k in mine]))
+                               / shards)
         dp_exposed.append(exposed)
         optim_s.append(opt)
         tails.append(tied_s[p] + exposed + opt)  # the order the runtime does them in (runtime/api.py, step)
@@ -595,9 +616,22 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
                                    for p in range(cfg.pp)])) * cfg.num_microbatches
     tp_total = sum(float((stage_times[k].tp_fwd_s + stage_times[k].tp_bwd_s)[ranges[k][0]:ranges[k][1]].sum())
                    for k in range(num_stages)) * cfg.num_microbatches / cfg.pp
+    ep_total = 0.0
+    if cfg.ep > 1:  # the experts' all-to-alls, folded into the tp arrays by `block_times`
+        exchange = expert_exchange_times_s(profile, ctx.cluster, cfg)
+        passes = [1.0 + (2.0 if cfg.recompute == "full" else 1.0)] * num_stages
+        ep_total = sum(float(exchange[a:b].sum()) * passes[k] for k, (a, b) in enumerate(ranges)) \
+            * cfg.num_microbatches / cfg.pp
+    cp_total = 0.0
+    if cfg.cp > 1:  # the key/value all-gathers, folded into the tp arrays by `block_times`
+        gather = kv_exchange_times_s(profile, ctx.cluster, cfg)
+        passes = 1.0 + (2.0 if cfg.recompute == "full" else 1.0)
+        cp_total = sum(float(gather[a:b].sum()) * passes for a, b in ranges) * cfg.num_microbatches / cfg.pp
     breakdown = {
         "compute_s": compute_total - tp_total,
-        "tp_comm_s": tp_total,
+        "tp_comm_s": tp_total - ep_total - cp_total,
+        **({"ep_comm_s": ep_total} if cfg.ep > 1 else {}),
+        **({"cp_comm_s": cp_total} if cfg.cp > 1 else {}),
         "bubble_s": max(0.0, step - busy - max(tails)),
         "tied_grad_sync_s": max(tied_s),
         "dp_comm_exposed_s": max(dp_exposed),
@@ -636,7 +670,7 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
         model=ctx.model_spec, model_fingerprint=profile.fingerprint, cluster=ctx.cluster_dict, job=job,
         tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, virtual_stages=cfg.virtual_stages, micro_batch_size=cfg.micro_batch_size,
         num_microbatches=cfg.num_microbatches, schedule=cfg.schedule, recompute=cfg.recompute, zero=cfg.zero, dp_replicate=cfg.dp_replicate,
-        sequence_parallel=cfg.sequence_parallel, rank_order=cfg.rank_order, stages=stages,
+        ep=cfg.ep, cp=cfg.cp, sequence_parallel=cfg.sequence_parallel, rank_order=cfg.rank_order, stages=stages,
         block_names=tuple(b.name for b in profile.blocks), fits=fits, predicted=predicted,
     )
 

@@ -59,7 +59,7 @@ from autoplan.search.evaluate import Dominated, SearchContext, evaluate, min_gpu
 __all__ = ["PINS", "PlanningError", "SearchResult", "search_plans"]
 
 PINS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero",
-        "dp_replicate", "sequence_parallel", "rank_order")
+        "dp_replicate", "sequence_parallel", "rank_order", "ep", "cp")
 _DEFAULT_MBS = (1, 2, 4, 8)
 MAX_MICROBATCHES = 4096
 """Micro-batches per replica per step above which a configuration is not considered: schedules are
@@ -96,7 +96,7 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
     if unknown:
         raise PlanningError(f"unknown pin {sorted(unknown)[0]!r}; pins are {', '.join(PINS)}")
     n_gpus, per_node = cluster.num_gpus, cluster.gpus_per_node
-    for key in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "dp_replicate"):
+    for key in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "dp_replicate", "ep", "cp"):
         value = pins.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise PlanningError(f"--{key.replace('_', '-')} {value!r} must be a positive integer")
@@ -115,11 +115,24 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
         raise PlanningError(f"pinned degrees multiply to {product}, which does not divide the cluster's {n_gpus} GPUs")
     if None not in (tp, pp, dp) and product != n_gpus:
         raise PlanningError(f"tp*pp*dp = {tp}*{pp}*{dp} = {product} but the cluster has {n_gpus} GPUs")
-    if dp is not None and job.global_batch % dp:
-        raise PlanningError(f"global batch {job.global_batch} is not divisible by --dp {dp}")
+    cp = pins.get("cp") or 1
+    if cp > 1:
+        refusal = cp_refusal(profile, job, cp)
+        if refusal is not None:
+            raise PlanningError(f"--cp {cp} {refusal}")
+        if dp is not None and dp % cp:
+            raise PlanningError(f"--cp {cp} must divide --dp {dp}: sequences are split over data-parallel ranks")
+        if (pins.get("ep") or 1) > 1:
+            raise PlanningError(f"--cp {cp} with --ep {pins['ep']} is not supported (experts route whole sequences)")
+        if n_gpus % (product * cp) and dp is None:
+            raise PlanningError(f"--cp {cp} does not divide the data-parallel degree of any split of {n_gpus} GPUs "
+                                "with the pinned degrees")
+    if dp is not None and (dp % cp or job.global_batch % (dp // cp)):
+        raise PlanningError(f"global batch {job.global_batch} is not divisible by --dp {dp}"
+                            + (f" / --cp {cp}" if cp > 1 else ""))
     mbs = pins.get("micro_batch_size")
-    if mbs is not None and dp is not None and (job.global_batch // dp) % mbs:
-        raise PlanningError(f"the per-replica batch {job.global_batch // dp} is not divisible by "
+    if mbs is not None and dp is not None and (job.global_batch // (dp // cp)) % mbs:
+        raise PlanningError(f"the per-replica batch {job.global_batch // (dp // cp)} is not divisible by "
                             f"--micro-batch-size {mbs}")
     if mbs is not None and job.global_batch % mbs:
         raise PlanningError(f"global batch {job.global_batch} is not divisible by --micro-batch-size {mbs}")
@@ -157,6 +170,22 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
     if fsdp_pinned and tp is not None and fsdp_refusal(profile, tp) is not None:
         raise PlanningError(f"--tp {tp} with {'--zero ' + str(zero) if zero else '--dp-replicate'}: "
                             f"{fsdp_refusal(profile, tp)}; use --zero 1 or --tp 1")
+    ep = pins.get("ep")
+    if ep is not None and ep > 1:
+        refusal = ep_refusal(profile, ep)
+        if refusal is not None:
+            raise PlanningError(f"--ep {ep} {refusal}")
+        if zero == 1:
+            raise PlanningError(f"--ep {ep} cannot run with --zero 1 (torch's ZeroRedundancyOptimizer shards over all "
+                                f"dp replicas, whose experts differ); use --zero 0, 2 or 3, or --ep 1")
+        if replicate is not None and replicate > 1:
+            raise PlanningError(f"--ep {ep} cannot run with --dp-replicate {replicate} (HSDP); use --dp-replicate 1 "
+                                "or --ep 1")
+        if dp is not None and dp % ep:
+            raise PlanningError(f"--ep {ep} must divide --dp {dp}: experts are split over data-parallel replicas")
+        if n_gpus % (product * ep) and dp is None:
+            raise PlanningError(f"--ep {ep} does not divide the data-parallel degree of any split of {n_gpus} GPUs "
+                                "with the pinned degrees")
     if pins.get("sequence_parallel") and tp == 1:
         raise PlanningError("--sequence-parallel needs --tp of at least 2")
     if pins.get("sequence_parallel") and not _sequence_parallel_allowed(profile):
@@ -190,6 +219,62 @@ def tp_refusal(profile: ModelProfile, tp: int) -> str | None:
     return None
 
 
+def ep_refusal(profile: ModelProfile, ep: int) -> str | None:
+    """Why the model cannot run at this expert-parallel degree (one line), or None: it has no
+    experts that take tokens grouped by expert (graph/experts.py), or ep does not divide them."""
+    if ep == 1:
+        return None
+    experts = profile.extra.get("experts")
+    if not experts:
+        return ("needs a mixture-of-experts model whose experts take tokens grouped by expert (graph/experts.py); "
+                "this model has none; use --ep 1")
+    if experts["num_experts"] % ep:
+        return f"does not divide the model's {experts['num_experts']} experts; use a divisor of it"
+    return None
+
+
+def _expert_degrees(profile: ModelProfile, dp: int, pins: dict) -> list[int]:
+    """Expert-parallel degrees a base configuration tries: the pin, else every divisor of dp that
+    divides the experts (1 for a model without experts, or when zero 1 or HSDP is pinned)."""
+    if pins.get("ep"):
+        return [pins["ep"]] if dp % pins["ep"] == 0 else []
+    if not profile.extra.get("experts") or pins.get("zero") == 1 or (pins.get("dp_replicate") or 1) > 1:
+        return [1]
+    return [e for e in _divisors(dp) if ep_refusal(profile, e) is None]
+
+
+MIN_TOKENS_PER_CP_RANK = 4096
+"""Context-parallel degrees that leave a rank fewer tokens of a sequence than this are not searched
+(`--cp` pins any degree): context parallelism is for long sequences (Llama 3 ran 131,072 tokens
+over cp 16, 8,192 per rank, and 8,192-token sequences without it, arXiv:2407.21783 Table 4), and
+every degree searched multiplies the configurations: with 1,024, llama3-405b at 8,192 tokens on
+16,384 GPUs evaluated three times as many as with 4,096 (docs/cost-model.md, "Context
+parallelism"). A search heuristic, not a measured threshold."""
+
+
+def cp_refusal(profile: ModelProfile, job: Job, cp: int) -> str | None:
+    """Why the model or job cannot run at this context-parallel degree (one line), or None."""
+    if cp == 1:
+        return None
+    support = profile.extra.get("context_parallel") or {"allowed": False, "note": "the profile predates it"}
+    if not support.get("allowed"):
+        return f"needs a model context parallelism can split: {support.get('note')}"
+    if job.seq_len % (2 * cp):
+        return f"does not divide the sequence of {job.seq_len} tokens into 2 * {cp} equal chunks"
+    return None
+
+
+def _context_degrees(profile: ModelProfile, job: Job, dp: int, pins: dict) -> list[int]:
+    """Context-parallel degrees a base configuration tries: the pin, else the divisors of dp the
+    model takes that leave each rank at least MIN_TOKENS_PER_CP_RANK tokens (1 always)."""
+    if pins.get("cp"):
+        return [pins["cp"]] if dp % pins["cp"] == 0 else []
+    if pins.get("ep", 1) > 1:
+        return [1]
+    return [c for c in _divisors(dp) if c == 1 or (cp_refusal(profile, job, c) is None
+                                                  and job.seq_len // c >= MIN_TOKENS_PER_CP_RANK)]
+
+
 def _sequence_parallel_allowed(profile: ModelProfile) -> bool:
     info = profile.extra.get("tensor_parallel")
     return True if info is None else bool(info.get("sequence_parallel"))
@@ -205,23 +290,29 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict)
             if (n_gpus // tp) % pp:
                 continue
             dp = n_gpus // (tp * pp)
-            if pins.get("dp") not in (None, dp) or job.global_batch % dp or dp % pins.get("dp_replicate", 1):
+            if pins.get("dp") not in (None, dp) or dp % pins.get("dp_replicate", 1):
                 continue
-            per_replica = job.global_batch // dp
-            mbss = [pins["micro_batch_size"]] if pins.get("micro_batch_size") else [
-                b for b in _DEFAULT_MBS if per_replica % b == 0]
-            for mbs in mbss:
-                if per_replica % mbs:
+            for cp in _context_degrees(profile, job, dp, pins):
+                replicas = dp // cp
+                if job.global_batch % replicas:
                     continue
-                m = per_replica // mbs
-                if m > MAX_MICROBATCHES:
-                    continue  # see MAX_MICROBATCHES
-                for schedule, v in _schedules(profile, pp, m, pins):
-                    orders = [pins["rank_order"]] if pins.get("rank_order") else (
-                        ["tp-dp-pp", "tp-pp-dp"] if pp > 1 and dp > 1 and cluster.num_nodes > 1 else ["tp-dp-pp"])
-                    for order in orders:
-                        yield ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, num_microbatches=m,
-                                             schedule=schedule, virtual_stages=v, rank_order=order)
+                per_replica = job.global_batch // replicas
+                mbss = [pins["micro_batch_size"]] if pins.get("micro_batch_size") else [
+                    b for b in _DEFAULT_MBS if per_replica % b == 0]
+                for mbs in mbss:
+                    if per_replica % mbs:
+                        continue
+                    m = per_replica // mbs
+                    if m > MAX_MICROBATCHES:
+                        continue  # see MAX_MICROBATCHES
+                    for schedule, v in _schedules(profile, pp, m, pins):
+                        orders = [pins["rank_order"]] if pins.get("rank_order") else (
+                            ["tp-dp-pp", "tp-pp-dp"] if pp > 1 and dp > 1 and cluster.num_nodes > 1 else ["tp-dp-pp"])
+                        for order in orders:
+                            for ep in _expert_degrees(profile, dp, pins) if cp == 1 else [1]:
+                                yield ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, num_microbatches=m,
+                                                     schedule=schedule, virtual_stages=v, rank_order=order, ep=ep,
+                                                     cp=cp)
 
 
 def _schedules(profile: ModelProfile, pp: int, m: int, pins: dict) -> list[tuple[str, int]]:
@@ -269,14 +360,18 @@ def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
     ([Note: sharded data parallelism in the search]): ZeRO-1 (zero 0 with dp = 1), then zero 2 and
     zero 3, each over all of dp and as HSDP; no FSDP where `fsdp_refusal` says the model cannot."""
     zero, replicate = pins.get("zero"), pins.get("dp_replicate")
+    if cfg.ep > 1:  # the runtime runs expert parallelism with zero 0, 2 or 3, without HSDP (runtime/fsdp.py)
+        if replicate not in (None, 1) or zero == 1:
+            return []
+        if zero is not None:
+            return [(zero, 1)] if zero == 0 or fsdp_allowed(cfg, profile) else []
+        return [(0, 1)] + ([(2, 1), (3, 1)] if fsdp_allowed(cfg, profile) else [])
     if zero is not None and zero < 2:
         return [(zero, 1)]
     out = []
     if zero is None and replicate in (None, 1):
         out.append((1 if cfg.dp > 1 else 0, 1))
-    if cfg.schedule == "zb-h1" or (zero is None and cfg.dp == 1):
-        return out
-    if profile is not None and fsdp_refusal(profile, cfg.tp) is not None:
+    if (zero is None and cfg.dp == 1) or not fsdp_allowed(cfg, profile):
         return out
     if replicate is not None:
         replicates = [replicate]
@@ -285,6 +380,12 @@ def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
         replicates = [1] if hsdp is None else [1, hsdp]
     out += [(z, r) for z in ([zero] if zero is not None else [2, 3]) for r in replicates]
     return out
+
+
+def fsdp_allowed(cfg: ParallelConfig, profile: ModelProfile | None) -> bool:
+    """Whether the runtime can run this configuration with FSDP: not under zb-h1, nor where
+    `fsdp_refusal` says the model cannot be sharded at its tp."""
+    return cfg.schedule != "zb-h1" and (profile is None or fsdp_refusal(profile, cfg.tp) is None)
 
 
 def _with_memory_options(cfg: ParallelConfig, pins: dict, sp_allowed: bool, recompute: str, zero: int,
@@ -337,6 +438,8 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     all_pinned = all(k in pins for k in ("tp", "pp", "dp", "micro_batch_size", "schedule", "recompute", "zero"))
     if all_pinned:
         pins.setdefault("dp_replicate", 1)  # one plan: plain FSDP unless HSDP is asked for
+        pins.setdefault("cp", 1)  # and whole sequences, every expert on every rank, unless asked for
+        pins.setdefault("ep", 1)
 
     # Bound every base configuration (cheap), then evaluate in increasing order of the bound.
     candidates: list[tuple[float, int, ParallelConfig]] = []
@@ -350,12 +453,12 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         if not _shardings(cfg, pins, cluster.gpus_per_node, profile):
             continue
         frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
-        key = (cfg.tp, cfg.dp, frugal.zero, frugal.dp_replicate, cfg.pp == 1)
+        key = (cfg.tp, cfg.dp, frugal.zero, frugal.dp_replicate, cfg.pp == 1, cfg.ep)
         if key not in static_cache:
             static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
         if static_cache[key] / cfg.pp > min_capacity and not all_pinned:
             continue  # not even the weights fit, whatever the cuts
-        tkey = (cfg.tp, cfg.micro_batch_size)
+        tkey = (cfg.tp, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.rank_order if cfg.ep > 1 or cfg.cp > 1 else None)
         if tkey not in time_cache:
             slowest = min(cluster.gpu_types, key=lambda g: g.peak(job.dtype))
             time_cache[tkey] = float(block_times(profile, slowest, cluster, cfg, job.dtype,
@@ -384,6 +487,8 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
 
     best: list[tuple[float, int, Plan]] = []  # max-heap (negated) of the top plans
     best_by_kind: dict[bool, Plan] = {}  # FSDP (zero >= 2) or not -> the fastest plan that fits
+    best_by_ep: dict[bool, Plan] = {}  # expert parallelism (ep > 1) or not -> the fastest plan that fits
+    best_by_cp: dict[bool, Plan] = {}  # context parallelism (cp > 1) or not -> the fastest plan that fits
     recomputes = [pins["recompute"]] if pins.get("recompute") else list(RECOMPUTE)
     evaluated = 0
 
@@ -432,6 +537,14 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
                     if result.plan.fits and (kind not in best_by_kind or result.step_time_s
                                              < best_by_kind[kind].predicted.step_time_s):
                         best_by_kind[kind] = result.plan
+                    expert_kind = result.plan.ep > 1
+                    if result.plan.fits and (expert_kind not in best_by_ep or result.step_time_s
+                                             < best_by_ep[expert_kind].predicted.step_time_s):
+                        best_by_ep[expert_kind] = result.plan
+                    context_kind = result.plan.cp > 1
+                    if result.plan.fits and (context_kind not in best_by_cp or result.step_time_s
+                                             < best_by_cp[context_kind].predicted.step_time_s):
+                        best_by_cp[context_kind] = result.plan
                     break
 
     for index, (_, bound, _, cfg) in enumerate(candidates):
@@ -443,7 +556,16 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     plans = [p for _, _, p in sorted(best, key=lambda e: (-e[0], -e[1]))]
     if not plans:
         _raise_no_plan(profile, cluster, job, pins)
-    note = _sharding_note(ctx, plans[0], best_by_kind, pins)
+    considered_cp = plans[0].cp > 1 or True in best_by_cp or pins.get("cp", 1) > 1  # long sequences only
+    note = _context_note(ctx, plans[0], best_by_cp, pins) if considered_cp else None
+    if note:
+        notes.append(note)
+        plans[0] = dataclasses.replace(plans[0], notes=(*plans[0].notes, note))
+    note = _expert_note(ctx, plans[0], best_by_ep, pins) if profile.extra.get("experts") else None
+    if note:
+        notes.append(note)
+        plans[0] = dataclasses.replace(plans[0], notes=(*plans[0].notes, note))
+    note = None if plans[0].ep > 1 else _sharding_note(ctx, plans[0], best_by_kind, pins)
     if note:
         notes.append(note)
         plans[0] = dataclasses.replace(plans[0], notes=(*plans[0].notes, note))
@@ -482,6 +604,10 @@ def _sharding(plan: Plan) -> str:
     return "zero 0 (replicated)"
 
 
+def _fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.2f} ms"
+
+
 def _fmt_bytes(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.0f} MiB"
 
@@ -513,8 +639,9 @@ def _sharding_note(ctx: SearchContext, chosen: Plan, best_by_kind: dict[bool, Pl
             same = ParallelConfig(
                 tp=chosen.tp, pp=chosen.pp, dp=chosen.dp, micro_batch_size=chosen.micro_batch_size,
                 num_microbatches=chosen.num_microbatches, schedule=chosen.schedule,
-                virtual_stages=chosen.virtual_stages, recompute=chosen.recompute, zero=1 if chosen.dp > 1 else 0,
-                sequence_parallel=chosen.sequence_parallel, rank_order=chosen.rank_order)
+                virtual_stages=chosen.virtual_stages, recompute=chosen.recompute,
+                zero=1 if chosen.dp > 1 and chosen.ep == 1 else 0,  # ep runs without zero 1
+                sequence_parallel=chosen.sequence_parallel, rank_order=chosen.rank_order, cp=chosen.cp, ep=chosen.ep)
             zero1 = evaluate(ctx, same, require_fit=False)
             if zero1 is not None and not zero1.plan.fits:
                 parts.append(f"the same split with zero {same.zero} needs "
@@ -536,6 +663,59 @@ def _sharding_note(ctx: SearchContext, chosen: Plan, best_by_kind: dict[bool, Pl
     else:
         parts.append("no FSDP plan (zero 2/3) beat it: where zero 1 fits, FSDP only adds parameter all-gathers")
     return "; ".join(parts)
+
+
+def _context_note(ctx: SearchContext, chosen: Plan, best_by_cp: dict[bool, Plan], pins: dict) -> str:
+    """Why the best plan has its context-parallel degree: the tokens a GPU keeps, what the key/value
+    all-gathers cost, and the best plan of the other kind."""
+    other = best_by_cp.get(chosen.cp == 1)
+    seq = chosen.job.seq_len
+    if chosen.cp > 1:
+        gathers = chosen.predicted.breakdown.get("cp_comm_s", 0.0)
+        parts = [f"cp {chosen.cp}{' (pinned)' if 'cp' in pins else ''}: each GPU holds {seq // chosen.cp:,} of the "
+                 f"{seq:,} tokens of its sequences (activations / {chosen.cp}) for {_fmt_ms(gathers)} of key/value "
+                 f"all-gathers per step ({gathers / chosen.predicted.step_time_s:.0%}); {chosen.dp // chosen.cp} "
+                 f"replica{'s' if chosen.dp // chosen.cp > 1 else ''} take{'' if chosen.dp // chosen.cp > 1 else 's'} "
+                 "distinct batches"]
+        if other is not None:
+            parts.append(f"the best plan without context parallelism ({_split(other)}) is "
+                         f"{other.predicted.step_time_s / chosen.predicted.step_time_s - 1:.0%} slower")
+        else:
+            parts.append("no plan without context parallelism fit or came within the search's step-time cutoff")
+        return "; ".join(parts)
+    if other is not None:
+        return (f"cp 1: the best plan with context parallelism ({_split(other)}, cp {other.cp}) is "
+                f"{other.predicted.step_time_s / chosen.predicted.step_time_s - 1:.0%} slower")
+    return "cp 1 (pinned)" if pins.get("cp") == 1 else "cp 1: no plan with cp > 1 fit or came within the cutoff"
+
+
+def _expert_note(ctx: SearchContext, chosen: Plan, best_by_ep: dict[bool, Plan], pins: dict) -> str:
+    """Why the best plan of a mixture-of-experts model has the expert-parallel degree it has: the
+    memory ep saves, what its all-to-alls cost, and the best plan of the other kind."""
+    other = best_by_ep.get(chosen.ep == 1)
+    experts = ctx.profile.extra["experts"]
+    if chosen.ep > 1:
+        exchange = chosen.predicted.breakdown.get("ep_comm_s", 0.0)
+        parts = [f"ep {chosen.ep}{' (pinned)' if 'ep' in pins else ''}: each GPU computes 1/{chosen.ep} of the "
+                 f"{experts['num_experts']} experts of its layers for the tokens of {chosen.ep} replicas, "
+                 f"for {_fmt_ms(exchange)} of all-to-all per step ({exchange / chosen.predicted.step_time_s:.0%})"]
+        if chosen.zero >= 2:
+            parts.append(f"FSDP shards those experts over the {chosen.dp // chosen.ep} replicas holding the same ones")
+        else:
+            total = sum(experts["block_params"]) * (1 - 1 / chosen.ep) / chosen.pp
+            parts.append(f"about {total / 1e9:.2f}B fewer parameters per GPU than without ep (zero 0)")
+        if other is not None:
+            parts.append(f"the best plan without expert parallelism ({_sharding(other)}, {_split(other)}) is "
+                         f"{other.predicted.step_time_s / chosen.predicted.step_time_s - 1:.0%} slower")
+        return "; ".join(parts)
+    if other is not None:
+        return (f"ep 1: the best plan with expert parallelism ({_split(other)}, ep {other.ep}, {_sharding(other)}) is "
+                f"{other.predicted.step_time_s / chosen.predicted.step_time_s - 1:.0%} slower")
+    why = "pinned" if pins.get("ep") == 1 else (
+        "the pinned zero 1 or HSDP excludes it (the runtime runs ep with zero 0, 2 or 3, without HSDP)"
+        if pins.get("zero") == 1 or (pins.get("dp_replicate") or 1) > 1 else
+        "no plan with ep > 1 fit or came within the search's step-time cutoff")
+    return f"ep 1: {why}"
 
 
 def pre_cut_bound(cfg: ParallelConfig, total_s: float, fwd_share: float) -> float:
@@ -585,7 +765,7 @@ def _fwd_share(ctx: SearchContext, cfg: ParallelConfig) -> float:
 
 def _same_but_layout(a: Plan, b: Plan) -> bool:
     keys = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero", "dp_replicate",
-            "sequence_parallel")
+            "sequence_parallel", "ep", "cp")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 

@@ -83,7 +83,9 @@ def stage_layer_ranges(plan: Plan) -> list[range]:
 
 def plan_summary(plan: Plan) -> list[str]:
     """Three lines: the plan, its layout, its prediction."""
-    layout = (f"tp {plan.tp} x pp {plan.pp} x dp {plan.dp}; {plan.schedule}"
+    layout = (f"tp {plan.tp} x pp {plan.pp} x dp {plan.dp}"
+              + (f" (cp {plan.cp}: {plan.replicas} replicas)" if plan.cp > 1 else "")
+              + (f" (ep {plan.ep})" if plan.ep > 1 else "") + f"; {plan.schedule}"
               + (f" with {plan.virtual_stages} virtual stages per rank" if plan.virtual_stages > 1 else "")
               + f"; {plan.num_microbatches} micro-batches of {plan.micro_batch_size}; recompute {plan.recompute}; "
               f"zero {plan.zero}" + (f" (HSDP {plan.dp_replicate} x {plan.dp_shard})" if plan.dp_replicate > 1 else "")
@@ -141,7 +143,7 @@ _HF_LLAMA_LIKE = ("llama", "mistral")
 def model_shape(plan: Plan) -> TransformerShape | None:
     """The plan's model as a TransformerShape: zoo gpt / llama specs and presets, and `hf:` sources
     of a Llama-like model type (llama, mistral); None for anything else (model files, other
-    Hugging Face types), which a target then refuses in its own words."""
+    Hugging Face types, the zoo's mixtures of experts), which a target then refuses in its own words."""
     text = plan.model
     if text.startswith("hf:"):
         return _hf_shape(text)
@@ -155,6 +157,8 @@ def model_shape(plan: Plan) -> TransformerShape | None:
     if config is None:  # a model file
         return None
     preset = spec.name if spec.name in zoo.PRESETS else None
+    if isinstance(config, zoo.MoEConfig):  # a mixture of experts: no dense shape to state
+        return None
     if isinstance(config, zoo.LlamaConfig):
         return TransformerShape("llama", config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
                                 config.ffn_hidden_size, config.vocab_size, config.max_seq_len, config.tie_embeddings,

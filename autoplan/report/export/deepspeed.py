@@ -241,6 +241,11 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
     notes: list[str] = []
     config: dict[str, object] = {}
     shape = model_shape(plan)
+    if plan.cp > 1:
+        # No nearest config: DeepSpeed's data-parallel ranks take whole sequences, so a cp group's
+        # shared sequences cannot be stated without changing the batch per rank.
+        raise ExportError(f"DeepSpeed's config has no context parallelism (the plan splits each sequence over cp "
+                          f"{plan.cp} ranks); export it with --to megatron or --to torchtitan, or re-plan with --cp 1")
 
     # Batch: DeepSpeed asserts train_batch_size == micro * gas * dp world size (runtime/config.py
     # `_batch_assertion`), the dp world size coming from the mpu (the pipeline grid) when there is one.
@@ -326,6 +331,12 @@ def _zero_stage(plan: Plan, differences: list[str]) -> int:
         differences.append(f"HSDP {plan.dp_replicate} x {plan.dp_shard}: DeepSpeed {DEEPSPEED_VERSION} has no "
                            f"hybrid sharding (MiCS was removed), so ZeRO stage {stage} shards over all {plan.dp} "
                            "data-parallel ranks: less memory, more inter-node traffic than predicted")
+    if plan.ep > 1:
+        # DeepSpeed's expert parallelism is a model-side layer (deepspeed.moe.layer.MoE(ep_size=...)),
+        # not a config key: the JSON cannot split the model's own experts.
+        differences.append(f"ep {plan.ep}: DeepSpeed splits experts only inside its own deepspeed.moe.layer.MoE "
+                           "(ep_size is an argument of that layer, not of the config), so this config keeps every "
+                           "expert on every rank: more memory, no all-to-all")
     return stage
 
 

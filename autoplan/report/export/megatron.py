@@ -185,6 +185,12 @@ def _parallel_args(plan: Plan, differences: list[str]) -> list[Arg]:
                           "re-plan (the plan file is inconsistent)")
     args: list[Arg] = [("--tensor-model-parallel-size", str(plan.tp)),
                        ("--pipeline-model-parallel-size", str(plan.pp))]
+    if plan.cp > 1:
+        # Megatron's rank order is tp-cp-ep-dp-pp (parallel_state): cp inside dp, as autoplan's cp
+        # groups are consecutive dp ranks. Its default exchange is a ring of p2p (--cp-comm-type p2p)
+        # where autoplan prices an all-gather; each rank moves the same (cp - 1) / cp of the keys and
+        # values either way (docs/export-megatron.md).
+        args.append(("--context-parallel-size", str(plan.cp)))
     if plan.rank_order == "tp-pp-dp":
         # Megatron's default rank order is tp-cp-ep-dp-pp (parallel_state), autoplan's "tp-dp-pp".
         args.append(("--use-tp-pp-dp-mapping", None))
@@ -283,10 +289,12 @@ def _sharding_args(plan: Plan, shape: TransformerShape, differences: list[str]) 
 
 def _batch_args(plan: Plan, differences: list[str]) -> list[Arg]:
     # ConstantNumMicroBatchesCalculator: num_microbatches = global / (micro * dp).
-    per_step = plan.micro_batch_size * plan.dp * plan.num_microbatches
+    # Megatron's data-parallel size excludes context parallelism (world / (tp * pp * cp)): the
+    # plan's dp / cp replicas.
+    per_step = plan.micro_batch_size * plan.replicas * plan.num_microbatches
     if per_step != plan.job.global_batch:
         differences.append(f"global batch {plan.job.global_batch} is not micro-batch {plan.micro_batch_size} x dp "
-                           f"{plan.dp} x {plan.num_microbatches} micro-batches; written as {per_step}, which "
+                           f"{plan.replicas} x {plan.num_microbatches} micro-batches; written as {per_step}, which "
                            "Megatron needs to be that product")
     args: list[Arg] = [("--micro-batch-size", str(plan.micro_batch_size)), ("--global-batch-size", str(per_step))]
     if plan.job.dtype in ("bfloat16", "bf16"):

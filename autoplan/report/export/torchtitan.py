@@ -208,9 +208,9 @@ def _batch(plan: Plan, settings: _Settings) -> None:
     (torchtitan/distributed/pipeline_parallel.py _build_pipeline_schedule). One forward therefore
     sees the plan's micro-batch in both cases."""
     micro, count = plan.micro_batch_size, plan.num_microbatches
-    if plan.job.global_batch != micro * count * plan.dp:
+    if plan.job.global_batch != micro * count * plan.replicas:
         raise ExportError(f"the plan's global batch {plan.job.global_batch} is not micro-batch {micro} x "
-                          f"{count} micro-batches x dp {plan.dp}; re-plan it with autoplan suggest")
+                          f"{count} micro-batches x dp {plan.replicas}; re-plan it with autoplan suggest")
     if plan.pp > 1:
         # One accumulation step of `count` pipeline micro-batches.
         settings.training["local_batch_size"] = str(micro * count)
@@ -233,17 +233,28 @@ def _parallelism(plan: Plan, settings: _Settings) -> None:
     p["pipeline_parallel_degree"] = str(plan.pp)
     # torchtitan/config/configs.py ParallelismConfig.enable_sequence_parallel defaults to True.
     p["enable_sequence_parallel"] = str(bool(plan.sequence_parallel))
+    # torchtitan's world is dp_replicate x dp_shard x cp x tp x pp, and FSDP shards over dp_shard x cp
+    # (parallel_dims.py, the "dp_shard_cp" mesh): autoplan's dp counts the cp ranks, so the batch
+    # degrees are the plan's replicas (dp / cp).
+    if plan.cp > 1:
+        p["context_parallel_degree"] = str(plan.cp)
+        # configs.py ParallelismConfig: "headtail" is rank i holding chunks i and 2 cp - 1 - i of
+        # each sequence, autoplan's load balancing (runtime/context.py); written out, not defaulted.
+        p["context_parallel_load_balancer"] = repr("headtail")
     if plan.zero == 0:
-        replicate, shard, reshard = plan.dp, 1, "never"  # no sharding: nothing to reshard
+        replicate, shard, reshard = plan.replicas, 1, "never"  # no sharding: nothing to reshard
     elif plan.zero == 1:
-        replicate, shard, reshard = 1, plan.dp, "never"
+        replicate, shard, reshard = 1, plan.replicas, "never"
         settings.differences.append(
             f"the plan shards only optimizer state over dp {plan.dp} (ZeRO-1), which torchtitan has no mode for; "
             f"written as FSDP over dp {plan.dp} without resharding after forward (ZeRO-2-like: parameters and "
             "gradients sharded too), so each GPU holds less memory than planned but pays parameter all-gathers "
             "and gradient reduce-scatters the plan did not predict")
     else:
-        replicate, shard = plan.dp_replicate, plan.dp_shard
+        replicate, shard = plan.dp_replicate, plan.dp_shard // plan.cp
+        if plan.dp_shard % plan.cp:
+            raise ExportError(f"the plan's FSDP groups of {plan.dp_shard} ranks do not hold whole cp groups of "
+                              f"{plan.cp}; torchtitan shards over dp_shard x cp; re-plan with --cp dividing them")
         # fsdp.py get_fsdp_reshard_after_forward_policy: "always" / "never"; "default" would depend on pp.
         reshard = "always" if plan.zero == 3 else "never"
     p["data_parallel_replicate_degree"] = str(replicate)

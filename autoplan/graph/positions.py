@@ -1,0 +1,46 @@
+"""Which positions of the sequence this process computes (context parallelism's contract with a model).
+
+Under context parallelism (runtime/context.py) each rank of a cp group holds a share of every
+sequence: 2 * cp chunks, rank i holding chunks i and 2 * cp - 1 - i, so that causal attention costs
+each rank the same (the load balancing of Llama 3, arXiv:2407.21783 Sec. 3.3.2, and torchtitan's
+context parallelism). Token-wise layers need nothing; what depends on a token's place in the
+sequence must ask for it: a model whose position-dependent code reads `sequence_positions()` (the
+zoo's rotary embedding does) says so with a class attribute `positions_from_context = True`, and
+only such models are offered context parallelism. Attention itself is handled by the runtime,
+which intercepts `scaled_dot_product_attention`.
+
+This is torch's `context_parallel(buffers=..., buffer_seq_dims=...)` contract (the caller names the
+position tables to shard) turned around: the model asks, so a stage needs no list of buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["POSITIONS_ATTRIBUTE", "holding_positions", "sequence_positions"]
+
+POSITIONS_ATTRIBUTE = "positions_from_context"
+"""Class attribute by which a model says its position-dependent code reads `sequence_positions()`."""
+
+_state = threading.local()
+
+
+def sequence_positions() -> torch.Tensor | None:
+    """The positions (int64, in the order the local tokens are held) of the tokens this process
+    holds of each sequence, or None when it holds whole sequences."""
+    return getattr(_state, "positions", None)
+
+
+@contextlib.contextmanager
+def holding_positions(positions: torch.Tensor | None) -> Iterator[None]:
+    """Code inside this block computes on the tokens at `positions` of each sequence."""
+    previous = sequence_positions()
+    _state.positions = positions
+    try:
+        yield
+    finally:
+        _state.positions = previous

@@ -1,0 +1,200 @@
+"""Mixture-of-experts models and expert parallelism: the zoo family, the profile's experts, the
+search's ep dimension and its explanation, the user's CLI path (`suggest --ep ... --out` then
+`autoplan run`), and the refusals. Numerics against a single-process reference are in
+tests/test_expert_parallel.py (and tests/test_user_paths.py runs the zoo MoE in every layout)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import autoplan
+from autoplan.graph import zoo
+from autoplan.graph.aux_loss import aux_loss_scale
+from autoplan.plan import validate
+from autoplan.report.export import ExportError, export_plan
+
+TINY = ("moe:num_layers=4,hidden_size=64,num_heads=4,num_kv_heads=2,ffn_hidden_size=96,vocab_size=256,max_seq_len=64,"
+        "num_experts=4,experts_per_token=2")
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autoplan", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(("name", "billions"), [("mixtral-8x7b", 46.70), ("mixtral-8x22b", 140.63),
+                                                ("qwen3-30b-a3b", 30.53)])
+def test_presets_have_the_published_parameter_counts(name, billions):
+    """Mixtral 8x7B: 46.7B (arXiv:2401.04088 Sec. 2); 8x22B: 141B; Qwen3-30B-A3B: 30.5B (its model
+    card). Qwen3's q/k norms (2 x 128 per layer) are the only parameters the zoo leaves out."""
+    model = zoo.build_model(name)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
+    assert name in zoo.PRESET_SOURCES
+
+
+def test_moe_spec_errors_are_one_line():
+    for spec, words in [("moe:num_layers=2,hidden_size=64,num_heads=4,num_experts=4,experts_per_token=5",
+                         "experts_per_token 5 exceeds num_experts 4"),
+                        ("moe:num_layers=2,hidden_size=64,num_heads=4,router_aux_loss_coef=-1", "must be 0 or more"),
+                        ("moe:num_layers=2,hidden_size=64,num_heads=4,num_experts=99999", "at most"),
+                        ("moe:num_layers=2,hidden_size=64,num_heads=4,capacity_factor=0", "must be positive")]:
+        with pytest.raises(zoo.ModelSpecError, match=words) as info:
+            zoo.parse_model_spec(spec)
+        assert "\n" not in str(info.value)
+
+
+def test_capacity_drops_tokens_past_it_and_keeps_them_below():
+    assert zoo.expert_capacity(4096, 2, 8, 1.25) == 1280  # GShard: ceil(1.25 * 4096 * 2 / 8)
+    assert zoo.expert_capacity(16, 2, 4, 100.0) == 16  # never more than the sequence
+    spec = "moe:num_layers=1,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=32,num_experts=4,experts_per_token=2"
+    roomy = zoo.build_model(spec + ",capacity_factor=2", device="cpu")  # capacity = seq_len: nothing dropped
+    tight = zoo.build_model(spec + ",capacity_factor=0.25", device="cpu")
+    x = torch.randn(2, 16, 32)
+    full, dropped = roomy.layers[0].moe(x), tight.layers[0].moe(x)
+    # Same weights (name-keyed init); with capacity 2 of 16 most picks skip their expert.
+    assert not torch.allclose(full, dropped)
+    assert (dropped.abs().sum(-1) == 0).sum() > 0  # tokens that lost both experts get nothing from the MoE
+
+
+def test_load_balancing_loss_is_invariant_to_micro_batching():
+    """Per-sequence capacity and balance loss ([Note: static dispatch]): two micro-batches of half
+    the batch, each loss scaled by 1/2 and its auxiliary losses too, give the whole batch's gradients."""
+    spec = TINY + ",num_shared_experts=1"
+    model = zoo.build_model(spec, device="cpu")
+    ids, targets = zoo.example_inputs(spec, 4, 16, device="cpu")[0], zoo.example_targets(spec, 4, 16, device="cpu")
+    zoo.lm_loss(model(ids), targets).backward()
+    whole = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with aux_loss_scale(0.5):
+        for half in (slice(0, 2), slice(2, 4)):
+            (zoo.lm_loss(model(ids[half]), targets[half]) * 0.5).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, whole[n], rtol=1e-5, atol=1e-7)
+    # The router's gradient includes the balance loss: without it the gradient differs.
+    plain = zoo.build_model(spec + ",router_aux_loss_coef=0", device="cpu")
+    zoo.lm_loss(plain(ids), targets).backward()
+    assert not torch.allclose(plain.layers[0].moe.router.weight.grad, whole["layers.0.moe.router.weight"])
+
+
+def test_profile_records_experts_and_their_dispatch_bytes():
+    profile = autoplan.profile(TINY, seq_len=32)
+    experts = profile.extra["experts"]
+    assert experts["num_experts"] == 4
+    layers = [i for i, b in enumerate(profile.blocks) if b.name.startswith("layers.")]
+    assert [experts["block_params"][i] for i in layers] == [3 * 4 * 64 * 96] * 4
+    capacity = zoo.expert_capacity(32, 2, 4, 1.25)
+    batch = profile.batch_size
+    # (experts, batch * capacity, hidden) in bf16, per layer
+    assert [experts["block_dispatch_bytes"][i] for i in layers] == [4 * batch * capacity * 64 * 2] * 4
+    assert experts["block_params"][0] == 0 and experts["block_dispatch_bytes"][0] == 0
+
+
+def test_hf_mixtral_is_not_offered_expert_parallelism():
+    """transformers' MixtralExperts stacks its experts but routes inside (ungrouped tokens): the
+    profile records no experts and `--ep 2` is refused in one line, before any process."""
+    spec = ("hf:mixtral:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+            "intermediate_size=128,vocab_size=256,max_position_embeddings=64,num_local_experts=4,num_experts_per_tok=2")
+    assert "experts" not in autoplan.profile(spec, seq_len=32).extra
+    with pytest.raises(ValueError, match="--ep 2 needs a mixture-of-experts model"):
+        autoplan.suggest(spec, "1x4xcpu", global_batch=8, seq_len=32, ep=2)
+
+
+def test_expert_parallelism_halves_the_experts_memory_and_adds_all_to_all():
+    common = dict(global_batch=8, seq_len=32, dtype="fp32", tp=1, pp=1, dp=4, micro_batch_size=2, zero=0,
+                  schedule="1f1b", recompute="none")
+    one = autoplan.suggest(TINY, "1x4xA100-80GB", ep=1, **common)[0]
+    two = autoplan.suggest(TINY, "1x4xA100-80GB", ep=2, **common)[0]
+    experts = sum(autoplan.profile(TINY, seq_len=32, dtype="fp32").extra["experts"]["block_params"])
+    assert one.stages[0].num_params - two.stages[0].num_params == pytest.approx(experts / 2, rel=1e-6)
+    assert two.predicted.breakdown["ep_comm_s"] > 0 and "ep_comm_s" not in one.predicted.breakdown
+    assert two.ep == 2 and one.ep == 1
+
+
+def test_fsdp_shards_each_gpus_experts_over_the_replicas_holding_them():
+    """Under FSDP a GPU's 1/ep of the experts is sharded over the dp / ep replicas that hold the
+    same experts (runtime/fsdp.py), so the weights, gradients and Adam state per GPU are those of
+    FSDP without ep; the all-to-all is added, and the gathered experts are 1/ep of them."""
+    common = dict(global_batch=8, seq_len=32, dtype="fp32", tp=1, pp=1, dp=4, micro_batch_size=2, zero=3,
+                  schedule="1f1b", recompute="none")
+    one = autoplan.suggest(TINY, "1x4xA100-80GB", ep=1, **common)[0]
+    two = autoplan.suggest(TINY, "1x4xA100-80GB", ep=2, **common)[0]
+    assert (two.ep, two.zero, one.ep, one.zero) == (2, 3, 1, 3)
+    for field in ("weights_bytes", "grads_bytes", "optimizer_bytes"):
+        assert getattr(two.stages[0].memory, field) == pytest.approx(getattr(one.stages[0].memory, field), rel=1e-6)
+    assert two.predicted.breakdown["ep_comm_s"] > 0
+
+
+def test_mixtral_8x22b_on_256_h100_searches_expert_parallelism_and_says_why():
+    started = time.perf_counter()
+    result = run_cli("suggest", "--model", "mixtral-8x22b", "--cluster", "32x8xH100-80GB", "--global-batch", "1024",
+                     "--seq-len", "4096", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["search"]["time_s"] < 10, data["search"]["time_s"]
+    notes = " ".join(data["search"]["notes"])
+    assert "ep " in notes and "expert parallelism" in notes, notes  # the choice and its alternative
+    pinned = autoplan.suggest("mixtral-8x22b", "32x8xH100-80GB", global_batch=1024, seq_len=4096, ep=8, top=1)[0]
+    assert pinned.ep == 8 and pinned.zero != 1 and pinned.dp_replicate == 1 and pinned.fits
+    assert any("ep 8 (pinned)" in note for note in pinned.notes)
+    assert time.perf_counter() - started < 120
+
+
+def test_plan_validation_knows_ep():
+    plan = autoplan.suggest(TINY, "1x4xcpu", global_batch=8, seq_len=32, ep=2, pp=1, top=1)[0]
+    assert validate(plan) == []
+    import dataclasses
+
+    assert any("must be a positive integer dividing dp" in p for p in validate(dataclasses.replace(plan, ep=3)))
+    assert any("cannot run with zero 1" in p for p in validate(dataclasses.replace(plan, zero=1)))
+    assert any("(HSDP)" in p for p in validate(dataclasses.replace(plan, zero=3, dp_replicate=2)))
+    assert validate(dataclasses.replace(plan, zero=3)) == []
+
+
+def test_exports_refuse_what_they_cannot_state():
+    plan = autoplan.suggest(TINY, "1x4xcpu", global_batch=8, seq_len=32, ep=2, pp=1, top=1)[0]
+    for target in ("torchtitan", "megatron"):
+        with pytest.raises(ExportError):  # no dense Llama shape for a mixture of experts
+            export_plan(plan, target)
+    with pytest.raises(ExportError, match="ep 2"):
+        export_plan(plan, "deepspeed")
+    approx = export_plan(plan, "deepspeed", allow_approx=True)
+    assert any(d.startswith("ep 2") for d in approx.differences)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--ep", "3"], "--ep 3 does not divide the model's 4 experts"),
+    (["--ep", "2", "--zero", "1"], "--ep 2 cannot run with --zero 1"),
+    (["--ep", "2", "--zero", "3", "--dp-replicate", "2"], "--ep 2 cannot run with --dp-replicate 2 (HSDP)"),
+    (["--ep", "8"], "does not divide the model's 4 experts"),
+])
+def test_suggest_refuses_bad_ep_pins_in_one_line(args, words):
+    result = run_cli("suggest", "--model", TINY, "--cluster", "1x4xcpu", "--global-batch", "8", "--seq-len", "32", *args)
+    assert result.returncode == 2 and words in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("pins", "expected"), [
+    (["--pp", "2"], dict(ep=2, pp=2, dp=2)),
+    (["--pp", "1", "--zero", "3"], dict(ep=2, pp=1, dp=4, zero=3)),  # experts sharded by FSDP too
+])
+def test_suggest_with_ep_then_autoplan_run(tmp_path, pins, expected):
+    """The user's path: `suggest --ep 2 --out`, then `autoplan run` on 4 local ranks (defaults: bf16,
+    the source's synthetic data); a checkpoint directory is refused before any rank starts."""
+    out = tmp_path / "moe.json"
+    result = run_cli("suggest", "--model", TINY, "--cluster", "1x4xcpu", "--global-batch", "8", "--seq-len", "32",
+                     "--ep", "2", *pins, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(out.read_text())
+    assert {k: plan[k] for k in expected} == expected
+    run = run_cli("run", str(out), "--steps", "2")
+    assert run.returncode == 0 and "step 1" in run.stdout, run.stderr[-2000:]
+    refused = run_cli("run", str(out), "--steps", "1", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert refused.returncode == 2 and "checkpoints of a plan with ep 2" in refused.stderr
+    assert "ranks started" not in refused.stderr and not (tmp_path / "ckpt").exists()
