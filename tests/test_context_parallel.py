@@ -26,6 +26,7 @@ LAYOUTS = {
     "cp2-tp2": dict(tp=2, pp=1, dp=2, cp=2),
     "cp2-zero3": dict(tp=1, pp=1, dp=4, cp=2, zero=3),
     "cp2-recompute": dict(tp=1, pp=2, dp=2, cp=2, recompute="full"),
+    "cp2-selective": dict(tp=1, pp=1, dp=4, cp=2, recompute="selective"),  # the kernel checkpointed under cp
 }
 
 

@@ -290,10 +290,11 @@ def block_act_bytes(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
         elif b.kind in _RECOMPUTED_KINDS and cfg.recompute == "selective":
             saved -= b.attention_core_saved_bytes / (cfg.tp if tp_sharded(b.kind) else 1)
         out[i] = saved * f
-    if cfg.cp > 1 and cfg.recompute == "none":
+    if cfg.cp > 1 and cfg.recompute != "full":
         # Attention keeps the gathered keys and values of the whole sequence for its backward
-        # (runtime/context.py); this GPU's own 1/cp of them is counted above. Recompute of the
-        # attention (selective, full) gathers them again instead.
+        # (runtime/context.py); this GPU's own 1/cp of them is counted above. Selective recompute
+        # checkpoints the kernel, whose inputs are the gathered keys and values, so they stay; full
+        # recompute keeps only the layer's input and gathers them again.
         out += gathered_kv_bytes(profile, cfg) * (1 - 1 / cfg.cp)
     return out
 

@@ -18,14 +18,17 @@ runs once per forward, with or without recomputation, where a recomputed forward
 from __future__ import annotations
 
 import contextlib
-import threading
+import types
 from collections.abc import Iterator
 
 import torch
 
 __all__ = ["attach_aux_loss", "aux_loss_scale", "recording_aux_losses"]
 
-_state = threading.local()
+# Process-wide, not thread-local: on CUDA the autograd engine runs backward passes, and the
+# forwards that recomputation replays inside them, on its own device threads, which must see
+# the scale and the record the step set (each rank is its own process).
+_state = types.SimpleNamespace()
 
 
 def _current_scale() -> float:

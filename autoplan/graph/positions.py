@@ -16,7 +16,7 @@ position tables to shard) turned around: the model asks, so a stage needs no lis
 from __future__ import annotations
 
 import contextlib
-import threading
+import types
 from collections.abc import Iterator
 
 import torch
@@ -26,7 +26,10 @@ __all__ = ["POSITIONS_ATTRIBUTE", "holding_positions", "sequence_positions"]
 POSITIONS_ATTRIBUTE = "positions_from_context"
 """Class attribute by which a model says its position-dependent code reads `sequence_positions()`."""
 
-_state = threading.local()
+# Process-wide, not thread-local: on CUDA the autograd engine runs backward passes, and the
+# forwards that recomputation replays inside them, on its own device threads, which must see
+# the positions the step set (each rank is its own process).
+_state = types.SimpleNamespace()
 
 
 def sequence_positions() -> torch.Tensor | None:

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F  # noqa: N812 (torch's own convention)
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
@@ -54,7 +53,9 @@ class _CheckpointAttentionCore(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and torch.is_grad_enabled():
+        # The kernel itself, not the name: context parallelism rebinds F.scaled_dot_product_attention
+        # for the step (runtime/context.py) and calls the kernel from there.
+        if func is torch._C._nn.scaled_dot_product_attention and torch.is_grad_enabled():
             # The mode is off inside its own handler, so the checkpointed call (and its replay in
             # the backward, which runs outside the mode) calls the kernel directly.
             return checkpoint(func, *args, use_reentrant=False, **kwargs)

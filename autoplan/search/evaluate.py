@@ -220,7 +220,7 @@ class SearchContext:
         recompute) and the head's backward transients (`head_backward_bytes`); then FSDP's units in
         flight (`fsdp_transient_bytes`)."""
         key = ("reserve", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.virtual_stages,
-               cfg.zero, cfg.pp == 1, cfg.cp)
+               cfg.zero, cfg.pp == 1, cfg.cp, cfg.ep)
 
         def make() -> float:
             f = cfg.batch_share(self.profile.batch_size)

@@ -458,7 +458,9 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
             static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
         if static_cache[key] / cfg.pp > min_capacity and not all_pinned:
             continue  # not even the weights fit, whatever the cuts
-        tkey = (cfg.tp, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.rank_order if cfg.ep > 1 or cfg.cp > 1 else None)
+        spread = cfg.ep > 1 or cfg.cp > 1  # their groups' links depend on the rank layout (as SearchContext.block_times)
+        tkey = (cfg.tp, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.rank_order if spread else None,
+                cfg.pp if spread else None)
         if tkey not in time_cache:
             slowest = min(cluster.gpu_types, key=lambda g: g.peak(job.dtype))
             time_cache[tkey] = float(block_times(profile, slowest, cluster, cfg, job.dtype,
