@@ -11,14 +11,15 @@ bytes per parameter short of what either runtime allocates. In fp32 training: 4 
 what the runtime holds between steps at each ZeRO level (`persistent_bytes_per_param`):
 
     zero 0 (replicated):                    6 + 4 + 8             (fp32: 4 + 4 + 8)
-    zero 1 (ZeroRedundancyOptimizer):       6 + 4 + 8 / dp        (torch shards Adam's state only;
-                                                                   the fp32 masters stay whole; with
-                                                                   tp > 1 it stays replicated: 6 + 4 + 8)
+    zero 1 (runtime/optimizer.py):          6 + 4 + 8 / dp        (fp32: 4 + 4 + 8 / dp; at any tp:
+                                                                   Adam's state of the rank's tp
+                                                                   shards, split over its dp group)
     zero 2, 3 (FSDP2 over dp_shard ranks):  (4 + 4 + 8) / dp_shard
 
-ZeRO-1 here is torch's ZeroRedundancyOptimizer over the masters, not Megatron's distributed
-optimizer (which shards the masters too, Rajbhandari et al. 2020, Fig. 1, P_os): 4 (1 - 1/dp) bytes
-per parameter more than the ZeRO paper's P_os. FSDP2 (`fully_shard`, Zhao et al. 2023, "PyTorch
+ZeRO-1 here shards Adam's state only (whole parameters to each dp rank, as torch's
+ZeroRedundancyOptimizer does): the fp32 masters stay whole on every dp rank, 4 (1 - 1/dp) bytes
+per parameter more than the ZeRO paper's P_os (Rajbhandari et al. 2020, Fig. 1) and Megatron-LM's
+distributed optimizer, which shard the masters too. FSDP2 (`fully_shard`, Zhao et al. 2023, "PyTorch
 FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 16(12), Sec. 3.2) keeps each
 parameter as a 1/dp_shard fp32 shard (the master, `MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)`), its fp32 gradient shard and Adam's state of the shard: ZeRO-3's P_os+g+p
@@ -118,14 +119,13 @@ def MIN_BYTES_PER_PARAM(dtype: str) -> float:  # noqa: N802
 def persistent_bytes_per_param(dtype: str, zero: int, dp: int, dp_replicate: int = 1,
                                tp: int = 1) -> tuple[float, float, float]:
     """(weights, gradients, optimizer states) bytes per parameter one GPU holds between steps at
-    this ZeRO level; see [Note: bytes per parameter]. Zero 1 with tp > 1 keeps a replicated
-    optimizer: torch's ZeroRedundancyOptimizer does not take tensor-parallel DTensor shards
-    (runtime/api.py `make_optimizer`), so nothing is divided there."""
+    this ZeRO level; see [Note: bytes per parameter]. Per parameter of the GPU's own tp shards:
+    zero 1 splits their optimizer state over the dp group at any `tp` (runtime/optimizer.py)."""
     weights, grads, optim = BYTES_PER_PARAM(dtype)
     if zero >= 2:
         shard = dp // dp_replicate
         return 4.0 / shard, 4.0 / shard, 8.0 / shard
-    if zero == 1 and tp == 1:
+    if zero == 1:
         optim /= dp
     return weights, grads, optim
 

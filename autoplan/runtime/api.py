@@ -23,7 +23,6 @@ rank of the last stage returns the loss.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -392,22 +391,17 @@ class PartitionedModel:
         """The optimizer over this rank's parameters, sharded as the plan's ZeRO stage says.
 
         zero = 0 (or dp = 1): `optimizer_class(self.parameters(), **kwargs)`, replicated on the dp
-        replicas. zero = 1: torch's `ZeroRedundancyOptimizer` over the dp group (Rajbhandari et al.
-        2020, ZeRO stage 1): each replica keeps the optimizer state of its share of the parameters,
-        steps those and broadcasts them to the other replicas. zero >= 2: the parameters are FSDP
-        shards (fsdp.py), so a plain optimizer over them holds and steps only this rank's shard."""
+        replicas. zero = 1: `ZeroOneOptimizer` over the dp group (optimizer.py; Rajbhandari et al.
+        2020, ZeRO P_os, as Megatron-LM's distributed optimizer shards it at any tp): each dp rank
+        keeps `optimizer_class`'s state for its share of this rank's parameters (tensor-parallel
+        shards included), steps those and broadcasts them to the other dp ranks; the fp32 masters of
+        a bf16 plan stay whole. zero >= 2: the parameters are FSDP shards (fsdp.py), so a plain
+        optimizer over them holds and steps only this rank's shard."""
         if self.plan.zero != 1 or self.layout.dp_group is None:
             return optimizer_class(self._param_groups(), **kwargs)
-        if self.plan.tp > 1:  # torch's ZeroRedundancyOptimizer broadcasts plain tensors, not DTensor shards
-            if dist.get_rank() == 0:
-                print(f"warning: the plan has zero = 1 with tp = {self.plan.tp}; the runtime keeps a replicated "
-                      "optimizer there: same numerics, more optimizer memory than planned (zero 2 or 3 shard it)",
-                      file=sys.stderr, flush=True)
-            return optimizer_class(self._param_groups(), **kwargs)
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from autoplan.runtime.optimizer import ZeroOneOptimizer
 
-        return ZeroRedundancyOptimizer(list(self.parameters()), optimizer_class=optimizer_class,
-                                       process_group=self.layout.dp_group, **kwargs)
+        return ZeroOneOptimizer(self._param_groups(), optimizer_class, group=self.layout.dp_group, **kwargs)
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """This rank's parameters as optimizer groups: tensor-parallel shards (DTensors) apart from

@@ -20,8 +20,8 @@ torch's `flatten_optimizer_state_dict` under "optimizer"):
 
 Sharded tensors (tensor-parallel DTensors, FSDP2 shards) are saved as their shards, replicated
 tensors once (DCP deduplicates a key every replica writes); the optimizer state is keyed by the
-parameter's name, never by index, and a ZeroRedundancyOptimizer's owners each write the states of
-the parameters they step. Loading reads exactly the chunks a tensor needs (DCP reshards), so a
+parameter's name, never by index, and a ZeRO-1 optimizer's owners (runtime/optimizer.py) each
+write the states of the parameters they step. Loading reads exactly the chunks a tensor needs (DCP reshards), so a
 checkpoint saved under one plan loads under any other plan of the same model (pp, tp, dp, ZeRO
 level, cuts) and into a plain single-process model (`load_full_state_dict`, `export_torch_save`).
 
@@ -41,7 +41,7 @@ filesystem).
 [Note: why not get_state_dict] torch's `get_state_dict` / `set_state_dict` want one nn.Module whose
 parameters the optimizer steps. Here a bf16 plan's optimizer steps fp32 masters that are not the
 stage modules' parameters (precision.py), a tied parameter has one copy per pipeline rank under
-different names, and a ZeroRedundancyOptimizer holds only its shard in an inner optimizer that
+different names, and a ZeRO-1 optimizer holds only its shard in an inner optimizer that
 `get_optimizer_state_dict` does not know. So the FQN-keyed state dicts are built here from
 `PartitionedModel.named_parameters` / `state_dict` (the names of the full model) in the layout
 `get_state_dict(..., flatten_optimizer_state_dict=True)` produces, and loaded in place.
@@ -197,11 +197,14 @@ def _data_filesystem(kill_after_bytes: int | None = None):
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding this rank's state: a ZeroRedundancyOptimizer's local shard (ZeRO), or
-    the optimizer itself."""
+    """The optimizer holding this rank's state: the inner optimizer over this rank's share of a
+    ZeRO-1 optimizer (runtime/optimizer.py, or torch's ZeroRedundancyOptimizer), or the optimizer
+    itself."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    from autoplan.runtime.optimizer import ZeroOneOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer | ZeroOneOptimizer) else optimizer
 
 
 def _canonical(pm, name: str) -> str:

@@ -1,0 +1,143 @@
+"""ZeRO-1: the optimizer state sharded over the data-parallel group, at any tensor-parallel degree.
+
+[Note: ZeRO-1 optimizer]
+Rajbhandari et al. 2020 ("ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"),
+Sec. 5.1, P_os: every data-parallel rank keeps the optimizer state of 1/dp of the parameters, steps
+those, and the updated values reach the other ranks of its dp group. Megatron-LM's distributed
+optimizer (docs: "Distributed Optimizer", megatron/core/optimizer/distrib_optimizer.py) and
+torchtitan do this inside each tensor-parallel rank: the dp group of a tp rank holds the same tp
+shard, so the shard's state is split over that group whatever tp is. torch's
+`ZeroRedundancyOptimizer` cannot (it broadcasts plain tensors, not DTensor shards), so the runtime
+has this one, for every zero = 1 plan with a dp group:
+
+- What is sharded: this rank's parameters as `PartitionedModel.parameters()` lists them (the fp32
+  masters of a bf16 plan, tensor-parallel DTensors whose `.to_local()` is this rank's 1/tp slice).
+  Each parameter is owned whole by one rank of the dp group, as in `ZeroRedundancyOptimizer`, not
+  cut at a flat-buffer boundary as in Megatron-LM: the state of a parameter lives on one rank, so a
+  checkpoint keys it by the parameter's name (runtime/checkpoint.py) and loads under any layout.
+- Who owns what: the parameters by size (the global size, so that the tp ranks of one dp rank,
+  which hold slices of the same tensors, own the same ones and a checkpoint gets every slice),
+  largest first, each to the rank with the fewest elements so far (ZeroRedundancyOptimizer's
+  greedy rule). A rank holds Adam's two moments for about 1/dp of the elements.
+- A step: the inner optimizer (`optim`, the user's optimizer class) steps the owned parameters with
+  the gradients every rank already holds (the runtime all-reduces them over dp, runtime/api.py);
+  then each rank broadcasts its owned values, flattened into one buffer per dtype, over the dp group
+  (DP_GRAD_SYNC's counterpart: Megatron-LM all-gathers the updated parameters here).
+- Not sharded: the fp32 masters of a bf16 plan stay whole on every dp rank (runtime/precision.py
+  keeps one per parameter; they are what `named_parameters`, `state_dict` and checkpoints expose),
+  and so do the gradients (all-reduced, not reduce-scattered). Megatron-LM's distributed optimizer
+  shards the masters too; here a rank holds 6 + 4 + 8 / dp bytes per parameter in bf16 (4 + 4 +
+  8 / dp in fp32), which the memory model counts (cost/memory.py [Note: bytes per parameter]).
+- cp ranks are dp ranks here (runtime/parallel.py: the dp group spans them; they hold the same
+  parameters and, after the all-reduce, the same gradients), so the state is sharded over them too.
+  Expert parallelism is refused with zero 1 (plan.py): its dp ranks hold different experts.
+
+The state lives in `optim` (torch's own optimizer over the owned parameters): `checkpoint.
+local_optimizer` finds it there. This optimizer's `param_groups` list every parameter with the full
+hyperparameters (an LR scheduler edits them; each step copies them to `optim`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ZeroOneOptimizer"]
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's values of a parameter: the tp shard of a DTensor, else the tensor."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def assign_owners(sizes: list[int], num_ranks: int) -> list[int]:
+    """Owner (0 .. num_ranks - 1) of each parameter of `sizes` elements: largest first, each to the
+    rank with the fewest elements so far, ties to the lower rank and the earlier parameter
+    ([Note: ZeRO-1 optimizer])."""
+    load = [0] * num_ranks
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(num_ranks), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += sizes[i]
+    return owners
+
+
+class ZeroOneOptimizer(torch.optim.Optimizer):
+    """`optimizer_class` over this rank's share of `params`, sharded over `group` ([Note: ZeRO-1
+    optimizer]). Collective: every rank of `group` builds it with the same parameters (by size and
+    order) and calls `step` together."""
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], *,
+                 group: dist.ProcessGroup, **defaults: Any):
+        super().__init__(params, defaults)
+        self.group = group
+        self.group_rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        flat = [p for g in self.param_groups for p in g["params"]]
+        owners = assign_owners([p.numel() for p in flat], self.num_ranks)  # DTensor: the global size
+        self.owner_of: dict[int, int] = {id(p): r for p, r in zip(flat, owners)}
+        """id(parameter) -> rank in `group` that steps it and holds its state."""
+        self._owned: list[list[torch.Tensor]] = [[] for _ in range(self.num_ranks)]
+        for p, r in zip(flat, owners):
+            self._owned[r].append(p)
+        inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                         "params": [p for p in g["params"] if self.owner_of[id(p)] == self.group_rank]}
+                        for g in self.param_groups]
+        self.optim = optimizer_class(inner_groups, **defaults)
+        """torch's optimizer over the parameters this rank owns: it holds their state."""
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):  # the full hyperparameters
+            for k, v in inner.items():
+                if k != "params":
+                    outer.setdefault(k, v)
+        self.defaults = {**self.optim.defaults, **defaults}
+
+    def owned_parameters(self) -> list[torch.Tensor]:
+        """The parameters this rank steps and keeps state for."""
+        return list(self._owned[self.group_rank])
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):  # an LR scheduler's edits
+            for k, v in outer.items():
+                if k != "params":
+                    inner[k] = v
+        self.optim.step()
+        self._broadcast_owned()
+        return loss
+
+    def _broadcast_owned(self) -> None:
+        """Every owner's updated values to the other ranks of the group: one flat buffer per owner
+        and (dtype, device)."""
+        for owner, params in enumerate(self._owned):
+            by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+            for p in params:
+                t = _local(p)
+                by_kind.setdefault((t.dtype, t.device), []).append(t)
+            src = dist.get_global_rank(self.group, owner)
+            for (dtype, device), tensors in by_kind.items():
+                if owner == self.group_rank:
+                    buffer = torch.cat([t.reshape(-1) for t in tensors])
+                else:
+                    buffer = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+                dist.broadcast(buffer, src=src, group=self.group)
+                if owner != self.group_rank:
+                    for t, chunk in zip(tensors, buffer.split([t.numel() for t in tensors])):
+                        t.copy_(chunk.view_as(t))
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError(_NO_STATE_DICT)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise RuntimeError(_NO_STATE_DICT)
+
+
+_NO_STATE_DICT = ("a ZeRO-1 optimizer holds 1/dp of the state on each rank; save and load it with "
+                  "autoplan.runtime.checkpoint (save_checkpoint / restore), which keys it by parameter name")

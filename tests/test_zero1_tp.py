@@ -1,0 +1,212 @@
+"""ZeRO-1 with tensor parallelism (issue 28): the optimizer state of each tp rank's shards is split
+over its dp group (runtime/optimizer.py), the training is the replicated optimizer's, and the memory
+model counts 8 / dp bytes of Adam's state per parameter at any tp (cost/memory.py [Note: bytes per
+parameter])."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import autoplan
+from autoplan.cost.memory import persistent_bytes_per_param
+from autoplan.runtime.optimizer import assign_owners
+
+SPEC = "llama:num_layers=2,hidden_size=32,num_heads=4,num_kv_heads=2,vocab_size=64,max_seq_len=16"
+GLOBAL_BATCH = 8
+SEQ = 16
+LR = 1e-3
+
+
+def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autoplan", *args], capture_output=True, text=True, timeout=timeout)
+
+
+# -- pure logic -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "zero", "dp", "tp", "expected"), [
+    ("bfloat16", 0, 4, 2, (6, 4, 8)),
+    ("bfloat16", 1, 4, 1, (6, 4, 8 / 4)),
+    ("bfloat16", 1, 4, 2, (6, 4, 8 / 4)),  # tp no longer keeps a replicated optimizer
+    ("bfloat16", 1, 8, 8, (6, 4, 8 / 8)),
+    ("float32", 1, 4, 2, (4, 4, 8 / 4)),
+])
+def test_zero_1_divides_the_optimizer_state_by_dp_at_any_tp(dtype, zero, dp, tp, expected):
+    assert persistent_bytes_per_param(dtype, zero, dp, 1, tp) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("sizes", "ranks"), [([5, 3, 3, 1], 2), ([10], 3), ([4, 4, 4, 4, 4], 4), ([7, 1, 1, 1, 1, 1], 2)])
+def test_owners_cover_every_parameter_and_balance_greedily(sizes, ranks):
+    owners = assign_owners(sizes, ranks)
+    assert len(owners) == len(sizes) and all(0 <= o < ranks for o in owners)
+    loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(ranks)]
+    assert max(loads) - min(loads) <= max(sizes)  # greedy largest-first: within one parameter
+
+
+# -- the memory model through the CLI -------------------------------------------------------------------
+
+
+def test_suggest_counts_the_llama3_8b_optimizer_state_over_dp_at_tp_2():
+    """Issue 28: llama3-8b at tp 2 x dp 4 held 29.9 GiB of optimizer state at zero 0 and at zero 1."""
+    memory = {}
+    for zero in (0, 1):
+        result = run_cli("suggest", "--model", "llama3-8b", "--cluster", "1x8xH100-80GB", "--tp", "2", "--dp", "4",
+                         "--zero", str(zero), "--top", "1", "--json")
+        assert result.returncode == 0, result.stderr
+        plan = json.loads(result.stdout)["plans"][0]
+        assert (plan["tp"], plan["dp"], plan["zero"]) == (2, 4, zero)
+        memory[zero] = plan["stages"][0]["memory"], plan["stages"][0]["num_params"]
+    (m0, n0), (m1, n1) = memory[0], memory[1]
+    assert n0 == n1
+    assert m0["optimizer_bytes"] == pytest.approx(8 * n0)
+    assert m1["optimizer_bytes"] == pytest.approx(m0["optimizer_bytes"] / 4)
+    assert (m1["weights_bytes"], m1["grads_bytes"]) == (m0["weights_bytes"], m0["grads_bytes"])  # masters stay whole
+
+
+# -- the runtime: numerics and the state each rank holds -------------------------------------------------
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _rank_job(rank, world_size, plans, root):
+    from autoplan.runtime import checkpoint as ckpt
+    from autoplan.runtime.checkpoint import local_optimizer
+
+    out = {}
+    for name, plan in plans.items():
+        pm = autoplan.partition(SPEC, plan, device="cpu")
+        template = pm.output_template
+        optimizer = pm.make_optimizer(torch.optim.AdamW, lr=LR)
+        for step in range(2):
+            inputs, target = pm.source.batch(0, step, GLOBAL_BATCH, SEQ, template.shape, template.dtype)
+            pm.step(*inputs, target=target)
+            optimizer.step()
+        state = local_optimizer(optimizer).state
+        result = {
+            "optimizer": type(optimizer).__name__,
+            "param_numel": sum(_local(p).numel() for p in pm.parameters()),
+            "state_numel": sum(_local(s[k]).numel() for s in state.values() for k in ("exp_avg", "exp_avg_sq")),
+            "params": {n: _local(p).detach().clone() for n, p in pm.named_parameters()},
+            "coords": plan.coords(rank),
+        }
+        if plan.zero == 1:  # resume: a fresh model and optimizer restored from a checkpoint hold the same
+            path = ckpt.save_checkpoint(f"{root}/{name}", 2, pm, optimizer)
+            fresh = autoplan.partition(SPEC, plan, device="cpu", seed=1)
+            fresh_opt = fresh.make_optimizer(torch.optim.AdamW, lr=LR)
+            ckpt.restore(ckpt.load_checkpoint(path), fresh, fresh_opt, rank=rank)
+            names = {id(p): n for n, p in pm.named_parameters()}
+            fresh_names = {id(p): n for n, p in fresh.named_parameters()}
+            before = {names[id(p)]: {k: _local(v).clone() for k, v in s.items()} for p, s in state.items()}
+            after = {fresh_names[id(p)]: {k: _local(v).clone() for k, v in s.items()}
+                     for p, s in local_optimizer(fresh_opt).state.items()}
+            result["restored"] = (before, after)
+            result["restored_params"] = {n: _local(p).detach().clone() for n, p in fresh.named_parameters()}
+            torch.distributed.barrier()
+        out[name] = result
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_zero_1_with_tp_trains_as_the_replicated_optimizer_and_shards_its_state(tmp_path):
+    plans = {f"{dtype}-zero{zero}": autoplan.suggest(SPEC, "1x4xcpu", global_batch=GLOBAL_BATCH, seq_len=SEQ,
+                                                     dtype=dtype, tp=2, pp=1, dp=2, zero=zero, micro_batch_size=2,
+                                                     top=1)[0]
+             for dtype, zero in (("fp32", 0), ("fp32", 1), ("bf16", 0), ("bf16", 1))}
+    results = run_ranks(_rank_job, 4, plans, str(tmp_path), timeout_s=110, pg_timeout_s=60)
+    for dtype in ("fp32", "bf16"):
+        base, zero = f"{dtype}-zero0", f"{dtype}-zero1"
+        for rank, res in results.items():
+            assert res[zero]["optimizer"] == "ZeroOneOptimizer" and res[base]["optimizer"] == "AdamW"
+            # The same update, element by element: the owner's AdamW step, broadcast.
+            for n, value in res[base]["params"].items():
+                torch.testing.assert_close(res[zero]["params"][n], value, rtol=1e-6, atol=1e-7,
+                                           msg=lambda m, n=n, r=rank: f"rank {r} {n}: {m}")
+            # Resumed from its checkpoint: the same parameters and this rank's same share of the state.
+            before, after = res[zero]["restored"]
+            assert before.keys() == after.keys()
+            for n in before:
+                for k in before[n]:
+                    torch.testing.assert_close(after[n][k], before[n][k], rtol=0, atol=0)
+            for n, value in res[zero]["params"].items():
+                torch.testing.assert_close(res[zero]["restored_params"][n], value, rtol=0, atol=0)
+        # Each dp group (one per tp rank) splits its tp shards' state: the shares sum to one replica's.
+        for tp_index in (0, 1):
+            ranks = [r for r in results if results[r][zero]["coords"][2] == tp_index]
+            assert len(ranks) == 2
+            replica = results[ranks[0]][base]["state_numel"]
+            shares = [results[r][zero]["state_numel"] for r in ranks]
+            assert replica == 2 * results[ranks[0]][base]["param_numel"]
+            assert sum(shares) == replica and all(0 < s < replica for s in shares), (shares, replica)
+
+
+def _reference(plan, steps: int):
+    """The whole model on one process, AdamW over the plan's micro-batches: parameters and each
+    step's gradients."""
+    from autoplan.graph.source import parse_source
+
+    source = parse_source(SPEC)
+    torch.manual_seed(0)
+    model = source.build("cpu")
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)  # as `autoplan run`
+    rows = plan["micro_batch_size"]
+    chunks = GLOBAL_BATCH // rows
+    grads, losses = [], []
+    for step in range(steps):
+        (ids,), target = source.batch(0, step, GLOBAL_BATCH, SEQ, (GLOBAL_BATCH, SEQ, 64), torch.float32)
+        total = 0.0
+        for k in range(chunks):
+            loss = source.loss_fn(model(ids[k * rows:(k + 1) * rows]), target[k * rows:(k + 1) * rows]) / chunks
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(model.named_parameters()), grads, losses
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_suggest_then_run_zero_1_tp_2_dp_2_matches_a_single_process_reference(tmp_path):
+    """The user's path: `autoplan suggest --tp 2 --dp 2 --zero 1 --out`, `autoplan run --nproc 4`
+    with a checkpoint after the last step; its parameters are those of AdamW on one process."""
+    from autoplan.runtime.checkpoint import load_full_state_dict
+
+    plan_file, ckpt = tmp_path / "plan.json", tmp_path / "ckpt"
+    result = run_cli("suggest", "--model", SPEC, "--cluster", "1x4xcpu", "--global-batch", str(GLOBAL_BATCH),
+                     "--seq-len", str(SEQ), "--dtype", "fp32", "--tp", "2", "--dp", "2", "--zero", "1",
+                     "--micro-batch-size", "2", "--out", str(plan_file))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(plan_file.read_text())
+    assert (plan["tp"], plan["dp"], plan["pp"], plan["zero"]) == (2, 2, 1, 1)
+    run = run_cli("run", str(plan_file), "--nproc", "4", "--steps", "2", "--checkpoint-dir", str(ckpt), timeout=150)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "replicated optimizer" not in run.stderr, run.stderr[-2000:]
+
+    reference, grads, losses = _reference(plan, 2)
+    printed = [float(line.split()[3]) for line in run.stdout.splitlines() if line.startswith("step ")]
+    assert printed == pytest.approx(losses, abs=2e-4), (printed, losses)
+    saved = load_full_state_dict(ckpt / "step-000002")
+    assert set(reference) <= set(saved), set(reference) - set(saved)
+    scale = max(float(g.abs().max()) for step in grads for g in step.values())
+    for name, expected in reference.items():
+        value = saved[name]
+        # Adam moves each weight by about lr * m / sqrt(v): where a gradient is at rounding level
+        # its sign (and so the step) is noise under tp's reordered sums; elsewhere within 1% of lr
+        # (the second step's m amplifies tp's ~1e-6 relative gradient error where the two steps'
+        # gradients nearly cancel). ZeRO-1 itself adds nothing: the test above finds it equal to
+        # the replicated optimizer at the same layout.
+        clear = torch.stack([(g[name].abs() > 1e-4 * scale) for g in grads]).all(0)
+        torch.testing.assert_close(value[clear], expected.detach()[clear], rtol=1e-5, atol=1e-2 * LR,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+        assert float((value - expected.detach()).abs().max()) <= 4 * LR + 1e-6, name
