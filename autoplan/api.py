@@ -183,10 +183,13 @@ def suggest_with_stats(
     progress: Progress | None = None,
     search_progress: Progress | None = None,
     calibration: str | os.PathLike | Sequence[str | os.PathLike] | Calibrations | None = None,
+    stack: str | None = None,
     **pins: Any,
 ) -> tuple[SearchResult, ProfiledModel]:
     """`suggest`, also returning the search statistics and the profiled model. `calibration`: a file
-    `autoplan calibrate` wrote (or several, one per GPU type) to use in place of the shipped ones."""
+    `autoplan calibrate` wrote (or several, one per GPU type) to use in place of the shipped ones.
+    `stack`: a software stack the calibrations name (cost/calibration.py [Note: software stacks];
+    None: today's, with flash attention)."""
     require_int("global_batch", global_batch, high=MAX_JOB_SIZE)
     require_int("seq_len", seq_len, high=MAX_JOB_SIZE, optional=True)  # None: the model's own length
     require("top", top, int, "an integer")  # its range is the search's to refuse (after the cluster is parsed)
@@ -200,6 +203,10 @@ def suggest_with_stats(
     else:
         raise ValueError(f"cluster must be a spec string or a Cluster, got {type(cluster).__name__}")
     calibrations = _calibrations(calibration)
+    require("stack", stack, str, "a stack name such as 'megatron-lm-2021'", optional=True)
+    if stack is not None:
+        calibrations = dataclasses.replace(calibrations, stack=stack)
+        calibrations.check_stack(cluster_obj.gpu_types)
     for gpu in cluster_obj.gpu_types:  # measured collective curves replace the shipped link figures
         measured = calibrations.overrides.get(gpu.name)
         if measured is not None and measured.collectives:
@@ -227,7 +234,8 @@ def suggest_with_stats(
         result.notes.append(profiled.traced.note)
     if not prof.is_timed:  # which achieved rates priced the plans, and where they come from
         for gpu in cluster_obj.gpu_types:
-            result.notes.append(f"{gpu.name} priced with: {calibrations.for_gpu(gpu).sources.get('file', '')}")
+            cal = calibrations.for_gpu(gpu)
+            result.notes.append(f"{gpu.name} priced with: {cal.sources.get('file', '')}; stack {cal.stack}")
     return result, profiled
 
 

@@ -121,7 +121,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
             args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, top=args.top,
             dtype=args.dtype, intra_node_bw_gbps=args.intra_node_bw, inter_node_bw_gbps=args.inter_node_bw,
             leaf_modules=leaf, tracer=args.tracer, progress=callback, search_progress=search_callback,
-            calibration=args.calibration or None, **_pins(args))
+            calibration=args.calibration or None, stack=args.stack, **_pins(args))
     finally:
         if progress is not None:
             progress.stop()
@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", action="append", metavar="FILE",
                    help="a calibration `autoplan calibrate` wrote, used in place of the shipped one for its GPU type "
                         "(repeat for several GPU types)")
+    p.add_argument("--stack", metavar="NAME",
+                   help="the software stack to price (default: today's, flash attention); the shipped A100 and H100 "
+                        "calibrations also describe 'megatron-lm-2021' (unfused attention, as Megatron-LM ran in 2021)")
     pins = p.add_argument_group("pins (fix a dimension; the rest is searched)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)

@@ -1,239 +1,268 @@
-"""Compare autoplan's predictions with the published Megatron-LM runs (Narayanan et al. SC'21, Table 1),
-and fit the A100 calibration to them, with leave-one-out errors beside the in-sample ones.
+"""Compare autoplan's predictions with every published run in benchmarks/data/, fit the calibrations
+to them, and gate CI on the recorded predictions.
 
-For each row: the paper's GPT (vocab 51200, seq 2048, ffn 4h) on gpus/8 DGX A100 nodes, with tp, pp,
-dp pinned as published, interleaved 1F1B and full recompute; micro-batch size and virtual stages
-are left to the search (the paper does not publish them). The prediction is converted to the
-paper's own FLOP convention, F = 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) per step, so the two
-TFLOP/s figures count the same FLOPs and compare step times directly.
+The runs (autoplan/published.py): Megatron-LM SC'21 Table 1 (ten A100 runs, tp x pp x dp) and
+modern_runs.json (FSDP on A100/H100 from torchtitan and llm-foundry, Megatron-Core MoE on H100),
+each predicted at its published dimensions with the search's own evaluation. Reported per run, per
+source and per regime: the in-sample error (the shipped calibrations, which `--write` fits to all
+runs) and the leave-one-source-out error (fitted without the run's source: [Note: the published
+fit] in autoplan/published.py), and whether the run fits in memory (a run that trained and is
+declared out of memory is a false OOM).
 
-[Note: the fit] Three numbers of the A100 calibration are fitted: the GEMM share of peak, the
-attention share (forward and backward alike: these runs predate fused flash attention, and their
-unfused softmax computed every score, so the causal work fraction is 1) and the achieved memory
-bandwidth share. With each row's micro-batch size and virtual stages held at the search's choice,
-the predicted step is close to linear in the reciprocals of the three shares (each operator's time
-is its work over a rate, and the schedule adds them along one critical path); four evaluations give
-the coefficients by finite differences, and the shares follow by linear least squares on the
-relative step-time error. Leave-one-out refits on nine rows and predicts the tenth with a full,
-unpinned re-evaluation. Only this table is fitted; other published runs are kept aside to check.
+    python benchmarks/validate_published.py                 # table, summaries, leave-one-source-out
+    python benchmarks/validate_published.py --write         # refit on all runs, write the shipped files
+    python benchmarks/validate_published.py --check ci/published_predictions.json    # the CI gate (fast)
+    python benchmarks/validate_published.py --record ci/published_predictions.json   # after a deliberate refit
 
-    python benchmarks/validate_published.py              # in-sample and leave-one-out table (--json out.json)
-    python benchmarks/validate_published.py --write      # also write the fit into the shipped A100 calibration
-    python benchmarks/validate_published.py --free       # also: the unpinned search vs the published config
+`--check` exits 1 when a run's predicted step time or memory moved past the recorded tolerance, a run
+leaves its tolerance against the published figure, or a run that trained is declared out of memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
+from autoplan.cost.calibration import Calibration
+from autoplan.published import (
+    FIT_PARAMETERS,
+    Prediction,
+    PublishedRun,
+    calibrations_for,
+    chip,
+    chosen_dimensions,
+    fit,
+    load_runs,
+    neutral,
+    parameters_of,
+    predict_all,
+    run_gpus,
+    shipped_by_chip,
+    summary,
+)
 
-from autoplan.cluster import get_gpu, parse_cluster
-from autoplan.cost.calibration import Calibration, Calibrations, default_calibration
-from autoplan.graph import zoo
-from autoplan.graph.profile import profile_model
-from autoplan.plan import Job
-from autoplan.search.space import search_plans
-
-DATA = Path(__file__).resolve().parent / "data" / "megatron_sc21_table1.json"  # a copy of ../shared/data/
-
-
-def _load(path: Path) -> dict:
-    if not path.exists():
-        sys.exit(f"validate_published: {path} not found; pass --data PATH")
-    return json.loads(path.read_text())
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {"megatron-sc21": (0.03, 0.06), "modern": (0.05, 0.12), "loso": 0.08}
+"""In-sample (median, worst) per file and the leave-one-source-out median (issue 28)."""
+NOT_FITTED_REGIMES = ("MoE",)
+"""Regimes reported but left out of the fit: a mixture-of-experts step is dominated by the expert
+exchange and the experts' weight traffic, which the model prices for autoplan's own expert layout,
+not Megatron-Core's folded one (docs/status.md); fitting GEMM or overlap shares to them would bend
+those numbers to absorb a structural error."""
+STEP_DRIFT = 0.02
+"""The gate's tolerance on a run's predicted step time against the recorded one (relative)."""
+MEMORY_DRIFT = 0.02
+"""The same for its peak memory per GPU."""
 
 
-def _published_flops(row: dict, seq: int, vocab: int) -> float:
-    b, h, layers = row["global_batch"], row["hidden"], row["layers"]
-    return 96 * b * seq * layers * h * h * (1 + seq / (6 * h) + vocab / (16 * layers * h))
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
-def _profile(row: dict, seq: int, vocab: int):
-    spec = (f"gpt:num_layers={row['layers']},hidden_size={row['hidden']},num_heads={row['heads']},"
-            f"vocab_size={vocab},max_seq_len={seq}")
-    model = zoo.build_model(spec)
-    prof, _ = profile_model(model, zoo.example_inputs(spec, 1, seq), loss_fn=zoo.lm_loss,
-                            example_target=zoo.example_targets(spec, 1, seq), model_name=spec,
-                            info={k: v for k, v in zoo.model_info(spec).items() if isinstance(v, int)})
-    return spec, prof
+def _describe(cals: dict[str, Calibration]) -> str:
+    values = parameters_of(cals)
+    return ", ".join(f"{n} {v:.3f}" for n, v in zip(FIT_PARAMETERS, values, strict=True))
 
 
-def evaluate_rows(rows: list[dict], profiles: dict, seq: int, vocab: int, calibration: Calibration,
-                  free: bool = False, chosen: dict | None = None) -> list[dict]:
-    """Predict each row. `chosen` pins each row's micro-batch size and virtual stages (by params_billion)."""
-    calibrations = Calibrations({calibration.gpu: calibration})
+def _line(p: Prediction, loso: float | None) -> str:
+    r = p.run
+    dims = f"tp{r.pins['tp']} pp{r.pins['pp']} dp{r.pins['dp']}"
+    if r.pins.get("ep", 1) > 1:
+        dims += f" ep{r.pins['ep']}"
+    if r.pins.get("cp", 1) > 1:
+        dims += f" cp{r.pins['cp']}"
+    held = "" if p.plan.fits else "  OUT OF MEMORY"
+    left = f"{loso:>+9.1%}" if loso is not None else f"{'':>9}"
+    return (f"{r.id:<27} {r.source:<16} {r.regime:<8} {dims:<22} {r.published_step_s:>9.3f} {p.step_s:>9.3f} "
+            f"{p.error:>+7.1%} {left} {p.plan.predicted.peak_memory_bytes / 2**30:>6.1f}{held}")
+
+
+def _group_summaries(predictions: list[Prediction], loso: dict[str, float], key) -> list[str]:
+    groups: dict[str, list[Prediction]] = defaultdict(list)
+    for p in predictions:
+        groups[key(p.run)].append(p)
     out = []
-    for row in rows:
-        spec, prof = profiles[row["params_billion"]]
-        cluster = parse_cluster(f"{row['gpus'] // 8}x8xA100-80GB")
-        job = Job(global_batch=row["global_batch"], seq_len=seq, dtype="bfloat16")
-        dp = row["gpus"] // (row["tp"] * row["pp"])
-        pins = {"tp": row["tp"], "pp": row["pp"], "dp": dp, "recompute": "full",
-                "schedule": "interleaved-1f1b" if row["pp"] > 1 else "1f1b"}
-        if chosen is not None:
-            pins.update(chosen[row["params_billion"]])
-        started = time.perf_counter()
-        plan = search_plans(prof, cluster, job, model_spec=spec, top=1, pins=pins, calibrations=calibrations).plans[0]
-        flops = _published_flops(row, seq, vocab)
-        predicted = flops / (row["gpus"] * plan.predicted.step_time_s) / 1e12
-        entry = {
-            "params_billion": row["params_billion"], "gpus": row["gpus"], "tp": row["tp"], "pp": row["pp"], "dp": dp,
-            "published_tflops": row["tflops_per_gpu"], "predicted_tflops": predicted,
-            "error": predicted / row["tflops_per_gpu"] - 1,
-            "autoplan_hw_tflops": plan.predicted.hardware_tflops_per_gpu,
-            "micro_batch_size": plan.micro_batch_size, "virtual_stages": plan.virtual_stages, "fits": plan.fits,
-            "step_time_s": plan.predicted.step_time_s,
-            "published_step_time_s": flops / (row["gpus"] * row["tflops_per_gpu"] * 1e12),
-            "search_s": time.perf_counter() - started,
-        }
-        if free:
-            best = search_plans(prof, cluster, job, model_spec=spec, top=1, calibrations=calibrations).plans[0]
-            entry["free_step_time_s"] = best.predicted.step_time_s
-            entry["free_plan"] = (f"tp{best.tp} pp{best.pp} dp{best.dp} mbs{best.micro_batch_size} {best.schedule}"
-                                  f" v{best.virtual_stages} {best.recompute}")
-            entry["free_at_least_as_fast"] = best.predicted.step_time_s <= plan.predicted.step_time_s * (1 + 1e-9)
-        out.append(entry)
+    for name, members in groups.items():
+        inside = summary([p.error for p in members])
+        line = f"  {name:<18} {len(members):>2} runs  in-sample median {inside['median']:.1%} worst {inside['worst']:.1%}"
+        held = [loso[p.run.id] for p in members if p.run.id in loso]
+        if held:
+            outside = summary(held)
+            line += f"  | left out: median {outside['median']:.1%} worst {outside['worst']:.1%}"
+        out.append(line)
     return out
 
 
-FITTED = ("gemm", "attention")
-"""The shares [Note: the fit] solves for (as reciprocals): GEMM and attention. The memory-bandwidth
-share is not fitted: with it free the table cannot tell it from the other two (leave-one-out fits
-ranged from nonsense to the bound), so it stays at the calibration's value."""
+def leave_one_source_out(runs: list[PublishedRun], shipped: dict[str, Calibration]) -> tuple[dict[str, float], dict]:
+    """Per run: its error when its source is left out of the fit. Also the fitted values per source."""
+    errors: dict[str, float] = {}
+    fitted: dict[str, list[float]] = {}
+    for source in dict.fromkeys(r.source for r in runs):
+        started = time.perf_counter()
+        kept = [r for r in runs if r.source != source and r.regime not in NOT_FITTED_REGIMES]
+        held = [r for r in runs if r.source == source]
+        cals, _ = fit(kept, neutral(shipped), rounds=1, iterations=6)
+        gpus = run_gpus(runs)
+        for p in predict_all(held, calibrations_for(cals, gpus)):
+            errors[p.run.id] = p.error
+        fitted[source] = [float(v) for v in parameters_of(cals)]
+        _log(f"left out {source}: refitted on {len(kept)} runs in {time.perf_counter() - started:.0f} s")
+    return errors, fitted
 
 
-def with_shares(base: Calibration, x: np.ndarray) -> Calibration:
-    """`base` with the shares 1/x (GEMM for every half-precision dtype; attention forward and backward)."""
-    gemm = {k: (1.0 / x[0] if k in ("bf16", "fp16", "tf32") else v) for k, v in base.gemm_efficiency.items()}
-    return base.replace(gemm_efficiency=gemm, attention_fwd_efficiency=min(1.0, 1.0 / x[1]),
-                        attention_bwd_efficiency=min(1.0, 1.0 / x[1]), causal_work_fraction=1.0)
+def _write_calibrations(cals: dict[str, Calibration], runs: list[PublishedRun]) -> None:
+    sources = sorted({r.source for r in runs})
+    note = (f"fitted by `python benchmarks/validate_published.py --write` to {len(runs)} published runs "
+            f"(benchmarks/data/: {', '.join(sources)}); autoplan/published.py [Note: the published fit]")
+    for family, cal in cals.items():
+        path = ROOT / "autoplan" / "cost" / "calibrations" / f"{cal.gpu}.json"
+        if not path.exists():
+            continue
+        old = json.loads(path.read_text())
+        new = cal.to_dict()
+        new["source"] = (f"{cal.gpu}: GEMM and flash-attention shares, overlap slowdown and network efficiency "
+                         f"fitted to published runs; memory bandwidth and kernel floor as before")
+        new["gemm"]["source"] = note
+        new["attention"]["source"] = note + ("; forward and backward share one value; causal work fraction 0.5 "
+                                             "(flash attention skips masked tiles, Dao 2023)")
+        new["memory"]["source"] = old["memory"].get("source", "")
+        new["overlap"] = {"compute_slowdown": cal.overlap_slowdown, "source": note}
+        new["network"] = {"efficiency": cal.network_efficiency, "source": note}
+        if "measurements" in old:
+            new["measurements"] = old["measurements"]
+        path.write_text(json.dumps(new, indent=2) + "\n")
+        _log(f"wrote {path.relative_to(ROOT)} ({family})")
 
 
-def shares_of(cal: Calibration) -> np.ndarray:
-    return np.array([1.0 / cal.gemm("bf16"), 1.0 / cal.attention_fwd_efficiency])
+def _records(predictions: list[Prediction]) -> dict:
+    rows = {}
+    for p in predictions:
+        tolerance = TARGETS["megatron-sc21"][1] if p.run.source == "megatron-sc21" else TARGETS["modern"][1]
+        rows[p.run.id] = {
+            "step_s": p.step_s, "peak_memory_gib": p.plan.predicted.peak_memory_bytes / 2**30, "fits": p.plan.fits,
+            "micro_batch_size": p.plan.micro_batch_size, "virtual_stages": p.plan.virtual_stages,
+            "published_step_s": p.run.published_step_s, "error": p.error,
+            # A run outside the targets keeps its present error as its tolerance until the model
+            # reaches it (docs/status.md says which and why), so the gate still catches drift.
+            "tolerance": max(tolerance, abs(p.error) + 0.02),
+        }
+    return {"schema": 1, "step_drift": STEP_DRIFT, "memory_drift": MEMORY_DRIFT,
+            "about": "predictions of the published runs under the shipped calibrations; regenerate with "
+                     "`python benchmarks/validate_published.py --record ci/published_predictions.json` in the "
+                     "commit that changes them, and say why in its message", "runs": rows}
 
 
-def linearize(rows, profiles, seq, vocab, base: Calibration) -> tuple[np.ndarray, np.ndarray]:
-    """Step time per row as offset + J x around the base shares, the micro-batch size and virtual
-    stages held at the base's choice ([Note: the fit])."""
-    x0 = shares_of(base)
-    first = evaluate_rows(rows, profiles, seq, vocab, base)
-    chosen = {r["params_billion"]: {"micro_batch_size": r["micro_batch_size"], "virtual_stages": r["virtual_stages"]}
-              for r in first}
-    t0 = np.array([r["step_time_s"] for r in first])
-    jac = np.zeros((len(rows), len(x0)))
-    for k in range(len(x0)):
-        x = x0.copy()
-        x[k] *= 1.1
-        shifted = evaluate_rows(rows, profiles, seq, vocab, with_shares(base, x), chosen=chosen)
-        jac[:, k] = (np.array([r["step_time_s"] for r in shifted]) - t0) / (x[k] - x0[k])
-    return jac, t0 - jac @ x0
-
-
-def fit_shares(jac: np.ndarray, offset: np.ndarray, target: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """Least squares on the relative error (J x + offset) / target - 1 over the rows in `keep`."""
-    a = jac[keep] / target[keep, None]
-    b = 1.0 - offset[keep] / target[keep]
-    x, *_ = np.linalg.lstsq(a, b, rcond=None)
-    return x
-
-
-def fit(rows, profiles, seq, vocab, base: Calibration, target: np.ndarray, keep: np.ndarray) -> Calibration:
-    """Three rounds of [Note: the fit], each linearized around the previous answer."""
-    cal = base
-    for _ in range(3):
-        jac, offset = linearize([r for r, k in zip(rows, keep) if k], profiles, seq, vocab, cal)
-        cal = with_shares(cal, fit_shares(jac, offset, target[keep], np.ones(int(keep.sum()), dtype=bool)))
-    return cal
-
-
-def _summary(errors: list[float]) -> str:
-    absolute = [abs(e) for e in errors]
-    return f"median |error| {statistics.median(absolute):.1%}, worst {max(absolute):.1%}"
-
-
-def _describe(cal: Calibration) -> str:
-    return (f"GEMM {cal.gemm('bf16'):.3f}, attention {cal.attention_fwd_efficiency:.3f}, "
-            f"memory bandwidth {cal.memory_bandwidth_efficiency:.3f} of peak")
+def check(path: Path, runs: list[PublishedRun]) -> int:
+    """The CI gate: predictions under the shipped calibrations against the recorded ones."""
+    recorded = json.loads(path.read_text())
+    rows = recorded["runs"]
+    chosen = {r.id: {"micro_batch_size": rows[r.id]["micro_batch_size"], "virtual_stages": rows[r.id]["virtual_stages"]}
+              for r in runs if r.id in rows and not r.fully_pinned}
+    failures = []
+    predictions = predict_all(runs, None, chosen)
+    for p in predictions:
+        row = rows.get(p.run.id)
+        if row is None:
+            failures.append(f"{p.run.id}: no recorded prediction (record it with --record)")
+            continue
+        drift = p.step_s / row["step_s"] - 1
+        memory = p.plan.predicted.peak_memory_bytes / 2**30
+        mem_drift = memory / row["peak_memory_gib"] - 1
+        if abs(drift) > recorded["step_drift"]:
+            failures.append(f"{p.run.id}: predicted step {p.step_s:.3f} s moved {drift:+.1%} from the recorded "
+                            f"{row['step_s']:.3f} s (tolerance {recorded['step_drift']:.0%})")
+        if mem_drift > recorded["memory_drift"]:
+            failures.append(f"{p.run.id}: predicted memory {memory:.1f} GiB grew {mem_drift:+.1%} from the recorded "
+                            f"{row['peak_memory_gib']:.1f} GiB")
+        if abs(p.error) > row["tolerance"]:
+            failures.append(f"{p.run.id}: predicted {p.step_s:.3f} s is {p.error:+.1%} from the published "
+                            f"{p.run.published_step_s:.3f} s (tolerance {row['tolerance']:.0%})")
+        if not p.plan.fits and row["fits"]:
+            failures.append(f"{p.run.id}: declared out of memory ({memory:.1f} GiB per GPU), but it trained")
+    print(f"published-run gate: {len(predictions)} runs checked against {path}")
+    for p in predictions:
+        print("  " + _line(p, None))
+    known = [p.run.id for p in predictions if not p.plan.fits and not rows.get(p.run.id, {}).get("fits", True)]
+    if known:
+        print(f"known false out-of-memory (recorded, docs/status.md): {', '.join(known)}")
+    for f in failures:
+        print(f"FAIL {f}")
+    print(f"published-run gate: {'FAILED' if failures else 'passed'} ({len(failures)} problems)")
+    return 1 if failures else 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DATA)
-    parser.add_argument("--json", type=Path, help="write the rows as JSON")
-    parser.add_argument("--free", action="store_true", help="also run the unpinned search per row")
-    parser.add_argument("--write", action="store_true", help="refit on all rows and write the shipped A100 calibration")
+    parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
+    parser.add_argument("--write", action="store_true", help="refit on all runs and write the shipped calibrations")
+    parser.add_argument("--check", type=Path, help="gate against recorded predictions (exit 1 on drift)")
+    parser.add_argument("--record", type=Path, help="write the recorded predictions for --check")
+    parser.add_argument("--no-loso", action="store_true", help="skip leave-one-source-out (faster)")
+    parser.add_argument("--json", type=Path, help="write every row and summary as JSON")
     args = parser.parse_args()
-    data = _load(args.data)
-    seq, vocab = data["common"]["seq_len"], data["common"]["vocab_size"]
-    rows = [dict(zip(data["columns"], r, strict=True)) for r in data["rows"]]
-    profiles = {row["params_billion"]: _profile(row, seq, vocab) for row in rows}
-    shipped = default_calibration(get_gpu("A100-SXM4-80GB"))
-    target = np.array([_published_flops(r, seq, vocab) / (r["gpus"] * r["tflops_per_gpu"] * 1e12) for r in rows])
-    everything = np.ones(len(rows), dtype=bool)
-    print(f"shipped A100 calibration: {_describe(shipped)}", flush=True)
+    runs = load_runs(args.data)
+    if args.check:
+        return check(args.check, runs)
+    started = time.perf_counter()
+    shipped = shipped_by_chip(runs)
+    print(f"shipped calibrations: {_describe(shipped)}")
+    fitted_runs = [r for r in runs if r.regime not in NOT_FITTED_REGIMES]
+    print(f"fitted to {len(fitted_runs)} of {len(runs)} runs (regimes {', '.join(NOT_FITTED_REGIMES)} reported, "
+          "not fitted)")
     if args.write:
-        shipped = fit(rows, profiles, seq, vocab, shipped, target, everything)
-        _write_calibration(shipped, data)
-        print(f"fit on all rows: {_describe(shipped)}", flush=True)
+        shipped, _ = fit(fitted_runs, shipped, progress=_log)
+        _write_calibrations(shipped, fitted_runs)
+        print(f"fitted on all {len(runs)} runs: {_describe(shipped)}")
+    gpus = run_gpus(runs)
+    first = predict_all(runs, calibrations_for(shipped, gpus))
+    predictions = predict_all(runs, calibrations_for(shipped, gpus), chosen_dimensions(first))
+    loso, fitted = ({}, {}) if args.no_loso else leave_one_source_out(runs, shipped)
 
-    results = evaluate_rows(rows, profiles, seq, vocab, shipped, free=args.free)
-    # Leave one out ([Note: the fit]): linearized once around the shipped shares, refit without the row,
-    # then the row predicted by a full evaluation with the refitted calibration.
-    jac, offset = linearize(rows, profiles, seq, vocab, shipped)
-    held_out_shares = []
-    for i, row in enumerate(rows):
-        keep = everything.copy()
-        keep[i] = False
-        cal = with_shares(shipped, fit_shares(jac, offset, target, keep))
-        results[i]["loo_error"] = evaluate_rows([row], profiles, seq, vocab, cal)[0]["error"]
-        held_out_shares.append(1.0 / shares_of(cal))
-
-    header = (f"{'params':>8} {'gpus':>5} {'tp':>3} {'pp':>3} {'dp':>4} {'mbs':>4} {'v':>3} {'published':>10} "
-              f"{'predicted':>10} {'error':>7} {'left out':>9}")
-    if args.free:
-        header += f"  {'free search / published config':>32}"
-    print(header)
-    for r in results:
-        line = (f"{r['params_billion']:>7.1f}B {r['gpus']:>5} {r['tp']:>3} {r['pp']:>3} {r['dp']:>4} "
-                f"{r['micro_batch_size']:>4} {r['virtual_stages']:>3} {r['published_tflops']:>10.1f} "
-                f"{r['predicted_tflops']:>10.1f} {r['error']:>+7.1%} {r['loo_error']:>+9.1%}")
-        if args.free:
-            line += f"  {r['free_step_time_s'] / r['step_time_s']:>8.3f}x ({r['free_plan']})"
-        print(line)
-    print(f"in-sample: {_summary([r['error'] for r in results])} (targets 3%, 6%); every row answered and fits: "
-          f"{all(r['fits'] for r in results)}")
-    print(f"leave-one-out: {_summary([r['loo_error'] for r in results])} (targets 4%, 8%)")
-    spread = np.array(held_out_shares)
-    print("shares fitted without each row: " + ", ".join(
-        f"{name} {spread[:, k].min():.3f}-{spread[:, k].max():.3f}" for k, name in enumerate(FITTED)))
-    if args.free:
-        print(f"free search at least as fast as the published configuration on "
-              f"{sum(r['free_at_least_as_fast'] for r in results)}/{len(results)} rows")
+    print(f"{'run':<27} {'source':<16} {'regime':<8} {'dimensions':<22} {'published':>9} {'predicted':>9} "
+          f"{'error':>7} {'left out':>9} {'GiB':>6}")
+    for p in predictions:
+        print(_line(p, loso.get(p.run.id)))
+    print("per source:")
+    print("\n".join(_group_summaries(predictions, loso, lambda r: r.source)))
+    print("per regime:")
+    print("\n".join(_group_summaries(predictions, loso, lambda r: r.regime)))
+    print("per GPU:")
+    print("\n".join(_group_summaries(predictions, loso, lambda r: chip(r.cluster.split("x")[-1]))))
+    sc21 = summary([p.error for p in predictions if p.run.source == "megatron-sc21"])
+    modern = summary([p.error for p in predictions if p.run.source != "megatron-sc21"])
+    print(f"Megatron-LM SC'21 in-sample: median {sc21['median']:.1%}, worst {sc21['worst']:.1%} "
+          f"(targets {TARGETS['megatron-sc21'][0]:.0%}, {TARGETS['megatron-sc21'][1]:.0%})")
+    print(f"modern runs in-sample: median {modern['median']:.1%}, worst {modern['worst']:.1%} "
+          f"(targets {TARGETS['modern'][0]:.0%}, {TARGETS['modern'][1]:.0%})")
+    if loso:
+        held = summary(list(loso.values()))
+        print(f"leave-one-source-out: median {held['median']:.1%}, worst {held['worst']:.1%} "
+              f"(target median {TARGETS['loso']:.0%})")
+        for source, values in fitted.items():
+            print(f"  fitted without {source}: " + ", ".join(f"{n} {v:.3f}" for n, v in zip(FIT_PARAMETERS, values,
+                                                                                           strict=True)))
+    false_oom = [p.run.id for p in predictions if not p.plan.fits]
+    print(f"every run answered: {len(predictions)}/{len(runs)}; false out-of-memory: {len(false_oom)}"
+          + (f" ({', '.join(false_oom)})" if false_oom else ""))
+    print(f"took {time.perf_counter() - started:.0f} s")
+    if args.record:
+        args.record.write_text(json.dumps(_records(predictions), indent=2) + "\n")
+        print(f"recorded {len(predictions)} predictions in {args.record}")
     if args.json:
-        args.json.write_text(json.dumps({"calibration": shipped.to_dict(), "rows": results}, indent=2))
+        args.json.write_text(json.dumps({
+            "calibrations": {k: v.to_dict() for k, v in shipped.items()},
+            "runs": [{"id": p.run.id, "source": p.run.source, "regime": p.run.regime, "published_step_s":
+                      p.run.published_step_s, "predicted_step_s": p.step_s, "error": p.error,
+                      "loso_error": loso.get(p.run.id), "fits": p.plan.fits,
+                      "peak_memory_gib": p.plan.predicted.peak_memory_bytes / 2**30,
+                      "micro_batch_size": p.plan.micro_batch_size, "virtual_stages": p.plan.virtual_stages}
+                     for p in predictions],
+            "loso_fitted": fitted}, indent=2))
     return 0
-
-
-def _write_calibration(cal: Calibration, data: dict) -> None:
-    path = Path(__file__).resolve().parents[1] / "autoplan" / "cost" / "calibrations" / "A100-SXM4-80GB.json"
-    note = (f"fitted by `python benchmarks/validate_published.py --write` to the ten runs of {data['source']}, "
-            "the only training runs this calibration is fitted to")
-    cal = cal.replace(sources={
-        **cal.sources,
-        "file": "A100 SXM4 80GB: GEMM, attention and memory-bandwidth shares fitted to published Megatron-LM runs "
-                "(benchmarks/data/megatron_sc21_table1.json); kernel floor assumed",
-        "gemm": note,
-        "attention": note + "; those runs used an unfused softmax that computes every score (causal work fraction 1)",
-        "memory": note + "; the kernel floor (5 us) is assumed, not fitted"})
-    path.write_text(json.dumps(cal.to_dict(), indent=2) + "\n")
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

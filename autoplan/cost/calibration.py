@@ -17,8 +17,24 @@ File format (JSON, `schema` 1):
      "gemm": {"efficiency": {"bf16": 0.78, ...}, "source": "..."},
      "attention": {"fwd_efficiency": 0.5, "bwd_efficiency": 0.4, "causal_work_fraction": 0.5, "source": "..."},
      "memory": {"bandwidth_efficiency": 0.8, "kernel_floor_s": 4e-6, "source": "..."},
+     "overlap": {"compute_slowdown": 0.1, "source": "..."},        # optional (default 0)
+     "network": {"efficiency": 0.8, "source": "..."},              # optional (default 1)
+     "stack": {"name": "flash", "attention_kernel": "flash", "source": "..."},   # optional
+     "stacks": {"megatron-lm-2021": {"attention_kernel": "unfused", "note": "..."}},  # optional
      "collectives": {...},           # optional, read by cluster/collectives.py
      "measurements": {...}}          # optional: the raw points `autoplan calibrate` measured, with spread
+
+[Note: software stacks]
+The same GPU trains at different speeds under different software: Megatron-LM in 2021 computed
+attention unfused (a batched GEMM for the scores, a fused scale-mask-softmax kernel, dropout, a
+second batched GEMM: every score of the s x s matrix is written to and read from memory), where
+today's stacks run flash attention (Dao 2023), which keeps the scores on chip and skips masked
+tiles. That is a property of the run, not of the GPU, so it is a named choice, never a per-run
+knob: a calibration describes one stack (`stack`, by default today's: flash attention) and may
+list named variants (`stacks`) that override a few fields (`STACK_FIELDS`). `Calibration.for_stack`
+returns a variant; `autoplan suggest --stack NAME` selects it. Under `attention_kernel = "unfused"`
+attention is priced from its parts with the GEMM and memory-bandwidth shares (cost/ops.py
+`unfused_attention_time_s`), so no attention share is fitted for it.
 """
 
 from __future__ import annotations
@@ -31,12 +47,20 @@ from pathlib import Path
 from typing import Any
 
 from autoplan._files import read_json
-from autoplan.cluster import GPU
+from autoplan.cluster import GPU, Cluster
 
-__all__ = ["CALIBRATION_SCHEMA", "Calibration", "CalibrationError", "Calibrations", "default_calibration",
-           "load_calibration", "shipped_calibrations"]
+__all__ = ["ATTENTION_KERNELS", "CALIBRATION_SCHEMA", "DEFAULT_STACK", "STACK_FIELDS", "Calibration",
+           "CalibrationError", "Calibrations", "default_calibration", "load_calibration", "shipped_calibrations"]
 
 CALIBRATION_SCHEMA = 1
+
+ATTENTION_KERNELS = ("flash", "unfused")
+"""How attention runs: one fused kernel (flash attention), or GEMM + softmax + dropout + GEMM."""
+DEFAULT_STACK = "flash"
+"""The stack a calibration describes unless it names another: today's, with flash attention."""
+STACK_FIELDS = ("attention_kernel", "causal_work_fraction", "attention_fwd_efficiency", "attention_bwd_efficiency",
+                "overlap_slowdown")
+"""Fields a named stack may override ([Note: software stacks])."""
 
 
 class CalibrationError(ValueError):
@@ -64,6 +88,22 @@ class Calibration:
     """Achieved share of `GPU.mem_bw_bytes_per_s` of a streaming (memory-bound) kernel."""
     kernel_floor_s: float
     """Shortest time any kernel takes (launch and tail), seconds."""
+    overlap_slowdown: float = 0.0
+    """Share by which compute slows while a collective runs beside it (NCCL's kernels take SMs and
+    memory bandwidth: Rashidi et al. 2021, "Enabling Compute-Communication Overlap in Distributed
+    Deep Learning Training Platforms", ISCA, Sec. 3; Jangda et al. 2022, CoCoNet, ASPLOS, Sec. 2):
+    overlapped communication of c seconds costs the compute beside it `overlap_slowdown * c`
+    (cost/comm.py [Note: overlap slowdown])."""
+    network_efficiency: float = 1.0
+    """Share of the inter-node link's nominal bandwidth that collectives achieve (NIC, PCIe and
+    switch losses; nccl-tests busbw on InfiniBand/RoCE stays below line rate: NVIDIA, "NCCL tests
+    PERFORMANCE.md"). Applied to links without measured curves (`Calibrations.effective_cluster`)."""
+    attention_kernel: str = "flash"
+    """`flash` or `unfused` ([Note: software stacks])."""
+    stack: str = DEFAULT_STACK
+    """Name of the software stack these numbers describe ([Note: software stacks])."""
+    stacks: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
+    """Named variants: stack name -> {field in STACK_FIELDS: value, "note": why}."""
     collectives: dict[str, Any] = field(default_factory=dict)
     """Measured collective curves per link kind (cluster/collectives.py reads them); empty: the
     cluster's own link figures."""
@@ -78,6 +118,17 @@ class Calibration:
             return self.gemm_efficiency[dtype_key]
         return max(self.gemm_efficiency.values())
 
+    def for_stack(self, name: str | None) -> Calibration:
+        """This calibration under the named stack ([Note: software stacks]); None or its own name:
+        itself. An unknown name raises CalibrationError naming the stacks it has."""
+        if name is None or name == self.stack:
+            return self
+        if name not in self.stacks:
+            known = ", ".join([self.stack, *self.stacks])
+            raise CalibrationError(f"no stack {name!r} in the {self.gpu} calibration; it has: {known}")
+        changes = {k: v for k, v in self.stacks[name].items() if k in STACK_FIELDS}
+        return self.replace(stack=name, **changes)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "schema": CALIBRATION_SCHEMA,
@@ -91,6 +142,14 @@ class Calibration:
             "memory": {"bandwidth_efficiency": self.memory_bandwidth_efficiency,
                        "kernel_floor_s": self.kernel_floor_s, "source": self.sources.get("memory", "")},
         }
+        if self.overlap_slowdown:
+            out["overlap"] = {"compute_slowdown": self.overlap_slowdown, "source": self.sources.get("overlap", "")}
+        if self.network_efficiency != 1.0:
+            out["network"] = {"efficiency": self.network_efficiency, "source": self.sources.get("network", "")}
+        out["stack"] = {"name": self.stack, "attention_kernel": self.attention_kernel,
+                        "source": self.sources.get("stack", "")}
+        if self.stacks:
+            out["stacks"] = {k: dict(v) for k, v in self.stacks.items()}
         if self.collectives:
             out["collectives"] = {**self.collectives, "source": self.sources.get("collectives", "")}
         if self.measurements:
@@ -123,9 +182,31 @@ class Calibration:
         if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < 1:
             raise CalibrationError(f"{where}: memory.kernel_floor_s must be seconds in [0, 1), got {floor!r}")
         collectives = dict(data.get("collectives") or {})
+        overlap = data.get("overlap") or {}
+        network = data.get("network") or {}
+        stack = data.get("stack") or {}
+        if not all(isinstance(x, dict) for x in (overlap, network, stack)):
+            raise CalibrationError(f"{where}: 'overlap', 'network' and 'stack' must be objects")
+        kernel = stack.get("attention_kernel", "flash")
+        if kernel not in ATTENTION_KERNELS:
+            raise CalibrationError(f"{where}: stack.attention_kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
+        stacks = data.get("stacks") or {}
+        if not isinstance(stacks, dict) or not all(isinstance(v, dict) for v in stacks.values()):
+            raise CalibrationError(f"{where}: 'stacks' must map stack names to objects of overrides")
+        for name, variant in stacks.items():
+            unknown = set(variant) - set(STACK_FIELDS) - {"note"}
+            if unknown:
+                raise CalibrationError(f"{where}: stack {name!r} overrides {sorted(unknown)}; a stack may set "
+                                       f"{', '.join(STACK_FIELDS)} (and a note)")
+            if variant.get("attention_kernel", "flash") not in ATTENTION_KERNELS:
+                raise CalibrationError(f"{where}: stack {name!r}: attention_kernel must be one of {ATTENTION_KERNELS}")
+        slowdown = overlap.get("compute_slowdown", 0.0)
+        if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown < 1:
+            raise CalibrationError(f"{where}: overlap.compute_slowdown must be a number in [0, 1), got {slowdown!r}")
         sources = {"file": str(data.get("source", "")), "gemm": str(gemm.get("source", "")),
                    "attention": str(attention.get("source", "")), "memory": str(memory.get("source", "")),
-                   "collectives": str(collectives.pop("source", ""))}
+                   "collectives": str(collectives.pop("source", "")), "overlap": str(overlap.get("source", "")),
+                   "network": str(network.get("source", "")), "stack": str(stack.get("source", ""))}
         return cls(
             gpu=data["gpu"],
             gemm_efficiency={k: fraction("gemm.efficiency", k, v) for k, v in efficiency.items()},
@@ -135,6 +216,11 @@ class Calibration:
                                           attention.get("causal_work_fraction", 1.0)),
             memory_bandwidth_efficiency=fraction("memory", "bandwidth_efficiency", memory.get("bandwidth_efficiency")),
             kernel_floor_s=float(floor),
+            overlap_slowdown=float(slowdown),
+            network_efficiency=fraction("network", "efficiency", network.get("efficiency", 1.0)),
+            attention_kernel=kernel,
+            stack=str(stack.get("name", DEFAULT_STACK)),
+            stacks={k: dict(v) for k, v in stacks.items()},
             collectives=collectives,
             sources=sources,
             measurements=dict(data.get("measurements") or {}),
@@ -203,9 +289,11 @@ def _assumed(gpu: GPU) -> Calibration:
 
 @dataclass
 class Calibrations:
-    """The calibration to use for each GPU type of a search: user files first, then shipped ones."""
+    """The calibration to use for each GPU type of a search: user files first, then shipped ones,
+    under the named software stack (`stack`, None: each calibration's own)."""
 
     overrides: dict[str, Calibration] = field(default_factory=dict)
+    stack: str | None = None
 
     @classmethod
     def from_files(cls, paths: list[str | Path] | tuple[str | Path, ...] = ()) -> Calibrations:
@@ -216,6 +304,27 @@ class Calibrations:
         return cls(overrides)
 
     def for_gpu(self, gpu: GPU) -> Calibration:
-        if gpu.name in self.overrides:
-            return self.overrides[gpu.name]
-        return default_calibration(gpu)
+        cal = self.overrides[gpu.name] if gpu.name in self.overrides else default_calibration(gpu)
+        if self.stack is not None and self.stack != cal.stack and self.stack not in cal.stacks:
+            return cal  # a stack this GPU's calibration does not describe: its own numbers (checked by `check_stack`)
+        return cal.for_stack(self.stack)
+
+    def check_stack(self, gpus: list[GPU]) -> None:
+        """Raise CalibrationError when the chosen stack is described by none of `gpus`' calibrations."""
+        if self.stack is None:
+            return
+        cals = [self.overrides.get(g.name) or default_calibration(g) for g in gpus]
+        if not any(self.stack == c.stack or self.stack in c.stacks for c in cals):
+            known = sorted({n for c in cals for n in (c.stack, *c.stacks)})
+            raise CalibrationError(f"--stack {self.stack!r}: no calibration of this cluster's GPUs describes it; "
+                                   f"choose one of {', '.join(known)}")
+
+    def effective_cluster(self, cluster: Cluster) -> Cluster:
+        """`cluster` with its inter-node link at the bandwidth collectives achieve on it (the lowest
+        `network_efficiency` of its GPU types' calibrations); a link with measured curves is kept."""
+        efficiency = min(self.for_gpu(g).network_efficiency for g in cluster.gpu_types)
+        link = cluster.inter_node
+        if efficiency >= 1.0 or link.curves:
+            return cluster
+        return dataclasses.replace(cluster, inter_node=dataclasses.replace(
+            link, bw_bytes_per_s=link.bw_bytes_per_s * efficiency))

@@ -45,6 +45,15 @@ Rajbhandari et al. 2020, Sec. 5 and 7.2), one unit per block the graph calls who
   (units in execution order: the first unit's gather and the last unit's reduction cannot hide).
   It is the first gather plus max(0, gather - compute) per unit when there is no reduction, and the
   total communication minus all but one unit's compute when the link is the bottleneck.
+[Note: overlap slowdown]
+Communication that overlaps compute is not free: NCCL's kernels occupy streaming multiprocessors
+and memory bandwidth beside the GEMMs (Rashidi et al. 2021, "Enabling Compute-Communication
+Overlap in Distributed Deep Learning Training Platforms", ISCA, Sec. 3, measure 10-40% compute
+slowdown under overlapped all-reduce; Jangda et al. 2022, CoCoNet, ASPLOS, Sec. 2). With the
+calibration's `overlap_slowdown` s, each second of a collective that runs beside compute lengthens
+that compute by s seconds: a unit whose compute c overlaps communication l adds
+max(0, l - c) + s min(l, c). s is fitted to published runs (benchmarks/validate_published.py).
+
 Ranks: the dp index is replicate index * dp_shard + shard index (torchtitan's mesh order, pp,
 dp_replicate, dp_shard, tp; runtime/parallel.py `build_layout`), so a shard group is dp_shard
 consecutive replicas: inside a node under rank order tp-dp-pp when tp * dp_shard divides it, and the
@@ -74,10 +83,12 @@ def dp_reduction_exposed_s(
     grad_bytes: float,
     backward_s: float,
     bucket_bytes: float = DDP_BUCKET_BYTES,
+    slowdown: float = 0.0,
 ) -> float:
     """Seconds of the bucketed gradient all-reduce over `ranks` left after the backward ends
-    ([Note: DP buckets]). `backward_s` is the last backward pass on the rank, during which the
-    `grad_bytes` of gradients become ready."""
+    ([Note: DP buckets]), plus what the part hidden behind the backward costs it ([Note: overlap
+    slowdown]). `backward_s` is the last backward pass on the rank, during which the `grad_bytes`
+    of gradients become ready."""
     if len(ranks) <= 1 or grad_bytes <= 0:
         return 0.0
     if not bucket_bytes > 0:
@@ -93,7 +104,9 @@ def dp_reduction_exposed_s(
     bucket_s = allreduce_time_s(cluster, ranks, bucket_bytes)
     gap_s = backward_s * bucket_bytes / grad_bytes  # between the ready times of two full buckets
     chain_end = max(gap_s + num_full * bucket_s, num_full * gap_s + bucket_s)
-    return max(backward_s, chain_end) + last_s - backward_s
+    exposed = max(backward_s, chain_end) + last_s - backward_s
+    hidden = min(backward_s, max(0.0, num_full * bucket_s + last_s - exposed))
+    return exposed + slowdown * hidden
 
 
 FSDP_GRAD_BYTES_PER_PARAM = 4.0
@@ -133,10 +146,11 @@ def fsdp_unit_times_s(cluster: Cluster, shard_ranks: Sequence[int], replicate_ra
 
 
 def prefetch_exposed_s(compute_s: np.ndarray, ahead_s: np.ndarray | None = None,
-                       behind_s: np.ndarray | None = None) -> float:
+                       behind_s: np.ndarray | None = None, slowdown: float = 0.0) -> float:
     """Seconds a pass over units (in execution order) waits for communication that FSDP overlaps
     with it ([Note: FSDP communication]): `ahead_s[j]`, unit j's all-gather, prefetched during unit
-    j - 1's compute; `behind_s[j]`, unit j's reduction, run during unit j + 1's compute."""
+    j - 1's compute; `behind_s[j]`, unit j's reduction, run during unit j + 1's compute; plus the
+    slowdown of the compute it overlaps ([Note: overlap slowdown])."""
     compute = np.asarray(compute_s, dtype=float)
     n = len(compute)
     if n == 0:
@@ -151,4 +165,5 @@ def prefetch_exposed_s(compute_s: np.ndarray, ahead_s: np.ndarray | None = None,
         behind = np.asarray(behind_s, dtype=float)
         load[1:] += behind[:-1]
         exposed += float(behind[-1])
-    return exposed + float(np.maximum(load - compute, 0.0).sum())
+    return (exposed + float(np.maximum(load - compute, 0.0).sum())
+            + slowdown * float(np.minimum(load, compute).sum()))

@@ -16,6 +16,16 @@ each reading the GPU's datasheet (`cluster/devices.py`) and its calibration (`co
   matrix) times the share of that work the kernel does (about 1/2 when causal: masked tiles are
   skipped, Dao 2023, FlashAttention-2, Sec. 3.1.1), at the calibrated forward and backward shares of
   peak (the backward recomputes the scores and does 2.5x the forward's FLOPs, Dao 2023, Sec. 3.1.2).
+- **Unfused attention** (a calibration whose stack says `attention_kernel = "unfused"`, such as
+  Megatron-LM in 2021; calibration.py [Note: software stacks]): priced from its parts, with no
+  attention share of its own (`unfused_attention_time_s`): the score and value GEMMs (two forward,
+  four backward) over the whole s x s matrix (the mask is applied after every score is computed),
+  and the score matrix's traffic through the fused scale-mask-softmax kernel and attention dropout
+  (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec.
+  4.1, counts per score 2 bytes of softmax output, 1 of dropout mask and 2 of dropout output):
+  forward 4 (softmax read + write) + 5 (dropout read, write, mask) bytes per score, backward 5
+  (dropout) + 6 (softmax backward reads output and gradient, writes the gradient) bytes per score,
+  at 2-byte elements.
 - **Memory-bound operators** (norms, element-wise, softmax, copies, the embedding's gradient): the
   bytes they read and write at the achieved bandwidth, never under the per-kernel floor (launch and
   tail; Williams et al. 2009 for the bandwidth term).
@@ -30,7 +40,7 @@ from autoplan.cluster.devices import dtype_key
 from autoplan.cost.calibration import Calibration
 from autoplan.graph.blocks import Op
 
-__all__ = ["attention_time_s", "gemm_time_s", "memory_time_s", "op_time_s", "scaled_op"]
+__all__ = ["attention_time_s", "gemm_time_s", "memory_time_s", "op_time_s", "scaled_op", "unfused_attention_time_s"]
 
 
 def _peak(gpu: GPU, dtype: str) -> float:
@@ -50,11 +60,37 @@ def gemm_time_s(cal: Calibration, gpu: GPU, batch: float, m: float, n: float, k:
     return max(cal.kernel_floor_s, compute, traffic / (cal.memory_bandwidth_efficiency * gpu.mem_bw_bytes_per_s))
 
 
-def attention_time_s(cal: Calibration, gpu: GPU, flops: float, causal: bool, phase: str, dtype: str) -> float:
-    """One fused attention call of `flops` (counted over the full score matrix)."""
+def attention_time_s(cal: Calibration, gpu: GPU, flops: float, causal: bool, phase: str, dtype: str,
+                     shape: tuple[float, ...] = ()) -> float:
+    """One attention call of `flops` (counted over the full score matrix): fused, or from its parts
+    under an unfused stack when its shape (batch, heads, q_len, kv_len, head_dim) is known."""
+    if cal.attention_kernel == "unfused" and len(shape) == 5:
+        return unfused_attention_time_s(cal, gpu, shape, phase, dtype)
     work = flops * (cal.causal_work_fraction if causal else 1.0)
     efficiency = cal.attention_fwd_efficiency if phase == "fwd" else cal.attention_bwd_efficiency
     return max(cal.kernel_floor_s, work / (efficiency * _peak(gpu, _dtype_key(dtype))))
+
+
+_UNFUSED_SCORE_BYTES = {"fwd": 9.0, "bwd": 11.0}
+"""Bytes per score an unfused attention moves outside its GEMMs at 2-byte elements (module docstring)."""
+
+
+def unfused_attention_time_s(cal: Calibration, gpu: GPU, shape: tuple[float, ...], phase: str, dtype: str) -> float:
+    """One unfused attention pass of `shape` = (batch, heads, q_len, kv_len, head_dim): see the module
+    docstring. Forward: S = Q K^T and O = P V; backward: dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q."""
+    batch, heads, q_len, kv_len, head_dim = shape
+    bh = batch * heads
+    size = _element_bytes(dtype)
+    if phase == "fwd":
+        gemms = (gemm_time_s(cal, gpu, bh, q_len, kv_len, head_dim, dtype, size)
+                 + gemm_time_s(cal, gpu, bh, q_len, head_dim, kv_len, dtype, size))
+    else:
+        gemms = (gemm_time_s(cal, gpu, bh, q_len, kv_len, head_dim, dtype, size)
+                 + gemm_time_s(cal, gpu, bh, kv_len, head_dim, q_len, dtype, size)
+                 + gemm_time_s(cal, gpu, bh, q_len, head_dim, kv_len, dtype, size)
+                 + gemm_time_s(cal, gpu, bh, kv_len, head_dim, q_len, dtype, size))
+    scores = bh * q_len * kv_len
+    return gemms + memory_time_s(cal, gpu, _UNFUSED_SCORE_BYTES[phase] * size / 2.0 * scores)
 
 
 def memory_time_s(cal: Calibration, gpu: GPU, num_bytes: float) -> float:
@@ -107,7 +143,7 @@ def op_time_s(op: Op, cal: Calibration, gpu: GPU, batch_factor: float, tp: int, 
         return max(cal.kernel_floor_s, flops / (cal.gemm(key) * _peak(gpu, key)),
                    num_bytes / (cal.memory_bandwidth_efficiency * gpu.mem_bw_bytes_per_s))
     if op.kind == "attention":
-        return attention_time_s(cal, gpu, flops, op.causal, op.phase, op.dtype)
+        return attention_time_s(cal, gpu, flops, op.causal, op.phase, op.dtype, shape)
     return memory_time_s(cal, gpu, num_bytes)
 
 

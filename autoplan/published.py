@@ -1,0 +1,398 @@
+"""Published training runs as checks of the cost model: load, predict, fit, gate.
+
+Two files of published measurements (`benchmarks/data/`, copies of the project's shared data):
+Megatron-LM's SC'21 Table 1 (ten GPT runs on A100s, tp x pp x dp, interleaved 1F1B, full recompute)
+and `modern_runs.json` (FSDP on A100 and H100 from torchtitan and llm-foundry, Megatron-Core MoE
+runs on H100). Each run becomes a `PublishedRun`: the model spec, the cluster, the job, every
+parallel dimension the source states, the software stack it ran (calibration.py [Note: software
+stacks]) and the published step time. `predict` evaluates one run with the search's own evaluation
+(search/evaluate.py) at the published dimensions, so what is checked is what `suggest` ranks.
+
+[Note: the published fit]
+The calibration numbers fitted here, per GPU chip (A100, H100): the GEMM share of peak and the
+flash-attention share (forward and backward alike); shared by both chips: the overlap slowdown
+(cost/comm.py [Note: overlap slowdown]) and the network efficiency. Megatron-LM 2021 runs under its
+own stack (unfused attention, priced from GEMM and memory-bandwidth shares: cost/ops.py), so the
+SC'21 table constrains the A100 GEMM share with every other run. The objective is the sum of
+squared log errors of the step time; Levenberg-Marquardt (Marquardt 1963, "An Algorithm for
+Least-Squares Estimation of Nonlinear Parameters", SIAM J. Appl. Math. 11(2)) on bounded
+parameters (a logistic map keeps each share in its range), with a finite-difference Jacobian. The
+SC'21 table does not publish micro-batch sizes or virtual stages: they are the search's choice at
+the current calibration, held fixed while fitting and chosen again after (two rounds).
+
+Leave one source out: a source is a system with its own stack and reporting conventions
+(Megatron-LM SC'21, torchtitan, llm-foundry, the Megatron MoE model zoo, Megatron-LM's MoE README);
+the fit without it predicts it. That is the honest estimate of the error on a system nobody has
+measured, and `benchmarks/validate_published.py` prints it beside the in-sample error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from autoplan.cluster import GPU, parse_cluster
+from autoplan.cost.calibration import Calibration, Calibrations, default_calibration
+from autoplan.cost.config import ParallelConfig
+from autoplan.graph import zoo
+from autoplan.graph.blocks import ModelProfile
+from autoplan.graph.profile import profile_model
+from autoplan.plan import Job, Plan
+from autoplan.search.evaluate import SearchContext, evaluate
+
+__all__ = ["DATA_DIR", "FIT_PARAMETERS", "SC21_STACK", "Prediction", "PublishedRun", "apply_parameters",
+           "calibrations_for", "chip", "chosen_dimensions", "fit", "load_runs", "neutral", "parameters_of", "predict",
+           "predict_all", "run_gpus", "shipped_by_chip", "summary"]
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+"""Where the published tables live in a checkout (copies of the project's shared data)."""
+
+SC21_STACK = "megatron-lm-2021"
+"""The stack of Megatron-LM's 2021 runs: unfused attention (calibration.py [Note: software stacks])."""
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published training run, with every dimension its source states."""
+
+    id: str
+    source: str
+    """Short name of the system that published it (leave-one-source-out groups by it)."""
+    regime: str
+    """FSDP, HSDP, TP, TP x PP, CP, MoE, ... (reports group by it)."""
+    model: str
+    """An autoplan model spec that builds the published shape."""
+    cluster: str
+    seq_len: int
+    global_batch: int
+    published_step_s: float
+    pins: dict[str, Any]
+    """ParallelConfig fields the source states; micro_batch_size / virtual_stages may be absent."""
+    stack: str | None = None
+    """Calibration stack (None: today's default)."""
+    published: str = ""
+    """The published figure, verbatim."""
+
+    @property
+    def fully_pinned(self) -> bool:
+        return "micro_batch_size" in self.pins and "virtual_stages" in self.pins
+
+
+@dataclass
+class Prediction:
+    run: PublishedRun
+    plan: Plan
+
+    @property
+    def step_s(self) -> float:
+        return self.plan.predicted.step_time_s
+
+    @property
+    def error(self) -> float:
+        """Predicted step time over published, minus 1 (+: predicted too slow)."""
+        return self.step_s / self.run.published_step_s - 1.0
+
+
+def _source_name(text: str) -> str:
+    repo = text.split()[0]
+    return {"pytorch/torchtitan": "torchtitan", "mosaicml/llm-foundry": "llm-foundry",
+            "yanring/Megatron-MoE-ModelZoo": "megatron-moe-zoo", "NVIDIA/Megatron-LM": "megatron-lm-moe"}.get(repo, repo)
+
+
+def _sc21_runs(data: dict) -> list[PublishedRun]:
+    """Megatron-LM SC'21 Table 1: published TFLOP/s per GPU in the paper's FLOP convention, which counts
+    the recompute forward: F = 96 B s l h^2 (1 + s / 6h + V / 16lh) (Narayanan et al. 2021, Eq. 3)."""
+    seq, vocab = data["common"]["seq_len"], data["common"]["vocab_size"]
+    runs = []
+    for values in data["rows"]:
+        row = dict(zip(data["columns"], values, strict=True))
+        b, h, layers = row["global_batch"], row["hidden"], row["layers"]
+        flops = 96 * b * seq * layers * h * h * (1 + seq / (6 * h) + vocab / (16 * layers * h))
+        step = flops / (row["gpus"] * row["tflops_per_gpu"] * 1e12)
+        dp = row["gpus"] // (row["tp"] * row["pp"])
+        # The paper's runs predate the distributed optimizer and sequence parallelism (Korthikanti et
+        # al. 2022): a replicated optimizer, activations replicated over tp outside attention and MLP.
+        pins = {"tp": row["tp"], "pp": row["pp"], "dp": dp, "recompute": "full", "zero": 0,
+                "sequence_parallel": False, "schedule": "interleaved-1f1b" if row["pp"] > 1 else "1f1b"}
+        if row["pp"] == 1:
+            pins["virtual_stages"] = 1
+        regime = "TP x PP" if row["pp"] > 1 else ("TP" if row["tp"] > 1 else "DP")
+        runs.append(PublishedRun(
+            id=f"sc21_{row['params_billion']:g}b", source="megatron-sc21", regime=regime,
+            model=(f"gpt:num_layers={layers},hidden_size={h},num_heads={row['heads']},vocab_size={vocab},"
+                   f"max_seq_len={seq}"),
+            cluster=f"{row['gpus'] // 8}x8xA100-80GB", seq_len=seq, global_batch=b, published_step_s=step,
+            pins=pins, stack=SC21_STACK, published=f"{row['tflops_per_gpu']} TFLOP/s per GPU"))
+    return runs
+
+
+def _modern_runs(data: dict) -> list[PublishedRun]:
+    runs = []
+    for r in data["runs"]:
+        replicas = r["dp"] // r["cp"]
+        pins = {"tp": r["tp"], "pp": r["pp"], "dp": r["dp"], "cp": r["cp"], "ep": r["ep"], "zero": r["zero"],
+                "dp_replicate": r.get("dp_replicate", 1), "micro_batch_size": r["mbs"],
+                "num_microbatches": r["global_batch"] // (replicas * r["mbs"]),
+                "schedule": r["schedule"] if r["pp"] > 1 else "1f1b",
+                "virtual_stages": r.get("virtual_stages", 1) or 1, "recompute": r["recompute"],
+                "sequence_parallel": bool(r.get("sequence_parallel", False))}
+        regime = r["category"]
+        if regime == "FSDP" and pins["dp_replicate"] > 1:
+            regime = "HSDP"
+        runs.append(PublishedRun(
+            id=r["id"], source=_source_name(r["source"]), regime=regime, model=r["model"]["spec"],
+            cluster=f"{r['nodes']}x{r['gpus_per_node']}x{r['cluster_kind']}", seq_len=r["seq"],
+            global_batch=r["global_batch"], published_step_s=float(r["step_s"]), pins=pins, published=r["measured"]))
+    return runs
+
+
+def load_runs(data_dir: Path = DATA_DIR) -> list[PublishedRun]:
+    """Every run of both published files, SC'21 first."""
+    sc21 = json.loads((data_dir / "megatron_sc21_table1.json").read_text())
+    modern = json.loads((data_dir / "modern_runs.json").read_text())
+    return _sc21_runs(sc21) + _modern_runs(modern)
+
+
+_PROFILES: dict[tuple[str, int], ModelProfile] = {}
+
+
+def _profile(run: PublishedRun) -> ModelProfile:
+    key = (run.model, run.seq_len)
+    if key not in _PROFILES:
+        model = zoo.build_model(run.model)
+        prof, _ = profile_model(model, zoo.example_inputs(run.model, 1, run.seq_len), loss_fn=zoo.lm_loss,
+                                example_target=zoo.example_targets(run.model, 1, run.seq_len), model_name=run.model,
+                                info={k: v for k, v in zoo.model_info(run.model).items() if isinstance(v, int)})
+        _PROFILES[key] = prof
+    return _PROFILES[key]
+
+
+def predict(run: PublishedRun, calibrations: Calibrations | None = None,
+            chosen: dict[str, int] | None = None) -> Prediction:
+    """The plan of `run` at its published dimensions. Dimensions the source does not state (SC'21's
+    micro-batch size and virtual stages) come from `chosen`, else the fastest that fits
+    (`_unstated_choices`)."""
+    cals = dataclasses.replace(calibrations or Calibrations(), stack=run.stack)
+    prof = _profile(run)
+    cluster = parse_cluster(run.cluster)
+    job = Job(global_batch=run.global_batch, seq_len=run.seq_len, dtype="bfloat16")
+    pins = {**run.pins, **(chosen or {})}
+    if "micro_batch_size" in pins and "virtual_stages" in pins:
+        if "num_microbatches" not in pins:
+            pins["num_microbatches"] = run.global_batch // (pins["dp"] // pins.get("cp", 1) * pins["micro_batch_size"])
+        ctx = SearchContext(prof, cluster, job, run.model, cals)
+        evaluation = evaluate(ctx, ParallelConfig(**pins), require_fit=False)
+        if evaluation is None:
+            raise ValueError(f"{run.id}: autoplan cannot evaluate the published configuration {pins}")
+        return Prediction(run, evaluation.plan)
+    ctx = SearchContext(prof, cluster, job, run.model, cals)
+    best = None
+    for cfg in _unstated_choices(run, prof.num_blocks):
+        try:
+            evaluation = evaluate(ctx, cfg, require_fit=False)
+        except ValueError:  # a schedule that cannot take this micro-batch count
+            continue
+        if evaluation is None:
+            continue
+        plan = evaluation.plan
+        rank = (not plan.fits, plan.predicted.step_time_s if plan.fits else plan.predicted.peak_memory_bytes)
+        if best is None or rank < best[0]:
+            best = (rank, plan)
+    if best is None:
+        raise ValueError(f"{run.id}: no micro-batch size or virtual stage count runs the published dimensions {pins}")
+    return Prediction(run, best[1])
+
+
+def _unstated_choices(run: PublishedRun, num_blocks: int) -> list[ParallelConfig]:
+    """Every micro-batch size (up to 8) and virtual stage count (up to 8) the published dimensions
+    allow: the fastest that fits stands for the unpublished choice, as the search would make it. (The
+    search itself prunes with a memory reserve taken before cutting, which can refuse a configuration
+    that fits once cut.)"""
+    pins = run.pins
+    replicas = pins["dp"] // pins.get("cp", 1)
+    per_replica = run.global_batch // replicas
+    out = []
+    for mbs in (1, 2, 4, 8):
+        if per_replica % mbs:
+            continue
+        stages = [1] if pins["pp"] == 1 or pins["schedule"] != "interleaved-1f1b" else range(2, 9)
+        for v in stages:
+            if pins["pp"] * v > num_blocks:
+                break
+            out.append(ParallelConfig(**{**pins, "micro_batch_size": mbs, "virtual_stages": v,
+                                         "num_microbatches": per_replica // mbs}))
+    return out
+
+
+def predict_all(runs: Sequence[PublishedRun], calibrations: Calibrations | None = None,
+                chosen: dict[str, dict[str, int]] | None = None) -> list[Prediction]:
+    return [predict(r, calibrations, (chosen or {}).get(r.id)) for r in runs]
+
+
+def chosen_dimensions(predictions: Sequence[Prediction]) -> dict[str, dict[str, int]]:
+    """The unstated dimensions the search chose, per run, to hold fixed ([Note: the published fit])."""
+    return {p.run.id: {"micro_batch_size": p.plan.micro_batch_size, "virtual_stages": p.plan.virtual_stages}
+            for p in predictions if not p.run.fully_pinned}
+
+
+def chip(gpu_name: str) -> str:
+    """The chip a GPU type is built on: calibrations are fitted per chip (A100-40GB and -80GB share one)."""
+    family = gpu_name.split("-")[0]
+    return {"H200": "H100"}.get(family, family)
+
+
+FIT_PARAMETERS = ("A100.gemm", "A100.attention", "H100.gemm", "H100.attention", "overlap_slowdown",
+                  "network_efficiency")
+"""What [Note: the published fit] solves for."""
+
+_BOUNDS = {"gemm": (0.2, 0.95), "attention": (0.1, 0.9), "overlap_slowdown": (0.0, 0.6),
+           "network_efficiency": (0.3, 1.0)}
+
+
+def _bounds(name: str) -> tuple[float, float]:
+    return _BOUNDS[name.split(".")[-1]]
+
+
+def parameters_of(cals: dict[str, Calibration]) -> np.ndarray:
+    """The fitted numbers of per-chip calibrations, in FIT_PARAMETERS order."""
+    out = []
+    for name in FIT_PARAMETERS:
+        if "." in name:
+            family, what = name.split(".")
+            cal = cals[family]
+            out.append(cal.gemm("bf16") if what == "gemm" else cal.attention_fwd_efficiency)
+        else:
+            out.append(getattr(cals["A100"], name))
+    return np.array(out)
+
+
+def apply_parameters(cals: dict[str, Calibration], values: Sequence[float]) -> dict[str, Calibration]:
+    """Per-chip calibrations with the FIT_PARAMETERS set to `values`."""
+    out = dict(cals)
+    for name, value in zip(FIT_PARAMETERS, values, strict=True):
+        families = [name.split(".")[0]] if "." in name else list(out)
+        for family in families:
+            cal = out[family]
+            what = name.split(".")[-1]
+            if what == "gemm":
+                gemm = {k: (float(value) if k in ("bf16", "fp16") else v) for k, v in cal.gemm_efficiency.items()}
+                cal = cal.replace(gemm_efficiency=gemm)
+            elif what == "attention":
+                cal = cal.replace(attention_fwd_efficiency=float(value), attention_bwd_efficiency=float(value))
+            else:
+                cal = cal.replace(**{what: float(value)})
+            out[family] = cal
+    return out
+
+
+def calibrations_for(cals: dict[str, Calibration], gpus: Sequence[GPU]) -> Calibrations:
+    """Overrides for every GPU type of the runs, from its chip's calibration."""
+    return Calibrations({g.name: cals[chip(g.name)].replace(gpu=g.name) for g in gpus if chip(g.name) in cals})
+
+
+def run_gpus(runs: Sequence[PublishedRun]) -> list[GPU]:
+    seen: dict[str, GPU] = {}
+    for r in runs:
+        for g in parse_cluster(r.cluster).gpu_types:
+            seen[g.name] = g
+    return list(seen.values())
+
+
+def shipped_by_chip(runs: Sequence[PublishedRun]) -> dict[str, Calibration]:
+    out: dict[str, Calibration] = {}
+    for g in run_gpus(runs):
+        out.setdefault(chip(g.name), default_calibration(g))
+    return out
+
+
+NEUTRAL_START = {"gemm": 0.6, "attention": 0.5, "overlap_slowdown": 0.1, "network_efficiency": 0.8}
+"""Where leave-one-source-out refits start: round figures, not the full fit (which has seen the source)."""
+
+
+def neutral(cals: dict[str, Calibration]) -> dict[str, Calibration]:
+    return apply_parameters(cals, [NEUTRAL_START[n.split(".")[-1]] for n in FIT_PARAMETERS])
+
+
+def _to_unit(values: np.ndarray) -> np.ndarray:
+    lo, hi = np.array([_bounds(n) for n in FIT_PARAMETERS]).T
+    share = np.clip((values - lo) / (hi - lo), 1e-4, 1 - 1e-4)
+    return np.log(share / (1 - share))
+
+
+def _from_unit(u: np.ndarray) -> np.ndarray:
+    lo, hi = np.array([_bounds(n) for n in FIT_PARAMETERS]).T
+    return lo + (hi - lo) / (1 + np.exp(-u))
+
+
+def fit(runs: Sequence[PublishedRun], start: dict[str, Calibration], *, rounds: int = 2, iterations: int = 8,
+        progress: Callable[[str], None] | None = None) -> tuple[dict[str, Calibration], dict[str, dict[str, int]]]:
+    """[Note: the published fit] over `runs` from the per-chip calibrations `start`. Returns the fitted
+    per-chip calibrations and the unstated dimensions chosen for each run under them. Parameters of a
+    chip none of the runs use keep their starting values."""
+    gpus = run_gpus(runs)
+    used = {chip(g.name) for g in gpus}
+    free = [i for i, n in enumerate(FIT_PARAMETERS) if "." not in n or n.split(".")[0] in used]
+    cals = dict(start)
+    chosen = chosen_dimensions(predict_all(runs, calibrations_for(cals, gpus)))
+    target = np.log([r.published_step_s for r in runs])
+    for round_index in range(rounds):
+        u = _to_unit(parameters_of(cals))
+
+        def residuals(unit: np.ndarray, cals=cals, chosen=chosen) -> np.ndarray:
+            trial = apply_parameters(cals, _from_unit(unit))
+            steps = [p.step_s for p in predict_all(runs, calibrations_for(trial, gpus), chosen)]
+            return np.log(steps) - target
+
+        r = residuals(u)
+        damping = 1e-2
+        for it in range(iterations):
+            jac = np.zeros((len(r), len(FIT_PARAMETERS)))
+            for k in free:
+                step = np.zeros_like(u)
+                step[k] = 1e-3 * max(1.0, abs(u[k]))
+                jac[:, k] = (residuals(u + step) - r) / step[k]
+            grad = jac.T @ r
+            normal = jac.T @ jac
+            improved = False
+            for _ in range(6):
+                lhs = normal + damping * np.diag(np.diag(normal) + 1e-9)
+                delta = np.zeros_like(u)
+                delta[free] = -np.linalg.solve(lhs[np.ix_(free, free)], grad[free])
+                trial_r = residuals(u + delta)
+                if trial_r @ trial_r < r @ r:
+                    u, r, damping, improved = u + delta, trial_r, max(damping / 3, 1e-6), True
+                    break
+                damping *= 4
+            if progress:
+                progress(f"fit round {round_index + 1} iteration {it + 1}: rms log error {math.sqrt(r @ r / len(r)):.4f}")
+            if not improved or float(np.abs(delta).max()) < 1e-3:
+                break
+        cals = apply_parameters(cals, _from_unit(u))
+        chosen = chosen_dimensions(predict_all(runs, calibrations_for(cals, gpus)))
+    return cals, chosen
+
+
+def summary(errors: Sequence[float]) -> dict[str, float]:
+    absolute = [abs(e) for e in errors]
+    return {"median": statistics.median(absolute), "worst": max(absolute), "count": len(absolute)} if absolute else {}
+
+
+@dataclass
+class Record:
+    """What the CI gate compares: a run's predicted step time and memory under the shipped calibration."""
+
+    id: str
+    step_s: float
+    peak_memory_gib: float
+    fits: bool
+    micro_batch_size: int
+    virtual_stages: int
+    extra: dict[str, Any] = field(default_factory=dict)
