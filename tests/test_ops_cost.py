@@ -91,9 +91,12 @@ def test_shipped_calibrations_cover_a100_and_h100_and_say_where_they_come_from()
     for cal in shipped.values():
         for section in ("file", "gemm", "attention", "memory"):
             assert cal.sources[section], (cal.gpu, section)
-    assert "Megatron" in shipped["A100-SXM4-80GB"].sources["gemm"]
+    # Both fitted to the published runs (issue 28), the H100's own block measurements kept beside.
+    for name in ("A100-SXM4-80GB", "H100-SXM-80GB"):
+        assert "validate_published.py --write" in shipped[name].sources["gemm"]
+        assert "megatron-lm-2021" in shipped[name].stacks
     assert "measured by this project" in shipped["H100-SXM-80GB"].sources["file"]
-    assert "measured by this project" in shipped["H100-SXM-80GB"].sources["gemm"]
+    assert shipped["H100-SXM-80GB"].measurements["points"]
     # Same chip, other memory size: the A100 file; an unknown type: assumed, and it says so.
     assert default_calibration(get_gpu("A100-SXM4-40GB")).gemm_efficiency == shipped["A100-SXM4-80GB"].gemm_efficiency
     assert "assumed" in default_calibration(get_gpu("L40S")).sources["file"]
@@ -172,3 +175,37 @@ def test_a_timed_profile_reports_its_spread_through_the_cli(tmp_path, capsys, mo
     assert cli_main(["profile", "--model", SPEC, "--seq-len", "32", "--device", "cpu", "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out
     assert "timing spread" in out and "worst" in out
+
+
+def test_a_named_stack_prices_unfused_attention_through_the_cli(capsys):
+    """[Note: software stacks]: `--stack megatron-lm-2021` prices attention unfused (every score
+    through memory), which is slower at long sequences than today's flash attention; an unknown stack
+    is one line and exit 2."""
+    args = ["suggest", "--model", "gpt:num_layers=2,hidden_size=512,num_heads=8,vocab_size=1024,max_seq_len=4096",
+            "--cluster", "1x8xA100-80GB", "--global-batch", "8", "--seq-len", "4096", "--top", "1", "--json", "--tp", "1",
+            "--pp", "1", "--zero", "0", "--recompute", "none", "--micro-batch-size", "1"]
+    assert cli_main(args) == 0
+    flash = json.loads(capsys.readouterr().out)["plans"][0]["predicted"]["step_time_s"]
+    assert cli_main([*args, "--stack", "megatron-lm-2021"]) == 0
+    unfused = json.loads(capsys.readouterr().out)["plans"][0]["predicted"]["step_time_s"]
+    assert unfused > flash * 1.3
+    assert cli_main([*args, "--stack", "nonsense"]) == 2
+    err = capsys.readouterr().err
+    assert "nonsense" in err and "megatron-lm-2021" in err and len(err.strip().splitlines()) == 1
+
+
+def test_unfused_attention_is_gemms_plus_score_traffic():
+    """cost/ops.py: two GEMMs forward, four backward, and 9 / 11 bytes per score at 2-byte elements."""
+    from autoplan.cost.ops import gemm_time_s, memory_time_s, unfused_attention_time_s
+
+    gpu = get_gpu("A100-SXM4-80GB")
+    cal = default_calibration(gpu).for_stack("megatron-lm-2021")
+    shape = (2, 16, 2048, 2048, 128)
+    scores = 2 * 16 * 2048 * 2048
+    gemm = gemm_time_s(cal, gpu, 32, 2048, 2048, 128, "bfloat16")
+    forward = unfused_attention_time_s(cal, gpu, shape, "fwd", "bfloat16")
+    backward = unfused_attention_time_s(cal, gpu, shape, "bwd", "bfloat16")
+    assert forward == pytest.approx(gemm + gemm_time_s(cal, gpu, 32, 2048, 128, 2048, "bfloat16")
+                                    + memory_time_s(cal, gpu, 9 * scores))
+    assert backward > forward
+    assert memory_time_s(cal, gpu, 11 * scores) < backward
