@@ -178,3 +178,41 @@ def test_llama3_trains_at_8192_and_longer_on_request():
     assert long.fits and long.job.seq_len == 131072
     with pytest.raises(ValueError, match="max_seq_len"):
         autoplan.suggest("llama3-8b", "8x8xH100-SXM-80GB", global_batch=64, seq_len=131072, top=1)
+
+
+# -- what a GPU keeps: fused RMSNorm, interleaved chunks that do not peak together ----------------------
+
+
+def test_rms_norm_keeps_its_input_on_a_gpu_and_the_composite_on_a_cpu():
+    """cost/memory.py [Note: fused RMSNorm]: the CPU profile's two fp32 copies per norm (8 bytes an
+    element in bf16) become the fused kernel's bf16 input (2 bytes) on a GPU."""
+    from autoplan.cost.memory import block_act_bytes, fused_norm_surplus
+
+    h, seq = 512, 256
+    profile = autoplan.profile(f"llama3-8b:num_layers=2,hidden_size={h},num_heads=8,num_kv_heads=2,"
+                               "ffn_hidden_size=1536,vocab_size=4096", batch_size=2, seq_len=seq, dtype="bfloat16")
+    cfg = ParallelConfig(tp=1, pp=1, dp=1, micro_batch_size=2, num_microbatches=1, schedule="1f1b")
+    layer = next(i for i, b in enumerate(profile.blocks) if b.kind == "layer")
+    tokens = 2 * seq
+    assert fused_norm_surplus(profile.blocks[layer], h) == (2 * 6 * tokens * h, 0.0)  # two norms a layer
+    cpu, gpu = block_act_bytes(profile, cfg, cpu=True), block_act_bytes(profile, cfg)
+    assert cpu[layer] == profile.blocks[layer].saved_bytes
+    assert cpu[layer] - gpu[layer] == 2 * 6 * tokens * h
+    assert (gpu <= cpu).all() and (gpu >= 0).all()
+    cpu_memory = rank_memory(profile, cfg, parse_cluster("1x1xcpu").gpu_types[0], "bfloat16",
+                             [(0, profile.num_blocks)], [1])
+    assert cpu_memory.activations_bytes == pytest.approx(cpu.sum())
+
+
+@pytest.mark.parametrize("pp, m, v", [(4, 16, 2), (8, 256, 4), (4, 16, 8), (16, 32, 8), (4, 6, 4)])
+def test_interleaved_rank_peak_is_megatrons_warmup(pp, m, v):
+    """A GPU's chunks do not peak together: at its peak rank r holds its warm-up forwards plus one,
+    2 (p - r - 1) + (v - 1) p + 1 chunk-micro-batches (Megatron-LM's interleaved schedule), never
+    more than the sum of its chunks' own peaks."""
+    from autoplan.search.evaluate import interleaved_held, schedule_inflight
+
+    peaks = schedule_inflight("interleaved-1f1b", pp, m, v)
+    for r, rows in enumerate(interleaved_held(pp, m, v)):
+        assert list(rows.max(axis=0)) == [peaks[c * pp + r] for c in range(v)]
+        assert rows.sum(axis=1).max() == min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v)
+        assert rows.sum(axis=1).max() <= sum(peaks[c * pp + r] for c in range(v))

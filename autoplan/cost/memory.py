@@ -56,7 +56,32 @@ parallelism, tensors of the layer's hidden shape (norm inputs, residuals) are re
 TP rank and the rest is sharded; with sequence parallelism everything is sharded (Korthikanti et
 al. 2022, Eqs. 2-4). Full recomputation keeps only each layer's input, plus one layer's full
 activations while it is recomputed (the same paper, Sec. 5). A stage keeps the activations of
-every micro-batch in flight: the schedule simulator counts them (GPipe m, 1F1B p - s, ...).
+every micro-batch in flight: the schedule simulator counts them (GPipe m, 1F1B p - s, ...). A GPU
+holding several virtual stages (interleaved 1F1B) holds, at its peak, what its chunks hold at one
+moment, not the sum of each chunk's own peak: the chunks do not peak together. At the end of the
+warm-up rank r holds 2 (p - r - 1) + (v - 1) p + 1 chunk-micro-batches (Megatron-LM's warm-up;
+Narayanan et al. 2021, Sec. 2.2.2: the first stage holds L (1 + (p - 1) / (p v)) layers' worth);
+the sum of the chunks' peaks was 23-30% more at v >= 4 (p 8, v 4: 48 against 39 on rank 0).
+`rank_memory` takes the moments (search/evaluate.py `interleaved_held`).
+
+[Note: fused RMSNorm]
+The profile runs on CPU (fake tensors), where nn.RMSNorm's `_fused_rms_norm` has no kernel and
+runs its composite form (torch/_decomp/decompositions.py `_fused_rms_norm`): it saves the fp32
+upcast input and the fp32 normalized input (8 bytes an element in bf16; 4 + 4 in fp32). On CUDA
+`rms_norm` calls the fused kernel (ATen layer_norm.cpp `rms_norm_symint`, torch >= 2.8), whose
+backward `_fused_rms_norm_backward(grad, input, normalized_shape, rstd, weight, mask)` needs only
+the input in its own dtype and one fp32 rstd a row; torchtitan's Triton `fused_rmsnorm` (the
+`norm_type` of its Llama 2 13B config when its performance table was taken, April 2024) saves the
+same (x, weight, rstd). So on a GPU a norm keeps 2 bytes an element in bf16, not 8: the profile's
+count is 6 bytes an element over per norm, two norms a layer (`fused_norm_surplus` takes it off;
+a CPU rank keeps it: benchmarks/results/memory_cpu.json measures it exactly). What is left is
+Korthikanti et al. 2022's per-layer count (Sec. 4.1) adapted to a Llama layer with flash attention
+(no s x s term) and no dropout: norm inputs 2 x 2sbh, the q/k/v projections' input 2sbh, q, k, v
+and the attention output 2sbh each (k and v at their own heads under grouped-query attention,
+repeated to the query heads where the model repeats them), the MLP's input 2sbh and SwiGLU's four
+tensors of the FFN width 4 x 2sbf: for Llama 2 13B, (8 + 4 f / h) 2sbh = 18.8 x 2sbh a layer,
+against 24.8 before. An HF model's own RMSNorm module (fp32 arithmetic in Python) saves what
+it saves on every device and is not touched.
 
 Never under-predict (DESIGN.md): receive buffers and the backward's transient gradients are added,
 and the allowance (CUDA context, NCCL, allocator fragmentation, and whatever the allocator holds
@@ -87,12 +112,13 @@ import numpy as np
 from autoplan.cluster import GPU
 from autoplan.cost.config import ParallelConfig
 from autoplan.cost.time import gathered_kv_bytes, tp_divisor, tp_sharded
-from autoplan.graph.blocks import ModelProfile
+from autoplan.graph.blocks import Block, ModelProfile
 from autoplan.plan import MemoryBreakdown
 
-__all__ = ["ALLOWANCE_FIXED_BYTES", "ALLOWANCE_FRACTION", "BYTES_PER_PARAM", "MIN_BYTES_PER_PARAM", "allowance_bytes",
-           "block_act_bytes", "block_static_bytes", "expert_shard_surplus", "fsdp_transient_bytes", "gathered_bytes_per_param",
-           "head_backward_bytes", "held_params", "param_counts", "persistent_bytes_per_param", "rank_memory",
+__all__ = ["ALLOWANCE_FIXED_BYTES", "ALLOWANCE_FRACTION", "BYTES_PER_PARAM", "MIN_BYTES_PER_PARAM",
+           "allowance_bytes", "block_act_bytes", "block_static_bytes", "expert_shard_surplus",
+           "fsdp_transient_bytes", "fused_norm_surplus", "gathered_bytes_per_param", "head_backward_bytes",
+           "held_params", "param_counts", "persistent_bytes_per_param", "rank_memory",
            "reduction_buffer_bytes", "stage_is_one_unit"]
 
 _RECOMPUTED_KINDS = {"layer", "attention", "mlp"}
@@ -271,18 +297,65 @@ def block_static_bytes(profile: ModelProfile, cfg: ParallelConfig, dtype: str) -
     return out
 
 
-def block_act_bytes(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
-    """Activation bytes each block keeps per micro-batch in flight on one GPU."""
+_ITEMSIZE = {"float32": 4, "fp32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+def fused_norm_surplus(block: Block, hidden_size: int | None = None) -> tuple[float, float]:
+    """Saved bytes the profile counts for a block's F.rms_norm calls beyond what CUDA's fused kernel
+    keeps ([Note: fused RMSNorm]), per batch of the profile: (hidden-shaped, other). 0 where the
+    block calls no F.rms_norm (its operators were recorded without `_fused_rms_norm`).
+
+    From the recorded kernels (graph/operators.py `FusedRMSNorm`), per call: forward x + y + rstd
+    (+ the weight), backward grad + x + rstd + grad_x (+ the weight and its gradient): the backward
+    reads and writes one x more, so their difference is x's bytes (n elements of `item` bytes).
+    The weight is in `fixed_bytes` when the two recorded batch sizes paired up; otherwise it is in
+    the per-batch bytes, and (for hidden-shaped norms, rstd = n / hidden_size elements) the
+    forward's bytes tell whether there is one."""
+    out = []
+    for key in ("hidden", "sharded"):
+        fwd_ops = [op for op in block.ops if op.name == "_fused_rms_norm" and op.phase == "fwd" and op.tp == key]
+        bwd_ops = [op for op in block.ops if op.name == "_fused_rms_norm_backward" and op.tp == key]
+        if not fwd_ops or any(op.dtype not in _ITEMSIZE or _ITEMSIZE[op.dtype] > 4 for op in fwd_ops):
+            out.append(0.0)
+            continue
+        item = _ITEMSIZE[fwd_ops[0].dtype]
+        calls = sum(op.count for op in fwd_ops)
+        forward = sum(op.count * op.bytes for op in fwd_ops)
+        diff = sum(op.count * op.bytes for op in bwd_ops) - forward
+        weighted = all(op.fixed_bytes > 0 for op in fwd_ops)
+        n = diff / item
+        if not weighted and key == "hidden" and hidden_size:
+            # Unpaired: with a weight, diff = item (n + hidden) and forward - 2 diff = 4 n / hidden -
+            # item hidden per call; without one, diff = item n and forward - 2 diff = 4 n / hidden.
+            n_w = diff / item - calls * hidden_size
+            with_weight = forward - 2 * diff - (4 * n_w / hidden_size - calls * item * hidden_size)
+            without = forward - 2 * diff - 4 * n / hidden_size
+            if abs(with_weight) < abs(without):
+                weighted, n = True, n_w
+        # The composite keeps the fp32 input and the fp32 normalized input (4 + 4 bytes an element)
+        # with a weight, the fp32 input alone without one; the kernel keeps x (item bytes).
+        out.append(max(0.0, n * ((8 if weighted else 4) - item)))
+    return out[0], out[1]
+
+
+def block_act_bytes(profile: ModelProfile, cfg: ParallelConfig, cpu: bool = False) -> np.ndarray:
+    """Activation bytes each block keeps per micro-batch in flight on one GPU (`cpu`: on a CPU rank,
+    where F.rms_norm runs its composite form, [Note: fused RMSNorm])."""
     f = cfg.batch_share(profile.batch_size)
     out = np.zeros(profile.num_blocks)
     for i, b in enumerate(profile.blocks):
+        total, hidden = float(b.saved_bytes), float(b.saved_bytes_replicated_tp)
+        if not cpu:
+            surplus_hidden, surplus_other = fused_norm_surplus(b, profile.hidden_size)
+            total -= surplus_hidden + surplus_other
+            hidden -= surplus_hidden
         if cfg.tp > 1 and tp_sharded(b.kind):
             if cfg.sequence_parallel:
-                saved = b.saved_bytes / cfg.tp
+                saved = total / cfg.tp
             else:
-                saved = b.saved_bytes_replicated_tp + (b.saved_bytes - b.saved_bytes_replicated_tp) / cfg.tp
+                saved = hidden + (total - hidden) / cfg.tp
         else:
-            saved = float(b.saved_bytes)
+            saved = total
         if b.kind in _RECOMPUTED_KINDS and cfg.recompute == "full":
             # Only the layer's input survives; it is the previous cut's tensors.
             previous = profile.cuts[i - 1].num_bytes if i > 0 else b.output_bytes
@@ -309,7 +382,8 @@ def head_backward_bytes(profile: ModelProfile, acts: np.ndarray, blocks: Sequenc
     return max((2 * float(acts[i]) for i in blocks if profile.blocks[i].kind == "head"), default=0.0)
 
 
-def _working_bytes(profile: ModelProfile, cfg: ParallelConfig, blocks: Sequence[int], acts: np.ndarray) -> float:
+def _working_bytes(profile: ModelProfile, cfg: ParallelConfig, blocks: Sequence[int], acts: np.ndarray,
+                   cpu: bool = False) -> float:
     """Transient memory of one backward: the gradient of the largest block output exists next to
     its activation; then the larger of one layer's full activations brought back by full recompute
     and the head's backward transients (`head_backward_bytes`): they do not coexist."""
@@ -317,7 +391,7 @@ def _working_bytes(profile: ModelProfile, cfg: ParallelConfig, blocks: Sequence[
     largest_output = max((profile.blocks[i].output_bytes for i in blocks), default=0) * f
     recompute = 0.0
     if cfg.recompute == "full":
-        full = block_act_bytes(profile, dataclasses.replace(cfg, recompute="none"))
+        full = block_act_bytes(profile, dataclasses.replace(cfg, recompute="none"), cpu)
         recompute = max((full[i] for i in blocks if profile.blocks[i].kind in _RECOMPUTED_KINDS), default=0.0)
     return 2 * largest_output + max(recompute, head_backward_bytes(profile, acts, blocks))
 
@@ -325,17 +399,24 @@ def _working_bytes(profile: ModelProfile, cfg: ParallelConfig, blocks: Sequence[
 def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str,
                 stage_ranges: Sequence[tuple[int, int]], stage_inflight: Sequence[float],
                 static: np.ndarray | None = None, acts: np.ndarray | None = None,
-                params: np.ndarray | None = None) -> MemoryBreakdown:
+                params: np.ndarray | None = None, held: np.ndarray | None = None) -> MemoryBreakdown:
     """Peak memory of one GPU holding the given stages (its virtual stages) with the given
     micro-batches in flight on each. `acts` and `params` (`block_act_bytes`, `param_counts`) may be
-    passed when the caller has them."""
+    passed when the caller has them. `held` (moments x stages): the micro-batches each stage holds
+    at each moment its activations grow; the activations are then the largest moment's, not the
+    sum of each stage's own peak ([Note: activations]; search/evaluate.py `interleaved_held`)."""
     weights_b, grads_b, optim_b = persistent_bytes_per_param(dtype, cfg.zero, cfg.dp, cfg.dp_replicate, cfg.tp)
     params = param_counts(profile, cfg) if params is None else params
-    acts = block_act_bytes(profile, cfg) if acts is None else acts
+    cpu = gpu.name == "cpu"
+    acts = block_act_bytes(profile, cfg, cpu) if acts is None else acts
     f = cfg.batch_share(profile.batch_size)
     num_params = held_params(profile, cfg, stage_ranges, params)
     sharded_params = num_params + expert_shard_surplus(profile, cfg, stage_ranges)
-    activations = sum(acts[a:b].sum() * inflight for (a, b), inflight in zip(stage_ranges, stage_inflight, strict=True))
+    stage_acts = np.array([acts[a:b].sum() for a, b in stage_ranges])
+    if held is not None:
+        activations = float(np.max(np.asarray(held, dtype=float) @ stage_acts))
+    else:
+        activations = float(stage_acts @ np.asarray(stage_inflight, dtype=float))
     blocks = [i for a, b in stage_ranges for i in range(a, b)]
     # Two receive buffers per boundary (activation in, gradient in), one micro-batch each.
     recv = sum(2 * profile.cuts[a - 1].num_bytes * f for a, _ in stage_ranges if a > 0)
@@ -348,7 +429,7 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
         optimizer_bytes=sharded_params * optim_b,
         gathered_bytes=float(gathered),
         activations_bytes=float(activations),
-        buffers_bytes=float(recv + _working_bytes(profile, cfg, blocks, acts)
+        buffers_bytes=float(recv + _working_bytes(profile, cfg, blocks, acts, cpu)
                             + reduction_buffer_bytes(cfg, num_params, [num_params] if one_unit else params[blocks])),
         allowance_bytes=allowance_bytes(gpu),
     )

@@ -53,7 +53,8 @@ from autoplan.plan import Job, MemoryBreakdown, Plan, Predicted, StagePlan
 from autoplan.schedule import ActionKind, SimResult, make_schedule, simulate
 from autoplan.search.partition import CutProblem, Cuts, DPSolver, climb_boundaries, make_cuts
 
-__all__ = ["Dominated", "Evaluation", "SearchContext", "evaluate", "evaluate_cuts", "min_gpus_needed", "schedule_inflight"]
+__all__ = ["Dominated", "Evaluation", "SearchContext", "evaluate", "evaluate_cuts", "interleaved_held", "min_gpus_needed",
+           "schedule_inflight"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -75,6 +76,45 @@ def schedule_inflight(name: str, pp: int, num_microbatches: int, virtual_stages:
         return _interleaved_inflight(pp, m, virtual_stages)
     schedule = make_schedule(name, pp, num_microbatches, virtual_stages)
     return simulate(schedule, lambda a: 1.0).peak_inflight
+
+
+@functools.lru_cache(maxsize=64)
+def interleaved_held(pp: int, m: int, v: int) -> tuple[np.ndarray, ...]:
+    """Per pipeline rank of interleaved 1F1B: the micro-batches each of its v chunks holds right
+    after each of its forwards (the moments its activations grow), one row per distinct moment,
+    columns chunk 0 .. v - 1; from the rank's action order as `_interleaved_inflight` scans it.
+    A rank's activations peak at the largest weighted row sum, which is less than the sum of its
+    chunks' own peaks: they do not peak together (chunk 0 peaks at the end of the warm-up, the last
+    chunk later). At the end of rank r's warm-up it holds (p - r - 1) * 2 + (v - 1) * p + 1
+    chunk-micro-batches, Megatron-LM's count (Narayanan et al. 2021, Sec. 2.2.2: the first stage
+    holds p (1 + (p - 1) / (p v)) micro-batches' worth of its layers)."""
+    total = m * v
+    k = np.arange(total)
+    fwd_chunk = (k % (pp * v)) // pp
+    fwd_count = np.zeros((v, total + 1), dtype=np.int64)
+    bwd_count = np.zeros((v, total + 1), dtype=np.int64)
+    np.cumsum(fwd_chunk[None, :] == np.arange(v)[:, None], axis=1, out=fwd_count[:, 1:])
+    np.cumsum((v - 1 - fwd_chunk)[None, :] == np.arange(v)[:, None], axis=1, out=bwd_count[:, 1:])
+    out = []
+    for r in range(pp):
+        warmup = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+        held = fwd_count[:, k + 1] - bwd_count[:, np.maximum(k - warmup, 0)]  # (v, moments)
+        out.append(np.unique(held.T, axis=0))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _interleaved_at_peak(pp: int, m: int, v: int) -> tuple[int, ...]:
+    """Per virtual stage of interleaved 1F1B: what it holds at the moment its rank holds the most
+    chunk-micro-batches (`interleaved_held`; ties: the most on the earliest chunk, which carries the
+    embedding). The cutting DP checks stages one at a time with these; the plan's memory is then
+    the exact peak over the moments (`_memories`)."""
+    out = [0] * (pp * v)
+    for r, rows in enumerate(interleaved_held(pp, m, v)):
+        row = max(rows.tolist(), key=lambda h: (sum(h), h))
+        for c in range(v):
+            out[c * pp + r] = int(row[c])
+    return tuple(out)
 
 
 def _interleaved_inflight(pp: int, m: int, v: int) -> tuple[int, ...]:
@@ -159,7 +199,10 @@ class SearchContext:
 
     def act_bytes(self, cfg: ParallelConfig) -> np.ndarray:
         key = ("acts", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.cp)
-        return self.cached(key, lambda: block_act_bytes(self.profile, cfg))
+        # A CPU rank runs F.rms_norm's composite form, which saves more (cost/memory.py [Note: fused
+        # RMSNorm]); a cluster with any CPU rank is counted as one, the larger of the two.
+        cpu = any(g.name == "cpu" for g in self.gpu_types)
+        return self.cached(key, lambda: block_act_bytes(self.profile, cfg, cpu))
 
     def block_passes(self, t: BlockTimes) -> tuple[np.ndarray, np.ndarray]:
         """Per block: forward and backward seconds, TP communication included (fwd_s + tp_fwd_s,
@@ -321,7 +364,11 @@ def _inputs(ctx: SearchContext, cfg: ParallelConfig) -> _Inputs:
     times_by_type = {gpu.name: ctx.block_times(gpu, cfg) for gpu in pp_gpus}
     stage_times = [times_by_type[pp_gpus[k % cfg.pp].name] for k in range(cfg.num_stages)]
     total = stage_times[0].total_s if len(times_by_type) == 1 else np.stack([t.total_s for t in stage_times])
-    inflight = np.array(schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages), dtype=float)
+    if cfg.schedule == "interleaved-1f1b" and cfg.virtual_stages > 1:
+        inflight = np.array(_interleaved_at_peak(cfg.pp, cfg.num_microbatches, cfg.virtual_stages), dtype=float)
+    else:
+        inflight = np.array(schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages),
+                            dtype=float)
     # A stage's boundary costs its P2P time once (the transfer itself overlaps compute in the
     # simulator; this steers cuts away from boundaries that carry large tensors).
     return _Inputs(pp_gpus, stage_times, total, ctx.static_bytes(cfg), ctx.act_bytes(cfg), inflight,
@@ -722,11 +769,17 @@ def _memories(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[int, i
               peak_inflight: tuple[int, ...], static: np.ndarray, acts: np.ndarray) -> list[MemoryBreakdown]:
     """Peak memory of each pipeline rank."""
     memories: list[MemoryBreakdown] = []
+    held = None
+    if cfg.schedule == "interleaved-1f1b" and cfg.virtual_stages > 1:
+        held = interleaved_held(cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
     for p in range(cfg.pp):
         mine = [k for k in range(cfg.num_stages) if k % cfg.pp == p]
+        inflight = [peak_inflight[k] for k in mine]
+        # The rank's chunks do not peak together (`interleaved_held`); its rows agree with the
+        # simulated per-chunk peaks or are not used.
+        rows = held[p] if held is not None and list(held[p].max(axis=0)) == inflight else None
         memories.append(rank_memory(ctx.profile, cfg, pp_gpus[p], ctx.job.dtype, [ranges[k] for k in mine],
-                                    [peak_inflight[k] for k in mine], static=static, acts=acts,
-                                    params=ctx.params(cfg)))
+                                    inflight, static=static, acts=acts, params=ctx.params(cfg), held=rows))
     return memories
 
 
