@@ -117,13 +117,17 @@ def _rank_job(rank, world_size, plans, root):
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_zero_1_with_tp_trains_as_the_replicated_optimizer_and_shards_its_state(tmp_path):
-    plans = {f"{dtype}-zero{zero}": autoplan.suggest(SPEC, "1x4xcpu", global_batch=GLOBAL_BATCH, seq_len=SEQ,
-                                                     dtype=dtype, tp=2, pp=1, dp=2, zero=zero, micro_batch_size=2,
-                                                     top=1)[0]
-             for dtype, zero in (("fp32", 0), ("fp32", 1), ("bf16", 0), ("bf16", 1))}
+    """tp 2 x dp 2 in fp32, in bf16 (the optimizer steps the fp32 masters) and with the two dp ranks
+    a cp group (cp ranks are dp ranks: the same parameters and gradients, so the state splits over
+    them too)."""
+    kinds = {"fp32": dict(dtype="fp32"), "bf16": dict(dtype="bf16"), "cp2": dict(dtype="fp32", cp=2)}
+    plans = {f"{kind}-zero{zero}": autoplan.suggest(SPEC, "1x4xcpu", global_batch=GLOBAL_BATCH, seq_len=SEQ, tp=2,
+                                                    pp=1, dp=2, zero=zero, micro_batch_size=2, top=1, **pins)[0]
+             for kind, pins in kinds.items() for zero in (0, 1)}
+    assert plans["cp2-zero1"].cp == 2
     results = run_ranks(_rank_job, 4, plans, str(tmp_path), timeout_s=110, pg_timeout_s=60)
-    for dtype in ("fp32", "bf16"):
-        base, zero = f"{dtype}-zero0", f"{dtype}-zero1"
+    for kind in kinds:
+        base, zero = f"{kind}-zero0", f"{kind}-zero1"
         for rank, res in results.items():
             assert res[zero]["optimizer"] == "ZeroOneOptimizer" and res[base]["optimizer"] == "AdamW"
             # The same update, element by element: the owner's AdamW step, broadcast.

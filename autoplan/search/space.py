@@ -176,8 +176,8 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
         if refusal is not None:
             raise PlanningError(f"--ep {ep} {refusal}")
         if zero == 1:
-            raise PlanningError(f"--ep {ep} cannot run with --zero 1 (torch's ZeroRedundancyOptimizer shards over all "
-                                f"dp replicas, whose experts differ); use --zero 0, 2 or 3, or --ep 1")
+            raise PlanningError(f"--ep {ep} cannot run with --zero 1 (its optimizer shards over all dp replicas, "
+                                f"whose experts differ); use --zero 0, 2 or 3, or --ep 1")
         if replicate is not None and replicate > 1:
             raise PlanningError(f"--ep {ep} cannot run with --dp-replicate {replicate} (HSDP); use --dp-replicate 1 "
                                 "or --ep 1")
