@@ -160,7 +160,9 @@ class SearchContext:
                  calibrations: Calibrations | None = None):
         self.profile = profile
         self.calibrations = calibrations or Calibrations()
-        self.cluster = cluster
+        # Collectives run at the bandwidth the network achieves (calibration `network_efficiency`);
+        # the plan records the cluster as given.
+        self.cluster = self.calibrations.effective_cluster(cluster)
         self.job = job
         self.model_spec = model_spec
         self.gpu_types = cluster.gpu_types
@@ -180,6 +182,9 @@ class SearchContext:
         self.transfers: dict[tuple, float] = {}
         self._pass_arrays: dict[int, tuple] = {}  # id(BlockTimes) -> sums (the object kept alive)
 
+    def calibration(self, gpu):
+        return self.cached(("calibration", gpu.name), lambda: self.calibrations.for_gpu(gpu))
+
     def cached(self, key: tuple, make):
         """Per-search memo: ladder rungs and base configurations share most inputs."""
         if key not in self._cache:
@@ -191,7 +196,7 @@ class SearchContext:
         key = ("times", gpu.name, cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.ep, cfg.cp,
                cfg.rank_order if spread else None, cfg.pp if spread else None)
         return self.cached(key, lambda: block_times(self.profile, gpu, self.cluster, cfg, self.job.dtype,
-                                                    self.calibrations.for_gpu(gpu)))
+                                                    self.calibration(gpu)))
 
     def static_bytes(self, cfg: ParallelConfig) -> np.ndarray:
         key = ("static", cfg.tp, cfg.dp, cfg.zero, cfg.dp_replicate, cfg.pp == 1, cfg.num_stages == 1, cfg.ep)
@@ -608,7 +613,8 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
             # Bucketed reduction behind the last backward pass on this rank ([Note: DP buckets] in
             # cost/comm.py; PyTorch DDP, Li et al. 2020, Sec. 3.2.3): only what runs past it is exposed.
             dp_ranks = [cfg.rank(p, d, 0) for d in range(cfg.dp)]
-            exposed = dp_reduction_exposed_s(cluster, dp_ranks, rank_params * grad_b, bwd_s[mine[0]])
+            exposed = dp_reduction_exposed_s(cluster, dp_ranks, rank_params * grad_b, bwd_s[mine[0]],
+                                             slowdown=ctx.calibration(pp_gpus[p]).overlap_slowdown)
         shards = cfg.dp_shard if cfg.zero >= 2 else cfg.dp if cfg.zero == 1 else 1
         opt = optimizer_time_s(pp_gpus[p], (rank_params + expert_shard_surplus(profile, cfg, [ranges[k] for k in mine]))
                                / shards)
@@ -746,12 +752,14 @@ def _fsdp_exposed(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[in
     if cfg.dp <= 1:
         return _FsdpExposed(fwd, bwd, tail)
     per_microbatch_reduce = cfg.pp == 1
+    pp_gpus = _stage_gpus(ctx.cluster, cfg)
     for k, (a, b) in enumerate(ranges):
         p = k % cfg.pp
+        slowdown = ctx.calibration(pp_gpus[p]).overlap_slowdown
         gather, reduce = ctx.fsdp_unit_times(cfg, p)
         f, g = ctx.block_passes(stage_times[k])
         gather, reduce, f, g = gather[a:b], reduce[a:b], f[a:b], g[a:b]
-        forward_gather = prefetch_exposed_s(f, gather)
+        forward_gather = prefetch_exposed_s(f, gather, slowdown=slowdown)
         if cfg.zero == 3:
             fwd[k] = forward_gather
         else:
@@ -759,7 +767,7 @@ def _fsdp_exposed(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[in
         if cfg.zero == 3 or per_microbatch_reduce:
             # Backward runs the units in reverse: gathers ahead, reductions behind.
             bwd[k] = prefetch_exposed_s(g[::-1], gather[::-1] if cfg.zero == 3 else None,
-                                        reduce[::-1] if per_microbatch_reduce else None)
+                                        reduce[::-1] if per_microbatch_reduce else None, slowdown=slowdown)
         if not per_microbatch_reduce:
             tail[p] += float(reduce.sum())
     return _FsdpExposed(fwd, bwd, tail)
