@@ -300,7 +300,22 @@ def block_static_bytes(profile: ModelProfile, cfg: ParallelConfig, dtype: str) -
 _ITEMSIZE = {"float32": 4, "fp32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
+_SURPLUS: dict[tuple, tuple[float, float]] = {}
+
+
 def fused_norm_surplus(block: Block, hidden_size: int | None = None) -> tuple[float, float]:
+    """`_fused_norm_surplus`, memoized: the search asks for every block of every configuration."""
+    key = (block.name, block.fingerprint, block.saved_bytes, block.saved_bytes_replicated_tp, len(block.ops),
+           sum(op.bytes for op in block.ops if op.name == "_fused_rms_norm"), hidden_size)
+    out = _SURPLUS.get(key)
+    if out is None:
+        if len(_SURPLUS) > 65536:
+            _SURPLUS.clear()
+        out = _SURPLUS[key] = _fused_norm_surplus(block, hidden_size)
+    return out
+
+
+def _fused_norm_surplus(block: Block, hidden_size: int | None = None) -> tuple[float, float]:
     """Saved bytes the profile counts for a block's F.rms_norm calls beyond what CUDA's fused kernel
     keeps ([Note: fused RMSNorm]), per batch of the profile: (hidden-shaped, other). 0 where the
     block calls no F.rms_norm (its operators were recorded without `_fused_rms_norm`).

@@ -417,54 +417,14 @@ def _stage_capacity_uncached(ctx: SearchContext, cfg: ParallelConfig, pp_gpus: l
     bounds.append(n)
     need = np.array([static[a:b].sum() + acts[a:b].sum() * inflight[k]
                      for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))])
+    # Every stage's share at least the largest block's need: an even spread gives the last chunk
+    # (norm and head) a share no layer fits in, and the DP then doubles a middle stage instead of
+    # putting the last layer there (Megatron-LM's 530B and 1T rows, Narayanan et al. 2021: a 27-35%
+    # bubble). The shares still sum to the GPU, so any cutting the DP accepts fits each GPU.
+    need = np.maximum(need, float(static.max()) + float(acts.max()) * inflight)
     per_rank = np.bincount(rank, weights=need, minlength=cfg.pp)[rank]
     share = np.divide(need, per_rank, out=np.full(num_stages, 1.0 / cfg.virtual_stages), where=per_rank > 0)
     return per_gpu[rank] * share
-
-
-def _fits_gpus(cfg: ParallelConfig, capacity: np.ndarray, cuts: Cuts) -> bool:
-    """Whether each GPU's stages together stay within the GPU's share of `capacity` (its stages' sum)."""
-    rank = np.arange(cfg.num_stages) % cfg.pp
-    per_gpu = np.bincount(rank, weights=capacity, minlength=cfg.pp)
-    used = np.bincount(rank, weights=np.asarray(cuts.stage_mem_bytes), minlength=cfg.pp)
-    return bool((used <= per_gpu * (1 + 1e-9)).all())
-
-
-def _rebalanced(ctx: SearchContext, cfg: ParallelConfig, inputs: _Inputs, capacity: np.ndarray,
-                cuts: Cuts | None) -> tuple[_CutCache, Cuts] | None:
-    """[Note: rebalancing interleaved capacity] A better cutting whose GPUs still fit, or None.
-
-    `_stage_capacity` shares a GPU among its virtual stages before the cut is known, by an even
-    spread of memory; the last chunk of the last GPU gets a small share, and a cutting that puts the
-    last layer with the head there is refused although the GPU has room (Megatron-LM's 530B and 1T
-    rows of Narayanan et al. 2021 doubled a middle stage instead: a 27-35% bubble). When the cutting's
-    slowest stage is over 5% above the min-max lower bound (the largest block, or an even split of
-    the total), each stage is offered what it used plus its GPU's unused bytes, the DP cuts again, and the new cutting is kept only if it is faster and every GPU's stages fit together
-    (the constraint the shares stood in for). No cutting under the shares: each stage is offered its
-    whole GPU, with the same check."""
-    rank = np.arange(cfg.num_stages) % cfg.pp
-    per_gpu = np.bincount(rank, weights=capacity, minlength=cfg.pp)
-    if cuts is None:
-        offered = per_gpu[rank]
-    else:
-        total = inputs.total if inputs.total.ndim == 1 else inputs.total.min(axis=0)
-        lower_bound = max(float(total.max()), float(total.sum()) / cfg.num_stages)
-        if cuts.bottleneck_s <= 1.05 * lower_bound:
-            return None  # balanced already: the shares did not cost time
-        used = np.asarray(cuts.stage_mem_bytes)
-        slack = per_gpu - np.bincount(rank, weights=used, minlength=cfg.pp)
-        offered = used + np.maximum(slack, 0.0)[rank]
-    key = ("rebalanced", inputs.total.tobytes(), inputs.link_s.tobytes(), inputs.static.tobytes(),
-           inputs.acts.tobytes(), inputs.inflight.tobytes(), offered.tobytes())
-    cache = ctx.cut_cache.get(key)
-    if cache is None:
-        cache = ctx.cut_cache[key] = _CutCache(inputs.problem(ctx, offered))
-    better = cache.unrefined()
-    if better is None or not _fits_gpus(cfg, capacity, better):
-        return None
-    if cuts is not None and better.bottleneck_s >= cuts.bottleneck_s * (1 - 1e-9):
-        return None
-    return cache, better
 
 
 def _simulated_plan(ctx: SearchContext, cfg: ParallelConfig, inputs: _Inputs, problem: CutProblem,
@@ -511,11 +471,6 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
     # The tie-break pass (partition.py [Note: DP tie-break]) only matters for plans that get
     # simulated; feasibility and the bound need just the bottleneck.
     cuts = cache.unrefined()
-    rebalanced = None
-    if cfg.virtual_stages > 1:
-        rebalanced = _rebalanced(ctx, cfg, inputs, capacity, cuts)
-        if rebalanced is not None:
-            cache, cuts = rebalanced
     if cuts is None:
         ctx.infeasible.add(mem_key)
         if require_fit:
@@ -534,10 +489,7 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
             cache.release()
         raise Dominated
     # Same bottleneck (first pass reused), ties broken as [Note: DP tie-break] says.
-    unrefined = cuts
     cuts = cache.refined() if cache is not None else solver.solve()
-    if rebalanced is not None and not _fits_gpus(cfg, capacity, cuts):
-        cuts = unrefined  # the tie-break moved memory onto a GPU without room: keep the checked cutting
     if sharing:
         cut_problem = cache.problem if cache is not None else problem
         boundaries, _ = climb_boundaries(
