@@ -112,15 +112,31 @@ def _dtype_key(dtype: str) -> str:
     return key
 
 
-def scaled_op(op: Op, batch_factor: float, tp: int, sequence_parallel: bool) -> tuple[tuple[float, ...], float, float]:
+def scaled_op(op: Op, batch_factor: float, tp: int, sequence_parallel: bool,
+              ep: int = 1) -> tuple[tuple[float, ...], float, float]:
     """(shape, flops, bytes) of `op` at `batch_factor` times the profile's batch on one of `tp`
     tensor-parallel ranks: the batch axis grows, the tp axis (or a memory op's bytes, unless they are
-    hidden-shaped without sequence parallelism: Korthikanti et al. 2022, Sec. 4.2.2) shrinks."""
+    hidden-shaped without sequence parallelism: Korthikanti et al. 2022, Sec. 4.2.2) shrinks.
+
+    An operator of grouped experts (`op.tp == "expert"`, [Note: expert operators] in
+    graph/operators.py) is whole on each tp rank (the layout shards no expert) and, on one of `ep`
+    expert-parallel ranks, runs experts / ep of the experts on the tokens the ep group routes to
+    them (GShard, arXiv:2006.16668, Sec. 3.2; runtime/experts.py: a rank computes (E/ep, ep * n, ...)
+    in place of (E, n, ...)): the expert axis (a GEMM's first) divides by ep and its batch axis grows
+    ep times, so the FLOPs and the per-batch bytes stay, and the weights' bytes (`fixed_bytes`: the
+    weights a GEMM reads, their gradients and the gradients' accumulation) divide by ep."""
     shape = list(op.shape)
     if op.batch_axis is not None and shape:
         shape[op.batch_axis] *= batch_factor
     split = 1.0
-    if tp > 1:
+    fixed = op.fixed_bytes
+    if op.tp == "expert":
+        if ep > 1:
+            fixed /= ep
+            if op.kind == "gemm" and len(shape) == 4 and op.batch_axis not in (None, 0):
+                shape[0] /= ep
+                shape[op.batch_axis] *= ep
+    elif tp > 1:
         if op.kind == "memory":
             split = tp if (op.tp == "sharded" or sequence_parallel) else 1.0
         elif op.tp_axis is not None and shape:
@@ -129,13 +145,15 @@ def scaled_op(op: Op, batch_factor: float, tp: int, sequence_parallel: bool) -> 
         else:
             split = tp
     flops = op.flops * batch_factor / split
-    num_bytes = (op.bytes * batch_factor + op.fixed_bytes) / split
+    num_bytes = (op.bytes * batch_factor + fixed) / split
     return tuple(shape), flops, num_bytes
 
 
-def op_time_s(op: Op, cal: Calibration, gpu: GPU, batch_factor: float, tp: int, sequence_parallel: bool) -> float:
-    """Seconds of one call of `op` (multiply by `op.count` for the pass)."""
-    shape, flops, num_bytes = scaled_op(op, batch_factor, tp, sequence_parallel)
+def op_time_s(op: Op, cal: Calibration, gpu: GPU, batch_factor: float, tp: int, sequence_parallel: bool,
+              ep: int = 1) -> float:
+    """Seconds of one call of `op` (multiply by `op.count` for the pass) on one of `tp` tensor-parallel
+    and `ep` expert-parallel ranks (`scaled_op`)."""
+    shape, flops, num_bytes = scaled_op(op, batch_factor, tp, sequence_parallel, ep)
     if op.kind == "gemm":
         if len(shape) == 4:
             return gemm_time_s(cal, gpu, *shape, op.dtype, element_bytes=_element_bytes(op.dtype))

@@ -24,7 +24,7 @@ from autoplan.cost.config import ParallelConfig
 from autoplan.cost.ops import op_time_s
 from autoplan.graph.blocks import Block, ModelProfile
 
-__all__ = ["BlockTimes", "block_times", "op_pass_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s",
+__all__ = ["BlockTimes", "all_to_all_time_s", "block_times", "op_pass_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s",
            "optimizer_time_s", "tied_sync_times_s", "tp_divisor", "tp_sharded"]
 
 # Blocks whose parameters and FLOPs Megatron tensor parallelism shards (Shoeybi et al. 2019, Sec. 3:
@@ -91,14 +91,15 @@ def cpu_sharing(profile: ModelProfile, gpu: GPU, cluster: Cluster) -> tuple[floa
 
 
 def op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, sp: bool,
-                   dtype: str, profile_dtype: str) -> tuple[float, float, float]:
+                   dtype: str, profile_dtype: str, ep: int = 1) -> tuple[float, float, float]:
     """(forward, backward, attention forward) seconds of a block's operators at batch factor f on one of
-    tp ranks. Operators recorded in the profile's dtype run in the job's."""
+    tp tensor-parallel and ep expert-parallel ranks. Operators recorded in the profile's dtype run in
+    the job's."""
     fwd = bwd = attention_fwd = 0.0
     for op in block.ops:
         if op.dtype == profile_dtype and op.dtype != dtype:
             op = dataclasses.replace(op, dtype=dtype)
-        seconds = op.count * op_time_s(op, cal, gpu, f, tp, sp)
+        seconds = op.count * op_time_s(op, cal, gpu, f, tp, sp, ep)
         if op.phase == "fwd":
             fwd += seconds
             if op.kind == "attention":
@@ -148,12 +149,15 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
                       + (fwd[i] * recompute_flops / fwd_flops if fwd_flops else 0.0))
         elif b.ops:
             # Operator by operator (cost/ops.py). A block tensor parallelism shards only in part
-            # (tp_divisor < tp) is priced whole and divided by its Amdahl share.
-            whole = cfg.tp > 1 and tp_sharded(b.kind) and shard < cfg.tp * 0.99
+            # (tp_divisor < tp) is priced whole and divided by its Amdahl share, unless what it leaves
+            # whole is its experts, whose operators say so ([Note: experts on a GPU]).
+            whole = (cfg.tp > 1 and tp_sharded(b.kind) and shard < cfg.tp * 0.99
+                     and not _sharded_but_experts(profile, i))
             op_tp = 1 if whole or not tp_sharded(b.kind) else cfg.tp
             key = (b.fingerprint or i, op_tp)
             if key not in by_fingerprint:
-                by_fingerprint[key] = op_pass_times(b, cal, gpu, f, op_tp, cfg.sequence_parallel, dtype, profile.dtype)
+                by_fingerprint[key] = op_pass_times(b, cal, gpu, f, op_tp, cfg.sequence_parallel, dtype, profile.dtype,
+                                                    cfg.ep)
             f_s, b_s, attention_s = by_fingerprint[key]
             divide = shard if whole else 1.0
             fwd[i] = f_s / divide
@@ -190,6 +194,32 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
         tp_bwd += exchange * np.array([2.0 if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 1.0
                                        for b in profile.blocks])
     return BlockTimes(fwd, bwd, tp_fwd, tp_bwd, hw)
+
+
+# [Note: experts on a GPU]
+# autoplan's runtime splits a mixture-of-experts layer's experts over ep data-parallel replicas
+# (runtime/experts.py) and leaves them whole on each tensor-parallel rank (graph/sharding.py finds no
+# Megatron pattern in stacked expert weights; cost/memory.py `param_counts`), while tp shards the
+# layer's attention. The recorded operators of the experts say so (`tp = "expert"`, [Note: expert
+# operators] in graph/operators.py): `scaled_op` keeps them whole under tp and divides their weights'
+# bytes by ep. Such a layer is priced operator by operator at tp, not whole over an Amdahl share of
+# its parameters (`tp_divisor`): most expert parameters are idle for a given token (top-k of E), so
+# the parameter share (3% sharded for Qwen3-235B-A22B's layer) misstates the time share (about half
+# of the layer's FLOPs is attention, which tp divides).
+
+
+def _sharded_but_experts(profile: ModelProfile, index: int) -> bool:
+    """Whether block `index` has expert operators and tp shards all of its parameters but its
+    experts' (the layout's sharded share over the parameters outside the experts, at least 95%: the router and the norms stay whole)."""
+    block = profile.blocks[index]
+    if not any(op.tp == "expert" for op in block.ops):
+        return False
+    experts = (profile.extra.get("experts") or {}).get("block_params") or []
+    shares = (profile.extra.get("tensor_parallel") or {}).get("block_sharded_share")
+    if index >= len(experts) or not shares or index >= len(shares) or not block.num_params:
+        return False
+    rest = block.num_params - experts[index]
+    return rest > 0 and shares[index] * block.num_params >= 0.95 * rest
 
 
 def gathered_kv_bytes(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
@@ -236,22 +266,54 @@ def expert_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: Parall
     """Per block, seconds of expert parallelism's two all-to-alls in one pass of one micro-batch:
     dispatch (tokens to the ranks holding their experts) and combine (results back), each of the
     bytes the block's experts receive (`extra["experts"]`). In an all-to-all over n ranks each
-    rank sends (n - 1) / n of its buffer, 1/n to each peer (Thakur et al. 2005, Sec. 2; GShard,
-    arXiv:2006.16668, Sec. 3.2, prices MoE dispatch the same way), so its time is one message of
-    (n - 1) / n of the buffer at the group's slowest link: NVLink when the ep group (ep dp
-    replicas of tp ranks each, [Note: rank layout] in plan.py) sits in one node, the network
-    otherwise. The exchanges are not overlapped with compute (torchtitan and Megatron-LM's default
-    dispatchers wait for them). Zero for blocks without experts."""
+    rank sends 1/n of its buffer to each peer (Thakur et al. 2005, Sec. 2; GShard,
+    arXiv:2006.16668, Sec. 3.2, prices MoE dispatch the same way), all pairs at once (NCCL's
+    all-to-all is one group of sends and receives): a rank's peers in its node take theirs over
+    NVLink while those in other nodes take theirs over its network rail, so a rank's time is the
+    slower of (peers in its node) / n of its buffer as one NVLink message and (peers elsewhere) / n
+    as one network message (one latency per peer), and the exchange waits for its slowest rank. The
+    ep group is ep dp replicas of tp ranks each ([Note: rank layout] in plan.py): with tp > 1 it
+    reaches across nodes as soon as tp * ep exceeds a node.
+
+    Every tp rank exchanges the whole micro-batch's tokens: autoplan's runtime (runtime/experts.py)
+    keeps the experts whole on each tp rank, whose MoE input is the whole hidden state, and runs one
+    ep group per tp index (`cfg.rank(0, d, t)`); Megatron-Core's dispatcher under sequence
+    parallelism sends 1/tp of them from each tp rank instead. The exchanges are not overlapped with
+    compute (torchtitan and Megatron-LM's default dispatchers wait for them). Zero for blocks
+    without experts."""
     experts = profile.extra.get("experts") or {}
     sent = np.asarray(experts.get("block_dispatch_bytes") or [0] * profile.num_blocks, dtype=float)
     if cfg.ep == 1 or not sent.any():
         return np.zeros(profile.num_blocks)
     ranks = [cfg.rank(0, d, 0) for d in range(cfg.ep)]
-    same_node = len({r // cluster.gpus_per_node for r in ranks}) == 1
-    link = cluster.intra_node if same_node else cluster.inter_node
-    share = (cfg.ep - 1) / cfg.ep
-    one = sent * _scale(profile, cfg) * share / link.bw_bytes_per_s + np.where(sent > 0, (cfg.ep - 1) * link.latency_s, 0.0)
-    return 2 * one
+    buffer = sent * _scale(profile, cfg)
+    priced: dict[float, float] = {}
+    out = np.zeros(profile.num_blocks)
+    for i, num_bytes in enumerate(buffer):
+        if num_bytes > 0:
+            if num_bytes not in priced:
+                priced[num_bytes] = all_to_all_time_s(cluster, ranks, float(num_bytes))
+            out[i] = 2 * priced[num_bytes]
+    return out
+
+
+def all_to_all_time_s(cluster: Cluster, ranks: list[int], num_bytes: float) -> float:
+    """One all-to-all over `ranks`, each rank sending 1/n of its `num_bytes` buffer to each of the
+    n - 1 others, every pair at once: the slowest rank's slower link class, its messages on one link
+    priced as one (`p2p_time_s`, measured curves included) plus a latency per further peer (see
+    `expert_exchange_times_s`)."""
+    n = len(ranks)
+    worst = 0.0
+    for r in ranks:
+        node = r // cluster.gpus_per_node
+        near = [q for q in ranks if q != r and q // cluster.gpus_per_node == node]
+        far = [q for q in ranks if q // cluster.gpus_per_node != node]
+        for peers in (near, far):
+            if peers:
+                link = cluster.link(r, peers[0])
+                seconds = p2p_time_s(cluster, r, peers[0], num_bytes * len(peers) / n) + (len(peers) - 1) * link.latency_s
+                worst = max(worst, seconds)
+    return worst
 
 
 def cut_transfer_time_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, cut_index: int,

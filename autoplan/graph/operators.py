@@ -13,6 +13,7 @@ The cost model (cost/ops.py) prices the list; nothing here knows about a GPU.
 
 from __future__ import annotations
 
+import difflib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from autoplan.graph.blocks import Op
 
 __all__ = ["RECORDER_VERSION", "Call", "FusedAttention", "FusedRMSNorm", "GpuKernels", "OperatorRecorder", "merge_batches"]
 
-RECORDER_VERSION = 6
+RECORDER_VERSION = 7
 """In the profile cache's key: a change to what is recorded re-profiles."""
 
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm_fallback", "grouped_mm_fallback_backward"}
@@ -50,6 +51,8 @@ class Call:
     hidden_shaped: bool
     weight_dims: tuple[int, ...]
     """gemm: the dims of a parameter-shaped operand or result (the weight's out and in), else ()."""
+    expert: bool = False
+    """An operator of grouped experts ([Note: expert operators])."""
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -70,6 +73,8 @@ class OperatorRecorder(TorchDispatchMode):
         # shape (or transposed).
         self.param_storages = {p.untyped_storage()._cdata for p in params}
         self.param_shapes = {tuple(p.shape) for p in params if p.dim() >= 2}
+        # Stacked expert weights ([Note: expert operators]): the leading dims of 3-D parameters.
+        self.expert_counts = {int(p.shape[0]) for p in params if p.dim() >= 3 and p.shape[0] >= 2}
         self.hidden = hidden
         # FLOP formulas by operator packet: torch's registry and the profile's own (the cpu fused
         # attention, grouped GEMMs), which take shapes like torch's do.
@@ -118,9 +123,11 @@ class OperatorRecorder(TorchDispatchMode):
         if moved is None:
             moved = float(sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs))
         weight_inputs = [t for t in inputs if t.dim() >= 2 and t.untyped_storage()._cdata in self.param_storages]
-        weight_outputs = [t for t in outputs if t.dim() == 2 and (tuple(t.shape) in self.param_shapes
-                                                                 or tuple(t.shape)[::-1] in self.param_shapes)]
+        weight_outputs = [t for t in outputs if (t.dim() == 2 and (tuple(t.shape) in self.param_shapes
+                                                                  or tuple(t.shape)[::-1] in self.param_shapes))
+                          or (t.dim() >= 3 and tuple(t.shape) in self.param_shapes)]
         touches_param = bool(weight_inputs or weight_outputs)
+        expert = self._is_expert(inputs, outputs)
         hidden_shaped = self.hidden is not None and any(t.dim() >= 2 and t.shape[-1] == self.hidden for t in outputs)
         flops = 0.0
         formula = self.formulas.get(func.overloadpacket)
@@ -136,10 +143,29 @@ class OperatorRecorder(TorchDispatchMode):
         if name in _GEMMS or (flops and name in ("convolution", "convolution_backward", "_convolution")):
             shape = _gemm_shape(name, inputs, outputs, flops)
             weights = tuple((weight_inputs or weight_outputs)[0].shape[-2:]) if touches_param else ()
-            return Call("gemm", name, dtype, flops, moved, shape, False, touches_param, False, weights)
+            return Call("gemm", name, dtype, flops, moved, shape, False, touches_param, False, weights, expert)
         if flops:  # a FLOP-counted operator we have no shape model for: priced as a GEMM of its FLOPs
-            return Call("gemm", name, dtype, flops, moved, (), False, touches_param, False, ())
-        return Call("memory", name, dtype, 0.0, moved, (), False, touches_param, hidden_shaped, ())
+            return Call("gemm", name, dtype, flops, moved, (), False, touches_param, False, (), expert)
+        return Call("memory", name, dtype, 0.0, moved, (), False, touches_param, hidden_shaped, (), expert)
+
+    def _is_expert(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
+        """Whether a call is one of grouped experts' ([Note: expert operators]): every tensor of two
+        or more dims it reads or writes is grouped by expert (leading dim an expert count), and one
+        of them has three dims (token groups, stacked weights or their gradients)."""
+        if not self.expert_counts:
+            return False
+        shaped = [t for t in inputs + outputs if t.dim() >= 2]
+        return (any(t.dim() >= 3 for t in shaped)
+                and all(t.dim() >= 3 and int(t.shape[0]) in self.expert_counts for t in shaped))
+
+
+def _distinct_bytes(t: torch.Tensor) -> int:
+    """Bytes of the distinct elements of `t`: an expanded (stride-0) dim counts once."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
 
 
 def _gather_scatter_bytes(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> float | None:
@@ -150,12 +176,18 @@ def _gather_scatter_bytes(name: str, inputs: list[torch.Tensor], outputs: list[t
     - `embedding_dense_backward` accumulates a half-precision table's gradient in fp32 (torch's CUDA
       kernel uses the accumulate type, `acc_type<half>` = float, aten/src/ATen/native/cuda/Embedding.cu):
       zero-fill and write the fp32 table (4 + 4 bytes an element), read it and write the cast (4 + 2),
-      plus the incoming gradient.
+      plus the incoming gradient;
+    - `gather` / `scatter` / `scatter_add` read an index broadcast by `expand` (stride 0: the zoo's
+      MoE dispatch and combine expand one slot per token over the hidden dim, an int64 index four
+      times the bf16 tokens' size) once from memory, not once per element it stands for: each input
+      counts its distinct elements (`_distinct_bytes`).
     """
     if name == "nll_loss_forward":
         return float(sum(_nbytes(t) for t in outputs) + 2 * sum(_nbytes(t) for t in inputs[1:2]))
     if name == "nll_loss_backward":
         return float(2 * sum(_nbytes(t) for t in outputs))
+    if name in ("gather", "scatter", "scatter_add", "scatter_reduce") and len(inputs) >= 2:
+        return float(sum(_distinct_bytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs))
     if name == "embedding_dense_backward":
         table = outputs[0]
         per_element = 14.0 if table.element_size() == 2 else 2.0 * table.element_size()
@@ -184,11 +216,10 @@ def merge_batches(once: list[Call], twice: list[Call] | None, phase: str) -> tup
     batch, call for call), learn the batch axis of each GEMM and attention call and split a memory
     call's bytes into a part that grows with the batch and a fixed part; without it (or when the two
     passes differ), everything but the weight dims is taken to grow with the batch."""
-    paired = twice if twice is not None and len(twice) == len(once) and all(
-        a.name == b.name for a, b in zip(once, twice, strict=True)) else None
+    paired = _pair_calls(once, twice) if twice is not None else [None] * len(once)
     counts: Counter = Counter()
     for i, call in enumerate(once):
-        other = paired[i] if paired is not None else None
+        other = paired[i]
         batch_axis = None
         fixed = 0.0
         per_batch = call.bytes
@@ -206,11 +237,31 @@ def merge_batches(once: list[Call], twice: list[Call] | None, phase: str) -> tup
                 per_batch, fixed = 0.0, call.bytes
         tp_axis = _tp_axis(call, batch_axis)
         tp = "hidden" if call.kind == "memory" and call.hidden_shaped and not call.touches_param else "sharded"
+        if call.expert and call.kind in ("gemm", "memory"):
+            tp, tp_axis = "expert", None
         key = Op(kind=call.kind, phase=phase, name=call.name, dtype=call.dtype, count=1, flops=call.flops,
                  bytes=per_batch, fixed_bytes=fixed, shape=call.shape, batch_axis=batch_axis, tp_axis=tp_axis,
                  tp=tp, causal=call.causal)
         counts[key] += 1
     return tuple(Op(**{**{f: getattr(op, f) for f in Op.__slots__}, "count": n}) for op, n in counts.items())
+
+
+def _pair_calls(once: list[Call], twice: list[Call]) -> list[Call | None]:
+    """For each call of `once`, its counterpart in `twice` (the same pass at double the batch), or
+    None. Equal lists pair call for call. A pass that launches other kernels at the larger batch
+    (the zoo's MoE dispatch: `transpose(0, 1).reshape(...)` of a (batch, experts, ...) buffer is a
+    view at batch 1 and a copy at 2) pairs by aligning the operator names (the longest matching runs,
+    difflib's Ratcliff-Obershelp matching); a call left without a counterpart keeps the
+    single-recording guess. The extra kernels of the larger batch are not added (the profile's batch
+    does not launch them)."""
+    if len(twice) == len(once) and all(a.name == b.name for a, b in zip(once, twice, strict=True)):
+        return list(twice)
+    out: list[Call | None] = [None] * len(once)
+    matcher = difflib.SequenceMatcher(a=[c.name for c in once], b=[c.name for c in twice], autojunk=False)
+    for block in matcher.get_matching_blocks():
+        for j in range(block.size):
+            out[block.a + j] = twice[block.b + j]
+    return out
 
 
 def _tp_axis(call: Call, batch_axis: int | None) -> int | None:
@@ -231,6 +282,20 @@ def _tp_axis(call: Call, batch_axis: int | None) -> int | None:
         if matching:
             return matching[0]
     return max(candidates, key=lambda a: call.shape[a]) if candidates else None
+
+
+# [Note: expert operators]
+# A grouped-experts module (graph/experts.py) stacks its experts' weights with the expert first and
+# takes tokens grouped by expert, (experts, tokens, ...). The recorder marks as the experts' every
+# GEMM and memory-bound call whose tensors of two or more dims are all grouped by expert (leading dim
+# the leading dim of a 3-D parameter) and one of which has three: the grouped GEMMs, their weight
+# gradients and the gradients' accumulation, the activation between them. Such an Op has
+# `tp = "expert"`: tensor parallelism leaves it whole (the layout shards no expert: autoplan's
+# runtime keeps every tp rank's experts whole, cost/memory.py `param_counts`) and expert
+# parallelism splits its experts (cost/ops.py `scaled_op`: a GPU holds experts / ep of them and
+# computes them for the tokens of its ep group, so the weights' bytes divide by ep and the FLOPs do
+# not). The routing around the experts (router, top-k, the scatter into and gather from the token
+# groups) works on (batch, tokens, ...) tensors and stays the block's.
 
 
 # [Note: operators as a GPU runs them]
