@@ -11,7 +11,8 @@ stacks]) and the published step time. `predict` evaluates one run with the searc
 [Note: the published fit]
 The calibration numbers fitted here, per GPU chip (A100, H100): the GEMM share of peak and the
 flash-attention share (forward and backward alike); shared by both chips: the overlap slowdown
-(cost/comm.py [Note: overlap slowdown]) and the network efficiency. Megatron-LM 2021 runs under its
+(cost/comm.py [Note: overlap slowdown]), the network efficiency and FSDP's host time per unit and
+pass. Megatron-LM 2021 runs under its
 own stack (unfused attention, priced from GEMM and memory-bandwidth shares: cost/ops.py), so the
 SC'21 table constrains the A100 GEMM share with every other run. The objective is the sum of
 squared log errors of the step time; Levenberg-Marquardt (Marquardt 1963, "An Algorithm for
@@ -49,7 +50,7 @@ from autoplan.plan import Job, Plan
 from autoplan.search.evaluate import SearchContext, evaluate
 
 __all__ = ["DATA_DIR", "FIT_PARAMETERS", "SC21_STACK", "Prediction", "PublishedRun", "apply_parameters",
-           "calibrations_for", "chip", "chosen_dimensions", "fit", "load_runs", "neutral", "parameters_of", "predict",
+           "calibrations_for", "chip", "chosen_dimensions", "fit", "load_runs", "measured_start", "neutral", "parameters_of", "predict",
            "predict_all", "run_gpus", "shipped_by_chip", "summary"]
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
@@ -134,6 +135,11 @@ def _sc21_runs(data: dict) -> list[PublishedRun]:
     return runs
 
 
+_STACK_OF_SOURCE = {"torchtitan": "torchtitan"}
+"""Sources whose runs used a named stack other than the default (calibration.py [Note: software
+stacks]): torchtitan's `selective` activation checkpointing is its operator-level policy."""
+
+
 def _modern_runs(data: dict) -> list[PublishedRun]:
     runs = []
     for r in data["runs"]:
@@ -150,7 +156,8 @@ def _modern_runs(data: dict) -> list[PublishedRun]:
         runs.append(PublishedRun(
             id=r["id"], source=_source_name(r["source"]), regime=regime, model=r["model"]["spec"],
             cluster=f"{r['nodes']}x{r['gpus_per_node']}x{r['cluster_kind']}", seq_len=r["seq"],
-            global_batch=r["global_batch"], published_step_s=float(r["step_s"]), pins=pins, published=r["measured"]))
+            global_batch=r["global_batch"], published_step_s=float(r["step_s"]), pins=pins, published=r["measured"],
+            stack=_STACK_OF_SOURCE.get(_source_name(r["source"]))))
     return runs
 
 
@@ -250,11 +257,11 @@ def chip(gpu_name: str) -> str:
 
 
 FIT_PARAMETERS = ("A100.gemm", "A100.attention", "H100.gemm", "H100.attention", "overlap_slowdown",
-                  "network_efficiency")
+                  "network_efficiency", "fsdp_unit_overhead_s")
 """What [Note: the published fit] solves for."""
 
 _BOUNDS = {"gemm": (0.2, 0.95), "attention": (0.1, 0.9), "overlap_slowdown": (0.0, 0.6),
-           "network_efficiency": (0.3, 1.0)}
+           "network_efficiency": (0.3, 1.0), "fsdp_unit_overhead_s": (0.0, 0.01)}
 
 
 def _bounds(name: str) -> tuple[float, float]:
@@ -313,12 +320,35 @@ def shipped_by_chip(runs: Sequence[PublishedRun]) -> dict[str, Calibration]:
     return out
 
 
-NEUTRAL_START = {"gemm": 0.6, "attention": 0.5, "overlap_slowdown": 0.1, "network_efficiency": 0.8}
-"""Where leave-one-source-out refits start: round figures, not the full fit (which has seen the source)."""
+NEUTRAL_START = {"gemm": 0.6, "attention": 0.5, "overlap_slowdown": 0.1, "network_efficiency": 0.8,
+                 "fsdp_unit_overhead_s": 0.0005}
+"""Where leave-one-source-out refits start: round figures, not the full fit (which has seen the source).
+A chip with measurements of this project's own starts from them instead (`MEASURED_START`)."""
+
+MEASURED_BLOCKS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "fit_measured_blocks_{chip}.json"
+"""Block times this project measured on a GPU, fitted by benchmarks/fit_measured_blocks.py."""
+
+
+def measured_start(family: str) -> dict[str, float]:
+    """The GEMM and attention shares this project measured on `family`'s blocks, where it has them: the
+    attention share is the forward and backward ones combined as the fit uses one for both (the
+    backward does 2.5x the forward's FLOPs: Dao 2023, Sec. 3.1.2), 3.5 / (1 / fwd + 2.5 / bwd)."""
+    path = Path(str(MEASURED_BLOCKS).format(chip=family.lower()))
+    if not path.exists():
+        return {}
+    cal = json.loads(path.read_text())["calibration"]
+    fwd, bwd = cal["attention"]["fwd_efficiency"], cal["attention"]["bwd_efficiency"]
+    return {"gemm": cal["gemm"]["efficiency"]["bf16"], "attention": 3.5 / (1 / fwd + 2.5 / bwd)}
 
 
 def neutral(cals: dict[str, Calibration]) -> dict[str, Calibration]:
-    return apply_parameters(cals, [NEUTRAL_START[n.split(".")[-1]] for n in FIT_PARAMETERS])
+    """The starting point of a leave-one-source-out fit: measured shares where this project measured
+    the chip (a fit without any run on it keeps them), round figures elsewhere."""
+    values = []
+    for name in FIT_PARAMETERS:
+        family, what = name.split(".") if "." in name else ("", name)
+        values.append(measured_start(family).get(what, NEUTRAL_START[what]) if family else NEUTRAL_START[what])
+    return apply_parameters(cals, values)
 
 
 def _to_unit(values: np.ndarray) -> np.ndarray:

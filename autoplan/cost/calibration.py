@@ -49,7 +49,7 @@ from typing import Any
 from autoplan._files import read_json
 from autoplan.cluster import GPU, Cluster
 
-__all__ = ["ATTENTION_KERNELS", "CALIBRATION_SCHEMA", "DEFAULT_STACK", "STACK_FIELDS", "Calibration",
+__all__ = ["ATTENTION_KERNELS", "CALIBRATION_SCHEMA", "DEFAULT_STACK", "SELECTIVE_RECOMPUTE", "STACK_FIELDS", "Calibration",
            "CalibrationError", "Calibrations", "default_calibration", "load_calibration", "shipped_calibrations"]
 
 CALIBRATION_SCHEMA = 1
@@ -58,8 +58,13 @@ ATTENTION_KERNELS = ("flash", "unfused")
 """How attention runs: one fused kernel (flash attention), or GEMM + softmax + dropout + GEMM."""
 DEFAULT_STACK = "flash"
 """The stack a calibration describes unless it names another: today's, with flash attention."""
+SELECTIVE_RECOMPUTE = ("attention", "op")
+"""What `recompute = selective` recomputes: the attention core (Korthikanti et al. 2022, Sec. 5;
+autoplan's runtime and Megatron-LM), or torchtitan's operator-level policy ("op": every second
+matmul and the cheap operators, keeping attention's output; torchtitan
+`distributed/activation_checkpoint.py`, `_op_sac_save_list`)."""
 STACK_FIELDS = ("attention_kernel", "causal_work_fraction", "attention_fwd_efficiency", "attention_bwd_efficiency",
-                "overlap_slowdown")
+                "overlap_slowdown", "selective_recompute")
 """Fields a named stack may override ([Note: software stacks])."""
 
 
@@ -98,8 +103,14 @@ class Calibration:
     """Share of the inter-node link's nominal bandwidth that collectives achieve (NIC, PCIe and
     switch losses; nccl-tests busbw on InfiniBand/RoCE stays below line rate: NVIDIA, "NCCL tests
     PERFORMANCE.md"). Applied to links without measured curves (`Calibrations.effective_cluster`)."""
+    fsdp_unit_overhead_s: float = 0.0
+    """Host time per FSDP unit per pass that the GPU waits for (the unit's pre-/post-hooks, the
+    all-gather's and reduce-scatter's launches and copy-in/out: Zhao et al. 2023, "PyTorch FSDP",
+    VLDB 16(12), Sec. 4.3, on CPU-bound FSDP; cost/comm.py [Note: FSDP communication]); fitted."""
     attention_kernel: str = "flash"
     """`flash` or `unfused` ([Note: software stacks])."""
+    selective_recompute: str = "attention"
+    """What selective recompute recomputes (`SELECTIVE_RECOMPUTE`, [Note: software stacks])."""
     stack: str = DEFAULT_STACK
     """Name of the software stack these numbers describe ([Note: software stacks])."""
     stacks: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
@@ -144,10 +155,12 @@ class Calibration:
         }
         if self.overlap_slowdown:
             out["overlap"] = {"compute_slowdown": self.overlap_slowdown, "source": self.sources.get("overlap", "")}
+        if self.fsdp_unit_overhead_s:
+            out["fsdp"] = {"unit_overhead_s": self.fsdp_unit_overhead_s, "source": self.sources.get("fsdp", "")}
         if self.network_efficiency != 1.0:
             out["network"] = {"efficiency": self.network_efficiency, "source": self.sources.get("network", "")}
         out["stack"] = {"name": self.stack, "attention_kernel": self.attention_kernel,
-                        "source": self.sources.get("stack", "")}
+                        "selective_recompute": self.selective_recompute, "source": self.sources.get("stack", "")}
         if self.stacks:
             out["stacks"] = {k: dict(v) for k, v in self.stacks.items()}
         if self.collectives:
@@ -185,8 +198,16 @@ class Calibration:
         overlap = data.get("overlap") or {}
         network = data.get("network") or {}
         stack = data.get("stack") or {}
-        if not all(isinstance(x, dict) for x in (overlap, network, stack)):
-            raise CalibrationError(f"{where}: 'overlap', 'network' and 'stack' must be objects")
+        fsdp = data.get("fsdp") or {}
+        if not all(isinstance(x, dict) for x in (overlap, network, stack, fsdp)):
+            raise CalibrationError(f"{where}: 'overlap', 'network', 'fsdp' and 'stack' must be objects")
+        selective = stack.get("selective_recompute", "attention")
+        if selective not in SELECTIVE_RECOMPUTE:
+            raise CalibrationError(f"{where}: stack.selective_recompute must be one of {SELECTIVE_RECOMPUTE}, "
+                                   f"got {selective!r}")
+        unit_overhead = fsdp.get("unit_overhead_s", 0.0)
+        if isinstance(unit_overhead, bool) or not isinstance(unit_overhead, (int, float)) or not 0 <= unit_overhead < 1:
+            raise CalibrationError(f"{where}: fsdp.unit_overhead_s must be seconds in [0, 1), got {unit_overhead!r}")
         kernel = stack.get("attention_kernel", "flash")
         if kernel not in ATTENTION_KERNELS:
             raise CalibrationError(f"{where}: stack.attention_kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
@@ -200,13 +221,17 @@ class Calibration:
                                        f"{', '.join(STACK_FIELDS)} (and a note)")
             if variant.get("attention_kernel", "flash") not in ATTENTION_KERNELS:
                 raise CalibrationError(f"{where}: stack {name!r}: attention_kernel must be one of {ATTENTION_KERNELS}")
+            if variant.get("selective_recompute", "attention") not in SELECTIVE_RECOMPUTE:
+                raise CalibrationError(f"{where}: stack {name!r}: selective_recompute must be one of "
+                                       f"{SELECTIVE_RECOMPUTE}")
         slowdown = overlap.get("compute_slowdown", 0.0)
         if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown < 1:
             raise CalibrationError(f"{where}: overlap.compute_slowdown must be a number in [0, 1), got {slowdown!r}")
         sources = {"file": str(data.get("source", "")), "gemm": str(gemm.get("source", "")),
                    "attention": str(attention.get("source", "")), "memory": str(memory.get("source", "")),
                    "collectives": str(collectives.pop("source", "")), "overlap": str(overlap.get("source", "")),
-                   "network": str(network.get("source", "")), "stack": str(stack.get("source", ""))}
+                   "network": str(network.get("source", "")), "stack": str(stack.get("source", "")),
+                   "fsdp": str(fsdp.get("source", ""))}
         return cls(
             gpu=data["gpu"],
             gemm_efficiency={k: fraction("gemm.efficiency", k, v) for k, v in efficiency.items()},
@@ -218,7 +243,9 @@ class Calibration:
             kernel_floor_s=float(floor),
             overlap_slowdown=float(slowdown),
             network_efficiency=fraction("network", "efficiency", network.get("efficiency", 1.0)),
+            fsdp_unit_overhead_s=float(unit_overhead),
             attention_kernel=kernel,
+            selective_recompute=selective,
             stack=str(stack.get("name", DEFAULT_STACK)),
             stacks={k: dict(v) for k, v in stacks.items()},
             collectives=collectives,

@@ -92,10 +92,14 @@ def cpu_sharing(profile: ModelProfile, gpu: GPU, cluster: Cluster) -> tuple[floa
 
 def op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, sp: bool,
                    dtype: str, profile_dtype: str, ep: int = 1) -> tuple[float, float, float]:
-    """(forward, backward, attention forward) seconds of a block's operators at batch factor f on one of
-    tp tensor-parallel and ep expert-parallel ranks. Operators recorded in the profile's dtype run in
-    the job's."""
-    fwd = bwd = attention_fwd = 0.0
+    """(forward, backward, selective recompute) seconds of a block's operators at batch factor f on one
+    of tp tensor-parallel and ep expert-parallel ranks. Operators recorded in the profile's dtype run
+    in the job's. The third is what `recompute = selective` runs again under the calibration's stack
+    (`Calibration.selective_recompute`): the attention core (Korthikanti et al. 2022, Sec. 5), or
+    torchtitan's operator-level policy, which keeps every odd matmul's output and attention's and
+    recomputes every even matmul and the memory-bound operators (torchtitan
+    `distributed/activation_checkpoint.py`: half the forward GEMM time, all of its memory-bound time)."""
+    fwd = bwd = attention_fwd = gemm_fwd = memory_fwd = 0.0
     for op in block.ops:
         if op.dtype == profile_dtype and op.dtype != dtype:
             op = dataclasses.replace(op, dtype=dtype)
@@ -104,9 +108,14 @@ def op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, s
             fwd += seconds
             if op.kind == "attention":
                 attention_fwd += seconds
+            elif op.kind == "gemm":
+                gemm_fwd += seconds
+            else:
+                memory_fwd += seconds
         else:
             bwd += seconds
-    return fwd, bwd, attention_fwd
+    selective = attention_fwd if cal.selective_recompute == "attention" else gemm_fwd / 2 + memory_fwd
+    return fwd, bwd, selective
 
 
 def _flops_seconds(cal: Calibration, gpu: GPU, dtype: str, flops: float, attention: float, phase: str) -> float:
@@ -139,6 +148,9 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
         if b.kind in _RECOMPUTED_KINDS:
             if cfg.recompute == "full":
                 recompute_flops = fwd_flops  # Chen et al. 2016; Korthikanti et al. 2022, Sec. 5
+            elif cfg.recompute == "selective" and cal.selective_recompute == "op":
+                # torchtitan's operator-level policy: every second matmul ([Note: software stacks]).
+                recompute_flops = (fwd_flops - b.attention_core_fwd_flops * f / shard) / 2
             elif cfg.recompute == "selective":
                 recompute_flops = b.attention_core_fwd_flops * f / shard  # Korthikanti et al. 2022, Sec. 5
         if profile.is_timed and b.fwd_time_s is not None:
@@ -158,12 +170,12 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             if key not in by_fingerprint:
                 by_fingerprint[key] = op_pass_times(b, cal, gpu, f, op_tp, cfg.sequence_parallel, dtype, profile.dtype,
                                                     cfg.ep)
-            f_s, b_s, attention_s = by_fingerprint[key]
+            f_s, b_s, selective_s = by_fingerprint[key]
             divide = shard if whole else 1.0
             fwd[i] = f_s / divide
             recompute_s = 0.0
             if b.kind in _RECOMPUTED_KINDS:
-                recompute_s = {"full": f_s, "selective": attention_s}.get(cfg.recompute, 0.0)
+                recompute_s = {"full": f_s, "selective": selective_s}.get(cfg.recompute, 0.0)
             bwd[i] = (b_s + recompute_s) / divide
         else:
             # A profile without operators (schema 1): FLOPs at the calibrated shares.

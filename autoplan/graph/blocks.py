@@ -58,7 +58,9 @@ class Op:
     attention); None: see `tp`."""
     tp: str = "sharded"
     """How tensor parallelism splits a memory op: `sharded` (divides by tp), `hidden` (a tensor of
-    the hidden size: replicated, divided by tp only under sequence parallelism)."""
+    the hidden size: replicated, divided by tp only under sequence parallelism), `expert` (an
+    experts' operator: whole on every tp rank; expert parallelism divides its weights' bytes by ep
+    and gathers ep times the tokens per expert, cost/ops.py `scaled_op`)."""
     causal: bool = False
     """Attention with a causal mask."""
 

@@ -760,7 +760,8 @@ def _fsdp_exposed(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[in
     pp_gpus = _stage_gpus(ctx.cluster, cfg)
     for k, (a, b) in enumerate(ranges):
         p = k % cfg.pp
-        slowdown = ctx.calibration(pp_gpus[p]).overlap_slowdown
+        cal = ctx.calibration(pp_gpus[p])
+        slowdown = cal.overlap_slowdown
         gather, reduce = ctx.fsdp_unit_times(cfg, p)
         f, g = ctx.block_passes(stage_times[k])
         gather, reduce, f, g = gather[a:b], reduce[a:b], f[a:b], g[a:b]
@@ -775,6 +776,13 @@ def _fsdp_exposed(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[in
                                         reduce[::-1] if per_microbatch_reduce else None, slowdown=slowdown)
         if not per_microbatch_reduce:
             tail[p] += float(reduce.sum())
+        # Host time per unit and pass the GPU waits for (calibration `fsdp_unit_overhead_s`): units
+        # that communicate in this pass (every unit with parameters).
+        units = float(np.count_nonzero(gather))
+        if cfg.zero == 3:
+            fwd[k] += units * cal.fsdp_unit_overhead_s
+        if cfg.zero == 3 or per_microbatch_reduce:
+            bwd[k] += units * cal.fsdp_unit_overhead_s
     return _FsdpExposed(fwd, bwd, tail)
 
 
