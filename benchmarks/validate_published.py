@@ -130,8 +130,8 @@ def _write_calibrations(cals: dict[str, Calibration], runs: list[PublishedRun]) 
             continue
         old = json.loads(path.read_text())
         new = cal.to_dict()
-        new["source"] = (f"{cal.gpu}: GEMM and flash-attention shares, overlap slowdown and network efficiency "
-                         f"fitted to published runs; memory bandwidth and kernel floor as before")
+        new["source"] = (f"{cal.gpu}: GEMM and flash-attention shares, overlap slowdown, network efficiency and FSDP "
+                         f"host time per unit fitted to published runs; memory bandwidth and kernel floor as before")
         new["gemm"]["source"] = note
         new["attention"]["source"] = note + ("; forward and backward share one value; causal work fraction 0.5 "
                                              "(flash attention skips masked tiles, Dao 2023)")
@@ -141,6 +141,8 @@ def _write_calibrations(cals: dict[str, Calibration], runs: list[PublishedRun]) 
         new["fsdp"] = {"unit_overhead_s": cal.fsdp_unit_overhead_s, "source": note}
         if "measurements" in old:
             new["measurements"] = old["measurements"]
+            new["source"] += ("; this project's block times measured on the GPU are kept under 'measurements' "
+                              "(benchmarks/fit_measured_blocks.py, which fitted them alone: docs/cost-model.md)")
         path.write_text(json.dumps(new, indent=2) + "\n")
         _log(f"wrote {path.relative_to(ROOT)} ({family})")
 
@@ -227,7 +229,7 @@ def main() -> int:
         candidates = [fit(fitted_runs, start, progress=_log)[0] for start in (neutral(shipped), shipped)]
         shipped = min(candidates, key=lambda cals: _rms(fitted_runs, cals))
         _write_calibrations(shipped, fitted_runs)
-        print(f"fitted on all {len(runs)} runs: {_describe(shipped)}")
+        print(f"fitted on {len(fitted_runs)} runs: {_describe(shipped)}")
     gpus = run_gpus(runs)
     first = predict_all(runs, calibrations_for(shipped, gpus))
     predictions = predict_all(runs, calibrations_for(shipped, gpus), chosen_dimensions(first))

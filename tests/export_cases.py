@@ -9,7 +9,8 @@ import functools
 import autoplan
 
 # A small Llama (GQA, untied embeddings) whose head is heavy enough (128k vocabulary) that the
-# planner gives the output layer a stage of its own: cuts [2, 3, 3, 0] layers at pp = 4.
+# planner gives the output layer (with the final norm: search/evaluate.py [Note: final norm with
+# the head]) a stage of its own: no transformer layer on the last stage at pp = 4.
 LLAMA = "llama:num_layers=8,hidden_size=512,num_heads=8,num_kv_heads=4,vocab_size=128000,max_seq_len=512"
 SMALL_LLAMA = "llama:num_layers=12,hidden_size=256,num_heads=4,num_kv_heads=2,vocab_size=32000,max_seq_len=512"
 GPT = "gpt:num_layers=8,hidden_size=256,num_heads=4,vocab_size=1024,max_seq_len=256"
@@ -22,7 +23,7 @@ def _suggest(model: str, cluster: str, global_batch: int, seq_len: int, **pins):
 CASE_PINS: dict[str, tuple[str, str, int, int, dict]] = {
     # (model, cluster, global batch, sequence length, pins)
     "default": (SMALL_LLAMA, "1x8xA100-80GB", 32, 512, {}),
-    "preset-llama3-8b": ("llama3-8b", "1x8xH100-80GB", 32, 2048, {}),
+    "preset-llama3-8b": ("llama3-8b", "1x8xH100-80GB", 32, 2048, dict(tp=1, pp=1, zero=2)),  # FSDP2 over 8
     "interleaved-uneven": (SMALL_LLAMA, "1x4xA100-80GB", 16, 512,
                            dict(pp=2, dp=2, tp=1, schedule="interleaved-1f1b", virtual_stages=3, zero=1)),
     "zb-h1": (SMALL_LLAMA, "1x4xA100-80GB", 16, 512, dict(pp=4, tp=1, dp=1, schedule="zb-h1")),

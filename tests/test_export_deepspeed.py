@@ -39,23 +39,23 @@ from autoplan.report.export.deepspeed import (
 EXPECTED = {
     "default": [],
     "preset-llama3-8b": [],  # zero 2 with pp 1: DeepSpeed's ZeRO-2
-    "interleaved-uneven": ["interleaved-1f1b with 3 stages per rank"],  # merged rank cuts [8, 7] are "uniform"
+    "interleaved-uneven": ["interleaved-1f1b with 3 stages per rank"],  # merged rank cuts [7, 8]: a type method
     "zb-h1": ["zb-h1: ", "stage cuts: "],
     "zero2": ["zero 2 with pipeline parallelism", "stage cuts: "],
     "selective-sp": ["recompute selective"],
-    "empty-last-stage": ["stage cuts: "],
+    "empty-last-stage": [],  # norm and head together on the last stage: uniform [0, 3, 6, 9, 11]
     "pp1-many-microbatches": [],
     "tp-zero0": [],
     "gpt": [],
 }
 # The partition method written for each pp > 1 case, and the cuts DeepSpeed computes from it.
 METHODS = {
-    "interleaved-uneven": ("uniform", [0, 8, 15]),
+    "interleaved-uneven": ("type:TransformerLayerPipe", [0, 7, 15]),
     "zero2": ("uniform", [0, 8, 15]),
     "selective-sp": ("uniform", [0, 8, 15]),
     "tp-zero0": ("uniform", [0, 8, 15]),
     "gpt": ("type:TransformerLayerPipe", [0, 5, 11]),  # 4 + 4 layers, embedding first, norm + head last
-    "empty-last-stage": ("uniform", [0, 3, 6, 9, 11]),  # the plan's [0, 3, 6, 10, 11] is no method's
+    "empty-last-stage": ("uniform", [0, 3, 6, 9, 11]),
     # the plan's [0, 5, 9, 13, 15] (4, 4, 4, 0 layers) is no method's; one block off: 4, 4, 3, 1 layers
     "zb-h1": ("type:TransformerLayerPipe|HeadPipe|NormPipe", [0, 5, 9, 12, 15]),
 }
@@ -126,7 +126,12 @@ def test_the_pipeline_module_arguments_reproduce_the_cuts_or_say_which_they_give
 
 
 def test_the_nearest_cuts_are_stated_layer_by_layer():
-    export, _ = _approx(case("empty-last-stage"))
+    # The planner keeps the final norm with the head (search/evaluate.py [Note: final norm with the
+    # head]); cut by hand at [0, 3, 6, 10, 11], the plan is no partition_method's.
+    plan = case("empty-last-stage")
+    stages = tuple(dataclasses.replace(s, first_block=a, end_block=b)
+                   for s, (a, b) in zip(plan.stages, itertools.pairwise([0, 3, 6, 10, 11]), strict=True))
+    export, _ = _approx(dataclasses.replace(plan, stages=stages))
     (cuts,) = [d for d in export.differences if d.startswith("stage cuts")]
     assert "[0, 3, 6, 10, 11]" in cuts and 'partition_method="uniform"' in cuts and "[0, 3, 6, 9, 11]" in cuts
     assert "stage 2: 3 blocks, 3 transformer layers (layers.5 .. layers.7)" in cuts
@@ -134,11 +139,11 @@ def test_the_nearest_cuts_are_stated_layer_by_layer():
 
 
 def test_interleaved_stages_merge_per_rank_before_the_cuts_are_matched():
-    plan = case("interleaved-uneven")  # cuts [0, 3, 5, 7, 10, 13, 15]: ranks hold 3+2+3 and 2+3+2 blocks
+    plan = case("interleaved-uneven")  # cuts [0, 3, 6, 8, 11, 13, 15]: ranks hold 3+2+2 and 3+3+2 blocks
     assert [s.pp_rank for s in plan.stages] == [0, 1, 0, 1, 0, 1]
     export, doc = _approx(plan)
-    assert "(rank 0: 8 blocks, rank 1: 7 blocks)" in export.differences[0]
-    assert doc["autoplan_pipeline_module"]["parts"] == [0, 8, 15] and len(export.differences) == 1
+    assert "(rank 0: 7 blocks, rank 1: 8 blocks)" in export.differences[0]
+    assert doc["autoplan_pipeline_module"]["parts"] == [0, 7, 15] and len(export.differences) == 1
     cuts = [0, 4, 5, 7, 10, 13, 15]  # ranks: 4+2+3 = 9 and 1+3+2 = 6 blocks, which no method gives
     stages = tuple(dataclasses.replace(s, first_block=a, end_block=b)
                    for s, (a, b) in zip(plan.stages, itertools.pairwise(cuts), strict=True))

@@ -95,7 +95,7 @@ def test_shipped_calibrations_cover_a100_and_h100_and_say_where_they_come_from()
     for name in ("A100-SXM4-80GB", "H100-SXM-80GB"):
         assert "validate_published.py --write" in shipped[name].sources["gemm"]
         assert "megatron-lm-2021" in shipped[name].stacks
-    assert "measured by this project" in shipped["H100-SXM-80GB"].sources["file"]
+    assert "block times measured on the GPU" in shipped["H100-SXM-80GB"].sources["file"]
     assert shipped["H100-SXM-80GB"].measurements["points"]
     # Same chip, other memory size: the A100 file; an unknown type: assumed, and it says so.
     assert default_calibration(get_gpu("A100-SXM4-40GB")).gemm_efficiency == shipped["A100-SXM4-80GB"].gemm_efficiency

@@ -64,7 +64,7 @@ autoplan's runtime and Megatron-LM), or torchtitan's operator-level policy ("op"
 matmul and the cheap operators, keeping attention's output; torchtitan
 `distributed/activation_checkpoint.py`, `_op_sac_save_list`)."""
 STACK_FIELDS = ("attention_kernel", "causal_work_fraction", "attention_fwd_efficiency", "attention_bwd_efficiency",
-                "overlap_slowdown", "selective_recompute")
+                "overlap_slowdown", "selective_recompute", "overlap_grad_reduce", "p2p_blocking")
 """Fields a named stack may override ([Note: software stacks])."""
 
 
@@ -111,6 +111,16 @@ class Calibration:
     """`flash` or `unfused` ([Note: software stacks])."""
     selective_recompute: str = "attention"
     """What selective recompute recomputes (`SELECTIVE_RECOMPUTE`, [Note: software stacks])."""
+    p2p_blocking: bool = False
+    """Whether a pipeline transfer blocks its sender and receiver: Megatron-LM's p2p_communication
+    waited on every request and then synchronized the device ("to protect against race condition
+    when using batch_isend_irecv()") until `--overlap-p2p-communication`; autoplan's executor and
+    today's stacks overlap transfers with compute (search/evaluate.py [Note: blocking P2P])."""
+    overlap_grad_reduce: bool = True
+    """Whether the data-parallel gradient all-reduce (zero 0 / 1) runs in buckets during the last
+    backward (PyTorch DDP, Li et al. 2020, Sec. 3.2.3; Megatron-LM's `--overlap-grad-reduce` since
+    September 2023, commit e801b2b) or after it, whole (Megatron-LM before then: its DDP reduced one
+    contiguous gradient buffer once the backward had finished)."""
     stack: str = DEFAULT_STACK
     """Name of the software stack these numbers describe ([Note: software stacks])."""
     stacks: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
@@ -160,7 +170,9 @@ class Calibration:
         if self.network_efficiency != 1.0:
             out["network"] = {"efficiency": self.network_efficiency, "source": self.sources.get("network", "")}
         out["stack"] = {"name": self.stack, "attention_kernel": self.attention_kernel,
-                        "selective_recompute": self.selective_recompute, "source": self.sources.get("stack", "")}
+                        "selective_recompute": self.selective_recompute,
+                        "overlap_grad_reduce": self.overlap_grad_reduce, "p2p_blocking": self.p2p_blocking,
+                        "source": self.sources.get("stack", "")}
         if self.stacks:
             out["stacks"] = {k: dict(v) for k, v in self.stacks.items()}
         if self.collectives:
@@ -221,6 +233,9 @@ class Calibration:
                                        f"{', '.join(STACK_FIELDS)} (and a note)")
             if variant.get("attention_kernel", "flash") not in ATTENTION_KERNELS:
                 raise CalibrationError(f"{where}: stack {name!r}: attention_kernel must be one of {ATTENTION_KERNELS}")
+            for flag in ("overlap_grad_reduce", "p2p_blocking"):
+                if not isinstance(variant.get(flag, True), bool):
+                    raise CalibrationError(f"{where}: stack {name!r}: {flag} must be true or false")
             if variant.get("selective_recompute", "attention") not in SELECTIVE_RECOMPUTE:
                 raise CalibrationError(f"{where}: stack {name!r}: selective_recompute must be one of "
                                        f"{SELECTIVE_RECOMPUTE}")
@@ -246,6 +261,8 @@ class Calibration:
             fsdp_unit_overhead_s=float(unit_overhead),
             attention_kernel=kernel,
             selective_recompute=selective,
+            overlap_grad_reduce=bool(stack.get("overlap_grad_reduce", True)),
+            p2p_blocking=bool(stack.get("p2p_blocking", False)),
             stack=str(stack.get("name", DEFAULT_STACK)),
             stacks={k: dict(v) for k, v in stacks.items()},
             collectives=collectives,

@@ -84,13 +84,16 @@ def dp_reduction_exposed_s(
     backward_s: float,
     bucket_bytes: float = DDP_BUCKET_BYTES,
     slowdown: float = 0.0,
+    overlap: bool = True,
 ) -> float:
     """Seconds of the bucketed gradient all-reduce over `ranks` left after the backward ends
     ([Note: DP buckets]), plus what the part hidden behind the backward costs it ([Note: overlap
     slowdown]). `backward_s` is the last backward pass on the rank, during which the `grad_bytes`
-    of gradients become ready."""
+    of gradients become ready. `overlap=False`: a stack that reduces after the backward, whole."""
     if len(ranks) <= 1 or grad_bytes <= 0:
         return 0.0
+    if not overlap:  # one all-reduce of the whole buffer after the backward (calibration `overlap_grad_reduce`)
+        return allreduce_time_s(cluster, ranks, grad_bytes)
     if not bucket_bytes > 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes!r}")
     backward_s = max(0.0, backward_s)

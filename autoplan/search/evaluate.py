@@ -168,6 +168,13 @@ class SearchContext:
         self.gpu_types = cluster.gpu_types
         self.cluster_dict = cluster.to_dict()
         self.legal = np.array([c.legal for c in profile.cuts], dtype=bool)
+        # [Note: final norm with the head] A final norm stays on the head's stage: Megatron-LM builds
+        # it there (TransformerBlock's final layernorm on the post-process stage) and torchtitan's
+        # pipeline splits keep `norm` with `output`; a cut between them saves no time worth having
+        # (a norm is a few microseconds) and makes the plan inexpressible in both (report/export).
+        kinds = [b.kind for b in profile.blocks]
+        if len(kinds) >= 3 and kinds[-1] == "head" and kinds[-2] == "norm" and len(self.legal):
+            self.legal[-1] = False
         # Model FLOPs per sequence (forward + backward, no recompute), for MFU.
         self.model_flops_per_seq = profile.flops / profile.batch_size
         self._cache: dict[tuple, object] = {}
@@ -618,8 +625,9 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
             # Bucketed reduction behind the last backward pass on this rank ([Note: DP buckets] in
             # cost/comm.py; PyTorch DDP, Li et al. 2020, Sec. 3.2.3): only what runs past it is exposed.
             dp_ranks = [cfg.rank(p, d, 0) for d in range(cfg.dp)]
+            cal = ctx.calibration(pp_gpus[p])
             exposed = dp_reduction_exposed_s(cluster, dp_ranks, rank_params * grad_b, bwd_s[mine[0]],
-                                             slowdown=ctx.calibration(pp_gpus[p]).overlap_slowdown)
+                                             slowdown=cal.overlap_slowdown, overlap=cal.overlap_grad_reduce)
         shards = cfg.dp_shard if cfg.zero >= 2 else cfg.dp if cfg.zero == 1 else 1
         opt = optimizer_time_s(pp_gpus[p], (rank_params + expert_shard_surplus(profile, cfg, [ranges[k] for k in mine]))
                                / shards)
@@ -629,6 +637,18 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
 
     delays_f = [comm_time(s - 1, s, ActionKind.F) if cfg.pp > 1 else 0.0 for s in range(1, num_stages)]
     delays_b = [comm_time(s + 1, s, ActionKind.B) if cfg.pp > 1 else 0.0 for s in range(num_stages - 1)]
+    sim_comm = comm_time if cfg.pp > 1 else None
+    if cfg.pp > 1 and ctx.calibration(pp_gpus[0]).p2p_blocking:
+        # [Note: blocking P2P] A stack whose transfers block both ends (calibration `p2p_blocking`):
+        # each action also spends its receive and its send, and nothing travels while it computes.
+        blocked = dict(durations)
+        blocked[ActionKind.F] = [t + (delays_f[k - 1] if k > 0 else 0.0) + (delays_f[k] if k < num_stages - 1 else 0.0)
+                                 for k, t in enumerate(durations[ActionKind.F])]
+        blocked[ActionKind.B] = [t + (delays_b[k] if k < num_stages - 1 else 0.0) + (delays_b[k - 1] if k > 0 else 0.0)
+                                 for k, t in enumerate(durations[ActionKind.B])]
+        durations = blocked
+        delays_f, delays_b = [0.0] * len(delays_f), [0.0] * len(delays_b)
+        sim_comm = None
     if cutoff_s < float("inf"):
         bound = simulated_step_lower_bound(cfg, durations, delays_f, delays_b, tails)
         # The margin covers rounding: the bound adds the same terms as the simulator in another order.
@@ -648,12 +668,12 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
     if sim is None:
         schedule = make_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
         if sharing is None:
-            sim = simulate(schedule, durations, comm_time if cfg.pp > 1 else None, tails)
+            sim = simulate(schedule, durations, sim_comm, tails)
         else:
             # Each simulated rank stands for its dp x tp peers, which compute the same actions at the
             # same moments: they share the cores too.
             threads, cores = sharing
-            sim = simulate_shared_cores(schedule, compute_time, comm_time if cfg.pp > 1 else None, tails,
+            sim = simulate_shared_cores(schedule, lambda a: durations[a.kind][a.stage], sim_comm, tails,
                                         threads * cfg.dp * cfg.tp, cores)
         ctx.simulations[sim_key] = sim
     step = sim.makespan_s
