@@ -1,6 +1,12 @@
 """How fast `autoplan.suggest` answers, tracing and profiling included (timed after `import autoplan`).
 
     python benchmarks/search_speed.py [--json out.json]
+    python benchmarks/search_speed.py --against ../other-checkout    # side by side: ratio of search times
+
+`--against PATH` runs each case's search (warm profile, in one process, five times) under this
+checkout and under the checkout at PATH in alternating fresh processes, twice each, and reports the
+ratio of the fastest searches (a change's effect on search time, on the same machine in one run;
+e.g. `git worktree add ../before HEAD~5`).
 
 Cases: gpt3-175b on 128 x 8 A100-80GB (global batch 1536, seq 2048; target 2 s on a 2-core machine),
 and a 16k-GPU case, llama3-405b on 2048 x 8 H100-80GB (global batch 2048, seq 8192).
@@ -51,14 +57,55 @@ def _child(case: tuple, cache_dir: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+_REPEATED = """
+import sys, time, json
+sys.path.insert(0, {root!r})
+import autoplan
+from autoplan.api import suggest_with_stats
+times = []
+for _ in range(5):
+    started = time.perf_counter()
+    suggest_with_stats({model!r}, {cluster!r}, global_batch={batch}, seq_len={seq}, top=5)
+    times.append(time.perf_counter() - started)
+print(json.dumps(min(times[1:])))
+"""
+
+
+def _fastest_search(root: str, case: tuple, cache_dir: str) -> float:
+    """The fastest of four warm searches of `case` with the autoplan package under `root`."""
+    model, cluster, batch, seq = case
+    code = _REPEATED.format(root=root, model=model, cluster=cluster, batch=batch, seq=seq)
+    env = dict(os.environ, AUTOPLAN_CACHE_DIR=cache_dir, PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,
+                         cwd=tempfile.gettempdir())
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def compare(other: str) -> int:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    print(f"{'model':<12} {'cluster':<18} {'this s':>8} {'other s':>8} {'ratio':>6}")
+    for case in CASES:
+        with tempfile.TemporaryDirectory(prefix="autoplan-bench-") as cache_dir:
+            best = {"this": [], "other": []}
+            for _ in range(2):
+                for name, root in (("other", other), ("this", here)):
+                    best[name].append(_fastest_search(root, case, os.path.join(cache_dir, name)))
+        this, that = min(best["this"]), min(best["other"])
+        print(f"{case[0]:<12} {case[1]:<18} {this:>8.3f} {that:>8.3f} {this / that:>6.2f}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
+    parser.add_argument("--against", metavar="PATH", help="another checkout to compare search times with")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one case, in this process
     args = parser.parse_args()
     if args.one:
         print(json.dumps(_one(*json.loads(args.one))))
         return 0
+    if args.against:
+        return compare(os.path.abspath(args.against))
 
     rows = []
     print(f"{'model':<12} {'cluster':<18} {'GPUs':>6} {'cold s':>7} {'warm s':>7} {'search s':>9} {'evaluated':>9} "
