@@ -262,15 +262,20 @@ def kv_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelCo
     all-gather of N bytes over n ranks costs (n - 1) alpha + (n - 1)/n N / beta, Thakur et al. 2005,
     `allgather_time_s`). Not overlapped with compute (Llama 3 notes the all-gather is exposed but
     small beside long-context attention). The cp group is cp consecutive dp ranks."""
-    kv = gathered_kv_bytes(profile, cfg)
     ranks = [cfg.rank(0, d, 0) for d in range(cfg.cp)]
+    return _priced_once(gathered_kv_bytes(profile, cfg), lambda n: allgather_time_s(cluster, ranks, n))
+
+
+def _priced_once(num_bytes: np.ndarray, price) -> np.ndarray:
+    """`price(n)` for every positive entry of `num_bytes` (0 elsewhere), each distinct size priced once
+    (a transformer's layers all move the same bytes)."""
     priced: dict[float, float] = {}
-    out = np.zeros(profile.num_blocks)
-    for i, num_bytes in enumerate(kv):
-        if num_bytes > 0:
-            if num_bytes not in priced:
-                priced[num_bytes] = allgather_time_s(cluster, ranks, float(num_bytes))
-            out[i] = priced[num_bytes]
+    out = np.zeros(len(num_bytes))
+    for i, n in enumerate(num_bytes):
+        if n > 0:
+            if n not in priced:
+                priced[n] = price(float(n))
+            out[i] = priced[n]
     return out
 
 
@@ -298,15 +303,7 @@ def expert_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: Parall
     if cfg.ep == 1 or not sent.any():
         return np.zeros(profile.num_blocks)
     ranks = [cfg.rank(0, d, 0) for d in range(cfg.ep)]
-    buffer = sent * _scale(profile, cfg)
-    priced: dict[float, float] = {}
-    out = np.zeros(profile.num_blocks)
-    for i, num_bytes in enumerate(buffer):
-        if num_bytes > 0:
-            if num_bytes not in priced:
-                priced[num_bytes] = all_to_all_time_s(cluster, ranks, float(num_bytes))
-            out[i] = 2 * priced[num_bytes]
-    return out
+    return 2 * _priced_once(sent * _scale(profile, cfg), lambda n: all_to_all_time_s(cluster, ranks, n))
 
 
 def all_to_all_time_s(cluster: Cluster, ranks: list[int], num_bytes: float) -> float:
