@@ -132,7 +132,7 @@ def test_allowance_bounds_every_recorded_h100_run():
 
 @pytest.mark.parametrize(("zero", "dp", "replicate", "per_param"), [
     (0, 2, 1, (6, 4, 8)),          # bf16 working weight + fp32 master, fp32 gradient, Adam's moments
-    (1, 2, 1, (6, 4, 8 / 2)),      # ZeroRedundancyOptimizer shards Adam's state only
+    (1, 2, 1, (2 + 4 / 2, 4, 8 / 2)),  # the fp32 masters and Adam's state over dp (Megatron-LM's 2 + 4 + 12/dp)
     (2, 4, 1, (4 / 4, 4 / 4, 8 / 4)),  # FSDP2: fp32 shard, fp32 gradient shard, Adam of the shard
     (3, 4, 1, (4 / 4, 4 / 4, 8 / 4)),
     (3, 4, 2, (4 / 2, 4 / 2, 8 / 2)),  # HSDP: sharded over dp / dp_replicate = 2 ranks

@@ -29,9 +29,6 @@ GIB = 2**30
 
 # Still declared out of memory, and why (cost/memory.py; docs/cost-model.md, "Memory").
 STILL_OOM = {
-    "zoo_q235_tp4_ep8_pp8": (
-        "autoplan's zero 1 keeps the fp32 masters whole (6 + 4 + 8/dp bytes a parameter; Megatron's "
-        "distributed optimizer shards them: 2 + 4 + 12/dp): 3.6e9 parameters x 4 bytes = 13 GiB"),
     "llama3_405b_8k_8192gpus": (
         "interleaved 1F1B in Megatron-LM's order holds L (1 + (p-1)/(pv)) layers of activations on the "
         "first rank; 126 layers of Llama 3 405B at 8K are 70+ GiB at tp 8 with sequence parallelism "

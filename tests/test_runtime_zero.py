@@ -111,3 +111,60 @@ def _restore(rank, world_size, plan, path):
     names = {id(p): n for n, p in pm.named_parameters()}
     torch.distributed.barrier()  # restore is not collective: rank 0's store stays up until all are done
     return {names[id(p)]: s["exp_avg"].clone() for p, s in optimizer.state.items()}
+
+
+@pytest.mark.timeout(200)
+def test_a_bf16_zero_1_checkpoint_takes_each_master_from_its_owner_and_restores_exactly(tmp_path):
+    """bf16 tp 2 x dp 2: a rank holds the fp32 masters it owns only (runtime/precision.py
+    `release_masters`), so each master's fp32 values in the checkpoint are its owner's; they equal a
+    replicated optimizer's, and restore bit for bit into another layout with ZeRO-1 (the masters this
+    rank owns there; the others' bf16 working copies are the saved values rounded) and without."""
+    from autoplan.runtime.checkpoint import load_checkpoint
+
+    plans = [_plan_with(GPT, 1, tp=2, dp=2, zero=z, dtype="bfloat16") for z in (0, 1)]
+    results = run_ranks(_train, 4, plans, str(tmp_path), timeout_s=140)
+    replicated, sharded = (load_checkpoint(results[0][i]["checkpoint"]) for i in (0, 1))
+    assert set(sharded.params) == set(replicated.params)
+    for name, value in replicated.params.items():
+        assert sharded.params[name].dtype == value.dtype, name
+        assert not sharded.params[name].isnan().any(), name  # no rank wrote a master it does not hold
+        torch.testing.assert_close(sharded.params[name], value, rtol=1e-6, atol=1e-7)
+    others = [_plan_with(GPT, 2, dp=2, zero=1, dtype="bfloat16"), _plan_with(GPT, 2, dp=2, zero=0, dtype="bfloat16")]
+    restored = run_ranks(_restore_values, 4, others, results[0][1]["checkpoint"], timeout_s=120)
+    for layout in (0, 1):
+        held = [n for r in restored for n in restored[r][layout]["held"]]
+        model = {n for r in restored for n in restored[r][layout]["values"]}
+        if layout == 0:  # zero 1: each master held by one rank of its stage's dp group
+            assert sorted(held) == sorted(model), layout
+        else:  # zero 0: by every rank of its stage
+            assert set(held) == model and len(held) == 2 * len(model), layout
+        for r in restored:
+            for name, value in restored[r][layout]["values"].items():
+                expected = sharded.params[name]
+                if name not in restored[r][layout]["held"]:
+                    expected = expected.to(torch.bfloat16)
+                assert value.dtype == expected.dtype and torch.equal(value, expected), (layout, r, name)
+            for name, exp_avg in restored[r][layout]["exp_avg"].items():
+                assert torch.equal(exp_avg, sharded.optimizer_state[name]["exp_avg"]), (layout, r, name)
+
+
+def _restore_values(rank, world_size, plans, path):
+    from autoplan.runtime import checkpoint as ckpt
+    from autoplan.runtime import partition
+
+    out = []
+    for plan in plans:
+        pm = partition(GPT, plan, device="cpu", seed=1)
+        optimizer = pm.make_optimizer(torch.optim.AdamW, lr=1e-2)
+        ckpt.restore(ckpt.load_checkpoint(path), pm, optimizer, strict=True)
+        names = {id(p): n for n, p in pm.named_parameters()}
+        state = pm.state_dict()
+        working = {n: w for s in pm.stages.values() for n, w in s.module.named_parameters()}
+        held = [n for n, p in pm.named_parameters() if pm.holds_values(p)]
+        for n in held:  # the working copies follow the masters this rank holds
+            assert torch.equal(working[n], state[n].to(torch.bfloat16)), n
+        out.append({"values": {n: state[n].clone() for n in names.values()}, "held": held,
+                    "exp_avg": {names[id(p)]: s["exp_avg"].clone()
+                                for p, s in ckpt.local_optimizer(optimizer).state.items()}})
+        torch.distributed.barrier()
+    return out

@@ -11,15 +11,19 @@ bytes per parameter short of what either runtime allocates. In fp32 training: 4 
 what the runtime holds between steps at each ZeRO level (`persistent_bytes_per_param`):
 
     zero 0 (replicated):                    6 + 4 + 8             (fp32: 4 + 4 + 8)
-    zero 1 (runtime/optimizer.py):          6 + 4 + 8 / dp        (fp32: 4 + 4 + 8 / dp; at any tp:
-                                                                   Adam's state of the rank's tp
-                                                                   shards, split over its dp group)
+    zero 1 (runtime/optimizer.py):          2 + 4/dp + 4 + 8 / dp (fp32: 4 + 4 + 8 / dp; at any tp:
+                                                                   the fp32 masters and Adam's state
+                                                                   of the rank's tp shards, split
+                                                                   over its dp group)
     zero 2, 3 (FSDP2 over dp_shard ranks):  (4 + 4 + 8) / dp_shard
 
-ZeRO-1 here shards Adam's state only (whole parameters to each dp rank, as torch's
-ZeroRedundancyOptimizer does): the fp32 masters stay whole on every dp rank, 4 (1 - 1/dp) bytes
-per parameter more than the ZeRO paper's P_os (Rajbhandari et al. 2020, Fig. 1) and Megatron-LM's
-distributed optimizer, which shard the masters too. FSDP2 (`fully_shard`, Zhao et al. 2023, "PyTorch
+ZeRO-1 here is Megatron-LM's distributed optimizer's 2 + 4 + 12 / dp (its docs' table, "bf16 param,
+fp32 grads": 4 + 16 / dp with bf16 gradients, here the gradients are fp32 `main_grad`s) and the
+ZeRO paper's P_os (Rajbhandari et al. 2020, Fig. 1) with fp32 gradients: each dp rank keeps the
+fp32 masters and Adam's moments of the parameters it owns (whole parameters, as torch's
+ZeroRedundancyOptimizer assigns them, so a rank's share is 1/dp of the elements up to one
+parameter), every rank the bf16 working weights and the fp32 gradients (all-reduced, not
+reduce-scattered). In fp32 the parameter is its own master: 4 + 4 + 8 / dp. FSDP2 (`fully_shard`, Zhao et al. 2023, "PyTorch
 FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 16(12), Sec. 3.2) keeps each
 parameter as a 1/dp_shard fp32 shard (the master, `MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)`), its fp32 gradient shard and Adam's state of the shard: ZeRO-3's P_os+g+p
@@ -146,13 +150,16 @@ def persistent_bytes_per_param(dtype: str, zero: int, dp: int, dp_replicate: int
                                tp: int = 1) -> tuple[float, float, float]:
     """(weights, gradients, optimizer states) bytes per parameter one GPU holds between steps at
     this ZeRO level; see [Note: bytes per parameter]. Per parameter of the GPU's own tp shards:
-    zero 1 splits their optimizer state over the dp group at any `tp` (runtime/optimizer.py)."""
+    zero 1 splits their optimizer state, and in bf16 their fp32 masters, over the dp group at any
+    `tp` (runtime/optimizer.py)."""
     weights, grads, optim = BYTES_PER_PARAM(dtype)
     if zero >= 2:
         shard = dp // dp_replicate
         return 4.0 / shard, 4.0 / shard, 8.0 / shard
     if zero == 1:
         optim /= dp
+        if not _fp32(dtype):  # the bf16 working weight whole, the fp32 master of the owned share
+            weights = 2.0 + 4.0 / dp
     return weights, grads, optim
 
 

@@ -318,7 +318,11 @@ class PartitionedModel:
         """This rank's parameters under their names in the model (a tied copy under its own name).
 
         With tp > 1 a sharded parameter is a DTensor: `.to_local()` holds this rank's 1/tp slice
-        (rows of a column-parallel weight and its bias, columns of a row-parallel weight)."""
+        (rows of a column-parallel weight and its bias, columns of a row-parallel weight). In a bf16
+        plan these are the fp32 masters; once `make_optimizer` has made a ZeRO-1 optimizer, a master
+        another dp rank owns holds no values here (NaN; `holds_values` is False), only its fp32
+        gradient: this rank's values of it are the bf16 working copy, which `state_dict` returns
+        (runtime/precision.py `release_masters`)."""
         return iter(self._params)
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -347,8 +351,20 @@ class PartitionedModel:
             for p in stage.params:
                 p.grad = None
 
+    def holds_values(self, param: torch.Tensor) -> bool:
+        """Whether this rank holds the values of `param` (one of `parameters()`): False only for an
+        fp32 master another dp rank owns under a bf16 ZeRO-1 optimizer (see `named_parameters`)."""
+        return self.precision is None or self.precision.holds(param)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {name: p.detach() for name, p in self._params}
+        """This rank's parameters (as `named_parameters`) and persistent buffers by name. A master
+        this rank does not hold (`holds_values`) is given as its bf16 working copy: the values this
+        rank has, rounded to bf16; the owner's entry is the fp32 one."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self._params:
+            if not self.holds_values(p):
+                p = self.precision.working_of[id(p)]
+            out[name] = p.detach()
         for index in sorted(self.stages):
             module = self.stages[index].module
             for name, buf in module.named_buffers():
@@ -394,14 +410,21 @@ class PartitionedModel:
         replicas. zero = 1: `ZeroOneOptimizer` over the dp group (optimizer.py; Rajbhandari et al.
         2020, ZeRO P_os, as Megatron-LM's distributed optimizer shards it at any tp): each dp rank
         keeps `optimizer_class`'s state for its share of this rank's parameters (tensor-parallel
-        shards included), steps those and broadcasts them to the other dp ranks; the fp32 masters of
-        a bf16 plan stay whole. zero >= 2: the parameters are FSDP shards (fsdp.py), so a plain
-        optimizer over them holds and steps only this rank's shard."""
+        shards included), steps those and broadcasts them to the other dp ranks. In a bf16 plan the
+        fp32 masters are sharded too (Megatron-LM's distributed optimizer): each rank keeps the
+        values of the masters it owns only (`holds_values`), and owners broadcast the bf16 working
+        copies. zero >= 2: the parameters are FSDP shards (fsdp.py), so a plain optimizer over them
+        holds and steps only this rank's shard."""
         if self.plan.zero != 1 or self.layout.dp_group is None:
             return optimizer_class(self._param_groups(), **kwargs)
         from autoplan.runtime.optimizer import ZeroOneOptimizer
 
-        return ZeroOneOptimizer(self._param_groups(), optimizer_class, group=self.layout.dp_group, **kwargs)
+        working = self.precision.working_of if self.precision is not None else None
+        optimizer = ZeroOneOptimizer(self._param_groups(), optimizer_class, group=self.layout.dp_group,
+                                     working=working, **kwargs)
+        if self.precision is not None:  # the other dp ranks' masters: no fp32 values here
+            self.precision.release_masters({id(p) for p in optimizer.owned_parameters()})
+        return optimizer
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """This rank's parameters as optimizer groups: tensor-parallel shards (DTensors) apart from

@@ -21,7 +21,9 @@ torch's `flatten_optimizer_state_dict` under "optimizer"):
 Sharded tensors (tensor-parallel DTensors, FSDP2 shards) are saved as their shards, replicated
 tensors once (DCP deduplicates a key every replica writes); the optimizer state is keyed by the
 parameter's name, never by index, and a ZeRO-1 optimizer's owners (runtime/optimizer.py) each
-write the states of the parameters they step. Loading reads exactly the chunks a tensor needs (DCP reshards), so a
+write the states of the parameters they step, and in a bf16 plan their fp32 masters too (the other
+dp ranks hold no fp32 values of those, runtime/precision.py `release_masters`; a restore rounds the
+saved fp32 values into such a parameter's bf16 working copy, without a collective). Loading reads exactly the chunks a tensor needs (DCP reshards), so a
 checkpoint saved under one plan loads under any other plan of the same model (pp, tp, dp, ZeRO
 level, cuts) and into a plain single-process model (`load_full_state_dict`, `export_torch_save`).
 
@@ -224,6 +226,16 @@ def _model_state(pm) -> dict[str, list[tuple[str, torch.Tensor]]]:
     return out
 
 
+def _unheld_names(pm) -> set[str]:
+    """Names of the parameters whose fp32 values this rank does not hold: the masters other dp
+    ranks own under a bf16 ZeRO-1 optimizer (runtime/optimizer.py; `state_dict` gives their bf16
+    working copies). Their owners save them; a restore loads them into their working copies."""
+    holds = getattr(pm, "holds_values", None)
+    if holds is None:
+        return set()
+    return {name for name, p in pm.named_parameters() if not holds(p)}
+
+
 def named_optimizer_state(pm, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state as DCP saves it: {"state": {name: {...}}, "param_groups": {name:
     {hyperparameters}}} (torch's flattened optimizer state dict; names are the model's).
@@ -255,7 +267,12 @@ def named_optimizer_state(pm, optimizer: torch.optim.Optimizer) -> dict[str, Any
 
 def _rank_state(pm, optimizer, rank: int, step: int, extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """What this rank hands `dcp.save` (module docstring)."""
-    state: dict[str, Any] = {key: copies[0][1] for key, copies in _model_state(pm).items()}
+    unheld = _unheld_names(pm)
+    state: dict[str, Any] = {}
+    for key, copies in _model_state(pm).items():
+        held = [tensor for name, tensor in copies if name not in unheld]
+        if held:  # a master another dp rank owns: that rank writes its fp32 values
+            state[key] = held[0]
     if optimizer is not None:
         state[OPTIMIZER_KEY] = named_optimizer_state(pm, optimizer)
     rng = {"torch": torch.get_rng_state()}
@@ -1061,18 +1078,24 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
     targets: dict[str, Any] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loaded, another local tensor of the same key)
     missing: list[str] = []
+    unheld = _unheld_names(pm)
     for key, local in _model_state(pm).items():
         saved = ckpt.saved_name(key, ckpt.model_keys)
         if saved is None:
             missing.append(local[0][0])
             continue
+        local = sorted(local, key=lambda entry: entry[0] in unheld)  # a held copy first
         name, tensor = local[0]
         md = ckpt.model_keys[saved]
         if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(tensor.shape):
             raise CheckpointError(f"{where} entry {saved!r} has shape {tuple(getattr(md, 'size', ()))}, the model's "
                                   f"{name!r} {tuple(tensor.shape)}; is it of another model?")
+        others = [other for _, other in local[1:]]
+        if name in unheld:  # read the saved (fp32) values aside, then round them into the working copy
+            others.insert(0, tensor)
+            tensor = torch.empty_like(tensor, dtype=md.properties.dtype)
         targets[saved] = tensor
-        copies += [(tensor, other) for _, other in local[1:]]
+        copies += [(tensor, other) for other in others]
     if strict and missing:
         raise CheckpointError(f"{where} has no entry for {len(missing)} parameters of this rank, e.g. "
                               f"{missing[0]!r}; is it of another model?")
@@ -1116,9 +1139,12 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
 
     with torch.no_grad():
         for loaded, other in copies:
-            other.copy_(loaded)
+            if hasattr(other, "to_local") and hasattr(loaded, "to_local"):  # tp shards, one layout
+                other.to_local().copy_(loaded.to_local())
+            else:
+                other.copy_(loaded)
     precision = getattr(pm, "precision", None)
-    if precision is not None:  # the bf16 working copies follow the restored fp32 masters
+    if precision is not None:  # the bf16 working copies follow the restored fp32 masters (those held)
         precision.refresh()
 
     if inner is not None:

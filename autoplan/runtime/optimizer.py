@@ -23,11 +23,18 @@ has this one, for every zero = 1 plan with a dp group:
   the gradients every rank already holds (the runtime all-reduces them over dp, runtime/api.py);
   then each rank broadcasts its owned values, flattened into one buffer per dtype, over the dp group
   (DP_GRAD_SYNC's counterpart: Megatron-LM all-gathers the updated parameters here).
-- Not sharded: the fp32 masters of a bf16 plan stay whole on every dp rank (runtime/precision.py
-  keeps one per parameter; they are what `named_parameters`, `state_dict` and checkpoints expose),
-  and so do the gradients (all-reduced, not reduce-scattered). Megatron-LM's distributed optimizer
-  shards the masters too; here a rank holds 6 + 4 + 8 / dp bytes per parameter in bf16 (4 + 4 +
-  8 / dp in fp32), which the memory model counts (cost/memory.py [Note: bytes per parameter]).
+- The fp32 masters of a bf16 plan are sharded too, as Megatron-LM's distributed optimizer shards its
+  fp32 "main params": `working` maps each master to its bf16 working parameter, and
+  `PartitionedModel.make_optimizer` has the other ranks' masters released (runtime/precision.py
+  `release_masters`: no fp32 values, the full fp32 gradient kept, as Megatron-LM's `main_grad`). An
+  owner steps its masters, writes them into their working parameters (bf16 rounding, what
+  `refresh` would write) and broadcasts those: 2 bytes an element on the wire, not 4, and the
+  working copies of every rank are those of a replicated optimizer, bit for bit. Checkpoints write
+  each master's fp32 values from its owner (runtime/checkpoint.py).
+- Not sharded: the gradients (all-reduced, not reduce-scattered) and the bf16 working parameters. A
+  rank holds 2 + 4 + (4 + 8) / dp bytes per parameter in bf16, Megatron-LM's distributed
+  optimizer's 2 + 4 + 12 / dp (4 + 4 + 8 / dp in fp32, where the parameter is the master), which
+  the memory model counts (cost/memory.py [Note: bytes per parameter]).
 - cp ranks are dp ranks here (runtime/parallel.py: the dp group spans them; they hold the same
   parameters and, after the all-reduce, the same gradients), so the state is sharded over them too.
   Expert parallelism is refused with zero 1 (plan.py): its dp ranks hold different experts.
@@ -39,7 +46,7 @@ hyperparameters (an LR scheduler edits them; each step copies them to `optim`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -72,8 +79,10 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
     order) and calls `step` together."""
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], *,
-                 group: dist.ProcessGroup, **defaults: Any):
+                 group: dist.ProcessGroup, working: Mapping[int, torch.Tensor] | None = None, **defaults: Any):
         super().__init__(params, defaults)
+        self.working = dict(working or {})
+        """id(fp32 master) -> its bf16 working parameter (a bf16 plan): owners write and broadcast those."""
         self.group = group
         self.group_rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -110,16 +119,20 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     inner[k] = v
         self.optim.step()
+        for p in self._owned[self.group_rank]:  # the stepped masters into their working copies
+            working = self.working.get(id(p))
+            if working is not None:
+                _local(working).copy_(_local(p))
         self._broadcast_owned()
         return loss
 
     def _broadcast_owned(self) -> None:
-        """Every owner's updated values to the other ranks of the group: one flat buffer per owner
-        and (dtype, device)."""
+        """Every owner's updated values (a master's working copy where it has one) to the other
+        ranks of the group: one flat buffer per owner and (dtype, device)."""
         for owner, params in enumerate(self._owned):
             by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
             for p in params:
-                t = _local(p)
+                t = _local(self.working.get(id(p), p))
                 by_kind.setdefault((t.dtype, t.device), []).append(t)
             src = dist.get_global_rank(self.group, owner)
             for (dtype, device), tensors in by_kind.items():

@@ -17,9 +17,19 @@ backward), and fp32 residual streams:
   outside autograd's accumulation are moved by `flush_grads`. The dp all-reduce then runs on fp32.
 - `refresh` copies the masters into the working parameters at the start of every step (after the
   previous step's optimizer update).
+- Under a ZeRO-1 optimizer (runtime/optimizer.py [Note: ZeRO-1 optimizer]) a rank keeps the fp32
+  values of the masters it owns only, as Megatron-LM's distributed optimizer keeps its fp32 "main
+  params" for its shard: `release_masters` drops the others' values. A released master stays the
+  same nn.Parameter (its name, shape, placement and identity: the optimizer's groups and the
+  checkpoints key by it) and keeps its full fp32 gradient (`.grad`, the accumulation buffer that is
+  all-reduced over dp, Megatron-LM's `main_grad`), but its values are one shared NaN expanded to
+  its shape (4 bytes for them all; reading it gives NaN, writing into it raises): this rank's values
+  of that parameter are the bf16 working copy, which the owner writes after its step and broadcasts
+  (`ZeroOneOptimizer`), and which `PartitionedModel.state_dict` returns for it.
 
 Bytes per parameter: 2 (bf16 weight) + 4 (fp32 gradient) + 4 (fp32 master) + 8 (Adam's moments) = 18,
-Megatron-LM's figure for this setup, and the cost model's (cost/memory.py).
+Megatron-LM's figure for this setup, and the cost model's (cost/memory.py); under ZeRO-1, 2 + 4 +
+(4 + 8) / dp.
 """
 
 from __future__ import annotations
@@ -34,6 +44,11 @@ from autoplan.runtime.parallel import grad_like_param
 __all__ = ["MixedPrecision", "cast_buffers"]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's values of a parameter: the tp shard of a DTensor, else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class MixedPrecision:
     """bf16 working copies of the floating parameters and buffers of `modules`, with fp32 masters."""
 
@@ -42,6 +57,11 @@ class MixedPrecision:
         self.master_of: dict[int, nn.Parameter] = {}
         """id(working parameter) -> its fp32 master."""
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        self.working_of: dict[int, nn.Parameter] = {}
+        """id(fp32 master) -> its working parameter."""
+        self._released: set[int] = set()
+        """id(master) of the masters whose values this rank does not hold (`release_masters`)."""
+        self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         working_of: dict[int, nn.Parameter] = {}
         seen_modules: set[int] = set()
         for root in modules:
@@ -60,6 +80,7 @@ class MixedPrecision:
                         working_of[id(p)] = working
                         self.master_of[id(working)] = p
                         self._pairs.append((p, working))
+                        self.working_of[id(p)] = working
                         if working.requires_grad:
                             working.register_post_accumulate_grad_hook(self._accumulate)
                     mod._parameters[name] = working
@@ -83,11 +104,35 @@ class MixedPrecision:
             if working.grad is not None:
                 self._accumulate(working)
 
+    def holds(self, master: torch.Tensor) -> bool:
+        """Whether this rank holds the fp32 values of `master` (not released)."""
+        return id(master) not in self._released
+
+    @torch.no_grad()
+    def release_masters(self, keep: set[int]) -> None:
+        """Drop the fp32 values of every master whose id is not in `keep` (module docstring): its
+        values become a shared NaN expanded to its (local) shape; its gradient stays."""
+        for master, _ in self._pairs:
+            if id(master) in keep or id(master) in self._released:
+                continue
+            local = _local(master)
+            key = (local.dtype, local.device)
+            if key not in self._placeholders:
+                self._placeholders[key] = torch.full((), float("nan"), dtype=local.dtype, device=local.device)
+            placeholder = self._placeholders[key].expand(local.shape)
+            if hasattr(master, "_local_tensor"):  # a tp shard (DTensor): the wrapper keeps its global metadata
+                master._local_tensor = placeholder
+            else:
+                master.data = placeholder
+            self._released.add(id(master))
+
     @torch.no_grad()
     def refresh(self) -> None:
-        """Working parameters <- masters (bf16 rounding of the fp32 values)."""
+        """Working parameters <- masters (bf16 rounding of the fp32 values), of the masters this rank
+        holds (a released master's working copy is written by its owner, optimizer.py)."""
         for master, working in self._pairs:
-            working.copy_(master)
+            if id(master) not in self._released:
+                working.copy_(master)
 
 
 def cast_buffers(modules: Sequence[nn.Module], dtype: torch.dtype) -> None:
