@@ -602,7 +602,7 @@ def _sharding(plan: Plan) -> str:
                 else f"FSDP over {plan.dp} ranks")
         return f"zero {plan.zero} ({over})"
     if plan.zero == 1:
-        return f"zero 1 (optimizer states sharded over {plan.dp} ranks)"
+        return f"zero 1 (optimizer states and fp32 masters sharded over {plan.dp} ranks)"
     return "zero 0 (replicated)"
 
 
