@@ -4,7 +4,9 @@ returns the plan (cached)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 
 import autoplan
 
@@ -38,10 +40,28 @@ CASE_PINS: dict[str, tuple[str, str, int, int, dict]] = {
 }
 
 
+FIXED_CUTS: dict[str, tuple[int, ...]] = {
+    # How an uneven interleaved cutting is written is what this case checks; which uneven cutting the
+    # planner picks follows the calibration's tie-breaks, so the case fixes one (6 stages of 15 blocks:
+    # ranks hold 3 + 2 + 2 and 3 + 3 + 2 blocks, the final norm with the head).
+    "interleaved-uneven": (0, 3, 6, 8, 11, 13, 15),
+}
+
+
+def with_cuts(plan, boundaries):
+    """`plan` with its stages cut at `boundaries` (block indices), names following the cuts."""
+    names = plan.block_names
+    stages = tuple(dataclasses.replace(s, first_block=a, end_block=b, first_block_name=names[a],
+                                       last_block_name=names[b - 1])
+                   for s, (a, b) in zip(plan.stages, itertools.pairwise(boundaries), strict=True))
+    return dataclasses.replace(plan, stages=stages)
+
+
 @functools.cache
 def case(name: str):
     model, cluster, global_batch, seq_len, pins = CASE_PINS[name]
-    return _suggest(model, cluster, global_batch, seq_len, **pins)
+    plan = _suggest(model, cluster, global_batch, seq_len, **pins)
+    return with_cuts(plan, FIXED_CUTS[name]) if name in FIXED_CUTS else plan
 
 
 CASES = tuple(CASE_PINS)

@@ -104,9 +104,11 @@ class Calibration:
     switch losses; nccl-tests busbw on InfiniBand/RoCE stays below line rate: NVIDIA, "NCCL tests
     PERFORMANCE.md"). Applied to links without measured curves (`Calibrations.effective_cluster`)."""
     fsdp_unit_overhead_s: float = 0.0
-    """Host time per FSDP unit per pass that the GPU waits for (the unit's pre-/post-hooks, the
-    all-gather's and reduce-scatter's launches and copy-in/out: Zhao et al. 2023, "PyTorch FSDP",
-    VLDB 16(12), Sec. 4.3, on CPU-bound FSDP; cost/comm.py [Note: FSDP communication]); fitted."""
+    """Time per FSDP unit, per forward and per backward, that a step waits for once (the first
+    unit's lazy initialization and unsharded all-gather, the hooks' host work the GPU is not yet
+    ahead of, the last reduce-scatter: Zhao et al. 2023, "PyTorch FSDP", VLDB 16(12), Sec. 4.3;
+    cost/comm.py [Note: FSDP communication]); fitted to published runs, charged once per step
+    (search/evaluate.py `_fsdp_exposed`)."""
     attention_kernel: str = "flash"
     """`flash` or `unfused` ([Note: software stacks])."""
     selective_recompute: str = "attention"
