@@ -34,7 +34,7 @@ import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -419,16 +419,3 @@ def fit(runs: Sequence[PublishedRun], start: dict[str, Calibration], *, rounds: 
 def summary(errors: Sequence[float]) -> dict[str, float]:
     absolute = [abs(e) for e in errors]
     return {"median": statistics.median(absolute), "worst": max(absolute), "count": len(absolute)} if absolute else {}
-
-
-@dataclass
-class Record:
-    """What the CI gate compares: a run's predicted step time and memory under the shipped calibration."""
-
-    id: str
-    step_s: float
-    peak_memory_gib: float
-    fits: bool
-    micro_batch_size: int
-    virtual_stages: int
-    extra: dict[str, Any] = field(default_factory=dict)
