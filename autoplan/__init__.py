@@ -3,18 +3,45 @@
     import autoplan
     plans = autoplan.suggest("llama3-8b", "2x8xH100-80GB", global_batch=512, seq_len=4096)
     print(plans[0].tp, plans[0].pp, plans[0].predicted.step_time_s)
+
+The public names load on first use (PEP 562 module `__getattr__`): `import autoplan` and
+`autoplan --help` / `--version` must not pay for torch, networkx and rich (about 1-2 s; issue 29),
+and every command imports only what it runs. `from autoplan import suggest` works as before.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from autoplan.api import profile, profile_with_graph, suggest, suggest_with_stats  # noqa: E402
-from autoplan.cluster import Cluster, parse_cluster  # noqa: E402
-from autoplan.graph.aux_loss import attach_aux_loss, aux_loss_scale  # noqa: E402
-from autoplan.graph.blocks import Block, ModelProfile  # noqa: E402
-from autoplan.plan import Plan, validate  # noqa: E402
-from autoplan.runtime import PartitionedModel, partition, run_plan  # noqa: E402
+# Public name -> the module that defines it (imported on first access, then cached in globals()).
+_LAZY: dict[str, str] = {
+    "profile": "autoplan.api",
+    "profile_with_graph": "autoplan.api",
+    "suggest": "autoplan.api",
+    "suggest_with_stats": "autoplan.api",
+    "Cluster": "autoplan.cluster",
+    "parse_cluster": "autoplan.cluster",
+    "attach_aux_loss": "autoplan.graph.aux_loss",
+    "aux_loss_scale": "autoplan.graph.aux_loss",
+    "Block": "autoplan.graph.blocks",
+    "ModelProfile": "autoplan.graph.blocks",
+    "Plan": "autoplan.plan",
+    "validate": "autoplan.plan",
+    "PartitionedModel": "autoplan.runtime",
+    "partition": "autoplan.runtime",
+    "run_plan": "autoplan.runtime",
+}
+
+if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
+    from autoplan.api import profile, profile_with_graph, suggest, suggest_with_stats
+    from autoplan.cluster import Cluster, parse_cluster
+    from autoplan.graph.aux_loss import attach_aux_loss, aux_loss_scale
+    from autoplan.graph.blocks import Block, ModelProfile
+    from autoplan.plan import Plan, validate
+    from autoplan.runtime import PartitionedModel, partition, run_plan
 
 __all__ = [
     "Block",
@@ -34,3 +61,16 @@ __all__ = [
     "suggest_with_stats",
     "validate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autoplan' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

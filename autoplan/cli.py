@@ -10,11 +10,15 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-
+# Only what parsing the command line needs is imported here: `autoplan --help` and `--version` stay
+# under a second (issue 29); torch, rich and the planner load inside the command that uses them.
 from autoplan import __version__
 from autoplan._files import check_output_file
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["main"]
 
@@ -25,6 +29,8 @@ def _console(stderr: bool = False) -> Console:
     stream = sys.stderr if stderr else sys.stdout
     # Piped output has no terminal width; rich would squeeze tables to 80 columns.
     width = None if stream.isatty() else 160
+    from rich.console import Console
+
     return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
 
 
