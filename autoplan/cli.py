@@ -170,7 +170,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     metrics_path=args.metrics, seed=args.seed, timeout_s=args.timeout,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
                     skip_nonfinite=args.skip_nonfinite,
-                    data=args.data)
+                    data=args.data, allow_oversubscribe=args.allow_oversubscribe)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -270,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
                    help="skip the optimizer step of up to N steps whose loss or gradients are not finite (default 0: "
                         "the first such step stops the run)")
+    p.add_argument("--allow-oversubscribe", action="store_true",
+                   help="run even when the ranks' estimated host memory (CPU ranks, no CUDA) exceeds what is free")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("export-checkpoint", help="write a checkpoint as one torch.save file (one process)",

@@ -56,6 +56,7 @@ import torch
 
 from autoplan._files import check_output_file
 from autoplan.plan import Plan, PlanError
+from autoplan.runtime.machine import GIB, MachineFit, available_memory_bytes, check_machine, oom_kills
 from autoplan.runtime.ranks import LocalJob, current_heartbeat, fail_rank, free_port, one_line, supervise
 
 __all__ = ["CheckpointDirLock", "NonFiniteError", "check_output_file", "fail_rank", "free_port", "load_data_function",
@@ -425,8 +426,12 @@ def _write_trace(path: str, per_rank: list) -> None:
     Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
 
-_PHASES = {"started": "ranks started (Python and torch imported)", "built": "ranks built their stages"}
+_PHASES = {"started": "ranks started (Python and torch imported)", "connected": "ranks joined the process group",
+           "built": "ranks built their stages"}
 """What a spawned rank reports while it starts, in order; the launcher prints a line as all reach one."""
+_DOING = {None: "importing torch", "started": "joining the process group", "connected": "building stages",
+          "built": "at the first step"}
+"""What a rank is doing after each phase (None: before the first), for the launcher's status line."""
 
 
 def _mark_phase(run_dir: str, rank: int, phase: str) -> None:
@@ -435,25 +440,125 @@ def _mark_phase(run_dir: str, rank: int, phase: str) -> None:
 
 
 class _StartProgress:
-    """Prints one line to stderr as all ranks reach each start-up phase (`_PHASES`), so the seconds
-    before the first step are not silent."""
+    """The seconds before the first step, on stderr: one line as all ranks reach each start-up phase
+    (`_PHASES`), and, while they have not, what the ranks are doing ("3 importing torch, 5 building
+    stages") with the seconds since launch: rewritten in place every second on a terminal, a new
+    line every `STATUS_EVERY_S` elsewhere (a log gets a few lines, not one per poll)."""
 
-    def __init__(self, run_dir: str, nproc: int):
+    STATUS_EVERY_S = 5.0
+
+    def __init__(self, run_dir: str, nproc: int, *, stream=None):
         self.run_dir, self.nproc = Path(run_dir), nproc
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.start = time.monotonic()
         self.pending = list(_PHASES)
-        print(f"autoplan: launching {nproc} ranks ({'NCCL' if torch.cuda.is_available() else 'gloo'})",
-              file=sys.stderr, flush=True)
+        self._next_scan = 0.0
+        self._next_status = self.start + (1.0 if self.tty else self.STATUS_EVERY_S)
+        self._status_shown = False
+        self._print(f"autoplan: launching {nproc} ranks ({'NCCL' if torch.cuda.is_available() else 'gloo'})")
+
+    def _print(self, line: str) -> None:
+        if self._status_shown:  # a terminal's status line is overwritten, not left above
+            self.stream.write("\r\033[K")
+            self._status_shown = False
+        print(line, file=self.stream, flush=True)
+
+    def phases(self) -> list[str | None]:
+        """Each rank's latest phase (None: none reached yet)."""
+        reached: list[str | None] = [None] * self.nproc
+        names = {p.name for p in self.run_dir.glob("phase-*")}
+        for phase in _PHASES:
+            for rank in range(self.nproc):
+                if f"phase-{phase}-{rank}" in names:
+                    reached[rank] = phase
+        return reached
+
+    def status(self, reached: list[str | None]) -> str:
+        counts: dict[str, int] = {}
+        for phase in reached:
+            counts[_DOING[phase]] = counts.get(_DOING[phase], 0) + 1
+        doing = ", ".join(f"{n} {what}" for what, n in counts.items())
+        return f"autoplan: starting {self.nproc} ranks, {time.monotonic() - self.start:.0f} s: {doing}"
 
     def __call__(self) -> None:
+        now = time.monotonic()
+        if not self.pending or now < self._next_scan:
+            return
+        self._next_scan = now + 0.25  # a glob of the run directory, not one per 50 ms poll
+        reached = self.phases()
+        order = list(_PHASES)
         while self.pending:
             phase = self.pending[0]
-            done = sum(1 for _ in self.run_dir.glob(f"phase-{phase}-*"))
-            if done < self.nproc:
-                return
+            if sum(1 for r in reached if r is not None and order.index(r) >= order.index(phase)) < self.nproc:
+                break
             self.pending.pop(0)
-            print(f"autoplan: {self.nproc}/{self.nproc} {_PHASES[phase]} after {time.monotonic() - self.start:.1f} s",
-                  file=sys.stderr, flush=True)
+            self._print(f"autoplan: {self.nproc}/{self.nproc} {_PHASES[phase]} after {now - self.start:.1f} s")
+        if self.pending and now >= self._next_status:
+            self._next_status = now + (1.0 if self.tty else self.STATUS_EVERY_S)
+            if self.tty:
+                self.stream.write("\r\033[K" + self.status(reached))
+                self.stream.flush()
+                self._status_shown = True
+            else:
+                self._print(self.status(reached))
+
+    def finish(self) -> None:
+        """End a terminal's status line (the ranks ended before all were built)."""
+        if self._status_shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self._status_shown = False
+
+
+class _OomWatch:
+    """Whether a rank killed by SIGKILL was likely killed for lack of memory: the launcher samples
+    the free host memory while the ranks run (every 0.5 s) and reads the kernel's OOM-kill count
+    before and after (machine.py `oom_kills`). Either a count that rose or free memory that fell
+    under 5 % of the total (or half a GiB) says so, with the figures, on one line after the
+    launcher's line naming the rank."""
+
+    def __init__(self, fit: MachineFit | None):
+        self.fit = fit
+        self.kills_before = oom_kills()
+        self.lowest_free: float | None = None
+        self.total: float | None = None
+        self._next = 0.0
+
+    def sample(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if now < self._next and not force:
+            return
+        self._next = now + 0.5
+        memory = available_memory_bytes()
+        if memory is not None:
+            free, self.total = memory
+            self.lowest_free = free if self.lowest_free is None else min(self.lowest_free, free)
+
+    def likely_oom(self) -> bool:
+        kills = oom_kills()
+        if kills is not None and self.kills_before is not None and kills > self.kills_before:
+            return True
+        return (self.lowest_free is not None and self.total is not None
+                and self.lowest_free < max(0.05 * self.total, 0.5 * GIB))
+
+    def report(self, procs: list) -> str:
+        """The line printed for a job whose rank was SIGKILLed with memory short, else ""."""
+        killed = [r for r, p in enumerate(procs) if p.exitcode == -signal.SIGKILL]
+        if not killed or not self.likely_oom():
+            return ""
+        estimate = self.fit.estimate_bytes if self.fit is not None else None
+        figures = []
+        if estimate is not None:
+            figures.append(f"the ranks were estimated at {estimate / GIB:.1f} GiB of host memory")
+        if self.lowest_free is not None:
+            figures.append(f"MemAvailable fell to {self.lowest_free / GIB:.1f} GiB of {self.total / GIB:.1f} GiB")
+        ranks = ", ".join(map(str, killed))
+        line = (f"rank{'s' if len(killed) > 1 else ''} {ranks} {'were' if len(killed) > 1 else 'was'} likely killed "
+                f"for lack of memory by the kernel's OOM killer ({'; '.join(figures) or 'the kernel counted an OOM kill'}"
+                f"); re-plan for this machine (`autoplan suggest ... --cluster 1xNxcpu --out p.json`) or run on GPUs")
+        _note(line)
+        return line
 
 
 def _loopback_process_group(rank: int, world_size: int, port: int, timeout: timedelta) -> None:
@@ -496,6 +601,7 @@ def _spawned(rank: int, world_size: int, port: int, payload: dict, run_dir: str)
     plan = Plan.from_dict(payload.pop("plan"))
     _mark_phase(run_dir, rank, "started")
     _loopback_process_group(rank, world_size, port, timedelta(seconds=payload["timeout_s"]))
+    _mark_phase(run_dir, rank, "connected")
     _train(plan, **payload, on_phase=lambda phase: _mark_phase(run_dir, rank, phase))
 
 
@@ -529,8 +635,13 @@ class CheckpointDirLock:
     def acquire(self) -> None:
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+")  # noqa: SIM115 - held open for the run: the lock lives with it
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path, "a+")  # noqa: SIM115 - held open for the run: the lock lives with it
+        except OSError as exc:  # read-only, not ours, a file on the way: the directory, not the lock, is named
+            raise ValueError(f"--checkpoint-dir {str(self.path.parent)!r} cannot be written ({exc.strerror or exc}: "
+                             f"{exc.filename or self.path}); choose a directory you can write, or fix its "
+                             f"permissions") from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -585,33 +696,54 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
              trace_path: str | None = None, metrics_path: str | None = None, seed: int = 0, timeout_s: float = 60.0,
              lr: float = 1e-3, checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
              resume: bool = False, data: str | None = None, skip_nonfinite: int = 0,
+             allow_oversubscribe: bool = False,
              _fail_at: tuple[int, int] | None = None, _fault: str | None = None,
              _grace_s: float = 10.0, _start_method: str = "spawn") -> int:
-    """Train `plan` for `steps` steps with AdamW; returns the exit code.
+    """Train `plan` for `steps` steps with AdamW; returns the exit code (0, or 1 when a rank failed).
+
+    A mistake found before any process starts (module docstring) raises ValueError with one line;
+    `autoplan run` prints it and exits 2.
 
     Data: synthetic batches from the model source (module docstring), or `data`, a
     `file.py:function` with function(step, batch_size, seq_len) -> (inputs, target) of the global
     batch (`load_data_function`).
 
     `model` overrides the plan's model spec. Without RANK/WORLD_SIZE in the environment, spawns
-    `nproc` (default: the plan's GPU count) local processes. `timeout_s` bounds every wait on a
-    peer. `checkpoint_dir` saves a checkpoint every `checkpoint_every` steps (default
+    `nproc` (default: the plan's GPU count) local processes, after checking that this machine holds
+    them (machine.py [Note: a GPU plan on a CPU machine]: without CUDA, ranks whose estimated host
+    memory exceeds what is free are refused unless `allow_oversubscribe`). `timeout_s` bounds every
+    wait on a peer. `checkpoint_dir` saves a checkpoint every `checkpoint_every` steps (default
     DEFAULT_CHECKPOINT_EVERY) and after the last; `resume` continues from the newest good checkpoint
     in `checkpoint_dir` (`steps` is the total, so a run resumed at step 3 with steps=6 trains steps
     3, 4, 5). A step whose loss or gradients are not finite stops the run (exit 1, naming the step
     and the stages), unless fewer than `skip_nonfinite` such steps were skipped so far: then its
-    optimizer step is skipped. `metrics_path` is appended to, one JSON record per step tagged with
+    optimizer step is skipped. An fp16 plan scales its loss (precision.py [Note: fp16 loss
+    scaling]): a step whose gradients overflow is skipped and the scale halved, which is not counted
+    against `skip_nonfinite`. `metrics_path` is appended to, one JSON record per step tagged with
     this run's id. `_fail_at=(rank, step)` makes that rank raise before that step; `_fault`
     (default: $AUTOPLAN_FAULT) injects other faults (module docstring). `_grace_s`: how long the
     launcher lets the other ranks fail by themselves before it terminates them. `_start_method`:
     "spawn" (default) or "forkserver".
     """
+    from autoplan.plan import validate
+
     lock = None
     resume_from: str | None = None  # the launcher's (or torchrun rank 0's) verified choice; "": none
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    fit = None
     try:
-        plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+        if isinstance(plan, Plan):
+            problems = validate(plan)
+            if problems:
+                raise PlanError(f"the plan is inconsistent: {problems[0]}")
+        elif isinstance(plan, str | os.PathLike):
+            plan = Plan.load(plan)
+        else:
+            raise ValueError(f"plan must be a Plan or a plan file's path, got {type(plan).__name__}")
         spec = model or plan.model
         _check_run_arguments(steps, timeout_s, lr, seed, skip_nonfinite, checkpoint_every, nproc)
+        if not isinstance(allow_oversubscribe, bool):
+            raise ValueError(f"allow_oversubscribe must be True or False, got {allow_oversubscribe!r}")
         for flag, path in (("--metrics", metrics_path), ("--trace", trace_path)):
             if path is not None:
                 check_output_file(flag, path)
@@ -623,6 +755,17 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
             raise ValueError("--resume needs --checkpoint-dir DIR")
         if checkpoint_every is not None and not checkpoint_dir:
             raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
+        if torchrun:
+            world_size = os.environ["WORLD_SIZE"]
+            if world_size != str(plan.num_gpus):
+                raise ValueError(f"the plan needs {plan.num_gpus} ranks but WORLD_SIZE is {world_size}; launch "
+                                 f"torchrun with {plan.num_gpus} processes in all")
+        else:
+            nproc = plan.num_gpus if nproc is None else nproc
+            if nproc != plan.num_gpus:
+                raise ValueError(f"--nproc {nproc} but the plan needs {plan.num_gpus} processes (tp {plan.tp} * "
+                                 f"pp {plan.pp} * dp {plan.dp})")
+            fit = check_machine(plan, nproc, allow_oversubscribe=allow_oversubscribe)
         if checkpoint_dir is not None:
             if plan.ep > 1:
                 from autoplan.runtime.checkpoint import EXPERT_PARALLEL_REFUSAL
@@ -633,17 +776,16 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
                 raise ValueError("--checkpoint-dir is empty; name a directory")
             if Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
                 raise ValueError(f"--checkpoint-dir {checkpoint_dir!r} exists and is not a directory")
-            torchrun_rank = int(os.environ.get("RANK", "0")) if "WORLD_SIZE" in os.environ else 0
+            torchrun_rank = int(os.environ.get("RANK", "0")) if torchrun else 0
             if torchrun_rank == 0:  # the launcher, or torchrun's rank 0, holds it for the job
                 lock = CheckpointDirLock(checkpoint_dir)
                 lock.acquire()
             if resume and torchrun_rank == 0:  # verified once (a full read); rank 0 shares the choice
                 resume_from = str(_check_resumable(plan, checkpoint_dir) or "")
-    except (PlanError, ValueError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:  # PlanError and PartitionError are ValueErrors
         if lock is not None:
             lock.release()
-        _error(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-        return 2
+        raise ValueError(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
     if checkpoint_dir is not None and checkpoint_every is None:
         checkpoint_every = DEFAULT_CHECKPOINT_EVERY
         if int(os.environ.get("RANK", "0")) == 0:
@@ -655,19 +797,21 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
                    checkpoint_every=checkpoint_every, resume=resume, faults=faults, skip_nonfinite=skip_nonfinite,
                    run_id=run_id, resume_from=resume_from)
     try:
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
+        if torchrun:  # this process is one rank
             return _run_this_rank(plan, payload)
-        nproc = plan.num_gpus if nproc is None else nproc
-        if nproc != plan.num_gpus:
-            _error(f"--nproc {nproc} but the plan needs {plan.num_gpus} processes (tp {plan.tp} * pp {plan.pp} * "
-                   f"dp {plan.dp})")
-            return 2
+        if fit.note:
+            _note(fit.note)
         payload["plan"] = plan.to_dict()
         with _sigterm_stops_the_job(), LocalJob(nproc, start_method=_start_method, preload=FORKSERVER_PRELOAD) as job:
             try:
                 progress = _StartProgress(job.run_dir, nproc)
+                oom = _OomWatch(fit)
                 job.start(_spawned, (nproc, free_port(), payload, job.run_dir))
-                return job.supervise(grace_s=_grace_s, on_poll=progress)
+                code = job.supervise(grace_s=_grace_s, on_poll=lambda: (progress(), oom.sample()))
+                progress.finish()
+                if code:
+                    oom.report(job.procs)
+                return code
             except _Terminated:
                 job.failed = True
                 _error(f"stopped by SIGTERM; every rank was killed (logs: {job.logs})")
@@ -679,10 +823,6 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
 
 def _run_this_rank(plan: Plan, payload: dict) -> int:
     """Under torchrun: train as the rank the environment names; one line on failure."""
-    world_size = int(os.environ["WORLD_SIZE"])
-    if world_size != plan.num_gpus:
-        _error(f"the plan needs {plan.num_gpus} ranks but WORLD_SIZE is {world_size}")
-        return 2
     try:
         _train(plan, **payload)
     except Exception as exc:
