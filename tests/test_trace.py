@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from autoplan.cli import main
 from autoplan.graph import zoo
 from autoplan.graph.profile import profile_model
 from autoplan.graph.trace import TraceError, extract_submodule, find_layer_container, trace_model
+from tests import models
 from tests.models import IntCrossingModel, ShapeBranchModel, SkipModel, Untraceable, ValueCheckModel
 
 
@@ -65,9 +69,50 @@ def test_export_failure_falls_back_to_module_boundaries():
 
 
 def test_untraceable_model_says_what_to_do():
-    with pytest.raises(TraceError, match="leaf modules") as info:
+    """Value-dependent control flow and nothing to cut at: the line names the model's own line."""
+    with pytest.raises(TraceError, match="reads a tensor's value") as info:
         trace_model(Untraceable(), (torch.randn(2, 8),))
-    assert "\n" not in str(info.value)
+    message = str(info.value)
+    line = next(i for i, text in enumerate(Path(models.__file__).read_text().splitlines(), 1)
+                if "if x.sum() > 0 else" in text)
+    assert f"models.py:{line} in forward" in message and "torch.where" in message, message
+    assert "\n" not in message
+
+
+_USER_FILE = Path(__file__).parent / "user_models" / "branchy.py"
+
+
+def _line_of(text: str) -> int:
+    return next(i for i, line in enumerate(_USER_FILE.read_text().splitlines(), 1) if text in line)
+
+
+@pytest.mark.parametrize(("builder", "code", "what", "fix"), [
+    ("build", "y.sum() > 0:", "reads a tensor's value", "torch.where(cond, a, b)"),
+    ("build_mask", "x[x > 0]", "shape depends on its values", "instead of x[mask]"),
+])
+def test_cli_value_dependent_model_is_one_line_naming_its_line_and_the_fix(capsys, builder, code, what, fix):
+    """Issue 29, item 10: the refusal was `DataDependentOutputException: aten._local_scalar_dense.default`."""
+    code_rc = main(["suggest", "--model", f"{_USER_FILE}:{builder}", "--cluster", "1x2xH100-80GB",
+                    "--global-batch", "4"])
+    err = capsys.readouterr().err
+    assert code_rc == 2 and err.count("\n") == 1 and err.startswith("autoplan: error: the model "), err
+    assert what in err and f"branchy.py:{_line_of(code)} " in err and fix in err, err
+    assert "DataDependent" not in err and "_local_scalar_dense" not in err
+
+
+def test_the_traceable_rewrite_the_refusal_advises_is_planned(capsys):
+    assert main(["suggest", "--model", f"{_USER_FILE}:build_where", "--cluster", "1x2xH100-80GB",
+                 "--global-batch", "4"]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export", "modules"])
+def test_every_tracer_names_the_line_that_reads_a_value(tracer):
+    from autoplan.graph.source import parse_source
+
+    source = parse_source(f"{_USER_FILE}:build")
+    with pytest.raises(ValueError) as info:
+        profile_model(source.build(), source.example_inputs(2), tracer=tracer)
+    assert f"branchy.py:{_line_of('y.sum() > 0:')} " in str(info.value), str(info.value)
 
 
 def test_user_leaf_modules_become_blocks():

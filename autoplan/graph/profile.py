@@ -54,7 +54,13 @@ from autoplan.graph.operators import (
     merge_batches,
 )
 from autoplan.graph.positions import POSITIONS_ATTRIBUTE
-from autoplan.graph.trace import TracedModel, crossing_values, extract_submodule, trace_with_loss
+from autoplan.graph.trace import (
+    TracedModel,
+    crossing_values,
+    extract_submodule,
+    trace_with_loss,
+    value_dependence,
+)
 
 __all__ = ["ProfileError", "config_info", "fake_output", "flop_counter", "model_fingerprint", "profile_model", "profile_traced"]
 
@@ -275,6 +281,8 @@ def _run_in(mode: Any, traced: TracedModel, example_inputs: Sequence[Any], dtype
             return type(value)(fresh(v) for v in value)
         return value
 
+    running: list[fx.Node | None] = [None]  # the node being run: its stack trace names a failing line
+
     class Recorder(fx.Interpreter):
         def call_module(self, target: str, args: Any, kwargs: Any) -> Any:
             module = self.fetch_attr(target)
@@ -296,6 +304,7 @@ def _run_in(mode: Any, traced: TracedModel, example_inputs: Sequence[Any], dtype
             return super().get_attr(target, args, kwargs)
 
         def run_node(self, n: fx.Node) -> Any:
+            running[0] = n
             result = super().run_node(n)
             values[n.name] = result
             return result
@@ -306,6 +315,9 @@ def _run_in(mode: Any, traced: TracedModel, example_inputs: Sequence[Any], dtype
         except Exception as exc:
             if os.environ.get("AUTOPLAN_DEBUG"):  # show the full traceback when debugging a model
                 raise
+            value_read = value_dependence(exc, running[0].meta.get("stack_trace") if running[0] else None)
+            if value_read is not None:
+                raise ProfileError(value_read) from None
             raise ProfileError(f"the model rejects the example inputs: {type(exc).__name__}: "
                                f"{str(exc).strip().splitlines()[0][:200]}") from None
     return _FakeRun(mode, params, values, owner, meta)

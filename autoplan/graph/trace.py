@@ -37,7 +37,10 @@ named in `leaf_modules` become blocks of their own too; one inside a layer repla
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import logging
 import re
 import warnings
 from collections import Counter
@@ -53,7 +56,7 @@ from torch import nn
 __all__ = [
     "TraceError", "TracedModel", "extract_submodule", "find_layer_container", "find_layer_containers",
     "retarget_device", "trace_model",
-    "trace_with_loss",
+    "trace_with_loss", "value_dependence",
 ]
 
 
@@ -182,6 +185,9 @@ class _LeafTracer(fx.Tracer):
     def __init__(self, leaves: set[str]):
         super().__init__()
         self._leaves = leaves
+        # Each node keeps the model's line that made it: a value read such as `.item()` is traced as a
+        # node and fails only when profiled, where that line is named ([Note: value-dependent control flow]).
+        self.record_stack_traces = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self._leaves or super().is_leaf_module(m, module_qualified_name)
@@ -221,7 +227,7 @@ def _trace_export(model: nn.Module, example_inputs: tuple, dtype: torch.dtype | 
     try:
         for config in caching.values():
             config.use_cache = False
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_export():
             warnings.simplefilter("ignore")
             gm = _export_on_fake(model, example_inputs, cast) if on_meta or cast is not None else \
                 torch.export.export(model, example_inputs, strict=False).module()
@@ -230,6 +236,25 @@ def _trace_export(model: nn.Module, example_inputs: tuple, dtype: torch.dtype | 
             config.use_cache = True
     _follow_traced_dtype(gm, model_dtype if dtype is None else None)
     return gm
+
+
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export")
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Any:
+    """Silence what a failing export writes to stderr (a warning per unbacked symbol, then the partial
+    graph, printed): the failure is reported in one line by the caller (`value_dependence`)."""
+    loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _export_on_fake(model: nn.Module, example_inputs: tuple, dtype: torch.dtype | None) -> fx.GraphModule:
@@ -380,6 +405,89 @@ def retarget_device(gm: fx.GraphModule, device: str | torch.device) -> None:
                 node.args = swap(node.args)
                 node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
             module.recompile()
+
+
+# [Note: value-dependent control flow]
+# Planning runs the model on shapes only (fx proxies, export's fake tensors, the profile's meta or
+# fake tensors), so a forward that reads a tensor's value (`.item()`, `bool(t)`, `if x.sum() > 0`,
+# `.tolist()`) or makes a tensor whose shape depends on values (`nonzero`, boolean masks) cannot be
+# followed. Each tracer fails in its own words (fx: "symbolically traced variables cannot be used as
+# inputs to control flow"; export: GuardOnDataDependentSymNode; a fake run:
+# DataDependentOutputException naming aten._local_scalar_dense); `value_dependence` turns any of them
+# into one line: what the model does, where (the innermost frame of the traceback outside torch and
+# autoplan: the user's line), and the fix. `--leaf-modules` is no fix: a leaf's forward still runs on
+# fake tensors when it is profiled. `torch.where` computes both sides and is traced as one operator.
+_READS_VALUE = ("DataDependentOutputException", "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
+_READS_VALUE_TEXT = ("symbolically traced variables cannot be used as inputs to control flow",
+                     "Tensor.item() cannot be called on meta tensors", "data-dependent", "_local_scalar_dense",
+                     "Cannot copy out of meta tensor")
+_SHAPE_FROM_VALUES = ("DynamicOutputShapeException",)
+_VALUE_FIX = ("keep the value a tensor (a branch: compute both sides and pick with torch.where(cond, a, b)), or decide "
+              "with a Python flag set when the model is built")
+_SHAPE_FIX = "keep the shape fixed (torch.where(mask, x, 0) instead of x[mask]), or decide with a Python flag set when the model is built"
+
+
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain and len(chain) < 16:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return chain
+
+
+_STACK_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _user_frame(chain: Sequence[BaseException], stack_trace: str | None) -> tuple[str, int, str, str] | None:
+    """(file, line, function, source line) of the innermost frame outside torch, autoplan, the
+    standard library and generated code: the model's own line that read the value. Looked for in the
+    exception's traceback, then in `stack_trace` (the failing graph node's, recorded when traced)."""
+    import linecache
+    import sysconfig
+    import traceback
+    from pathlib import Path
+
+    skip = [str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]),
+            sysconfig.get_paths()["stdlib"]]
+
+    def outside(name: str) -> bool:
+        return not name.startswith("<") and not any(name.startswith(prefix) for prefix in skip)
+
+    for exc in chain:
+        frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+        for frame in reversed(frames):
+            if outside(frame.filename):
+                code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+                return frame.filename, frame.lineno or 0, frame.name, code
+    for name, line, function in reversed(_STACK_FRAME.findall(stack_trace or "")):
+        if outside(name):
+            return name, int(line), function, linecache.getline(name, int(line)).strip()
+    return None
+
+
+def value_dependence(exc: BaseException, stack_trace: str | None = None) -> str | None:
+    """One line for an exception raised because the model branches on a tensor's value, or makes a
+    tensor whose shape depends on values ([Note: value-dependent control flow]); None for any other.
+    `stack_trace`: the failing graph node's (`node.meta["stack_trace"]`), when the traceback has no
+    frame of the model's own (a node traced by fx, run by an interpreter)."""
+    chain = _exception_chain(exc)
+    names = {type(e).__name__ for e in chain}
+    text = " ".join(str(e).split("\n", 1)[0] for e in chain)
+    if names & set(_SHAPE_FROM_VALUES):
+        what, fix = "makes a tensor whose shape depends on its values (nonzero, a boolean mask, unique)", _SHAPE_FIX
+    elif names & set(_READS_VALUE) or any(t in text for t in _READS_VALUE_TEXT):
+        if "UnsupportedOperatorException" in names and "_local_scalar_dense" not in text:
+            return None
+        what, fix = "reads a tensor's value (.item(), bool(t), `if x.sum() > 0`, .tolist())", _VALUE_FIX
+    else:
+        return None
+    frame = _user_frame(chain, stack_trace)
+    if frame is None:
+        where = "in its forward (the line is unknown: AUTOPLAN_DEBUG=1 shows the full traceback)"
+    else:
+        file, line, function, code = frame
+        where = f"at {file}:{line} in {function}" + (f" (`{code[:80]}`)" if code else "")
+    return f"the model {what} {where}, which planning cannot follow (it runs the model on shapes, not values); {fix}"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -691,6 +799,7 @@ def trace_model(
     units = _placeable_units(model, containers, leaf_modules)
     order = ["fx", "export", "modules"] if tracer == "auto" else [tracer]
     failures: list[str] = []
+    value_read: str | None = None  # the first tracer failure caused by value-dependent control flow
     for name in order:
         try:
             if name == "fx":
@@ -708,6 +817,7 @@ def trace_model(
                 checked = _check_chain(model, gm, example_inputs)
         except Exception as exc:  # each tracer fails in its own way; keep the first line of each
             failures.append(f"{name} failed ({_first_line(exc)})")
+            value_read = value_read or value_dependence(exc)
             continue
         note = f"traced with {name}"
         if failures:
@@ -718,6 +828,8 @@ def trace_model(
         input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         return TracedModel(gm, block_names, node_block, name, note, _largest_stack(model, containers),
                            input_names, block_modules, containers)
+    if value_read is not None:
+        raise TraceError(value_read)
     raise TraceError(
         "no tracer could handle the model (" + "; ".join(failures) + "); name leaf modules with "
         "--leaf-modules (e.g. 'layers.*') so fx keeps the ones with value-dependent branches opaque, or make "
