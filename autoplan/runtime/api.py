@@ -53,7 +53,7 @@ from autoplan.runtime.parallel import (
     grad_like_param,
     tensor_parallel_plan,
 )
-from autoplan.runtime.precision import MixedPrecision, cast_buffers
+from autoplan.runtime.precision import LossScaler, MixedPrecision, cast_buffers
 from autoplan.runtime.split import (
     build_stage_modules,
     materialize_stages,
@@ -188,11 +188,11 @@ def _check_tp_tracing(traced, tp_plan: Mapping[str, str], sequence_parallel: boo
 
 
 def _compute_dtype(plan: Plan) -> torch.dtype:
-    """The plan's compute dtype: fp32, or bf16 with fp32 masters ([Note: mixed precision] in precision.py)."""
+    """The plan's compute dtype: fp32, or bf16 / fp16 with fp32 masters ([Note: mixed precision] in
+    precision.py; fp16 with a loss scale, [Note: fp16 loss scaling])."""
     dtype = getattr(torch, plan.job.dtype, None)
-    if dtype not in (torch.float32, torch.bfloat16):
-        hint = " (fp16 needs loss scaling, which the runtime does not do)" if dtype == torch.float16 else ""
-        raise PartitionError(f"the runtime runs plans in bfloat16 or float32, not {plan.job.dtype}{hint}; "
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise PartitionError(f"the runtime runs plans in bfloat16, float16 or float32, not {plan.job.dtype}; "
                              f"re-plan with --dtype bf16")
     return dtype
 
@@ -300,6 +300,10 @@ class PartitionedModel:
         self.last_reductions: list[tuple[str, float, float]] = []
         """(phase, start, end) of the last step's gradient reductions after the pipeline (perf_counter)."""
         self._params = self._collect_params()
+        self.loss_scaler = LossScaler() if compute_dtype == torch.float16 else None
+        """fp16 plans: the dynamic loss scale (precision.py [Note: fp16 loss scaling]); `step` scales
+        the backward by it and unscales the gradients, the caller skips the optimizer step on an
+        overflow on any rank and calls `loss_scaler.update(overflow)`. None otherwise."""
 
     # ---- parameters ----------------------------------------------------------------------------
     def _collect_params(self) -> list[tuple[str, nn.Parameter]]:
@@ -490,12 +494,18 @@ class PartitionedModel:
         Returns the mean loss over the global batch on ranks of the last pipeline stage, else None;
         a model's auxiliary losses (`autoplan.attach_aux_loss`: a router's load-balancing loss) are
         part of it, as they are of the gradients.
+
+        fp16 plans: the backward is scaled by `loss_scaler.scale` and the gradients are unscaled before
+        this returns; if any rank's gradients are not finite (an overflow: `nonfinite_stages`, agreed
+        over the world), skip the optimizer step (`zero_grad`); either way call
+        `loss_scaler.update(overflow)` (`autoplan run` does all this).
         """
         if zero_grad:
             self.zero_grad()
         if self.precision is not None:
             self.precision.refresh()  # the optimizer stepped the fp32 masters since the last step
         microbatches = self._microbatches(inputs, target)
+        self.executor.grad_scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
         start_step(self._fsdp_roots, self.plan.pp)
         with recording_aux_losses() as aux_losses:
             if self.context is not None:  # this rank's chunks of every sequence (runtime/context.py)
@@ -504,6 +514,8 @@ class PartitionedModel:
             else:
                 loss = self.executor.run(microbatches)
         aux = self._aux_loss(aux_losses)
+        if aux is not None and self.executor.grad_scale != 1.0:  # recorded with the loss scale's factor
+            aux = aux / self.executor.grad_scale
         fsdp_start = time.perf_counter()
         finish_step(self._fsdp_roots, self.plan.pp)  # FSDP's reduce-scatter under pp > 1 (fsdp.py)
         fsdp_end = time.perf_counter()
@@ -530,6 +542,8 @@ class PartitionedModel:
             if self.expert_params:
                 reduce_expert_grads(self.expert_params, self.layout.expert_dp_group, self.plan.dp)
             self.last_reductions.append(("DP_GRAD_SYNC", dp_start, time.perf_counter()))
+        if self.loss_scaler is not None:  # the fp32 gradients, accumulated and reduced, at their true size
+            self.loss_scaler.unscale_([p.grad for _, p in self._params if p.grad is not None])
         if loss is not None and aux is not None:
             loss = loss + aux
         if loss is not None and self.layout.dp_group is not None:

@@ -176,6 +176,9 @@ class PipelineExecutor:
         self.comm = comm
         self.split_backward = split_backward
         self.loss_scale = 1.0 / num_microbatches if loss_scale is None else loss_scale
+        self.grad_scale = 1.0
+        """fp16's dynamic loss scale (precision.py [Note: fp16 loss scaling]): the backward starts from
+        the loss times it; the returned loss is not scaled by it."""
         self.last_trace: list[ActionRecord] = []
         self.on_weight_grads = on_weight_grads
         """Called after each W action (zb-h1), whose weight gradients autograd does not accumulate
@@ -203,7 +206,7 @@ class PipelineExecutor:
             ActionKind.SEND_B: self._send_b, ActionKind.RECV_B: self._recv_b,
         }
         # Auxiliary losses inside the stages (graph/aux_loss.py) get the loss's own 1 / M.
-        with aux_loss_scale(self.loss_scale):
+        with aux_loss_scale(self.loss_scale * self.grad_scale):
             for action in self.actions:
                 if self.on_action is not None:
                     self.on_action(action)
@@ -236,9 +239,10 @@ class PipelineExecutor:
         produced = dict(zip(spec.outputs, out if isinstance(out, (tuple, list)) else (out,)))
         if s == self.num_stages - 1:
             loss = produced[spec.outputs[0]] * self.loss_scale
-            state.sent = [loss]
             detached = loss.detach().float()  # a bf16 loss is summed over micro-batches in fp32
             self._loss = detached if self._loss is None else self._loss + detached
+            # fp32: an fp16 loss times the scale can pass fp16's range; its gradient S / M does not
+            state.sent = [loss.float() * self.grad_scale if self.grad_scale != 1.0 else loss]
         else:
             state.sent = [produced[cv.name] if cv.name in produced else env[cv.name] for cv in spec.send]
             if self.split_backward:  # torch's split backward detaches outputs in place, which a view refuses

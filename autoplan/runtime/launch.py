@@ -275,7 +275,18 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
         where(step, "checking the loss and gradients")
         loss_value, nonfinite = _loss_and_nonfinite(pm, loss if rank == loss_src else None, device)
         optimizer_start = time.perf_counter()
-        if nonfinite:
+        scaler = pm.loss_scaler
+        step_scale = scaler.scale if scaler is not None else None  # the scale this step's backward used
+        # fp16: gradients that overflowed at a finite loss are the scale's fault, not the model's
+        # (precision.py [Note: fp16 loss scaling]); every rank read the same flags, so all skip.
+        overflow = (scaler is not None and nonfinite.startswith("non-finite gradients") and not scaler.at_minimum)
+        if overflow:
+            if rank == 0:
+                print(f"step {step}  skipped: gradient overflow at loss scale {scaler.scale:g}; the scale is now "
+                      f"{max(scaler.scale * scaler.backoff_factor, scaler.min_scale):g}", flush=True)
+            scaler.update(overflow=True)
+            pm.zero_grad()
+        elif nonfinite:
             skipped += 1
             message = f"{nonfinite} at step {step}"
             if skipped > skip_nonfinite:
@@ -286,6 +297,8 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
         else:
             where(step, "in the optimizer step")
             optimizer.step()
+            if scaler is not None:
+                scaler.update(overflow=False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time_s = time.perf_counter() - start
@@ -296,12 +309,15 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
         events += [(phase, a + clock_offset, b + clock_offset, step) for phase, a, b in tail]
         if rank == 0 and not nonfinite:
             print(f"step {step}  loss {loss_value:.4f}  step {step_time_s:.3f} s  "
-                  f"predicted {plan.predicted.step_time_s:.3f} s", flush=True)
+                  f"predicted {plan.predicted.step_time_s:.3f} s" +
+                  (f"  loss scale {step_scale:g}" if scaler is not None else ""), flush=True)
         if rank == 0 and metrics_path:  # appended per step: a run that dies later keeps what it measured
             record = {"run": run_id, "step": step, "loss": loss_value if not nonfinite else None,
                       "step_time_s": step_time_s, "predicted_step_time_s": plan.predicted.step_time_s}
             if nonfinite:
-                record["skipped"] = nonfinite
+                record["skipped"] = "gradient overflow" if overflow else nonfinite
+            if scaler is not None:
+                record["loss_scale"] = step_scale
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         done = step + 1
@@ -310,7 +326,8 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
             path = ckpt.save_checkpoint(
                 checkpoint_dir, done, pm, optimizer, timeout=timeout,
                 extra={"seed": seed, "model": spec, "model_fingerprint": plan.model_fingerprint, "pp": plan.pp,
-                       "dp": plan.dp, "tp": plan.tp},
+                       "dp": plan.dp, "tp": plan.tp,
+                       **({"loss_scale": pm.loss_scaler.state_dict()} if pm.loss_scaler is not None else {})},
                 _kill_midway=any(f.hits("kill-in-checkpoint", rank, done) for f in faults))
             if rank == 0:
                 print(f"checkpoint {path}", flush=True)
@@ -345,6 +362,9 @@ def _resume(ckpt, checkpoint_dir: str, chosen_by_launcher: str | None, pm, optim
     loaded = ckpt.load_checkpoint(chosen[0], checksums=False)  # every file's sha256 was just checked
     same_layout = loaded.manifest.get("world_size") == dist.get_world_size()
     start_step = ckpt.restore(loaded, pm, optimizer, strict=True, rank=rank if same_layout else None)
+    scale = (loaded.manifest.get("extra") or {}).get("loss_scale")
+    if pm.loss_scaler is not None and scale:  # fp16: the scale goes on where it was (the same on every rank)
+        pm.loss_scaler.load_state_dict(scale)
     if rank == 0:
         print(f"resumed from {chosen[0]} (step {start_step})", flush=True)
     return start_step

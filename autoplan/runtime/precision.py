@@ -30,6 +30,23 @@ backward), and fp32 residual streams:
 Bytes per parameter: 2 (bf16 weight) + 4 (fp32 gradient) + 4 (fp32 master) + 8 (Adam's moments) = 18,
 Megatron-LM's figure for this setup, and the cost model's (cost/memory.py); under ZeRO-1, 2 + 4 +
 (4 + 8) / dp.
+
+[Note: fp16 loss scaling]
+An fp16 plan runs as a bf16 one (fp16 working copies, fp32 masters and gradients, the same 18 bytes
+per parameter) plus a dynamic loss scale, because fp16's 5 exponent bits flush small gradients to
+zero (Micikevicius et al. 2018, Sec. 3.2): the last stage's loss is multiplied by the scale S before
+its backward (every activation gradient of every stage, the values sent between stages included,
+is S times the true one), the fp32 master gradients are multiplied by 1 / S once they are
+accumulated and reduced, and then, as torch.amp.GradScaler and Megatron-LM's DynamicGradScaler do:
+- a step whose gradients hold an infinity or a NaN on ANY rank (the launcher's one MAX all-reduce
+  over the whole world, `launch._loss_and_nonfinite`, which every rank reads) is an overflow: no
+  optimizer step on any rank, S halves;
+- after `growth_interval` steps in a row without overflow, S doubles.
+The initial S is 2**15, not GradScaler's 2**16: here the loss itself is fp16 (the stages compute in
+the plan's dtype, the loss included, with no autocast to promote it to fp32), and the gradient the
+backward starts from, S / num_microbatches, must be below fp16's largest finite value, 65504. S
+never goes below `min_scale` (1, Megatron-LM's `min_loss_scale`): an overflow at S = 1 is a
+non-finite gradient, not a too-large scale, and the run treats it as one (--skip-nonfinite).
 """
 
 from __future__ import annotations
@@ -41,7 +58,7 @@ from torch import nn
 
 from autoplan.runtime.parallel import grad_like_param
 
-__all__ = ["MixedPrecision", "cast_buffers"]
+__all__ = ["LossScaler", "MixedPrecision", "cast_buffers"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -147,3 +164,46 @@ def cast_buffers(modules: Sequence[nn.Module], dtype: torch.dtype) -> None:
                     continue
                 if b is not None and b.is_floating_point() and b.dtype != dtype:
                     mod._buffers[name] = b.to(dtype)
+
+
+class LossScaler:
+    """The dynamic loss scale of an fp16 plan ([Note: fp16 loss scaling]); torch.amp.GradScaler's
+    rule (growth 2, backoff 0.5, growth interval 2000) on the fp32 master gradients."""
+
+    def __init__(self, init_scale: float = 2.0**15, *, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, min_scale: float = 1.0):
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.min_scale = growth_interval, min_scale
+        self.good_steps = 0
+        """Steps without overflow since the scale last changed."""
+
+    @torch.no_grad()
+    def unscale_(self, grads: Sequence[torch.Tensor]) -> None:
+        """Multiply gradients (fp32, or DTensors of fp32) by 1 / scale in place."""
+        local = [_local(g) for g in grads]
+        if local:
+            torch._foreach_mul_(local, 1.0 / self.scale)
+
+    @property
+    def at_minimum(self) -> bool:
+        """An overflow at this scale is a non-finite gradient, not a scale to lower."""
+        return self.scale <= self.min_scale
+
+    def update(self, overflow: bool) -> None:
+        """After a step: halve on an overflow (the step was skipped), grow after `growth_interval`
+        good steps in a row."""
+        if overflow:
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
