@@ -97,6 +97,13 @@ def cmd_show(args: argparse.Namespace, console_factory: ConsoleFactory) -> int:
     from autoplan.report.tables import plans_table, stages_table
 
     plan = Plan.load(args.plan)
+    timelines = [timeline.predicted_timeline(plan)]
+    if args.trace:
+        # Checked before anything is printed: a trace of another plan would compare two unrelated
+        # steps (issue 29: "measured ... 3.11x" against a plan that never ran).
+        trace = timeline.load_trace(args.trace)
+        timeline.check_trace_matches(trace, plan, trace_name=f"trace {args.trace}", plan_name=args.plan)
+        timelines.append(timeline.measured_timeline(trace, plan, step=args.step))
     console = console_factory()
     cluster = plan.cluster_obj()
     console.print(f"[bold]{plan.model}[/bold] on {cluster.describe()}; global batch {plan.job.global_batch} x seq "
@@ -105,18 +112,18 @@ def cmd_show(args: argparse.Namespace, console_factory: ConsoleFactory) -> int:
     console.print(stages_table(plan))
     console.print(f"bound by: {plan.predicted.bound}")
     if plan.predicted.breakdown:
-        console.print("per step: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.2f} ms"
+        # One unit for the line, the step's own (s for a 7 s step, ms for a 50 ms one).
+        unit, per_s = ("s", 1.0) if plan.predicted.step_time_s >= 1 else ("ms", 1e3)
+        console.print("per step: " + ", ".join(f"{k.removesuffix('_s')} {v * per_s:.{3 if unit == 's' else 2}f} {unit}"
                                                for k, v in plan.predicted.breakdown.items()))
     for note in plan.notes:
         console.print(f"[dim]note: {note}[/dim]")
-    timelines = [timeline.predicted_timeline(plan)]
-    if args.trace:
-        measured = timeline.measured_timeline(timeline.load_trace(args.trace), plan, step=args.step)
-        timelines.append(measured)
-        ratio = measured.step_time_s / timelines[0].step_time_s if timelines[0].step_time_s else float("nan")
+    if len(timelines) > 1:
+        predicted, measured = timelines
+        ratio = measured.step_time_s / predicted.step_time_s if predicted.step_time_s else float("nan")
         console.print(f"measured step {measured.step_time_s * 1e3:.2f} ms vs predicted "
-                      f"{timelines[0].step_time_s * 1e3:.2f} ms ({ratio:.2f}x); bubble {measured.bubble_fraction:.1%} "
-                      f"vs {timelines[0].bubble_fraction:.1%}")
+                      f"{predicted.step_time_s * 1e3:.2f} ms ({ratio:.2f}x); bubble {measured.bubble_fraction:.1%} "
+                      f"vs {predicted.bubble_fraction:.1%}")
     if args.out:
         timeline.write_timeline(timelines, args.out, plan)
         console.print(f"wrote the timeline to {args.out}")
@@ -154,12 +161,50 @@ def run_sweep(*, model: str, cluster: str, gpu_counts: str | Sequence[int], glob
               plot: str | None = None, json_out: bool = False, console=None, **kwargs: Any) -> int:
     """`autoplan suggest --sweep-gpus 64,128 [--plot out.png]`: best plan per GPU count, a table of
     throughput, MFU and scaling efficiency, and optionally a plot (.png or .svg). `kwargs` go to
-    `suggest_with_stats` (intra_node_bw_gbps, inter_node_bw_gbps, leaf_modules). Returns the exit
-    code: 0, or 1 when no count has a plan."""
-    from autoplan.report.sweep import parse_gpu_counts, plot_sweep, sweep, sweep_table
+    `suggest_with_stats` (intra_node_bw_gbps, inter_node_bw_gbps, leaf_modules). Returns 0; a
+    sweep where no count has a plan is a ValueError (one line, each count's reason). Progress goes
+    to stderr: a bar on a terminal, else one line per count."""
+    import sys
+    import time
+
+    from autoplan.report.sweep import no_plan_lines, parse_gpu_counts, plot_sweep, sweep, sweep_table
+    from autoplan.report.tables import layout_label
 
     counts = parse_gpu_counts(gpu_counts)
-    rows = sweep(model, cluster, counts, global_batch=global_batch, seq_len=seq_len, dtype=dtype, pins=pins, **kwargs)
+    start = time.monotonic()
+    progress = task = None
+    # One count is one `suggest`, which prints no progress off a terminal: its stderr stays the error alone.
+    print_lines = len(counts) > 1
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=Console(stderr=True), transient=True)
+        task = progress.add_task(f"planning {counts[0]} GPUs", total=len(counts))
+        progress.start()
+    elif print_lines:
+        print(f"autoplan: sweeping {len(counts)} GPU counts: "
+              f"{', '.join(map(str, counts))}", file=sys.stderr, flush=True)
+
+    def on_row(done: int, total: int, row) -> None:
+        if progress is not None:
+            following = f"planning {counts[done]} GPUs" if done < total else "done"
+            progress.update(task, completed=done, description=following)
+        elif print_lines:
+            best = f"best {layout_label(row.plan)}" if row.plan is not None else "no plan"
+            print(f"autoplan: {done}/{total}: {row.num_gpus} GPUs, {best} ({time.monotonic() - start:.1f} s)",
+                  file=sys.stderr, flush=True)
+
+    try:
+        rows = sweep(model, cluster, counts, global_batch=global_batch, seq_len=seq_len, dtype=dtype, pins=pins,
+                     on_row=on_row, **kwargs)
+    finally:
+        if progress is not None:
+            progress.stop()
+    if not any(r.plan for r in rows):
+        # Nothing to tabulate or plot: the reasons are the answer (issue 29: they were in a cut table cell).
+        raise ValueError(f"--sweep-gpus {','.join(map(str, counts))}: " + "; ".join(no_plan_lines(rows)))
     if json_out:
         print(json.dumps([{"num_gpus": r.num_gpus, "cluster": r.cluster, "error": r.error,
                            "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "scaling_efficiency": r.scaling_efficiency,
@@ -170,8 +215,8 @@ def run_sweep(*, model: str, cluster: str, gpu_counts: str | Sequence[int], glob
 
             console = Console()
         console.print(sweep_table(rows))
-    if not any(r.plan for r in rows):
-        return 1
+        for line in no_plan_lines(rows):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     if plot:
         plot_sweep(rows, plot)
         if console is not None and not json_out:

@@ -8,14 +8,15 @@ held fixed (so it is strong scaling in the batch, and falls as the per-replica b
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autoplan.plan import Plan
 
-__all__ = ["SweepRow", "cluster_for_count", "parse_gpu_counts", "plot_sweep", "sweep", "sweep_table"]
+__all__ = ["SweepRow", "cluster_for_count", "no_plan_lines", "parse_gpu_counts", "plot_sweep", "sweep",
+           "sweep_table"]
 
 
 @dataclass(frozen=True)
@@ -79,30 +80,34 @@ def cluster_for_count(template, num_gpus: int):
 
 
 def sweep(model, cluster_template, gpu_counts: Sequence[int], *, global_batch: int, seq_len: int | None = None,
-          dtype: str = "bf16", pins: Mapping[str, Any] | None = None, **kwargs: Any) -> list[SweepRow]:
+          dtype: str = "bf16", pins: Mapping[str, Any] | None = None,
+          on_row: Callable[[int, int, SweepRow], None] | None = None, **kwargs: Any) -> list[SweepRow]:
     """The best plan at every GPU count (via `autoplan.api.suggest_with_stats`, top 1).
 
     A count without a plan (too few GPUs for the model, a batch that does not divide) becomes a
-    row with `error` set, not an exception. `kwargs` go to `suggest_with_stats` (e.g.
-    intra_node_bw_gbps).
+    row with `error` set, not an exception. `on_row(done, total, row)` is called as each count is
+    planned (progress). `kwargs` go to `suggest_with_stats` (e.g. intra_node_bw_gbps).
     """
     from autoplan.api import suggest_with_stats
 
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
     rows: list[SweepRow] = []
-    for n in parse_gpu_counts(list(gpu_counts)):
+    counts = parse_gpu_counts(list(gpu_counts))
+    for n in counts:
         try:
             cluster = cluster_for_count(cluster_template, n)
         except ValueError as exc:
             rows.append(SweepRow(n, str(cluster_template), None, str(exc).splitlines()[0]))
-            continue
-        try:
-            result, _ = suggest_with_stats(model, cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype,
-                                           top=1, **kwargs, **pins)
-            rows.append(SweepRow(n, cluster.describe(), result.plans[0]))
-        except ValueError as exc:
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            rows.append(SweepRow(n, cluster.describe(), None, message))
+        else:
+            try:
+                result, _ = suggest_with_stats(model, cluster, global_batch=global_batch, seq_len=seq_len,
+                                               dtype=dtype, top=1, **kwargs, **pins)
+                rows.append(SweepRow(n, cluster.describe(), result.plans[0]))
+            except ValueError as exc:
+                message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                rows.append(SweepRow(n, cluster.describe(), None, message))
+        if on_row is not None:
+            on_row(len(rows), len(counts), rows[-1])
     reference = next((r for r in rows if r.plan is not None), None)
     if reference is None:
         return rows
@@ -112,24 +117,35 @@ def sweep(model, cluster_template, gpu_counts: Sequence[int], *, global_batch: i
 
 
 def sweep_table(rows: Sequence[SweepRow]):
-    """A rich table: GPUs, best plan, tokens/s, per GPU, MFU, scaling efficiency."""
+    """A rich table: GPUs, best plan, tokens/s, per GPU, MFU, scaling efficiency. A count without a
+    plan says "no plan" in its row; `no_plan_lines` gives the reasons whole (a table cell wraps or
+    truncates them)."""
     from rich.table import Table
 
+    from autoplan.report.tables import _fmt_step, layout_header, layout_label
+
+    planned = [r.plan for r in rows if r.plan is not None]
+    with_cp = any(p.cp > 1 for p in planned)
     table = Table(title="what-if: best plan per GPU count (scaling vs the smallest count)")
-    for name, justify in [("GPUs", "right"), ("tp/pp/dp", "left"), ("micro-batch", "left"), ("schedule", "left"),
-                          ("step", "right"), ("tokens/s", "right"), ("tokens/s/GPU", "right"), ("MFU", "right"),
-                          ("scaling", "right")]:
+    for name, justify in [("GPUs", "right"), (layout_header(planned), "left"), ("micro-batch", "left"),
+                          ("schedule", "left"), ("step", "right"), ("tokens/s", "right"), ("tokens/s/GPU", "right"),
+                          ("MFU", "right"), ("scaling", "right")]:
         table.add_column(name, justify=justify)
     for r in rows:
         if r.plan is None:
-            table.add_row(str(r.num_gpus), f"[red]no plan: {r.error}[/red]", "", "", "", "", "", "", "")
+            table.add_row(str(r.num_gpus), "[red]no plan[/red] (reason below)", "", "", "", "", "", "", "")
             continue
         p = r.plan
         sched = p.schedule + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "")
-        table.add_row(str(r.num_gpus), f"{p.tp}/{p.pp}/{p.dp}", f"{p.micro_batch_size} x {p.num_microbatches}", sched,
-                      f"{p.predicted.step_time_s:.3f} s", f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_s_per_gpu:,.0f}",
+        table.add_row(str(r.num_gpus), layout_label(p, with_cp), f"{p.micro_batch_size} x {p.num_microbatches}", sched,
+                      _fmt_step(p.predicted.step_time_s), f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_s_per_gpu:,.0f}",
                       f"{r.mfu:.1%}", f"{r.scaling_efficiency:.0%}" if r.scaling_efficiency is not None else "-")
     return table
+
+
+def no_plan_lines(rows: Sequence[SweepRow]) -> list[str]:
+    """One line per count without a plan: "no plan at 1000000 GPUs: <why>"."""
+    return [f"no plan at {r.num_gpus} GPUs: {r.error}" for r in rows if r.plan is None]
 
 
 def plot_sweep(rows: Sequence[SweepRow], path: str | os.PathLike) -> None:
@@ -160,23 +176,42 @@ def plot_sweep(rows: Sequence[SweepRow], path: str | os.PathLike) -> None:
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("GPUs")
     ax.set_ylabel("predicted tokens/s")
+    from autoplan.report.tables import layout_header, layout_label
+
+    with_cp = any(r.plan.cp > 1 for r in ok)
     for r in ok:
-        ax.annotate(f"{r.plan.tp}/{r.plan.pp}/{r.plan.dp}\nMFU {r.mfu:.0%}, {r.scaling_efficiency:.0%}",
+        ax.annotate(f"{layout_label(r.plan, with_cp)}\nMFU {r.mfu:.0%}, {r.scaling_efficiency:.0%}",
                     (r.num_gpus, r.tokens_per_s), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title(f"{ok[0].plan.model}: best plan per GPU count (tp/pp/dp, MFU, scaling efficiency)", fontsize=10)
+    ax.set_title(f"{ok[0].plan.model}: best plan per GPU count ({layout_header([r.plan for r in ok])}, MFU, "
+                 "scaling efficiency)", fontsize=10)
     ax.margins(y=0.25)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def _fmt_tokens(value: float) -> str:
+    for unit, scale in (("M", 1e6), ("K", 1e3)):
+        if value >= scale:
+            text = f"{value / scale:.1f}".removesuffix(".0")
+            return text + unit
+    return f"{value:.0f}" if value >= 1 else f"{value:.2g}"
+
+
 def _sweep_svg(rows: Sequence[SweepRow]) -> str:
+    """Bars of predicted tokens/s per GPU count, on a y axis with ticks and its label."""
     from xml.sax.saxutils import escape
 
-    w, h, left, bottom, top, right = 720, 400, 90, 50, 40, 30
-    ymax = max(r.tokens_per_s for r in rows) * 1.15
+    from autoplan.report.tables import layout_label
+    from autoplan.report.timeline import _nice_step
+
+    w, h, left, bottom, top, right = 720, 430, 90, 56, 52, 30
+    peak = max(r.tokens_per_s for r in rows)
+    tick = _nice_step(peak * 1.15)
+    ymax = tick * (int(peak * 1.2 / tick) + 1)  # room above the tallest bar for its labels
     n = len(rows)
+    with_cp = any(r.plan.cp > 1 for r in rows)
 
     def x(i: int) -> float:
         return left + (w - left - right) * (i + 0.5) / n
@@ -188,17 +223,39 @@ def _sweep_svg(rows: Sequence[SweepRow]) -> str:
              f'font-size="11"><rect width="{w}" height="{h}" fill="white"/>',
              f'<text x="{w / 2}" y="20" text-anchor="middle" font-weight="bold">'
              f'{escape(rows[0].plan.model)}: predicted tokens/s per GPU count</text>',
-             f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="#333"/>',
-             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="#333"/>']
-    bar_w = (w - left - right) / n * 0.6
+             f'<text x="{w / 2}" y="36" text-anchor="middle" fill="#555" font-size="10">above each bar: tokens/s, '
+             f'then MFU and scaling efficiency (tokens/s per GPU against {rows[0].num_gpus} GPUs)</text>']
+    k = 0
+    while k * tick <= ymax * (1 + 1e-9):
+        ty = y(k * tick)
+        parts.append(f'<line class="grid" x1="{left}" y1="{ty:.1f}" x2="{w - right}" y2="{ty:.1f}" stroke="#e4e4e4"/>')
+        parts.append(f'<line x1="{left - 4}" y1="{ty:.1f}" x2="{left}" y2="{ty:.1f}" stroke="#333"/>')
+        parts.append(f'<text class="ytick" x="{left - 7}" y="{ty + 4:.1f}" text-anchor="end">'
+                     f'{_fmt_tokens(k * tick)}</text>')
+        k += 1
+    parts += [f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="#333"/>',
+              f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="#333"/>',
+              f'<text class="ylabel" x="18" y="{(top + h - bottom) / 2:.1f}" text-anchor="middle" '
+              f'transform="rotate(-90 18 {(top + h - bottom) / 2:.1f})">predicted tokens/s</text>',
+              f'<text class="xlabel" x="{(left + w - right) / 2:.1f}" y="{h - 8}" text-anchor="middle">'
+              f'GPUs ({"tp/pp/dp/cp" if with_cp else "tp/pp/dp"} of the best plan)</text>']
+    slot = (w - left - right) / n
+    bar_w = slot * 0.6
     for i, r in enumerate(rows):
         parts.append(f'<rect class="bar" data-gpus="{r.num_gpus}" data-tokens-per-s="{r.tokens_per_s:.6g}" '
                      f'x="{x(i) - bar_w / 2:.1f}" y="{y(r.tokens_per_s):.1f}" width="{bar_w:.1f}" '
                      f'height="{h - bottom - y(r.tokens_per_s):.1f}" fill="#4e79a7"/>')
-        parts.append(f'<text x="{x(i):.1f}" y="{y(r.tokens_per_s) - 6:.1f}" text-anchor="middle">'
-                     f'{r.tokens_per_s:,.0f} (MFU {r.mfu:.0%}, {r.scaling_efficiency:.0%})</text>')
-        parts.append(f'<text x="{x(i):.1f}" y="{h - bottom + 16}" text-anchor="middle">{r.num_gpus} GPUs</text>')
+        detail = f"MFU {r.mfu:.0%}, scaling {r.scaling_efficiency:.0%}"
+        # Each bar's labels stay inside its slot (about 6.5 px a character at 11 px): shorter, or none.
+        if len(detail) * 6.5 > slot:
+            detail = f"{r.mfu:.0%}, {r.scaling_efficiency:.0%}" if len(f"{r.mfu:.0%}, {r.scaling_efficiency:.0%}") * 6.5 <= slot else ""
+        parts.append(f'<text x="{x(i):.1f}" y="{y(r.tokens_per_s) - 20:.1f}" text-anchor="middle">'
+                     f'{_fmt_tokens(r.tokens_per_s)}</text>')
+        if detail:
+            parts.append(f'<text x="{x(i):.1f}" y="{y(r.tokens_per_s) - 6:.1f}" text-anchor="middle" fill="#555">'
+                         f'{escape(detail)}</text>')
+        parts.append(f'<text x="{x(i):.1f}" y="{h - bottom + 16}" text-anchor="middle">{r.num_gpus}</text>')
         parts.append(f'<text x="{x(i):.1f}" y="{h - bottom + 30}" text-anchor="middle" fill="#555">'
-                     f'{r.plan.tp}/{r.plan.pp}/{r.plan.dp}</text>')
+                     f'{layout_label(r.plan, with_cp)}</text>')
     parts.append("</svg>\n")
     return "\n".join(parts)

@@ -6,7 +6,8 @@ from rich.table import Table
 
 from autoplan.graph.blocks import ModelProfile
 
-__all__ = ["calibration_table", "fmt_bytes", "fmt_count", "profile_table"]
+__all__ = ["calibration_table", "flops_unit", "fmt_bytes", "fmt_count", "layout_label", "plans_table",
+           "profile_table", "stages_table"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -63,12 +64,43 @@ def _schedule_label(plan) -> str:
     return plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
 
 
+def layout_header(plans) -> str:
+    """"tp/pp/dp", or "tp/pp/dp/cp" when a plan has context parallelism (`layout_label`)."""
+    return "tp/pp/dp/cp" if any(getattr(p, "cp", 1) > 1 for p in plans) else "tp/pp/dp"
+
+
+def layout_label(plan, with_cp: bool | None = None) -> str:
+    """The plan's degrees as a user reads them. A plan's `dp` counts the cp ranks of each replica
+    (plan.py: dp / cp replicas take distinct batches), so dp is shown as `plan.replicas`, the
+    replicas the global batch is split over, and cp as its own degree: tp x pp x dp x cp GPUs."""
+    cp = getattr(plan, "cp", 1)
+    if with_cp is None:
+        with_cp = cp > 1
+    dp = plan.dp // cp if cp > 1 else plan.dp
+    return f"{plan.tp}/{plan.pp}/{dp}" + (f"/{cp}" if with_cp else "")
+
+
+_FLOPS_UNITS = (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6), ("kFLOP/s", 1e3))
+
+
+def flops_unit(flops_per_s: float) -> tuple[str, float]:
+    """The unit a rate of `flops_per_s` reads best in (at least 1 of it): ("TFLOP/s", 1e12) for a GPU,
+    ("GFLOP/s", 1e9) for a CPU rank. One unit per table column: pass the column's largest value."""
+    for unit, scale in _FLOPS_UNITS[1:]:
+        if abs(flops_per_s) >= scale:
+            return unit, scale
+    return "FLOP/s", 1.0
+
+
 def plans_table(plans, title: str = "") -> Table:
     """One row per plan, best first (the columns `autoplan suggest` prints)."""
     table = Table(title=title or None)
-    for name, justify in [("#", "right"), ("tp/pp/dp", "left"), ("micro-batch", "left"), ("schedule", "left"),
-                          ("recompute", "left"), ("step", "right"), ("tokens/s", "right"), ("TFLOP/s/GPU", "right"),
-                          ("MFU", "right"), ("mem/GPU", "right"), ("bubble", "right")]:
+    # One FLOP/s unit for the column, chosen by its largest value (GFLOP/s on CPU ranks, not "0.0").
+    unit, scale = flops_unit(max((p.predicted.model_tflops_per_gpu * 1e12 for p in plans), default=1e12))
+    with_cp = any(getattr(p, "cp", 1) > 1 for p in plans)
+    for name, justify in [("#", "right"), (layout_header(plans), "left"), ("micro-batch", "left"),
+                          ("schedule", "left"), ("recompute", "left"), ("step", "right"), ("tokens/s", "right"),
+                          (f"{unit}/GPU", "right"), ("MFU", "right"), ("mem/GPU", "right"), ("bubble", "right")]:
         table.add_column(name, justify=justify)
     for i, plan in enumerate(plans, 1):
         p = plan.predicted
@@ -77,41 +109,69 @@ def plans_table(plans, title: str = "") -> Table:
             extras.append(f"zero{plan.zero}")
         if getattr(plan, "dp_replicate", 1) > 1:
             extras.append(f"hsdp{plan.dp_replicate}x{plan.dp_shard}")
-        if getattr(plan, "cp", 1) > 1:
-            extras.append(f"cp{plan.cp}")
         if getattr(plan, "ep", 1) > 1:
             extras.append(f"ep{plan.ep}")
         if plan.sequence_parallel:
             extras.append("sp")
         recompute = plan.recompute + (" +" + ",".join(extras) if extras else "")
         memory = fmt_bytes(p.peak_memory_bytes) + ("" if plan.fits else " [red](does not fit)[/red]")
-        table.add_row(str(i), f"{plan.tp}/{plan.pp}/{plan.dp}", f"{plan.micro_batch_size} x {plan.num_microbatches}",
+        flops = p.model_tflops_per_gpu * 1e12 / scale
+        table.add_row(str(i), layout_label(plan, with_cp), f"{plan.micro_batch_size} x {plan.num_microbatches}",
                       _schedule_label(plan), recompute, _fmt_step(p.step_time_s), f"{p.tokens_per_s:,.0f}",
-                      f"{p.model_tflops_per_gpu:.1f}", f"{p.mfu:.1%}", memory, f"{p.bubble_fraction:.1%}")
+                      f"{flops:.1f}" if flops >= 10 else f"{flops:.2f}", f"{p.mfu:.1%}", memory,
+                      f"{p.bubble_fraction:.1%}")
     return table
 
 
 def stages_table(plan, max_rows: int = 12) -> Table:
-    """The stages of one plan: block ranges, time per micro-batch and memory of their GPU."""
-    table = Table(title=f"stages of the best plan ({plan.num_stages} stages on {plan.pp} pipeline ranks)")
-    for name, justify in [("stage", "right"), ("rank", "right"), ("blocks", "left"), ("fwd", "right"),
-                          ("bwd", "right"), ("params", "right"), ("weights+grads+optim", "right"),
-                          ("activations", "right"), ("total mem", "right")]:
+    """The stages of one plan: block ranges, time per micro-batch and the memory of their GPU.
+
+    The memory columns add up to "total mem": weights + gradients + optimizer states, activations,
+    FSDP's gathered parameters and gradients (a column only when the plan has any), and "other"
+    (buffers and the allowance, `MemoryBreakdown`). A GPU holding several stages (interleaved
+    schedules) has one memory figure for all of them: its rows are grouped under the rank, each
+    row's blocks, times and params are the stage's own, and the rank's memory is shown once, on
+    its first row.
+    """
+    v = plan.virtual_stages
+    title = (f"stages of the best plan ({plan.num_stages} stage{'s' if plan.num_stages > 1 else ''} on {plan.pp} "
+             f"pipeline rank{'s' if plan.pp > 1 else ''}")
+    title += (f", {v} per rank; memory is the rank's, all its stages, on its first row)" if v > 1 else ")")
+    gathered = any(s.memory.gathered_bytes > 0 for s in plan.stages)
+    allowance = max(s.memory.allowance_bytes for s in plan.stages)
+    caption = (f"other: buffers (P2P receives, the backward's working set, the gradient bucket) + allowance "
+               f"{fmt_bytes(allowance)} (CUDA context, NCCL, fragmentation); autoplan/cost/memory.py")
+    table = Table(title=title, caption=caption, caption_justify="left")
+    columns = [("stage", "right"), ("rank", "right"), ("blocks", "left"), ("fwd", "right"), ("bwd", "right"),
+               ("params", "right"), ("weights+grads+optim", "right"), ("activations", "right")]
+    columns += [("FSDP gathered", "right")] if gathered else []
+    columns += [("other", "right"), ("total mem", "right")]
+    for name, justify in columns:
         table.add_column(name, justify=justify)
-    shown = list(plan.stages)
+    stages = sorted(plan.stages, key=lambda s: (s.pp_rank, s.index)) if v > 1 else list(plan.stages)
+    shown = list(stages)
     if len(shown) > max_rows:
         # First and last stages carry the embedding and the head: show both ends.
         shown = shown[: max_rows // 2] + [None] + shown[-(max_rows - max_rows // 2):]
+    seen_ranks: set[int] = set()
     for s in shown:
         if s is None:
-            table.add_row("...", "", f"({len(plan.stages) - max_rows} more stages)", "", "", "", "", "", "")
+            table.add_row("...", "", f"({len(plan.stages) - max_rows} more stages)", *[""] * (len(columns) - 3))
             continue
         m = s.memory
         span = (f"{s.first_block}-{s.end_block - 1} ({s.first_block_name} .. {s.last_block_name})"
                 if s.end_block - s.first_block > 1 else f"{s.first_block} ({s.first_block_name})")
-        table.add_row(str(s.index), str(s.pp_rank), span, f"{s.fwd_time_s * 1e3:.1f} ms", f"{s.bwd_time_s * 1e3:.1f} ms",
-                      fmt_count(s.num_params), fmt_bytes(m.weights_bytes + m.grads_bytes + m.optimizer_bytes),
-                      fmt_bytes(m.activations_bytes), fmt_bytes(m.total_bytes))
+        row = [str(s.index), str(s.pp_rank), span, f"{s.fwd_time_s * 1e3:.1f} ms", f"{s.bwd_time_s * 1e3:.1f} ms",
+               fmt_count(s.num_params)]
+        if v > 1 and s.pp_rank in seen_ranks:
+            memory = [""] * (len(columns) - len(row))
+        else:
+            memory = [fmt_bytes(m.weights_bytes + m.grads_bytes + m.optimizer_bytes), fmt_bytes(m.activations_bytes)]
+            memory += [fmt_bytes(m.gathered_bytes)] if gathered else []
+            other = m.buffers_bytes + m.allowance_bytes + (0.0 if gathered else m.gathered_bytes)
+            memory += [fmt_bytes(other), fmt_bytes(m.total_bytes)]
+        seen_ranks.add(s.pp_rank)
+        table.add_row(*row, *memory)
     return table
 
 

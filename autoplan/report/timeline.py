@@ -31,12 +31,16 @@ __all__ = [
     "Box",
     "Timeline",
     "TimelineError",
+    "check_trace_matches",
     "load_trace",
     "measured_timeline",
+    "plan_fingerprint",
+    "plan_summary",
     "predicted_timeline",
     "to_chrome_trace",
     "to_png",
     "to_svg",
+    "trace_metadata",
     "write_timeline",
 ]
 
@@ -273,17 +277,119 @@ def measured_timeline(trace: Mapping[str, Any], plan: Plan | None = None, *, ste
     return Timeline("measured", num_ranks, tuple(boxes), step_time, _bubble(boxes, num_ranks))
 
 
+# ---- which plan a trace was measured on ----------------------------------------------------
+
+def plan_fingerprint(plan: Plan) -> str:
+    """16 hex digits of sha256 over what a run of the plan does: the model (spec, structural
+    fingerprint, file digest), the cluster, the job, every degree, the schedule, the micro-batches
+    and the stage cuts. Predictions are left out: re-planning the same layout with another
+    calibration keeps the fingerprint, so its traces still compare."""
+    import hashlib
+
+    identity = {
+        "model": [plan.model, plan.model_fingerprint, plan.model_digest],
+        "cluster": plan.cluster,
+        "job": [plan.job.global_batch, plan.job.seq_len, plan.job.dtype],
+        "layout": [plan.tp, plan.pp, plan.dp, plan.cp, plan.ep, plan.zero, plan.dp_replicate, plan.rank_order,
+                   plan.sequence_parallel, plan.recompute],
+        "schedule": [plan.schedule, plan.virtual_stages, plan.micro_batch_size, plan.num_microbatches],
+        "cuts": list(plan.boundaries),
+    }
+    text = json.dumps(identity, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def plan_summary(plan: Plan) -> str:
+    """One line naming a plan: model, degrees, schedule, micro-batches."""
+    return (f"{plan.model}: {_layout(plan)}, {plan.schedule}"
+            + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
+            + f", {plan.num_microbatches} micro-batch{'es' if plan.num_microbatches != 1 else ''} "
+              f"of {plan.micro_batch_size}")
+
+
+def trace_metadata(plan: Plan) -> dict[str, Any]:
+    """What `autoplan run --trace` records of its plan, under the trace's "otherData" (the Chrome
+    trace format's free-form object), so `autoplan show` can tell whether a trace is the plan's."""
+    return {"autoplan_plan_fingerprint": plan_fingerprint(plan), "autoplan_plan": plan_summary(plan),
+            "num_ranks": plan.num_gpus}
+
+
+def check_trace_matches(trace: Mapping[str, Any], plan: Plan, *, trace_name: str = "the trace",
+                        plan_name: str = "the plan") -> None:
+    """Refuse (TimelineError, one line) a trace measured on another plan.
+
+    A trace with `trace_metadata` compares fingerprints. One without it (written before the
+    runtime recorded them) is compared by what it shows: its ranks must be the plan's GPUs, and
+    the compute actions of each pipeline rank of the (dp 0, tp 0) replica must be that rank's
+    actions in the plan's schedule (stages, micro-batches and their order).
+    """
+    other = trace.get("otherData")
+    recorded = other.get("autoplan_plan_fingerprint") if isinstance(other, Mapping) else None
+    fix = f"show it with the plan it was measured on, or measure this one: `autoplan run {plan_name} --trace FILE`"
+    if recorded is not None:
+        if str(recorded) != plan_fingerprint(plan):
+            theirs = other.get("autoplan_plan") or f"plan {recorded}"
+            raise TimelineError(f"{trace_name} was measured on another plan ({theirs}), not {plan_name} "
+                                f"({plan_summary(plan)}); {fix}")
+        return
+    events = [e for e in trace.get("traceEvents", []) if isinstance(e, Mapping) and e.get("ph") == "X"]
+    actions: dict[int, dict[Any, list[str]]] = {}
+    for e in events:
+        name = str(e.get("name", ""))
+        try:
+            action = Action.parse(name)
+            pid = int(e["pid"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if action.kind in (ActionKind.F, ActionKind.B, ActionKind.W):
+            step = e.get("args", {}).get("step", 0) if isinstance(e.get("args"), Mapping) else 0
+            actions.setdefault(pid, {}).setdefault(step, []).append((float(e.get("ts", 0.0)), name))
+    if not actions:
+        return  # measured_timeline says what is missing
+    pids = sorted(actions)
+    problem = None
+    if pids[-1] >= plan.num_gpus or len(pids) != plan.num_gpus:
+        problem = f"it has {len(pids)} rank{'s' if len(pids) != 1 else ''}, the plan {plan.num_gpus}"
+    else:
+        schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
+        for pid in pids:
+            pp_index, dp_index, tp_index = plan.coords(pid)
+            expected = [str(a) for a in schedule.actions[pp_index] if a.kind in (ActionKind.F, ActionKind.B, ActionKind.W)]
+            for step, timed in actions[pid].items():
+                got = [name for _, name in sorted(timed)]
+                if sorted(got) != sorted(expected):
+                    problem = (f"rank {pid} ran {len(got)} compute actions ({', '.join(got[:4])}"
+                               f"{', ...' if len(got) > 4 else ''}) where the plan's pipeline rank {pp_index} has "
+                               f"{len(expected)} ({', '.join(expected[:4])}{', ...' if len(expected) > 4 else ''})")
+                    break
+            if problem:
+                break
+    if problem:
+        raise TimelineError(f"{trace_name} was measured on another plan, not {plan_name} ({plan_summary(plan)}): "
+                            f"{problem}; {fix}")
+
+
 # ---- rendering -------------------------------------------------------------------------------
 
+def _layout(plan: Plan) -> str:
+    # dp as the plan means it: dp counts the cp ranks of a replica (plan.py), so show replicas and cp.
+    if plan.cp > 1:
+        return f"tp {plan.tp} / pp {plan.pp} / dp {plan.dp // plan.cp} / cp {plan.cp}"
+    return f"tp {plan.tp} / pp {plan.pp} / dp {plan.dp}"
+
+
+def _title_lines(plan: Plan | None, timelines: Sequence[Timeline], max_chars: int) -> list[str]:
+    """The picture's title, wrapped to `max_chars` a line: the plan, then each timeline's summary."""
+    import textwrap
+
+    lines = textwrap.wrap(plan_summary(plan), max_chars) if plan is not None else []
+    summaries = " | ".join(f"{t.label}: step {_fmt_s(t.step_time_s)}, bubble {t.bubble_fraction:.1%}"
+                           for t in timelines)
+    return lines + (textwrap.wrap(summaries, max_chars) if summaries else [])
+
+
 def _title(plan: Plan | None, timelines: Sequence[Timeline]) -> str:
-    parts = []
-    if plan is not None:
-        parts.append(f"{plan.model}: tp {plan.tp} / pp {plan.pp} / dp {plan.dp}, {plan.schedule}"
-                     + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-                     + f", {plan.num_microbatches} micro-batches of {plan.micro_batch_size}")
-    for t in timelines:
-        parts.append(f"{t.label}: step {_fmt_s(t.step_time_s)}, bubble {t.bubble_fraction:.1%}")
-    return " | ".join(parts)
+    return " | ".join(_title_lines(plan, timelines, 10**6))
 
 
 def _fmt_s(seconds: float) -> str:
@@ -292,6 +398,15 @@ def _fmt_s(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e6:.1f} us"
+
+
+def _time_unit(span_s: float) -> tuple[str, float]:
+    """One unit for a whole axis, chosen by its span: (name, units per second)."""
+    if span_s >= 1.0:
+        return "s", 1.0
+    if span_s >= 1e-3:
+        return "ms", 1e3
+    return "us", 1e6
 
 
 def _nice_step(span: float) -> float:
@@ -305,14 +420,59 @@ def _nice_step(span: float) -> float:
     return 10 * mag
 
 
+def _tick_labels(span_s: float) -> tuple[list[float], list[str], str]:
+    """Tick positions (seconds) and their labels, every label in the one unit `_time_unit` picks,
+    with as many decimals as the tick spacing needs."""
+    import math
+
+    unit, per_s = _time_unit(span_s)
+    tick = _nice_step(span_s)
+    decimals = max(0, -math.floor(math.log10(tick * per_s) + 1e-9))
+    ticks, labels = [], []
+    k = 0
+    while k * tick <= span_s * (1 + 1e-9):
+        ticks.append(k * tick)
+        labels.append(f"{k * tick * per_s:.{decimals}f}")
+        k += 1
+    return ticks, labels, unit
+
+
+# Advance widths in em of DejaVu Sans (rsvg's and matplotlib's default sans-serif), rounded up;
+# other fonts of the sans-serif family are narrower, so a label that fits here fits there.
+_WIDE_EM = {"W": 1.0, "M": 0.87, "_": 0.5}
+
+
+def _text_width_px(text: str, font_px: float) -> float:
+    return font_px * sum(_WIDE_EM.get(ch, 0.7 if ch.isupper() else 0.64) for ch in text)
+
+
+def _box_label(action: str, width_px: float, font_px: float) -> str | None:
+    """The longest of "2W12", "W12", "12" (stage, kind, micro-batch) that fits a box `width_px`
+    wide with a little margin; None when none does (the box's tooltip still names it)."""
+    try:
+        a = Action.parse(action)
+        candidates = [action, f"{a.kind.value}{a.microbatch}", str(a.microbatch)]
+    except ValueError:
+        candidates = [action]
+    for label in candidates:
+        if _text_width_px(label, font_px) + 4 <= width_px:
+            return label
+    return None
+
+
 def to_svg(timelines: Sequence[Timeline], plan: Plan | None = None, *, width: int = 1200) -> str:
     """An SVG picture: per timeline a group of rows (one per pipeline rank), one rect per box.
 
     Every box is `<rect class="box" data-timeline=... data-rank=... data-action=... data-kind=...
     data-start-s=... data-end-s=...>` with a `<title>` tooltip; compute boxes are full height,
     transfers a thin bar at the bottom of the receiving row, the tail (DP, OPT) half height.
+    Compute boxes carry the label that fits them (`_box_label`); the time axis has one unit.
     """
-    left, right, row_h, gap, top = 110, 20, 28, 6, 44
+    title_px = 13
+    # Bold 13 px sans-serif averages under 8.5 px a character: wrap to what the width holds.
+    title_lines = _title_lines(plan, timelines, max(20, int((width - 40) / 8.5)))
+    left, right, row_h, gap = 110, 20, 28, 6
+    top = 14 + 18 * len(title_lines)
     span = max((t.step_time_s for t in timelines), default=0.0) or 1.0
     plot_w = width - left - right
     scale = plot_w / span
@@ -342,22 +502,23 @@ def to_svg(timelines: Sequence[Timeline], plan: Plan | None = None, *, width: in
                     f'data-action={quoteattr(b.action)} data-kind="{b.kind}" data-start-s="{b.start_s:.9g}" '
                     f'data-end-s="{b.end_s:.9g}"><title>{escape(b.action)}: {_fmt_s(b.start_s)} .. '
                     f'{_fmt_s(b.end_s)} ({_fmt_s(b.duration_s)})</title></rect>')
-                if b.is_compute and w >= 8 * len(b.action) * 0.62:
-                    parts.append(f'<text x="{x + w / 2:.2f}" y="{ry + row_h / 2 + 4}" text-anchor="middle" '
-                                 f'fill="white" font-size="10">{escape(b.action)}</text>')
+                label = _box_label(b.action, w, 10) if b.is_compute else None
+                if label is not None:
+                    parts.append(f'<text class="label" x="{x + w / 2:.2f}" y="{ry + row_h / 2 + 4}" '
+                                 f'text-anchor="middle" fill="white" font-size="10">{escape(label)}</text>')
             parts.append("</g>")
         y += t.num_ranks * (row_h + gap) + 12
         parts.append("</g>")
-    # Time axis.
-    tick = _nice_step(span)
-    axis = [f'<line x1="{left}" y1="{y}" x2="{left + plot_w}" y2="{y}" stroke="#333"/>']
-    k = 0
-    while k * tick <= span * (1 + 1e-9):
-        x = left + k * tick * scale
+    # Time axis: one unit for every tick, named once under it.
+    ticks, labels, unit = _tick_labels(span)
+    axis = [f'<line class="axis" x1="{left}" y1="{y}" x2="{left + plot_w}" y2="{y}" stroke="#333"/>']
+    for tick_s, label in zip(ticks, labels):
+        x = left + tick_s * scale
         axis.append(f'<line x1="{x:.2f}" y1="{y}" x2="{x:.2f}" y2="{y + 4}" stroke="#333"/>')
-        axis.append(f'<text x="{x:.2f}" y="{y + 16}" text-anchor="middle" font-size="10">{_fmt_s(k * tick)}</text>')
-        k += 1
-    y += 26
+        axis.append(f'<text class="tick" x="{x:.2f}" y="{y + 16}" text-anchor="middle" font-size="10">{label}</text>')
+    axis.append(f'<text class="axis-label" x="{left + plot_w / 2:.2f}" y="{y + 30}" text-anchor="middle" '
+                f'font-size="11">time ({unit})</text>')
+    y += 40
     legend = []
     lx = left
     for kind, label in _LEGEND:
@@ -365,14 +526,14 @@ def to_svg(timelines: Sequence[Timeline], plan: Plan | None = None, *, width: in
                       f'<text x="{lx + 16}" y="{y + 10}" font-size="11">{label}</text>')
         lx += 110
     height = y + 24
-    title = _title(plan, timelines)
+    heading = [f'<text class="title" x="{width / 2}" y="{22 + 18 * k}" text-anchor="middle" font-size="{title_px}" '
+               f'font-weight="bold">{escape(line)}</text>' for k, line in enumerate(title_lines)]
     return "\n".join([
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
-        f"<title>{escape(title)}</title>",
+        f"<title>{escape(_title(plan, timelines))}</title>",
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
-        f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="13" font-weight="bold">{escape(title)}</text>',
-        *parts, *axis, *legend, "</svg>", ""])
+        *heading, *parts, *axis, *legend, "</svg>", ""])
 
 
 def to_chrome_trace(timelines: Sequence[Timeline]) -> dict[str, Any]:
@@ -401,40 +562,63 @@ def _pyplot():
 
 
 def to_png(timelines: Sequence[Timeline], path: str | os.PathLike, plan: Plan | None = None) -> None:
-    """The same picture as `to_svg`, drawn with matplotlib (needs the `plot` extra)."""
+    """The same picture as `to_svg`, drawn with matplotlib (needs the `plot` extra).
+
+    Boxes of one row, kind and height are one `broken_barh` collection (a single artist), not one
+    patch per action: a 175B plan's 6,000 actions draw in about a second instead of minutes.
+    """
     plt = _pyplot()
     from matplotlib.patches import Patch
 
     num_rows = sum(t.num_ranks for t in timelines)
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(14, 1.2 + 0.55 * num_rows + 0.4 * len(timelines)),
-                             sharex=True, squeeze=False)
     span = max((t.step_time_s for t in timelines), default=0.0) or 1.0
-    unit, per_s = ("s", 1.0) if span >= 1.0 else ("ms", 1e3) if span >= 1e-3 else ("us", 1e6)
+    unit, per_s = _time_unit(span)
+    dpi, fig_w = 120, 14.0
+    title_lines = _title_lines(plan, (), int(fig_w * dpi / 10.5)) if plan is not None else []
+    title_h = 0.3 * len(title_lines)
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(fig_w, 1.2 + title_h + 0.55 * num_rows + 0.4 * len(timelines)),
+                             sharex=True, squeeze=False, dpi=dpi)
     for ax, t in zip(axes[:, 0], timelines):
+        groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for b in t.boxes:
-            y = t.num_ranks - 1 - b.rank  # rank 0 on top
-            if b.is_compute:
+            groups.setdefault((b.rank, b.kind), []).append((b.start_s * per_s, b.duration_s * per_s))
+        for (rank, kind), xranges in groups.items():
+            y = t.num_ranks - 1 - rank  # rank 0 on top
+            if kind in ("F", "B", "W"):
                 y0, h = y - 0.4, 0.8
-            elif b.kind in _THIN_KINDS:
+            elif kind in _THIN_KINDS:
                 y0, h = y - 0.48, 0.12
             else:
                 y0, h = y - 0.2, 0.4
-            ax.broken_barh([(b.start_s * per_s, b.duration_s * per_s)], (y0, h), facecolors=_COLORS.get(b.kind, _OTHER_COLOR),
-                           edgecolor="white", linewidth=0.4)
-            if b.is_compute and b.duration_s / span > 0.007 * len(b.action):
-                ax.text((b.start_s + b.duration_s / 2) * per_s, y, b.action, ha="center", va="center", fontsize=7, color="white")
+            ax.broken_barh(xranges, (y0, h), facecolors=_COLORS.get(kind, _OTHER_COLOR), edgecolor="white",
+                           linewidth=0.4)
         ax.set_yticks(range(t.num_ranks), [f"rank {t.num_ranks - 1 - i}" for i in range(t.num_ranks)])
         ax.set_ylim(-0.6, t.num_ranks - 0.4)
         ax.set_xlim(0, span * per_s * 1.01)
         ax.set_title(f"{t.label}: step {_fmt_s(t.step_time_s)}, bubble {t.bubble_fraction:.1%}", fontsize=10)
         ax.set_facecolor("#f4f4f4")
+    ticks, labels, _ = _tick_labels(span)
+    axes[-1, 0].set_xticks([tick * per_s for tick in ticks], labels)
     axes[-1, 0].set_xlabel(f"time ({unit})")
     handles = [Patch(color=_COLORS[k], label=label) for k, label in _LEGEND]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
-    if plan is not None:
-        fig.suptitle(_title(plan, ()), fontsize=11)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.96 if plan is not None else 1))
-    fig.savefig(path, dpi=120)
+    if title_lines:
+        fig.suptitle("\n".join(title_lines), fontsize=11, y=1 - 0.1 / fig.get_figheight(), va="top")
+    top = 1 - (0.15 + title_h) / fig.get_figheight() if title_lines else 1
+    fig.tight_layout(rect=(0, 0.06, 1, top))
+    # Labels go in after the layout, where a box's width in pixels is known: only those that fit.
+    font_pt = 7
+    font_px = font_pt * dpi / 72
+    for ax, t in zip(axes[:, 0], timelines):
+        px_per_unit = ax.get_window_extent().width / (span * per_s * 1.01)
+        for b in t.boxes:
+            if not b.is_compute:
+                continue
+            label = _box_label(b.action, b.duration_s * per_s * px_per_unit, font_px)
+            if label is not None:
+                ax.text((b.start_s + b.duration_s / 2) * per_s, t.num_ranks - 1 - b.rank, label, ha="center",
+                        va="center", fontsize=font_pt, color="white")
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 
