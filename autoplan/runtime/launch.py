@@ -12,8 +12,11 @@ Two ways in (DESIGN.md, "Launch"):
   the ranks and returns 143. A checkpoint directory is locked for the job (`CheckpointDirLock`).
 
 Mistakes found before any process starts (missing plan, fingerprint mismatch, wrong world size,
-bad numbers, unwritable outputs, a checkpoint of another model or a locked checkpoint directory)
-print one line and return 2.
+bad numbers, unwritable outputs, a checkpoint of another model, a locked or unwritable checkpoint
+directory, a machine that cannot hold the ranks: machine.py [Note: a GPU plan on a CPU machine])
+raise ValueError with one line; `autoplan run` prints it and exits 2. While the ranks start, the
+launcher says what they are doing (`_StartProgress`); a rank SIGKILLed while memory ran short is
+reported as likely out of memory (`_OomWatch`).
 
 Checkpoints and resume (docs/reliability.md): with `checkpoint_dir` and `checkpoint_every=K`,
 every K steps (and after the last step) the ranks save their stages' parameters and AdamW state
