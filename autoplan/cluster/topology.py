@@ -38,12 +38,13 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import networkx as nx
+from typing import TYPE_CHECKING, Any
 
 from autoplan._files import parse_yaml
 from autoplan.cluster.devices import GPU, GPUS, ClusterSpecError, cpu_device, get_gpu
+
+if TYPE_CHECKING:  # networkx costs 0.2-0.4 s to import and only `Cluster.graph` uses it (issue 29)
+    import networkx as nx
 
 __all__ = [
     "PRESETS",
@@ -318,6 +319,8 @@ class Cluster:
         aggregate NIC bandwidth (inter-node per-GPU bandwidth x gpus_per_node, one rail per GPU) and
         half the inter-node latency. A single-node cluster has no fabric node.
         """
+        import networkx as nx
+
         g = nx.Graph(name=self.name)
         gpn = self.gpus_per_node
         multi_node = self.num_nodes > 1
@@ -478,6 +481,16 @@ _V100_LINKS = (Link(150 * _GB, _NVLINK_LATENCY_S, "NVLink"), Link(6.25 * _GB, _I
 # -> 448 GB/s per direction per GPU to its 7 peers in the fully connected 8-GPU platform (RCCL spreads
 # rings over all links). Inter-node: 8x 400 Gb/s NICs per platform (typical), 50 GB/s per GPU.
 _MI300X_LINKS = (Link(448 * _GB, _NVLINK_LATENCY_S, "xGMI"), Link(50 * _GB, _IB_LATENCY_S, "RoCE"))
+# AMD Instinct MI325X data sheet: the MI300X's platform (7 Infinity Fabric links of 128 GB/s
+# bidirectional to the 7 peers of the 8-GPU board), so the same links.
+_MI325X_LINKS = _MI300X_LINKS
+# NVIDIA Blackwell (DGX B200 and GB200 NVL72 datasheets, 2024): fifth-generation NVLink, 1.8 TB/s
+# bidirectional per GPU -> 900 GB/s per direction, to every GPU of the NVLink domain (8 on a DGX
+# B200's NVSwitch, 72 over a GB200 NVL72 rack's NVLink switch trays). Between domains: DGX B200 has 8x
+# ConnectX-7 400 Gb/s, one per GPU -> 50 GB/s per GPU; a GB200 NVL72 compute tray has one 400 Gb/s
+# ConnectX-7 per GPU as well (NVL72 reference architecture) -> 50 GB/s per GPU. No measured curves
+# yet: alpha-beta until `autoplan calibrate` is run on one.
+_BLACKWELL_LINKS = (Link(900 * _GB, _NVLINK_LATENCY_S, "NVLink"), Link(50 * _GB, _IB_LATENCY_S, "IB"))
 # cpu (estimates): gloo over loopback / shared memory ~5 GB/s with ~20 us per message; between
 # machines 10 Gb/s Ethernet = 1.25 GB/s with ~50 us TCP round-trip-scale latency.
 _CPU_LINKS = (Link(5 * _GB, 20e-6, "shm"), Link(1.25 * _GB, 50e-6, "Ethernet"))
@@ -492,6 +505,9 @@ _DEFAULT_LINKS: dict[str, tuple[Link, Link]] = {
     "A10G": _PCIE4_LINKS,
     "V100-SXM2-32GB": _V100_LINKS,
     "MI300X": _MI300X_LINKS,
+    "MI325X": _MI325X_LINKS,
+    "B200-SXM-180GB": _BLACKWELL_LINKS,
+    "GB200": _BLACKWELL_LINKS,
     "cpu": _CPU_LINKS,
 }
 
@@ -537,8 +553,16 @@ PRESETS: dict[str, Callable[[int], Cluster]] = {
     "dgx-h200": _preset("dgx-h200", "H200-SXM-141GB", 8),
     # DGX-1 with V100: 8 GPUs in an NVLink hybrid cube mesh (modelled as uniform NVLink).
     "dgx-v100": _preset("dgx-v100", "V100-SXM2-32GB", 8),
-    # AMD Instinct MI300X platform: 8 GPUs, fully connected Infinity Fabric.
+    # NVIDIA DGX B200 datasheet: 8 B200 on NVSwitch, one 400 Gb/s NIC per GPU.
+    "dgx-b200": _preset("dgx-b200", "B200-SXM-180GB", 8),
+    # NVIDIA GB200 NVL72: one NVLink domain of 72 GPUs (18 compute trays of 2 Grace + 4 Blackwell),
+    # modelled as one "node" of 72 GPUs, since a node here is the domain the fast link spans. The
+    # launchers (`autoplan run`, the exports' torchrun lines) also read a node as one host, which an
+    # NVL72 rack is not: run them with 4 processes per tray.
+    "gb200-nvl72": _preset("gb200-nvl72", "GB200", 72),
+    # AMD Instinct MI300X / MI325X platforms: 8 GPUs, fully connected Infinity Fabric.
     "mi300x-8": _preset("mi300x-8", "MI300X", 8),
+    "mi325x-8": _preset("mi325x-8", "MI325X", 8),
     # AWS EC2 instances (per the EC2 instance-type pages): g5.48xlarge 8x A10G, g6e.48xlarge 8x L40S.
     "g5-48xlarge": _preset("g5-48xlarge", "A10G", 8),
     "g6e-48xlarge": _preset("g6e-48xlarge", "L40S", 8),
