@@ -147,11 +147,29 @@ def test_config_path_spec_round_trips_with_its_digest(tmp_path):
     ("hf:lama:num_hidden_layers=2", "did you mean 'llama'"),
     ("hf:/no/such/dir", "no config.json"),
     ("hf:llama:hidden_size=64,num_attention_heads=5", "refuses .*not a multiple"),
+    # Sizes transformers accepts whatever their sign (issue 29: num_hidden_layers=-1 planned "1 blocks").
+    ("hf:llama:num_hidden_layers=-1", "num_hidden_layers=-1 must be at least 1.*set num_hidden_layers to 1 or more"),
+    ("hf:llama:hidden_size=0", "hidden_size=0 must be at least 1"),
+    ("hf:llama:num_attention_heads=-4", "num_attention_heads=-4 must be at least 1"),
+    ("hf:llama:intermediate_size=0", "intermediate_size=0 must be at least 1"),
+    ("hf:llama:vocab_size=1", "vocab_size=1 must be at least 2 .*nothing to predict"),
+    ("hf:gpt2:n_layer=0", "n_layer=0 must be at least 1"),
+    ("hf:t5:d_ff=-1", "d_ff=-1 must be at least 1"),
+    ("hf:llama:num_hidden_layers=100000", "must be at most 1,024"),
 ])
 def test_spec_errors_are_one_line(spec, match):
     with pytest.raises(SourceError, match=match) as info:
         parse_source(spec).build()
     assert "\n" not in str(info.value)
+
+
+def test_a_config_file_with_a_negative_size_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,
+                                                      "hidden_size": 64, "num_attention_heads": 4,
+                                                      "intermediate_size": -128, "vocab_size": 256}))
+    with pytest.raises(SourceError, match="intermediate_size=-128 must be at least 1") as info:
+        parse_source(f"hf:{tmp_path}")
+    assert "\n" not in str(info.value) and "config.json" in str(info.value)
 
 
 def _chunks(values: tuple, count: int) -> list[tuple]:

@@ -128,6 +128,47 @@ def _parse_value(key: str, raw: str, default: Any) -> Any:
                           f"write e.g. {key}={json.dumps(default) if not isinstance(default, str) else default}") from None
 
 
+# Size fields of transformers configs, by the zoo field whose bounds they share (zoo.UPPER_BOUNDS,
+# zoo.LOWER_BOUNDS): each model family names them its own way (GPT-2 n_layer / n_embd, T5 d_model / d_ff,
+# BART encoder_layers). transformers checks none of them for sign: `hf:llama:num_hidden_layers=-1`
+# was planned as a model of "1 blocks".
+_SIZE_FIELDS = {
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "decoder_layers",
+                   "encoder_layers", "depths"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model", "hidden_sizes", "embedding_size", "d_kv"),
+    "num_heads": ("num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "encoder_attention_heads",
+                  "decoder_attention_heads"),
+    "ffn_hidden_size": ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
+                        "moe_intermediate_size"),
+    "vocab_size": ("vocab_size",),
+    "max_seq_len": ("max_position_embeddings", "n_positions"),
+    "head_size": ("head_dim",),
+}
+
+
+def _check_sizes(config: Any, where: str) -> None:
+    """SourceError unless every size field the config sets (an int, or a list of ints) is at least 1
+    (vocab_size at least 2) and at most the zoo's bound for it (larger than any published model)."""
+    from autoplan.graph.zoo import LOWER_BOUNDS, UPPER_BOUNDS
+
+    for bound_name, fields in _SIZE_FIELDS.items():
+        low, reason = LOWER_BOUNDS.get(bound_name, (1, "a size counts something"))
+        high = UPPER_BOUNDS[bound_name]
+        for field in fields:
+            if field in getattr(config, "attribute_map", {}):
+                continue  # an alias (GPT-2's num_hidden_layers is n_layer): checked by the name the config uses
+            value = getattr(config, field, None)
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if not isinstance(item, int) or isinstance(item, bool):
+                    continue  # unset (None), or not a size in this family
+                if item < low:
+                    raise SourceError(f"{where}: {field}={item} must be at least {low} ({reason}); "
+                                      f"set {field} to {low} or more")
+                if item > high:
+                    raise SourceError(f"{where}: {field}={item} must be at most {high:,} (larger than any "
+                                      f"published model); set a smaller {field}")
+
+
 def _param_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode())  # zoo.py's [Note: name-keyed init]
 
@@ -141,6 +182,7 @@ class HFSource(ModelSource):
         self._config = config
         body = spec[len("hf:"):]
         self.name = (path.parent.name if path.name == "config.json" else path.name) if path is not None else body
+        _check_sizes(config, f"hf: the {config.model_type} config" + (f" {str(path)!r}" if path is not None else ""))
         self._model_class = self._pick_class(config)
         self._reference: nn.Module | None = None
 

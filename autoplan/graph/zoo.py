@@ -35,6 +35,8 @@ from autoplan.graph.aux_loss import attach_aux_loss
 from autoplan.graph.positions import sequence_positions
 
 __all__ = [
+    "LOWER_BOUNDS",
+    "UPPER_BOUNDS",
     "GPTConfig",
     "GPTLayer",
     "GPTModel",
@@ -95,14 +97,29 @@ sources beside each), low enough that a model of these sizes still fits some clu
 `gpt:num_layers=99999999999999999999` traced for ever (issue "Faults and hostile input")."""
 
 
+LOWER_BOUNDS: dict[str, tuple[int, str]] = {
+    "vocab_size": (2, "a vocabulary of one token has nothing to predict: the cross-entropy loss is 0 and "
+                      "no gradient flows"),
+}
+"""Smallest value (above 0) a field may take where 1 cannot train, with the reason (hf.py's
+configs share these bounds)."""
+
+
+def _check_lower_bound(name: str, value: float) -> None:
+    low = LOWER_BOUNDS.get(name)
+    if low is not None and value < low[0]:
+        raise ModelSpecError(f"value {value!r} for {name} must be at least {low[0]} ({low[1]}); set {name}={low[0]} or more")
+
+
 def _check_positive(config: object, names: tuple[str, ...]) -> None:
-    """Each field finite, above 0 and at most its UPPER_BOUNDS entry."""
+    """Each field finite, above 0 (at least its LOWER_BOUNDS entry) and at most its UPPER_BOUNDS entry."""
     for name in names:
         value = getattr(config, name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ModelSpecError(f"value {value!r} for {name} must be a finite number")
         if not value > 0:
             raise ModelSpecError(f"value {value!r} for {name} must be positive")
+        _check_lower_bound(name, value)
         bound = UPPER_BOUNDS.get(name)
         if bound is not None and (value >= bound if name == "norm_eps" else value > bound):
             limit = "below 1" if name == "norm_eps" else f"at most {bound:,g}" if isinstance(bound, float) else \
