@@ -783,6 +783,9 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
             if world_size != str(plan.num_gpus):
                 raise ValueError(f"the plan needs {plan.num_gpus} ranks but WORLD_SIZE is {world_size}; launch "
                                  f"torchrun with {plan.num_gpus} processes in all")
+            local = os.environ.get("LOCAL_WORLD_SIZE", "")
+            if torch.cuda.is_available() and local.isdigit():  # one GPU per local rank, as under --nproc
+                check_machine(plan, int(local), cuda=True, num_cuda_devices=torch.cuda.device_count())
         else:
             nproc = plan.num_gpus if nproc is None else nproc
             if nproc != plan.num_gpus:
