@@ -179,16 +179,29 @@ def plot_sweep(rows: Sequence[SweepRow], path: str | os.PathLike) -> None:
     from autoplan.report.tables import layout_header, layout_label
 
     with_cp = any(r.plan.cp > 1 for r in ok)
-    for r in ok:
-        ax.annotate(f"{layout_label(r.plan, with_cp)}\nMFU {r.mfu:.0%}, {r.scaling_efficiency:.0%}",
-                    (r.num_gpus, r.tokens_per_s), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+    for i, r in enumerate(ok):
+        # The end points' notes lean inwards, clear of the axes and their tick labels.
+        ha = "center" if 0 < i < len(ok) - 1 or len(ok) == 1 else "left" if i == 0 else "right"
+        ax.annotate(f"{layout_label(r.plan, with_cp)}\nMFU {r.mfu:.0%}, scaling {r.scaling_efficiency:.0%}",
+                    (r.num_gpus, r.tokens_per_s), textcoords="offset points", xytext=(0, 8), ha=ha, fontsize=8)
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title(f"{ok[0].plan.model}: best plan per GPU count ({layout_header([r.plan for r in ok])}, MFU, "
                  "scaling efficiency)", fontsize=10)
-    ax.margins(y=0.25)
+    ax.margins(x=0.1, y=0.25)  # room for the first and last points' annotations
+    # Tick labels as the SVG writes them (22.2K, 1.4M), not 2 x 10^5.
+    from matplotlib.ticker import FuncFormatter
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_tokens(v)))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: _fmt_tokens(v) if _leading_digit(v) in (2, 5) else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _leading_digit(value: float) -> int:
+    import math
+
+    return round(value / 10 ** math.floor(math.log10(value))) if value > 0 else 0
 
 
 def _fmt_tokens(value: float) -> str:
@@ -248,7 +261,8 @@ def _sweep_svg(rows: Sequence[SweepRow]) -> str:
         detail = f"MFU {r.mfu:.0%}, scaling {r.scaling_efficiency:.0%}"
         # Each bar's labels stay inside its slot (about 6.5 px a character at 11 px): shorter, or none.
         if len(detail) * 6.5 > slot:
-            detail = f"{r.mfu:.0%}, {r.scaling_efficiency:.0%}" if len(f"{r.mfu:.0%}, {r.scaling_efficiency:.0%}") * 6.5 <= slot else ""
+            short = f"{r.mfu:.0%}, {r.scaling_efficiency:.0%}"
+            detail = short if len(short) * 6.5 <= slot else ""
         parts.append(f'<text x="{x(i):.1f}" y="{y(r.tokens_per_s) - 20:.1f}" text-anchor="middle">'
                      f'{_fmt_tokens(r.tokens_per_s)}</text>')
         if detail:

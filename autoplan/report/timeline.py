@@ -352,10 +352,11 @@ def check_trace_matches(trace: Mapping[str, Any], plan: Plan, *, trace_name: str
         problem = f"it has {len(pids)} rank{'s' if len(pids) != 1 else ''}, the plan {plan.num_gpus}"
     else:
         schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
+        compute = (ActionKind.F, ActionKind.B, ActionKind.W)
         for pid in pids:
-            pp_index, dp_index, tp_index = plan.coords(pid)
-            expected = [str(a) for a in schedule.actions[pp_index] if a.kind in (ActionKind.F, ActionKind.B, ActionKind.W)]
-            for step, timed in actions[pid].items():
+            pp_index = plan.coords(pid)[0]
+            expected = [str(a) for a in schedule.actions[pp_index] if a.kind in compute]
+            for timed in actions[pid].values():
                 got = [name for _, name in sorted(timed)]
                 if sorted(got) != sorted(expected):
                     problem = (f"rank {pid} ran {len(got)} compute actions ({', '.join(got[:4])}"
