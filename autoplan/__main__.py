@@ -1,7 +1,5 @@
 """`python -m autoplan ...` (what `torchrun -m autoplan run plan.json` starts on every rank)."""
 
-import sys
+from autoplan.cli import console_main
 
-from autoplan.cli import main
-
-sys.exit(main())
+console_main()

@@ -329,6 +329,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+# Commands that plan and print (no ranks, no checkpoints, no files left open): their process ends
+# without the interpreter's teardown, which frees the ~600,000 objects torch and a traced model leave
+# one by one: 0.5 s of CPU after `import torch` alone, about 1 s after a cold `suggest` (issue 29: a
+# cold suggest within 1.5x of `python -c "import torch"`; benchmarks/search_speed.py --ratio-only).
+FAST_EXIT_COMMANDS = frozenset({"suggest", "profile", "show", "export", "check", "list"})
+
+
+def console_main() -> None:
+    """The `autoplan` console script and `python -m autoplan`: `main()` on sys.argv, then exit."""
+    code = main()
+    if len(sys.argv) > 1 and sys.argv[1] in FAST_EXIT_COMMANDS:
+        import atexit
+        import contextlib
+        import os
+
+        atexit._run_exitfuncs()  # what a normal exit runs (logging, temporary directories), then no teardown
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe (`| head`): nothing to write to
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def _json_default(obj: object) -> object:
     return str(obj)
 
@@ -338,4 +361,4 @@ def dump_json(data: object) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

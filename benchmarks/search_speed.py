@@ -8,6 +8,13 @@ checkout and under the checkout at PATH in alternating fresh processes, twice ea
 ratio of the fastest searches (a change's effect on search time, on the same machine in one run;
 e.g. `git worktree add ../before HEAD~5`).
 
+    python benchmarks/search_speed.py --ratio-only [--repeats 5]  # only the start-up ratio below
+
+The start-up ratio (issue 29's target: within 1.5x): the cold `autoplan suggest` of gpt3-175b on
+128 x 8 A100-80GB as a user types it (a fresh process, an empty AUTOPLAN_CACHE_DIR) against
+`python -c "import torch"`, each run `--repeats` times in alternation, medians of wall time and
+of the child's CPU time (user + sys; on a loaded machine the CPU ratio is the steadier one).
+
 Cases: gpt3-175b on 128 x 8 A100-80GB (global batch 1536, seq 2048; target 2 s on a 2-core machine),
 and a 16k-GPU case, llama3-405b on 2048 x 8 H100-80GB (global batch 2048, seq 8192).
 
@@ -23,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,10 +104,53 @@ def compare(other: str) -> int:
     return 0
 
 
+RATIO_COMMAND = ["suggest", "--model", "gpt3-175b", "--cluster", "128x8xA100-80GB", "--global-batch", "1536",
+                 "--seq-len", "2048"]
+
+
+def _timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Wall and CPU (user + sys) seconds of one fresh child process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   cwd=tempfile.gettempdir())
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def startup_ratio(repeats: int) -> dict:
+    """Cold `autoplan suggest` (gpt3-175b, 1024 A100) against `python -c "import torch"`: medians."""
+    runs: dict[str, list[tuple[float, float]]] = {"torch": [], "suggest": []}
+    for _ in range(repeats):  # alternating, so that a change in the machine's load hits both alike
+        runs["torch"].append(_timed([sys.executable, "-c", "import torch"], dict(os.environ)))
+        with tempfile.TemporaryDirectory(prefix="autoplan-cold-") as cache_dir:
+            env = dict(os.environ, AUTOPLAN_CACHE_DIR=cache_dir)
+            runs["suggest"].append(_timed([sys.executable, "-m", "autoplan", *RATIO_COMMAND], env))
+    med = {name: (statistics.median(w for w, _ in r), statistics.median(c for _, c in r)) for name, r in runs.items()}
+    return {"command": "autoplan " + " ".join(RATIO_COMMAND), "repeats": repeats,
+            "import_torch_wall_s": med["torch"][0], "import_torch_cpu_s": med["torch"][1],
+            "cold_suggest_wall_s": med["suggest"][0], "cold_suggest_cpu_s": med["suggest"][1],
+            "wall_ratio": med["suggest"][0] / med["torch"][0], "cpu_ratio": med["suggest"][1] / med["torch"][1]}
+
+
+def print_ratio(ratio: dict) -> None:
+    print(f"cold `{ratio['command']}` against `python -c \"import torch\"` (fresh processes, empty cache, "
+          f"median of {ratio['repeats']}):")
+    print(f"{'':<16} {'torch s':>8} {'suggest s':>10} {'ratio':>6}")
+    print(f"{'wall':<16} {ratio['import_torch_wall_s']:>8.2f} {ratio['cold_suggest_wall_s']:>10.2f} "
+          f"{ratio['wall_ratio']:>6.2f}")
+    print(f"{'cpu (user+sys)':<16} {ratio['import_torch_cpu_s']:>8.2f} {ratio['cold_suggest_cpu_s']:>10.2f} "
+          f"{ratio['cpu_ratio']:>6.2f}")
+    print("target: ratio within 1.5 (issue 29)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--against", metavar="PATH", help="another checkout to compare search times with")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each side of the start-up ratio (default 5)")
+    parser.add_argument("--ratio-only", action="store_true", help="only the start-up ratio, not the cases")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one case, in this process
     args = parser.parse_args()
     if args.one:
@@ -106,6 +158,13 @@ def main() -> int:
         return 0
     if args.against:
         return compare(os.path.abspath(args.against))
+    if args.ratio_only:
+        ratio = startup_ratio(args.repeats)
+        print_ratio(ratio)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"startup_ratio": ratio}, f, indent=2)
+        return 0
 
     rows = []
     print(f"{'model':<12} {'cluster':<18} {'GPUs':>6} {'cold s':>7} {'warm s':>7} {'search s':>9} {'evaluated':>9} "
@@ -123,9 +182,12 @@ def main() -> int:
                      "warm_search_s": warm["search_s"]})
     print("target: gpt3-175b on 1024 GPUs within 2 s, profiling included (cold: empty profile cache; warm: the "
           "analytic profile cached on disk; each a fresh process)")
+    print()
+    ratio = startup_ratio(args.repeats)
+    print_ratio(ratio)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"cases": rows, "startup_ratio": ratio}, f, indent=2)
     return 0
 
 
