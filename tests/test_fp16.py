@@ -85,3 +85,18 @@ def test_the_loss_scale_backs_off_on_overflow_grows_after_good_steps_and_stops_a
     restored = LossScaler()
     restored.load_state_dict(scaler.state_dict())
     assert (restored.scale, restored.good_steps) == (1.0, 0)
+
+
+@pytest.mark.extended
+def test_a_resumed_fp16_run_goes_on_at_its_loss_scale(tmp_path, monkeypatch, capfd):
+    plan = tmp_path / "p.json"
+    assert main(["suggest", "--model", TINY, "--cluster", "1x2xA100-80GB", "--global-batch", "4", "--seq-len", "32",
+                 "--dtype", "fp16", "--pp", "2", "--out", str(plan)]) == 0
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    monkeypatch.setenv("AUTOPLAN_FAULT", "nan@0:1")
+    assert main(["run", str(plan), "--steps", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]) == 0
+    monkeypatch.delenv("AUTOPLAN_FAULT")
+    assert main(["run", str(plan), "--steps", "5", "--checkpoint-dir", str(ckpt), "--resume",
+                 "--metrics", str(metrics)]) == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["step"], r["loss_scale"]) for r in records] == [(3, 16384.0), (4, 16384.0)]

@@ -189,3 +189,20 @@ def test_start_up_shows_what_each_rank_is_doing(tmp_path):
     progress()
     assert "3/3 ranks started (Python and torch imported)" in stream.getvalue()
     assert "3/3 ranks joined the process group" in stream.getvalue()
+
+
+def test_on_a_terminal_the_status_is_one_line_rewritten_in_place(tmp_path):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    progress = _StartProgress(str(tmp_path), 2, stream=stream)
+    progress._next_status = 0.0
+    progress()
+    assert stream.getvalue().endswith("\r\033[Kautoplan: starting 2 ranks, 0 s: 2 importing torch")
+    for rank in range(2):
+        _mark_phase(str(tmp_path), rank, "started")
+    progress._next_scan = 0.0
+    progress()  # the line of a phase reached replaces the status line instead of following it
+    assert "importing torch\r\033[Kautoplan: 2/2 ranks started" in stream.getvalue()
