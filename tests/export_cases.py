@@ -37,6 +37,11 @@ CASE_PINS: dict[str, tuple[str, str, int, int, dict]] = {
     "pp1-many-microbatches": (SMALL_LLAMA, "1x2xA100-80GB", 64, 512, dict(pp=1, tp=1, dp=2, micro_batch_size=1)),
     "tp-zero0": (SMALL_LLAMA, "1x8xA100-80GB", 32, 512, dict(tp=2, pp=2, dp=2, zero=0, schedule="1f1b")),
     "gpt": (GPT, "1x4xA100-80GB", 16, 256, dict(pp=2, tp=1, dp=2, schedule="1f1b")),
+    # DeepSpeed's AutoTP (tp > 1 without a pipeline): its batch count includes the tp ranks (issue 29).
+    "autotp": (SMALL_LLAMA, "1x8xA100-80GB", 32, 512, dict(tp=2, pp=1, dp=4, zero=0, sequence_parallel=False)),
+    # 2 micro-batches on 4 stages: torch's Schedule1F1B refuses fewer micro-batches than stages (issue 29).
+    "1f1b-few-microbatches": (SMALL_LLAMA, "1x4xA100-80GB", 2, 512,
+                              dict(pp=4, tp=1, dp=1, schedule="1f1b", micro_batch_size=1)),
 }
 
 

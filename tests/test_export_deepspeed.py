@@ -47,6 +47,8 @@ EXPECTED = {
     "pp1-many-microbatches": [],
     "tp-zero0": [],
     "gpt": [],
+    "autotp": [],  # tensor parallelism without a pipeline: DeepSpeed's AutoTP
+    "1f1b-few-microbatches": [],  # DeepSpeed's TrainSchedule runs any number of micro-batches
 }
 # The partition method written for each pp > 1 case, and the cuts DeepSpeed computes from it.
 METHODS = {
@@ -58,6 +60,7 @@ METHODS = {
     "empty-last-stage": ("uniform", [0, 3, 6, 9, 11]),
     # the plan's [0, 5, 9, 13, 15] (4, 4, 4, 0 layers) is no method's; one block off: 4, 4, 3, 1 layers
     "zb-h1": ("type:TransformerLayerPipe|HeadPipe|NormPipe", [0, 5, 9, 12, 15]),
+    "1f1b-few-microbatches": ("type:TransformerLayerPipe", [0, 4, 7, 10, 15]),  # 3 + 3 + 3 + 3 layers
 }
 
 
@@ -96,8 +99,12 @@ def test_every_case_is_exact_or_refused_naming_its_differences():
 def test_the_batch_arithmetic_precision_and_zero_stage_are_deepspeeds(name):
     plan = case(name)
     _, doc = _approx(plan)
-    assert doc["train_batch_size"] == plan.job.global_batch == (
-        doc["train_micro_batch_size_per_gpu"] * doc["gradient_accumulation_steps"] * plan.dp)
+    # DeepSpeed's count: micro x gas x its world size, every rank under AutoTP (tp > 1, pp 1), whose
+    # tensor-parallel ranks share each micro-batch; the pipeline grid's dp otherwise.
+    world = plan.num_gpus if "tensor_parallel" in doc else plan.dp
+    assert ("tensor_parallel" in doc) == (plan.tp > 1 and plan.pp == 1)
+    assert doc["train_batch_size"] == doc["train_micro_batch_size_per_gpu"] * doc["gradient_accumulation_steps"] * world
+    assert doc["train_batch_size"] * plan.dp // world == plan.job.global_batch  # distinct samples per step
     assert (doc["train_micro_batch_size_per_gpu"], doc["gradient_accumulation_steps"]) == (
         plan.micro_batch_size, plan.num_microbatches)
     assert doc["bf16"] == {"enabled": True} and "fp16" not in doc
@@ -277,6 +284,18 @@ def _pipeline_module(pm: dict):
                           topology=ProcessTopology(**pm["topology"]), **pm["kwargs"])
 
 
+def _hf_llama(plan):
+    """A two-layer transformers Llama with the plan's attention and MLP widths (what AutoTP shards)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autoplan.report.export import model_shape
+
+    shape = model_shape(plan)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=shape.hidden_size,
+                                        num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                                        intermediate_size=shape.ffn_hidden_size, vocab_size=256))
+
+
 @pytest.mark.export
 @pytest.mark.parametrize("name", [*CASES, "model-file"])
 def test_deepspeed_reads_the_config_and_partitions_as_written(name, tmp_path, monkeypatch):
@@ -289,9 +308,11 @@ def test_deepspeed_reads_the_config_and_partitions_as_written(name, tmp_path, mo
     path = tmp_path / "ds.json"
     path.write_text(export.text)
     pm = doc.get("autoplan_pipeline_module")
-    if pm is None:  # pp 1: a plain module, the data-parallel world is the whole world
+    if pm is None:  # pp 1: a plain module, no mpu: DeepSpeed's batch world is the whole world (AutoTP too)
         with _fake_world(plan.num_gpus):
             config = DeepSpeedConfig(str(path))
+        assert config.world_size == plan.num_gpus == plan.dp * plan.tp
+        assert config.train_batch_size == plan.job.global_batch * plan.tp  # each tp rank counts its shared batch
     else:
         for stage in range(plan.pp):
             rank = plan.rank(stage, 0, 0)
@@ -311,9 +332,9 @@ def test_deepspeed_reads_the_config_and_partitions_as_written(name, tmp_path, mo
                 config = DeepSpeedConfig(str(path), mpu=module.mpu())
         if not any(d.startswith(("stage cuts", "interleaved")) for d in export.differences):
             assert pm["parts"] == list(plan.boundaries)
-    assert config.world_size == plan.dp
-    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == (
-        plan.job.global_batch, plan.micro_batch_size, plan.num_microbatches)
+        assert config.world_size == plan.dp and config.train_batch_size == plan.job.global_batch
+    assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == (
+        plan.micro_batch_size, plan.num_microbatches)
     assert config.zero_optimization_stage == doc["zero_optimization"]["stage"]
     assert config.bfloat16_config.enabled and not config.float16_config.enabled
     # the pipeline section PipelineEngine reads: the checkpoint interval (and reentrancy) as written
@@ -338,13 +359,24 @@ def test_deepspeed_initialize_builds_the_engine_the_file_describes(name, tmp_pat
     path.write_text(export.text)
     pm = doc.get("autoplan_pipeline_module")
     with _fake_world(plan.num_gpus):
-        model = _pipeline_module(pm) if pm else torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        if pm:
+            model = _pipeline_module(pm)
+        elif "tensor_parallel" in doc:
+            model = _hf_llama(plan)  # AutoTP shards a Hugging Face-style model's linear layers
+        else:
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
                                           config=str(path))
         assert type(engine).__name__ == ("PipelineEngine" if pm else "DeepSpeedEngine")
         assert (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(), engine.dp_world_size,
                 engine.zero_optimization_stage()) == (plan.micro_batch_size, plan.num_microbatches, plan.dp,
                                                       doc["zero_optimization"]["stage"])
+        if "tensor_parallel" in doc:
+            # AutoTP: the engine's data-parallel world is the plan's dp (world / tp), each of its ranks
+            # holding 1/tp of every attention projection
+            assert (engine.dp_world_size, engine.mp_world_size) == (plan.dp, plan.tp)
+            attention = model.model.layers[0].self_attn
+            assert attention.q_proj.weight.shape[0] == attention.config.hidden_size // plan.tp
         if pm:
             assert engine.module.activation_checkpoint_interval == pm["kwargs"]["activation_checkpoint_interval"]
             if plan.zero >= 2:

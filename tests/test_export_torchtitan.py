@@ -32,12 +32,15 @@ EXPECTED_DIFFERENCES: dict[str, tuple[str, ...]] = {
     "default": ("(ZeRO-1)",),
     "preset-llama3-8b": (),
     "interleaved-uneven": ("(ZeRO-1)",),
-    "zb-h1": ("zb-h1 schedule",),
+    "zb-h1": ("zb-h1 schedule", "fewer than torch's Schedule1F1B accepts"),  # 2 micro-batches on 4 stages
     "zero2": (),
     "selective-sp": ("(ZeRO-1)", "selective recompute"),
     "empty-last-stage": (),
     "pp1-many-microbatches": ("(ZeRO-1)",),
     "tp-zero0": (),
+    "autotp": (),
+    # torch's Schedule1F1B refuses 2 micro-batches on 4 stages: GPipe, which runs them, with the difference
+    "1f1b-few-microbatches": ("fewer than torch's Schedule1F1B accepts",),
 }
 REFUSED = {"gpt": "torchtitan has no model for gpt:"}
 assert set(EXPECTED_DIFFERENCES) | set(REFUSED) == set(CASES)
@@ -45,8 +48,14 @@ assert set(EXPECTED_DIFFERENCES) | set(REFUSED) == set(CASES)
 EXPORTABLE = list(EXPECTED_DIFFERENCES)
 
 
-def _export(name: str, filename: str | None = None):
-    return export_plan(case(name), "torchtitan", allow_approx=True, filename=filename)
+def _export(name: str, filename: str | None = None, plan=None):
+    return export_plan(plan or case(name), "torchtitan", allow_approx=True, filename=filename)
+
+
+def _with_microbatches(plan, count: int):
+    """`plan` running `count` micro-batches (its global batch following)."""
+    job = dataclasses.replace(plan.job, global_batch=plan.micro_batch_size * count * plan.replicas)
+    return dataclasses.replace(plan, num_microbatches=count, job=job)
 
 
 def _call_kwargs(tree: ast.Module, callee: str) -> dict[str, ast.expr]:
@@ -130,7 +139,9 @@ def test_specific_mappings():
     assert (p["data_parallel_shard_degree"], p["fsdp_reshard_after_forward"]) == (4, "never")
     _, p, _ = _literal_settings(_export("interleaved-uneven").text)
     assert p["pipeline_parallel_schedule"] == "Interleaved1F1B"
-    _, p, _ = _literal_settings(_export("zb-h1").text)
+    _, p, _ = _literal_settings(_export("zb-h1").text)  # 2 micro-batches on 4 stages: too few for 1F1B
+    assert p["pipeline_parallel_schedule"] == "GPipe"
+    _, p, _ = _literal_settings(_export("zb-h1", plan=_with_microbatches(case("zb-h1"), 4)).text)
     assert p["pipeline_parallel_schedule"] == "1F1B"
     # the preset is torchtitan's own 8B flavor; a custom shape is a Llama3Model of that exact shape
     assert "return model_registry('8B')" in _export("preset-llama3-8b").text
@@ -327,3 +338,91 @@ def test_torchtitan_builds_a_hugging_face_llama_with_its_norm_eps_and_stages(tmp
     assert {model.norm.eps, model.layers[0].attention_norm.eps, model.layers[1].ffn_norm.eps} == {1e-6}
     assert not model.enable_weight_tying
     assert _layers_per_rank(config) == _plan_layers_per_rank(plan)
+
+
+def _rank0_schedule(config, plan):
+    """torchtitan's own `_build_pipeline_schedule` for pp rank 0 of the parsed config, over stand-in
+    stages on a fake process group of the pipeline's size: the schedule class torch validates at
+    startup, with the micro-batch count torchtitan derives (local batch // micro-batch size)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchtitan.distributed import pipeline_parallel as tt_pp
+
+    p = config.parallelism
+    indices = tt_pp._get_pp_rank_to_stage_indices_mapping(0, p.pipeline_parallel_degree, p.pipeline_parallel_schedule,
+                                                          plan.num_stages)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.pp)
+    try:
+        stages = [PipelineStage(torch.nn.Linear(2, 2), i, plan.num_stages, torch.device("cpu")) for i in indices]
+        return tt_pp._build_pipeline_schedule(parallelism=p, local_batch_size=config.training.local_batch_size,
+                                              stages=stages, loss_fn=lambda *args: (None, None))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("name", [n for n in EXPORTABLE if case(n).pp > 1])
+def test_torchtitan_builds_the_pipeline_schedule_with_the_plans_micro_batches(name, tmp_path):
+    """torch's schedules check the micro-batch count when they are built (Schedule1F1B refuses fewer
+    than the stages, Interleaved1F1B counts that do not fill its rounds): every written schedule is
+    built, and the plan's own 1F1B with 2 micro-batches on 4 stages is what torch refuses."""
+    pytest.importorskip("torchtitan")
+    plan = case(name)
+    stem = f"autoplan_{name.replace('-', '_')}"
+    config = _parse(_export(name, filename=str(tmp_path / f"{stem}.py")).text, tmp_path, stem)
+    schedule = _rank0_schedule(config, plan)
+    assert schedule._n_microbatches == plan.num_microbatches
+    if name == "1f1b-few-microbatches":
+        assert type(schedule).__name__ == "ScheduleGPipe"
+        config.parallelism.pipeline_parallel_schedule = "1F1B"  # what the export wrote before issue 29
+        with pytest.raises(ValueError, match=r"Number of microbatches \(2\) must be greater than or equal"):
+            _rank0_schedule(config, plan)
+
+
+_HEAD_DIM_LLAMA = ("hf:llama:num_hidden_layers=2,hidden_size=256,num_attention_heads=4,num_key_value_heads=2,"
+                   "head_dim=128,intermediate_size=512,vocab_size=300")
+
+
+def test_a_hugging_face_head_dim_is_written_and_never_a_flavor():
+    pytest.importorskip("transformers")
+    plan = dataclasses.replace(case("default"), model=_HEAD_DIM_LLAMA)
+    text = export_plan(plan, "torchtitan", allow_approx=True).text
+    ast.parse(text)
+    assert "head_dim=128, fuse_qkv=True" in text and "ComplexRoPE.Config(dim=128," in text
+    assert "model_registry('" not in text.split("dataclasses.replace(model_registry")[0]
+    plain = dataclasses.replace(plan, model=_HEAD_DIM_LLAMA.replace("head_dim=128", "head_dim=64"))  # = 256 / 4
+    assert "make_gqa_config" not in export_plan(plain, "torchtitan", allow_approx=True).text
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("pp", [1, 2])
+def test_torchtitan_builds_the_hugging_face_model_with_its_head_dim(pp, tmp_path):
+    """A Llama whose config sets head_dim (128 beside 256 / 4 = 64): torchtitan's model, built on the
+    meta device from the parsed file, has the Hugging Face model's parameter count (before issue 29
+    it was built 64 wide, silently smaller), and its projections and rotary tables are 128 wide."""
+    pytest.importorskip("torchtitan")
+    pytest.importorskip("transformers")
+    import torch
+
+    import autoplan
+    from autoplan.graph.hf import HFSource
+
+    pins = dict(zero=2) if pp == 1 else dict(zero=0, schedule="1f1b", micro_batch_size=1)
+    plan = autoplan.suggest(_HEAD_DIM_LLAMA, "1x2xA100-80GB", global_batch=4, seq_len=64, pp=pp, tp=1, **pins)[0]
+    export = export_plan(plan, "torchtitan", filename=str(tmp_path / "head_dim.py"))
+    assert not export.differences
+    config = _parse(export.text, tmp_path, "head_dim")
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)
+    with torch.device("meta"):
+        model = model_config.build()
+        reference = HFSource.from_spec(_HEAD_DIM_LLAMA).build()
+    count = sum(p.numel() for p in model.parameters())
+    assert count == sum(p.numel() for p in reference.parameters())
+    attention = model_config.layers[0].attention
+    assert attention.head_dim == 128 and attention.qkv_linear.wqkv.out_features == (4 + 2 * 2) * 128
+    assert attention.rope.dim == 128
+    if pp > 1:
+        assert _layers_per_rank(config) == _plan_layers_per_rank(plan)

@@ -18,6 +18,7 @@ from autoplan.report.export import deepspeed, megatron, torchtitan
 from autoplan.report.export.common import (
     Export,
     ExportError,
+    TargetRefusal,
     TransformerShape,
     model_shape,
     stage_blocks,
@@ -29,6 +30,7 @@ __all__ = [
     "EXPORT_TARGETS",
     "Export",
     "ExportError",
+    "TargetRefusal",
     "TransformerShape",
     "export_plan",
     "model_shape",
@@ -55,10 +57,38 @@ def export_plan(plan: Plan, target: str, *, allow_approx: bool = False, filename
         write = EXPORT_TARGETS[target.lower()]
     except (KeyError, AttributeError):
         raise ExportError(f"unknown export target {target!r}; use one of {', '.join(EXPORT_TARGETS)}") from None
-    export = write(plan, filename=filename)
+    try:
+        export = write(plan, filename=filename)
+    except TargetRefusal as refusal:
+        raise TargetRefusal(f"{refusal}; {_other_targets(plan, target.lower())}") from None
     if export.differences and not allow_approx:
         more = f" (and {len(export.differences) - 1} more)" if len(export.differences) > 1 else ""
         raise ExportError(f"{export.target} cannot run this plan as planned: {export.differences[0]}{more}; "
                           "re-plan with pins the target runs, or pass --allow-approx to write the nearest "
                           "config with every difference listed")
     return export
+
+
+def _other_targets(plan: Plan, refused: str) -> str:
+    """Which other targets write `plan`, found by writing it with each (a target's write is pure and
+    fast), so the advice names only targets that take this very plan: exactly, or with --allow-approx
+    and its differences; or that none does."""
+    exact, approximate, refusals = [], [], []
+    for name, write in EXPORT_TARGETS.items():
+        if name == refused:
+            continue
+        try:
+            export = write(plan)
+        except ExportError as exc:
+            refusals.append(f"{name}: {str(exc).split(';')[0]}")
+            continue
+        if export.differences:
+            more = f" and {len(export.differences) - 1} more" if len(export.differences) > 1 else ""
+            approximate.append(f"--to {name} --allow-approx (it differs: {export.differences[0]}{more})")
+        else:
+            exact.append(f"--to {name}")
+    if exact:
+        return f"export it with {' or '.join(exact)}, which " + ("runs" if len(exact) == 1 else "run") + " it as planned"
+    if approximate:
+        return "no other target runs it exactly; the nearest: " + "; or ".join(approximate)
+    return f"no export target runs this plan ({'; '.join(refusals)}); re-plan it for the target you want"

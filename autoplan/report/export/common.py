@@ -18,8 +18,10 @@ from autoplan.plan import Plan
 __all__ = [
     "Export",
     "ExportError",
+    "TargetRefusal",
     "TransformerShape",
     "plan_summary",
+    "model_kind",
     "model_shape",
     "stage_blocks",
     "stage_layer_counts",
@@ -30,6 +32,13 @@ __all__ = [
 
 class ExportError(ValueError):
     """An export that cannot be made, in one line naming the problem and the fix; the CLI exits 2."""
+
+
+class TargetRefusal(ExportError):
+    """This target cannot run the plan at all (it has no such model, or no such parallelism), so no
+    re-plan for the same target helps. `export_plan` completes the message with the targets that do
+    write the plan, found by writing it with each of them, or says that none does (never a fixed
+    list: a target named there must actually take the plan)."""
 
 
 @dataclass(frozen=True)
@@ -129,10 +138,13 @@ class TransformerShape:
     """For `hf:` sources: the transformers model type (e.g. "llama")."""
     hf_path: str | None = None
     """For `hf:PATH` sources: the directory (or config.json) the plan was made from."""
+    head_size: int | None = None
+    """Width of one attention head where the model sets it apart from hidden_size / num_heads (a
+    Hugging Face config's `head_dim`, e.g. Mistral NeMo's 128 beside 5120 / 32); None otherwise."""
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
 
 
 # transformers model types whose decoder is Llama's (RMSNorm, rope, SwiGLU, GQA, no biases) and
@@ -184,8 +196,40 @@ def _hf_shape(text: str) -> TransformerShape | None:
     rope = getattr(config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     theta = float(theta if theta is not None else getattr(config, "rope_theta", 10000.0))
+    # transformers' LlamaConfig / MistralConfig: `head_dim` defaults to hidden_size // heads and a
+    # config may set another (the attention projections are heads x head_dim wide, not hidden_size).
+    head_dim = getattr(config, "head_dim", None)
     return TransformerShape(
         "llama", config.num_hidden_layers, config.hidden_size, heads,
         getattr(config, "num_key_value_heads", None) or heads, config.intermediate_size, config.vocab_size,
         config.max_position_embeddings, bool(getattr(config, "tie_word_embeddings", False)), float(config.rms_norm_eps),
-        rope_theta=theta, hf_model_type=model_type, hf_path=str(source.path) if source.path is not None else None)
+        rope_theta=theta, hf_model_type=model_type, hf_path=str(source.path) if source.path is not None else None,
+        head_size=int(head_dim) if head_dim and int(head_dim) * heads != config.hidden_size else None)
+
+
+def model_kind(plan: Plan) -> str:
+    """What the plan's model is, in a few words, for a target that refuses it ("a mixture of experts
+    (moe)", "a model file", "a Hugging Face bert model", "a GPT-2 family decoder", "a Llama decoder")."""
+    text = plan.model
+    if text.startswith("hf:"):
+        from autoplan.graph.hf import HFSource
+        from autoplan.graph.source import SourceError
+
+        try:
+            model_type = getattr(HFSource.from_spec(text)._config, "model_type", None) or "?"
+        except (SourceError, ImportError):
+            return "a Hugging Face model"
+        if model_type in _HF_LLAMA_LIKE:
+            return f"a Hugging Face {model_type} model with attention or MLP biases"
+        return f"a Hugging Face {model_type} model"
+    from autoplan.graph import zoo
+
+    try:
+        spec = zoo.parse_model_spec(text)
+    except zoo.ModelSpecError:
+        return "a model autoplan cannot read back"
+    if spec.config is None:
+        return "a model file"
+    if isinstance(spec.config, zoo.MoEConfig):
+        return "a mixture of experts"
+    return "a Llama decoder" if isinstance(spec.config, zoo.LlamaConfig) else "a GPT-2 family decoder"

@@ -31,6 +31,7 @@ from autoplan.plan import Plan
 from autoplan.report.export.common import (
     Export,
     ExportError,
+    TargetRefusal,
     TransformerShape,
     model_shape,
     plan_summary,
@@ -244,17 +245,29 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
     if plan.cp > 1:
         # No nearest config: DeepSpeed's data-parallel ranks take whole sequences, so a cp group's
         # shared sequences cannot be stated without changing the batch per rank.
-        raise ExportError(f"DeepSpeed's config has no context parallelism (the plan splits each sequence over cp "
-                          f"{plan.cp} ranks); export it with --to megatron or --to torchtitan, or re-plan with --cp 1")
+        # export_plan completes the message with the targets that do write this plan.
+        raise TargetRefusal(f"DeepSpeed's config has no context parallelism (the plan splits each sequence over cp "
+                            f"{plan.cp} ranks); re-plan with --cp 1 for DeepSpeed")
 
-    # Batch: DeepSpeed asserts train_batch_size == micro * gas * dp world size (runtime/config.py
-    # `_batch_assertion`), the dp world size coming from the mpu (the pipeline grid) when there is one.
+    # Batch: DeepSpeed asserts train_batch_size == micro * gas * world_size (runtime/config.py
+    # `DeepSpeedConfig._batch_assertion`). world_size is the mpu's data-parallel size when there is an
+    # mpu (a PipelineModule's grid: the plan's dp), else every rank (`dist.get_world_size()`):
+    # deepspeed.initialize builds a plain module's DeepSpeedConfig before AutoTP makes its tensor-
+    # parallel groups (engine.py `_configure_tensor_parallel_states`), so under AutoTP the count
+    # includes the tp ranks, which all read the same micro-batch (the engine checks that they do,
+    # `check_dataloader_inputs_same_across_ranks`; its dp_world_size is then world / tp).
     batch = plan.micro_batch_size * plan.num_microbatches * plan.dp
     if batch != plan.job.global_batch:
         differences.append(f"the plan's global batch {plan.job.global_batch} is not micro-batch "
                            f"{plan.micro_batch_size} x {plan.num_microbatches} micro-batches x dp {plan.dp}; "
                            f"DeepSpeed asserts that product, so train_batch_size is written as {batch}")
-    config["train_batch_size"] = batch
+    autotp = plan.tp > 1 and plan.pp == 1
+    config["train_batch_size"] = batch * plan.tp if autotp else batch
+    if autotp:
+        notes.append(f"train_batch_size {batch * plan.tp} is DeepSpeed's count under AutoTP: micro-batch "
+                     f"{plan.micro_batch_size} x {plan.num_microbatches} accumulation steps x all {plan.num_gpus} "
+                     f"ranks, each of the {plan.tp} ranks of a tensor-parallel group counting the micro-batch they "
+                     f"share; a step trains on {batch} distinct samples (x dp {plan.dp}), the plan's global batch")
     config["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
     config["gradient_accumulation_steps"] = plan.num_microbatches
 
@@ -270,7 +283,7 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
 
     config["zero_optimization"] = {"stage": _zero_stage(plan, differences)}
 
-    if plan.tp > 1 and plan.pp == 1:
+    if autotp:
         # DeepSpeed's own tensor parallelism for a plain module: AutoTP training shards the model's
         # linear layers (runtime/tensor_parallel/config.py `TPTrainingConfig.autotp_size`). It has no
         # sequence parallelism: activations stay whole along the sequence.
@@ -292,7 +305,8 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
     notes.append("optimizer: pass yours to deepspeed.initialize(optimizer=...) or add an \"optimizer\" section; "
                  "autoplan's prediction assumes Adam with fp32 states")
     notes.append(f"data: each data-parallel rank's loader yields micro-batches of {plan.micro_batch_size} samples"
-                 + (f" of {plan.job.seq_len} tokens" if shape is not None else ""))
+                 + (f" of {plan.job.seq_len} tokens" if shape is not None else "")
+                 + (", the same ones on every rank of a tensor-parallel group" if autotp else ""))
 
     command = _command(plan, filename)
     doc: dict[str, object] = {

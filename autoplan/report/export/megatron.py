@@ -26,7 +26,9 @@ from autoplan.plan import Plan
 from autoplan.report.export.common import (
     Export,
     ExportError,
+    TargetRefusal,
     TransformerShape,
+    model_kind,
     model_shape,
     plan_summary,
     stage_layer_counts,
@@ -67,10 +69,10 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
     """The plan as a bash file of Megatron-LM arguments; see the module docstring."""
     shape = model_shape(plan)
     if shape is None:
-        raise ExportError(
-            f"Megatron-LM's pretrain_gpt.py builds only GPT and Llama-like decoders, and autoplan cannot "
-            f"read {plan.model!r} as one; plan a zoo gpt/llama spec or preset, or an hf: llama/mistral "
-            f"model, or export this plan to torchtitan")
+        # export_plan completes the message with the targets that do write this plan.
+        raise TargetRefusal(
+            f"Megatron-LM's pretrain_gpt.py builds only GPT and Llama-like dense decoders, and autoplan cannot "
+            f"read {plan.model!r} as one ({model_kind(plan)})")
     differences: list[str] = []
     notes: list[str] = []
     sections = [
@@ -116,11 +118,10 @@ def _model_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> 
         ("--ffn-hidden-size", str(shape.ffn_hidden_size)),
         ("--num-attention-heads", str(shape.num_heads)),
     ]
-    head_dim = _hf_head_dim(plan)
-    if head_dim is not None and head_dim != shape.head_dim:
+    if shape.head_size is not None:
         # Some Llama-like checkpoints (e.g. Mistral NeMo) set head_dim apart from hidden / heads;
         # Megatron's --kv-channels is that size (validate_args defaults it to hidden / heads).
-        args.append(("--kv-channels", str(head_dim)))
+        args.append(("--kv-channels", str(shape.head_size)))
     if shape.num_kv_heads != shape.num_heads:
         args += [("--group-query-attention", None), ("--num-query-groups", str(shape.num_kv_heads))]
     args += [
@@ -149,16 +150,6 @@ def _model_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> 
     # The zoo and Llama-like checkpoints train without dropout; Megatron's defaults are 0.1.
     args += [("--attention-dropout", "0.0"), ("--hidden-dropout", "0.0")]
     return args
-
-
-def _hf_head_dim(plan: Plan) -> int | None:
-    """The `head_dim` of an `hf:` model's config, where it sets one (TransformerShape has none)."""
-    if not plan.model.startswith("hf:"):
-        return None
-    from autoplan.graph.hf import HFSource
-
-    value = getattr(HFSource.from_spec(plan.model)._config, "head_dim", None)
-    return int(value) if value else None
 
 
 def _vocab_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> list[Arg]:

@@ -22,7 +22,9 @@ from autoplan.plan import Plan
 from autoplan.report.export.common import (
     Export,
     ExportError,
+    TargetRefusal,
     TransformerShape,
+    model_kind,
     model_shape,
     plan_summary,
     stage_blocks,
@@ -78,15 +80,14 @@ def _llama_shape(plan: Plan) -> TransformerShape:
     """torchtitan builds only its own model definitions (torchtitan/models/*); the dense decoder
     autoplan's Llamas are is `Llama3Model` (torchtitan/models/llama3/model.py)."""
     shape = model_shape(plan)
+    # export_plan completes both refusals with the targets that do write this plan.
     if shape is None:
-        what = ("a Hugging Face model that is not Llama-like (llama, mistral without biases)"
-                if plan.model.startswith("hf:") else "not a zoo or Hugging Face Llama")
-        raise ExportError(f"torchtitan has no model for {plan.model} ({what}); torchtitan builds only its own "
-                          "model definitions, so export it with --to megatron or --to deepspeed, or plan a llama: "
-                          "spec of the same shape")
+        raise TargetRefusal(f"torchtitan has no model for {plan.model} ({model_kind(plan)}); torchtitan "
+                            f"{TORCHTITAN_VERSION} builds only its own model definitions, and autoplan exports to "
+                            "its Llama3Model alone")
     if shape.family != "llama":
-        raise ExportError(f"torchtitan has no model for {plan.model} (no GPT-2 family definition in torchtitan "
-                          f"{TORCHTITAN_VERSION}); export it with --to megatron or --to deepspeed")
+        raise TargetRefusal(f"torchtitan has no model for {plan.model} (no GPT-2 family definition in torchtitan "
+                            f"{TORCHTITAN_VERSION})")
     return shape
 
 
@@ -140,7 +141,7 @@ def _model(plan: Plan, shape: TransformerShape, settings: _Settings) -> None:
     take `hidden_dim` itself; compute_ffn_hidden_dim is only how the flavors choose it)."""
     key = (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.ffn_hidden_size,
            shape.vocab_size, float(shape.rope_theta or 0.0), float(shape.norm_eps))
-    if key in _FLAVORS and not shape.tie_embeddings:
+    if key in _FLAVORS and not shape.tie_embeddings and shape.head_size is None:
         settings.imports.add("from torchtitan.models.llama3 import model_registry")
         settings.flavor = _FLAVORS[key]
         # torchtitan/models/llama3/__init__.py model_registry(flavor): its ModelSpec, unchanged.
@@ -175,6 +176,25 @@ def _model(plan: Plan, shape: TransformerShape, settings: _Settings) -> None:
         " scaling='none'),",
         ")",
     ]
+    if shape.head_size is not None:
+        # _build_llama3_layers has no head_dim and gives every head dim // n_heads; the attention
+        # builder it calls (torchtitan/models/common/config_utils.py make_gqa_config) takes one, so
+        # each layer's attention is rebuilt with the builder's own arguments plus this head width.
+        settings.imports.update({
+            "from torchtitan.models.common.config_utils import make_gqa_config",
+            "from torchtitan.models.llama3 import _LINEAR_INIT, _depth_init",
+        })
+        lines += [
+            f"# this model's heads are {shape.head_size} wide, not dim / n_heads = {dim // shape.num_heads}: "
+            "the attention as the builder",
+            "# makes it (make_gqa_config, the same initializers), with head_dim",
+            "layers = [dataclasses.replace(layer, attention=make_gqa_config(",
+            f"    dim={dim}, n_heads={shape.num_heads}, n_kv_heads={shape.num_kv_heads}, "
+            f"head_dim={shape.head_size}, fuse_qkv=True,",
+            "    wqkv_param_init=_LINEAR_INIT, wo_param_init=_depth_init(layer_id),",
+            "    inner_attention=layer.attention.inner_attention, rope=layer.attention.rope))",
+            "    for layer_id, layer in enumerate(layers)]",
+        ]
     if eps != _DEFAULT_NORM_EPS:
         lines += [
             f"# the builder leaves RMSNorm.eps at {_DEFAULT_NORM_EPS}; this model uses {eps!r}",
@@ -280,23 +300,39 @@ def _schedule(plan: Plan, settings: _Settings) -> None:
     # torchtitan/trainer.py Trainer.Config._validate_cuda_graphs refuses pp > 1 with CUDA graphs on.
     settings.training["disable_cuda_graphs"] = "True"
     looped = plan.virtual_stages > 1
+    if plan.schedule == "gpipe" and looped:
+        name = "LoopedBFS"  # GPipe order over several stages per rank
+    elif plan.schedule in ("interleaved-1f1b", "zb-h1") and not looped:
+        # One stage per rank: interleaving has nothing to interleave; and torch.distributed.pipelining
+        # has zero-bubble schedules only for several stages per rank (InterleavedZeroBubble,
+        # ZBVZeroBubble), so a one-stage-per-rank ZB-H1 runs as 1F1B.
+        name = "1F1B"
+    elif plan.schedule == "zb-h1":
+        name = "Interleaved1F1B"
+    else:
+        name = _SCHEDULES[plan.schedule]
+    count = plan.num_microbatches
+    few = name == "1F1B" and count < plan.pp
+    if few:
+        # torch/distributed/pipelining/schedules.py Schedule1F1B.__init__ raises ValueError ("Number of
+        # microbatches (m) must be greater than or equal to the number of stages (pp)") at startup.
+        # GPipe takes any count, and with m < pp micro-batches 1F1B has no steady phase: the same
+        # bubble, and the first stage holds all m micro-batches' activations in both schedules.
+        name = "GPipe"
     if plan.schedule == "zb-h1":
-        # torch.distributed.pipelining has zero-bubble schedules only for several stages per rank
-        # (InterleavedZeroBubble, ZBVZeroBubble); a one-stage-per-rank ZB-H1 is not among them.
-        name = "Interleaved1F1B" if looped else "1F1B"
         settings.differences.append(
             f"the plan's zb-h1 schedule (split backward, Qi et al. 2023) has no one-stage-per-rank schedule in "
             f"torch.distributed.pipelining; written as {name}, whose larger bubble makes steps slower than predicted")
-    elif plan.schedule == "gpipe" and looped:
-        name = "LoopedBFS"  # GPipe order over several stages per rank
-    elif plan.schedule == "interleaved-1f1b" and not looped:
-        name = "1F1B"  # one stage per rank: interleaving has nothing to interleave
-    else:
-        name = _SCHEDULES[plan.schedule]
+    if few:
+        settings.differences.append(
+            f"the plan runs {count} micro-batches on {plan.pp} pipeline stages with one stage per rank, fewer than "
+            f"torch's Schedule1F1B accepts (it refuses fewer micro-batches than stages at startup); written as GPipe, "
+            f"which with so few micro-batches has 1F1B's bubble and its first stage's activation memory, but the "
+            f"later stages hold all {count} micro-batches' activations, more than planned")
     if name == "Interleaved1F1B":
         # torch/distributed/pipelining/schedules.py ScheduleInterleaved1F1B.__init__: the micro-batches
         # run in rounds of max(1, n // pp) and must divide into them, else it raises at startup.
-        count, rounds = plan.num_microbatches, max(1, plan.num_microbatches // plan.pp)
+        rounds = max(1, count // plan.pp)
         if count % rounds:
             raise ExportError(f"torch's Interleaved1F1B cannot run {count} micro-batches on pp {plan.pp} (they must "
                               f"divide into {rounds} rounds); re-plan with a micro-batch count that is a multiple of "
