@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -270,7 +271,8 @@ class Plan:
         plan = cls.from_dict(data)
         problems = validate(plan)
         if problems:
-            raise PlanError(f"plan file {str(path)!r} is inconsistent: {problems[0]}")
+            raise PlanError(f"plan file {str(path)!r} is inconsistent: {problems[0]}; re-create it with "
+                            f"`autoplan suggest ... --out {str(path)!r}`")
         return plan
 
 
@@ -393,10 +395,63 @@ def validate(plan: Plan) -> list[str]:
         expected_start = stage.end_block
     if plan.stages and expected_start != len(plan.block_names):
         problems.append(f"stages cover {expected_start} blocks but the model has {len(plan.block_names)}")
+    problems += _check_numbers(plan)
     if plan.fits:
         capacity = min(gpu.mem_bytes for gpu in cluster.gpu_types)
         for stage in plan.stages:
             if stage.memory.total_bytes > capacity * (1 + 1e-9):
                 problems.append(f"stage {stage.index} needs {stage.memory.total_bytes / 2**30:.2f} GiB but the GPU has "
                                 f"{capacity / 2**30:.2f} GiB, yet the plan says it fits")
+    return problems
+
+
+_RELATIVE_TOLERANCE = 1e-6
+"""How far a derived figure may differ from what it is derived from (float rounding in JSON)."""
+
+
+def _bad_number(value: Any) -> bool:
+    """Not a finite number at least 0 (sizes, times, rates and fractions are never negative)."""
+    return isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0
+
+
+def _check_numbers(plan: Plan) -> list[str]:
+    """The prediction's figures and each stage's times, sizes and bytes: finite and not negative;
+    and what the search derives from them agrees (tokens per second from the step time and the job,
+    the peak memory from the stages'). A plan built by hand may carry no prediction (all zeros)."""
+    problems: list[str] = []
+    predicted = plan.predicted
+    for name in ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "hfu",
+                 "peak_memory_bytes", "bubble_fraction"):
+        value = getattr(predicted, name)
+        if _bad_number(value):
+            problems.append(f"predicted.{name} = {value!r} must be a finite number, 0 or more")
+    for name, value in predicted.breakdown.items():
+        # Seconds by cause, each a difference of sums: float rounding may leave -1e-21 where 0 is meant.
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or \
+                value < -1e-9 * max(1.0, abs(predicted.step_time_s) if math.isfinite(predicted.step_time_s) else 1.0):
+            problems.append(f"predicted.breakdown[{name!r}] = {value!r} must be a finite number of seconds, 0 or more")
+    if not problems and predicted.bubble_fraction > 1:
+        problems.append(f"predicted.bubble_fraction = {predicted.bubble_fraction!r} must be at most 1 (a share of "
+                        "the step)")
+    for stage in plan.stages:
+        where = f"stages[{stage.index}]"
+        for name in ("fwd_time_s", "bwd_time_s", "num_params"):
+            if _bad_number(getattr(stage, name)):
+                problems.append(f"{where}.{name} = {getattr(stage, name)!r} must be a finite number, 0 or more")
+        for f in dataclasses.fields(MemoryBreakdown):
+            value = getattr(stage.memory, f.name)
+            if _bad_number(value):
+                problems.append(f"{where}.memory.{f.name} = {value!r} must be a finite number of bytes, 0 or more")
+    if problems or predicted.step_time_s == 0:
+        return problems  # no prediction (a plan built by hand): nothing derived to compare
+    tokens = plan.job.global_batch * plan.job.seq_len
+    expected = tokens / predicted.step_time_s
+    if not math.isclose(predicted.tokens_per_s, expected, rel_tol=_RELATIVE_TOLERANCE):
+        problems.append(f"job.global_batch x job.seq_len = {plan.job.global_batch:,} x {plan.job.seq_len:,} tokens "
+                        f"per step, but the prediction was made for {predicted.tokens_per_s * predicted.step_time_s:,.0f}"
+                        " (predicted.tokens_per_s x step_time_s): the job or the prediction was edited")
+    peak = max((stage.memory.total_bytes for stage in plan.stages), default=0.0)
+    if not math.isclose(predicted.peak_memory_bytes, peak, rel_tol=_RELATIVE_TOLERANCE):
+        problems.append(f"predicted.peak_memory_bytes = {predicted.peak_memory_bytes:.6g} but the largest stage "
+                        f"memory is {peak:.6g} bytes (memory figures edited)")
     return problems
