@@ -112,3 +112,17 @@ def test_public_api_names_import_lazily():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "no attribute 'no_such_name'" in result.stdout
+
+
+def test_console_script_exit_keeps_output_files_and_codes(tmp_path):
+    """`suggest` ends with os._exit (no interpreter teardown, issue 29): everything printed and the
+    --out file are still complete, and a refusal still exits 2 with its one line."""
+    out = tmp_path / "plan.json"
+    result = run_cli("suggest", "--model", SMALL, "--cluster", "1x2xA100-80GB", "--global-batch", "8", "--seq-len", "64",
+                     "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert " ".join(result.stdout.split()).endswith(f"run it with `autoplan run {out}`")  # the last line, whole
+    plan = json.loads(out.read_text())
+    assert plan["tp"] * plan["pp"] * plan["dp"] == 2
+    refused = run_cli("suggest", "--model", SMALL, "--cluster", "1x2xA100-80GB", "--global-batch", "8", "--tp", "3")
+    assert refused.returncode == 2 and refused.stderr.startswith("autoplan: error:"), refused.stderr
