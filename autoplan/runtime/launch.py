@@ -59,7 +59,14 @@ import torch
 
 from autoplan._files import check_output_file
 from autoplan.plan import Plan, PlanError
-from autoplan.runtime.machine import GIB, MachineFit, available_memory_bytes, check_machine, oom_kills
+from autoplan.runtime.machine import (
+    GIB,
+    MachineFit,
+    available_memory_bytes,
+    check_machine,
+    check_memory_figures,
+    oom_kills,
+)
 from autoplan.runtime.ranks import LocalJob, current_heartbeat, fail_rank, free_port, one_line, supervise
 
 __all__ = ["CheckpointDirLock", "NonFiniteError", "check_output_file", "fail_rank", "free_port", "load_data_function",
@@ -764,6 +771,7 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
         else:
             raise ValueError(f"plan must be a Plan or a plan file's path, got {type(plan).__name__}")
         spec = model or plan.model
+        check_memory_figures(plan)
         _check_run_arguments(steps, timeout_s, lr, seed, skip_nonfinite, checkpoint_every, nproc)
         if not isinstance(allow_oversubscribe, bool):
             raise ValueError(f"allow_oversubscribe must be True or False, got {allow_oversubscribe!r}")
