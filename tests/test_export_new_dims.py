@@ -5,16 +5,19 @@ where it exports any model. The `export` tests parse the torchtitan file with to
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 
 import pytest
+from export_cases import case
 from test_export_megatron import _parse as parse_megatron
 from test_export_megatron import _sourced_args
 from test_export_torchtitan import _literal_settings
 from test_export_torchtitan import _parse as parse_torchtitan
 
 import autoplan
-from autoplan.report.export import ExportError, export_plan
+from autoplan.report.export import EXPORT_TARGETS, ExportError, TargetRefusal, export_plan
 
 LLAMA = "llama:num_layers=12,hidden_size=256,num_heads=4,num_kv_heads=2,vocab_size=32000,max_seq_len=2048"
 MOE = ("moe:num_layers=4,hidden_size=64,num_heads=4,num_kv_heads=2,ffn_hidden_size=96,vocab_size=256,max_seq_len=64,"
@@ -60,11 +63,21 @@ def test_deepspeed_refuses_cp_in_one_line():
     assert "\n" not in str(info.value)
 
 
+@functools.cache
+def moe_plan():
+    return autoplan.suggest(MOE, "1x4xcpu", global_batch=8, seq_len=32, ep=2, pp=1, top=1)[0]
+
+
 def test_moe_plans():
-    plan = autoplan.suggest(MOE, "1x4xcpu", global_batch=8, seq_len=32, ep=2, pp=1, top=1)[0]
+    plan = moe_plan()
     for target in ("torchtitan", "megatron"):
-        with pytest.raises(ExportError):
+        with pytest.raises(ExportError) as refused:
             export_plan(plan, target, allow_approx=True)
+        # issue 29: each refusal once advised the other, which refuses a mixture of experts too
+        message = str(refused.value)
+        assert "(a mixture of experts)" in message and "\n" not in message
+        assert "--to deepspeed --allow-approx (it differs: ep 2:" in message
+        assert "--to megatron" not in message and "--to torchtitan" not in message
     export = export_plan(plan, "deepspeed", allow_approx=True)
     assert any(d.startswith("ep 2: DeepSpeed splits experts only inside its own deepspeed.moe") for d in
                export.differences)
@@ -82,3 +95,48 @@ def test_torchtitan_parses_the_cp_export(tmp_path):
     assert p.context_parallel_load_balancer == "headtail"
     assert p.data_parallel_replicate_degree * p.data_parallel_shard_degree * 2 * 2 * 2 == plan.num_gpus
     assert config.training.seq_len == 2048 and config.training.global_batch_size == 16
+
+
+def _named_targets(message: str) -> list[str]:
+    return re.findall(r"--to (\w+)", message)
+
+
+@pytest.mark.parametrize("make", [moe_plan, cp_plan, lambda: case("gpt"), lambda: dataclasses.replace(moe_plan(), cp=2)],
+                         ids=["moe-ep2", "cp", "gpt", "moe-cp2"])
+def test_a_refusal_names_only_targets_that_write_the_plan(make):
+    """Every target a refusal names exports the plan (exactly, or with --allow-approx where it says
+    so), and a plan no target writes is said to be one."""
+    plan = make()
+    refusals = {}
+    for target in EXPORT_TARGETS:
+        try:
+            export_plan(plan, target, allow_approx=True)
+        except TargetRefusal as exc:
+            refusals[target] = str(exc)
+    assert refusals
+    writers = [t for t in EXPORT_TARGETS if t not in refusals]
+    exact = [t for t in writers if not export_plan(plan, t, allow_approx=True).differences]
+    for target, message in refusals.items():
+        named = _named_targets(message)
+        # the targets that run it as planned; failing those, every target that writes it at all
+        assert sorted(named) == sorted(exact or writers), (target, message)
+        for other in named:
+            exact = not export_plan(plan, other, allow_approx=True).differences
+            assert (f"--to {other} --allow-approx" in message) == (not exact), message
+        if not writers:
+            assert "no export target runs this plan" in message and "re-plan" in message
+
+
+def test_the_cli_refuses_a_moe_plan_naming_the_target_that_writes_it(tmp_path, capsys):
+    """The user's path: `autoplan export moe.json --to megatron` exits 2 with one line that names
+    DeepSpeed (the target that writes a mixture of experts), and that export then succeeds."""
+    from autoplan.cli import main
+
+    path = tmp_path / "moe.json"
+    moe_plan().save(path)
+    assert main(["export", str(path), "--to", "megatron", "--out", str(tmp_path / "m.sh")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("autoplan: error: Megatron-LM's pretrain_gpt.py builds only")
+    assert "--to deepspeed --allow-approx" in err[0] and not (tmp_path / "m.sh").exists()
+    assert main(["export", str(path), "--to", "deepspeed", "--allow-approx", "--out", str(tmp_path / "d.json")]) == 0
+    assert (tmp_path / "d.json").exists()
