@@ -103,10 +103,13 @@ def _pins(args: argparse.Namespace) -> dict:
 
 def cmd_suggest(args: argparse.Namespace) -> int:
     from autoplan import api
-    from autoplan.report.tables import plans_table, stages_table
+    from autoplan.report.explain import rejections_table, search_summary
+    from autoplan.report.tables import fmt_count, plans_table, stages_table
 
     if args.seq_len is None and args.model == DEFAULT_SUGGEST["model"]:
         args.seq_len = DEFAULT_SUGGEST["seq_len"]  # the default job (README): llama3-8b at 4096 tokens
+    if args.sweep_gpus and args.explain:
+        raise ValueError("--explain lists what one search rejected; drop --sweep-gpus, or --explain")
     if args.sweep_gpus:
         from autoplan.report.commands import run_sweep
 
@@ -127,7 +130,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
             args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, top=args.top,
             dtype=args.dtype, intra_node_bw_gbps=args.intra_node_bw, inter_node_bw_gbps=args.inter_node_bw,
             leaf_modules=leaf, tracer=args.tracer, progress=callback, search_progress=search_callback,
-            calibration=args.calibration or None, stack=args.stack, **_pins(args))
+            calibration=args.calibration or None, stack=args.stack, explain=args.explain, **_pins(args))
     finally:
         if progress is not None:
             progress.stop()
@@ -139,7 +142,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     console = _console()
     best = result.plans[0]
     cluster = best.cluster_obj()
-    console.print(f"[bold]{profiled.profile.model_name}[/bold] ({profiled.profile.num_params / 1e9:.2f}B parameters, "
+    console.print(f"[bold]{profiled.profile.model_name}[/bold] ({fmt_count(profiled.profile.num_params)} parameters, "
                   f"{profiled.profile.num_blocks} blocks) on {cluster.describe()}; global batch {args.global_batch} x "
                   f"seq {best.job.seq_len}, {best.job.dtype}")
     console.print(plans_table(result.plans))
@@ -147,9 +150,10 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     console.print(f"best plan is bound by: {best.predicted.bound}")
     for note in result.notes:  # e.g. why tensor parallelism was not considered
         console.print(f"note: {note}")
-    console.print(f"[dim]searched {result.configs_considered} configurations, evaluated {result.configs_evaluated} in "
-                  f"{result.time_s:.2f} s; MFU counts model FLOPs without recompute (PaLM, Chowdhery et al. 2022, "
-                  f"App. B)[/dim]")
+    if args.explain:
+        console.print(rejections_table(result))
+    console.print(f"[dim]{search_summary(result)}; MFU counts model FLOPs without recompute (PaLM, Chowdhery et al. "
+                  "2022, App. B)[/dim]")
     if args.out:
         console.print(f"wrote the best plan to {args.out}; run it with `autoplan run {args.out}`")
     return 0
@@ -216,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "max_position_embeddings or its example inputs'; 4096 for the default llama3-8b job)")
     p.add_argument("--top", type=int, default=5, help="how many plans to list (default 5)")
     p.add_argument("--json", action="store_true", help="print {plans, search} as JSON")
+    p.add_argument("--explain", action="store_true",
+                   help="also list the best rejected configurations per reason (over memory by how much and what "
+                        "would fit, batch not divisible, layout refused, pruned by a bound); in --json under "
+                        "search.rejections")
     p.add_argument("--out", help="write the best plan to this JSON file (for `autoplan run`)")
     p.add_argument("--sweep-gpus", help="what-if: best plan per GPU count, e.g. 64,128,256 (nodes of the --cluster GPU)")
     p.add_argument("--plot", help="with --sweep-gpus: write the sweep as a picture (.svg, or .png with matplotlib)")
@@ -306,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     from autoplan.report.commands import register
 
     register(sub, _console)
+    from autoplan.report.listing import register as register_list
+    register_list(sub, _console)
     return parser
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "GPU",
     "GPUS",
     "ClusterSpecError",
+    "aliases",
     "cpu_device",
     "dtype_key",
     "get_gpu",
@@ -183,6 +184,32 @@ _TABLE = (
                                    "fp8": 2614.9 * _T},
         mem_bytes=192 * _GIB, mem_bw_bytes_per_s=5.3e12,
         source="AMD Instinct MI300X data sheet (amd-instinct-mi300x-data-sheet.pdf)"),
+    # AMD Instinct MI325X accelerator data sheet (2024): the MI300X's CDNA 3 compute (FP32 matrix 163.4,
+    # TF32 653.7, BF16/FP16 1,307.4, FP8 2,614.9 TFLOPS dense) with 256GB HBM3E at 6 TB/s.
+    # https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/product-briefs/instinct-mi325x-datasheet.pdf
+    GPU(name="MI325X", peak_flops={"fp32": 163.4 * _T, "tf32": 653.7 * _T, "bf16": 1307.4 * _T, "fp16": 1307.4 * _T,
+                                   "fp8": 2614.9 * _T},
+        mem_bytes=256 * _GIB, mem_bw_bytes_per_s=6.0e12,
+        source="AMD Instinct MI325X accelerator data sheet, 2024 (instinct-mi325x-datasheet.pdf)"),
+    # NVIDIA HGX B200 / DGX B200 datasheets (2024), per GPU of the 8-GPU board: the HGX table's sparse
+    # totals (FP8 72, BF16/FP16 36, TF32 18 PFLOPS) halved to dense and divided by 8: FP8 4.5, BF16/FP16
+    # 2.25, TF32 1.125 PFLOPS; FP32 600 / 8 = 75 TFLOPS; HBM3e 64 TB/s per DGX B200 -> 8 TB/s per GPU
+    # (the memory bus the driver reports, 7680 bits at 3996 MHz, gives 7.67 TB/s: pytorch/ao#4002).
+    # Memory: 180 GB marketed; nvidia-smi reports 183359 MiB.
+    # https://resources.nvidia.com/en-us-dgx-systems/dgx-b200-datasheet
+    GPU(name="B200-SXM-180GB",
+        peak_flops={"fp32": 75 * _T, "tf32": 1125 * _T, "bf16": 2250 * _T, "fp16": 2250 * _T, "fp8": 4500 * _T},
+        mem_bytes=183359 * _MIB, mem_bw_bytes_per_s=8.0e12,
+        source="NVIDIA DGX B200 / HGX B200 datasheets, 2024 (resources.nvidia.com dgx-b200-datasheet), per GPU"),
+    # NVIDIA GB200 NVL72 datasheet (2024), the rack's 72 Blackwell GPUs (1,200 W each, faster than the
+    # HGX B200's): sparse totals FP8 720, BF16/FP16 360, TF32 180 PFLOPS halved to dense and divided by
+    # 72: FP8 5, BF16/FP16 2.5, TF32 1.25 PFLOPS; FP32 5,760 / 72 = 80 TFLOPS; HBM3e 13.4 TB at 576 TB/s
+    # -> 186 GB at 8 TB/s per GPU (nvidia-smi reports 189471 MiB).
+    # https://www.nvidia.com/en-us/data-center/gb200-nvl72/
+    GPU(name="GB200",
+        peak_flops={"fp32": 80 * _T, "tf32": 1250 * _T, "bf16": 2500 * _T, "fp16": 2500 * _T, "fp8": 5000 * _T},
+        mem_bytes=189471 * _MIB, mem_bw_bytes_per_s=8.0e12,
+        source="NVIDIA GB200 NVL72 datasheet, 2024 (nvidia.com/en-us/data-center/gb200-nvl72), per GPU"),
 )
 # fmt: on
 
@@ -266,7 +293,16 @@ _ALIASES = {
     "v100": "V100-SXM2-32GB",
     "v100-32gb": "V100-SXM2-32GB",
     "mi300": "MI300X",
+    "mi325": "MI325X",
+    "b200": "B200-SXM-180GB",
+    "b200-180gb": "B200-SXM-180GB",
+    "gb200-186gb": "GB200",
 }
+
+
+def aliases(name: str) -> tuple[str, ...]:
+    """The short names `get_gpu` also takes for the canonical GPU `name` (e.g. "h100", "h100-80gb")."""
+    return tuple(alias for alias, canonical in _ALIASES.items() if canonical == name)
 
 
 def get_gpu(name: str) -> GPU:
