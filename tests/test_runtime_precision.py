@@ -144,13 +144,3 @@ def test_full_recompute_keeps_only_layer_inputs():
     assert len(layer_saved) == 4
     expected_drop = sum(s - 2 * 16 * 32 * 4 for s in layer_saved)
     assert none - full == pytest.approx(expected_drop, rel=0.15), (none, full, expected_drop)
-
-
-def test_fp16_plans_are_refused_before_any_communication():
-    from autoplan.runtime.api import PartitionError, check_model
-
-    model = zoo.build_model(GPT, device="meta")
-    traced = trace_model(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
-    plan = make_plan(GPT, model_fingerprint(model), traced.block_names, pp=1, dtype="float16")
-    with pytest.raises(PartitionError, match="bfloat16 or float32.*loss scaling.*--dtype bf16"):
-        check_model(model, plan)

@@ -126,6 +126,12 @@ def guess_gpu(device_name: str, mem_bytes: int | None = None) -> str | None:
         return "A10G"
     if "V100" in name and ("SXM2" in name and "32G" in name):
         return "V100-SXM2-32GB"
+    if "GB200" in name:  # before B200: "NVIDIA GB200" contains "B200"
+        return "GB200"
+    if "B200" in name:
+        return "B200-SXM-180GB"
+    if "MI325X" in name:
+        return "MI325X"
     if "MI300X" in name:
         return "MI300X"
     return None
