@@ -322,6 +322,8 @@ def _typed(cls: type, raw: Any, where: str, nested: set[str] = frozenset()) -> d
 
 def validate(plan: Plan) -> list[str]:
     """Every inconsistency in a plan, as one-line messages ([] when it is consistent)."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"validate takes a Plan (autoplan.suggest or Plan.load), got {type(plan).__name__}")
     problems: list[str] = []
     try:
         cluster = plan.cluster_obj()

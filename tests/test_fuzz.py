@@ -320,7 +320,7 @@ _VALID = {"model": TINY, "cluster": "1x2xH100-80GB", "global_batch": 4, "seq_len
 
 
 @settings(max_examples=400, **SETTINGS)
-@given(function=st.sampled_from(["suggest", "profile", "parse_cluster", "partition", "Plan.load"]),
+@given(function=st.sampled_from(["suggest", "profile", "parse_cluster", "partition", "Plan.load", "validate"]),
        argument=st.sampled_from(_SUGGEST_ARGS), value=_WRONG)
 def test_the_api_answers_any_wrong_argument_in_one_line(function, argument, value):
     """A wrong type or value anywhere in the public API: ValueError or TypeError with one line,
@@ -341,6 +341,8 @@ def test_the_api_answers_any_wrong_argument_in_one_line(function, argument, valu
         call = lambda: autoplan.parse_cluster(value)  # noqa: E731
     elif function == "partition":
         call = lambda: autoplan.partition(TINY, value)  # noqa: E731
+    elif function == "validate":
+        call = lambda: autoplan.validate(value)  # noqa: E731
     else:
         call = lambda: autoplan.Plan.load(value)  # noqa: E731
     started = time.perf_counter()
@@ -501,3 +503,73 @@ def test_plan_commands_refuse_a_job_no_model_runs(tmp_path, plan_text, field, va
 def test_a_spec_with_a_non_finite_float_is_refused():
     code, _, err = run_cli(["profile", "--model", TINY + ",norm_eps=nan"])
     assert code == 2 and "norm_eps must be a finite number" in err, err
+
+
+# ---- issue 29: bad input that still got through, now one line, exit 2 --------------------------------
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("hf:llama:num_hidden_layers=-1", "num_hidden_layers=-1 must be at least 1"),  # was "0.26B parameters, 1 blocks"
+    ("hf:llama:hidden_size=0", "hidden_size=0 must be at least 1"),
+    ("hf:gpt2:n_head=-2", "n_head=-2 must be at least 1"),
+    ("hf:llama:intermediate_size=-1", "intermediate_size=-1 must be at least 1"),
+    ("hf:llama:vocab_size=1", "vocab_size=1 must be at least 2"),
+    (TINY.replace("vocab_size=32", "vocab_size=1"), "vocab_size must be at least 2"),  # was accepted
+    ("llama3-8b:num_layers=0", "num_layers must be positive"),
+    ("mixtral-8x7b:ffn_hidden_size=-1", "ffn_hidden_size must be positive"),
+])
+def test_suggest_refuses_a_model_size_no_model_can_have(spec, words):
+    started = time.perf_counter()
+    code, _, err = run_cli(["suggest", "--model", spec, "--cluster", "1x2xH100-80GB", *TINY_ARGS])
+    assert code == 2 and err.count("\n") == 1 and err.startswith("autoplan: error:") and words in err, err
+    assert time.perf_counter() - started < 10
+
+
+# (path into the plan's JSON, the value written there, words the refusal must hold)
+_EDITED_NUMBERS = [
+    (("job", "seq_len"), 10**9, "job.global_batch x job.seq_len = 4 x 1,000,000,000"),  # show accepted it
+    (("stages", 0, "memory", "weights_bytes"), -1e9, "stages[0].memory.weights_bytes = -1000000000.0"),
+    (("predicted", "peak_memory_bytes"), -1.0, "predicted.peak_memory_bytes = -1.0"),  # run exited 0
+    (("predicted", "step_time_s"), -0.5, "predicted.step_time_s = -0.5"),
+    (("predicted", "tokens_per_s"), 1.0, "the job or the prediction was edited"),
+    (("predicted", "bubble_fraction"), 1.5, "bubble_fraction = 1.5 must be at most 1"),
+    (("predicted", "breakdown", "compute_s"), -1.0, "predicted.breakdown['compute_s'] = -1.0"),
+    (("stages", 0, "fwd_time_s"), -1.0, "stages[0].fwd_time_s = -1.0"),
+    (("stages", 0, "num_params"), -5, "stages[0].num_params = -5"),
+    (("stages", 0, "memory", "activations_bytes"), 1e15, "memory figures edited"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "words"), _EDITED_NUMBERS)
+@pytest.mark.parametrize("command", ["show", "export", "run"])
+def test_plan_commands_refuse_numbers_no_search_writes(tmp_path, plan_text, path, value, words, command):
+    data = json.loads(plan_text)
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    file = tmp_path / "plan.json"
+    file.write_text(json.dumps(data))
+    argv = {"show": ["show", str(file)], "export": ["export", str(file), "--to", "megatron"],
+            "run": ["run", str(file), "--steps", "1"]}[command]
+    code, _, err = run_cli(argv)
+    assert code == 2 and err.count("\n") == 1 and words in err and "re-create it with `autoplan suggest" in err, err
+
+
+LLAMA = "llama:num_layers=4,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16"
+
+
+@pytest.mark.parametrize("extra", [
+    ["--zero", "3", "--dp-replicate", "2"],
+    ["--cp", "2"],
+    ["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
+    ["--model", "moe:num_layers=2,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16,num_experts=4,"
+                "experts_per_token=2", "--ep", "2"],
+])
+def test_plans_of_every_kind_pass_the_checks_on_load(tmp_path, extra):
+    """The numbers checked on load are the ones the search writes, for every parallelism it plans."""
+    out = tmp_path / "plan.json"
+    code, _, err = run_cli(["suggest", "--model", LLAMA, "--cluster", "1x8xH100-80GB", "--global-batch", "16",
+                            "--seq-len", "16", *extra, "--top", "1", "--out", str(out)])
+    assert code == 0, err
+    assert run_cli(["show", str(out)])[0] == 0
