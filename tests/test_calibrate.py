@@ -134,6 +134,9 @@ def test_fit_caps_shares_above_one_and_says_so():
     ("NVIDIA A100-SXM4-80GB", 80, "A100-SXM4-80GB"),
     ("NVIDIA A100-SXM4-40GB", 40, "A100-SXM4-40GB"),
     ("NVIDIA L40S", 48, "L40S"),
+    ("NVIDIA B200", 179, "B200-SXM-180GB"),
+    ("NVIDIA GB200", 185, "GB200"),
+    ("AMD Instinct MI325X", 256, "MI325X"),
     ("NVIDIA GeForce RTX 4090", 24, None),
 ])
 def test_guess_gpu(name, mem_gib, expected):
