@@ -184,15 +184,18 @@ def suggest_with_stats(
     search_progress: Progress | None = None,
     calibration: str | os.PathLike | Sequence[str | os.PathLike] | Calibrations | None = None,
     stack: str | None = None,
+    explain: bool = False,
     **pins: Any,
 ) -> tuple[SearchResult, ProfiledModel]:
     """`suggest`, also returning the search statistics and the profiled model. `calibration`: a file
     `autoplan calibrate` wrote (or several, one per GPU type) to use in place of the shipped ones.
     `stack`: a software stack the calibrations name (cost/calibration.py [Note: software stacks];
-    None: today's, with flash attention)."""
+    None: today's, with flash attention). `explain`: also keep the best rejected configurations per
+    reason, with figures and a change checked to fit (`SearchResult.rejections`; the CLI's --explain)."""
     require_int("global_batch", global_batch, high=MAX_JOB_SIZE)
     require_int("seq_len", seq_len, high=MAX_JOB_SIZE, optional=True)  # None: the model's own length
-    require("top", top, int, "an integer")  # its range is the search's to refuse (after the cluster is parsed)
+    require("top", top, int, "an integer")
+    require("explain", explain, bool, "True or False")  # its range is the search's to refuse (after the cluster is parsed)
     require("sequence_parallel", pins.get("sequence_parallel"), bool, "True, False or None", optional=True)
     for name, value in (("intra_node_bw_gbps", intra_node_bw_gbps), ("inter_node_bw_gbps", inter_node_bw_gbps)):
         require(name, value, (int, float), "a number of GB/s", optional=True)
@@ -226,7 +229,7 @@ def suggest_with_stats(
     job = Job(global_batch=global_batch, seq_len=seq_len or prof.seq_len, dtype=_dtype_name(torch_dtype))
     source = profiled.source
     result = search_plans(prof, cluster_obj, job, model_spec=source.spec, top=top, pins=pins, progress=search_progress,
-                          calibrations=calibrations)
+                          calibrations=calibrations, explain=explain)
     # What `run` needs to rebuild and trace the model as planned; it refuses a file changed since.
     recorded = dict(model_digest=source.file_digest() or "", leaf_modules=tuple(leaf_modules), tracer=tracer)
     result = dataclasses.replace(result, plans=[dataclasses.replace(p, **recorded) for p in result.plans])

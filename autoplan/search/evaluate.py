@@ -54,7 +54,7 @@ from autoplan.schedule import ActionKind, SimResult, make_schedule, simulate
 from autoplan.search.partition import CutProblem, Cuts, DPSolver, climb_boundaries, make_cuts
 
 __all__ = ["Dominated", "Evaluation", "SearchContext", "evaluate", "evaluate_cuts", "interleaved_held", "min_gpus_needed",
-           "schedule_inflight"]
+           "min_memory_bytes", "schedule_inflight"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -188,6 +188,9 @@ class SearchContext:
         # depends on the configuration through tp and the micro-batch size only).
         self.transfers: dict[tuple, float] = {}
         self._pass_arrays: dict[int, tuple] = {}  # id(BlockTimes) -> sums (the object kept alive)
+        self.refusal: str | None = None
+        """Why the last evaluate() that returned None did so when the runtime refuses the plan (not
+        memory): the search reports it (search/rejections.py)."""
 
     def calibration(self, gpu):
         return self.cached(("calibration", gpu.name), lambda: self.calibrations.for_gpu(gpu))
@@ -349,7 +352,8 @@ class _CutCache:
 
 
 class Dominated(Exception):
-    """The configuration provably cannot beat `cutoff_s` (raised before simulating it)."""
+    """The configuration provably cannot beat `cutoff_s` (raised before simulating it); `args[0]`
+    is the lower bound on its step time that showed it."""
 
 
 @dataclass(frozen=True)
@@ -489,14 +493,24 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
         if cuts is None:
             return None
         cache = None
-    if _tie_within_rank(profile, cfg, cuts.boundaries):
-        return None  # FSDP cannot run it: the runtime refuses, so the ladder goes on
-    if cutoff_s < float("inf") and _step_lower_bound(ctx, cfg, cuts, stage_times) >= cutoff_s:
+    low = _bottleneck_bound(cfg, cuts, inputs.link_s) if cutoff_s < float("inf") else 0.0
+    if low >= cutoff_s:
         if cache is not None:
             cache.release()
-        raise Dominated
+        raise Dominated(low)
     # Same bottleneck (first pass reused), ties broken as [Note: DP tie-break] says.
     cuts = cache.refined() if cache is not None else solver.solve()
+    if _tie_within_rank(profile, cfg, cuts.boundaries):
+        # FSDP cannot run it: the runtime refuses, so the ladder goes on.
+        ctx.refusal = ("FSDP would shard a tied parameter in two virtual stages of one pipeline rank (the runtime "
+                       "refuses it)")
+        return None
+    # The bound of the cutting that is simulated: the unrefined cutting's was not a bound for it
+    # (interleaving sums each rank's stages, and the fill terms differ), and pruned plans a pinned
+    # search then found (issue 29).
+    low = _step_lower_bound(ctx, cfg, cuts, stage_times) if cutoff_s < float("inf") else 0.0
+    if low >= cutoff_s:
+        raise Dominated(low)
     if sharing:
         cut_problem = cache.problem if cache is not None else problem
         boundaries, _ = climb_boundaries(
@@ -508,7 +522,7 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
         # Its step time is at least the cutoff, so the search would not keep it; it goes on down
         # the ladder exactly when a simulated plan that does not fit would have.
         if plan.fits or not require_fit:
-            raise Dominated
+            raise Dominated(plan.bound_s)
         return None
     return Evaluation(cfg, plan)
 
@@ -544,6 +558,20 @@ class _Unsimulated:
     """`_make_plan` stopped before simulating: the step time provably reaches the cutoff."""
 
     fits: bool
+    bound_s: float
+    """The lower bound on the step time that reached it."""
+
+
+def _bottleneck_bound(cfg: ParallelConfig, cuts: Cuts, link_s: np.ndarray) -> float:
+    """A lower bound on the step time of every cutting with this bottleneck, the refined one
+    included ([Note: DP tie-break]: it keeps the bottleneck, not the other stages).
+
+    Some stage of any such cutting takes the bottleneck B in the DP's model, its blocks plus its two
+    boundaries' P2P time (partition.py `stage_stats`), so its compute is at least B - 2 max(P2P),
+    and its rank runs that compute for each of the m micro-batches one after another. The margin
+    covers the prefix sums' rounding."""
+    link = float(np.max(link_s)) if len(link_s) else 0.0
+    return cfg.num_microbatches * (cuts.bottleneck_s - 2.0 * link) * (1 - 1e-9)
 
 
 def _step_lower_bound(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: list[BlockTimes]) -> float:
@@ -656,7 +684,7 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
             memories = _memories(ctx, cfg, ranges, pp_gpus,
                                  schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages),
                                  static, acts)
-            return _Unsimulated(all(m.total_bytes <= pp_gpus[p].mem_bytes for p, m in enumerate(memories)))
+            return _Unsimulated(all(m.total_bytes <= pp_gpus[p].mem_bytes for p, m in enumerate(memories)), bound)
 
     sharing = cpu_sharing(profile, pp_gpus[0], cluster)
     # The simulation is a function of the schedule, the stage durations, the transfer delays and
@@ -881,6 +909,39 @@ def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dic
     if weight < 0.05:
         return "compute: the GPUs are busy most of the step"
     return cause
+
+
+def min_memory_bytes(ctx: SearchContext, cfg: ParallelConfig, *, iterations: int = 24) -> float | None:
+    """About the least memory per GPU any cutting of `cfg` needs, under the cutting DP's model: the
+    smallest GPU memory for which the DP finds a cutting that fits (bisection on the stage
+    capacities, which scale with the GPU's memory less the allowance and the reserve; `explain`
+    only, never in the search). None when no cutting into `cfg.num_stages` stages exists."""
+    if cfg.num_stages > ctx.profile.num_blocks:
+        return None
+    inputs = _inputs(ctx, cfg)
+    capacity = _stage_capacity(ctx, cfg, inputs.pp_gpus, inputs.static, inputs.acts, inputs.inflight)
+    gpu = min(inputs.pp_gpus, key=lambda g: g.mem_bytes)
+    usable = gpu.mem_bytes - allowance_bytes(gpu) - ctx.reserve(cfg)
+    # Each stage's share of its GPU (1 without interleaving, `_stage_capacity`).
+    shares = capacity / usable if usable > 0 else np.full(len(capacity), 1.0 / cfg.virtual_stages)
+    usable = max(usable, 2.0**30)  # the bisection's unit where the reserve alone overflows the GPU
+
+    def fits(scale: float) -> bool:
+        problem = inputs.problem(ctx, shares * usable * scale)
+        return DPSolver(problem).solve(refine=False) is not None
+
+    low, high = 0.0, 1.0
+    while not fits(high):
+        low, high = high, high * 2
+        if high > 2**20:
+            return None
+    for _ in range(iterations):
+        middle = (low + high) / 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle
+    return float(gpu.mem_bytes + usable * (high - 1.0))
 
 
 def min_gpus_needed(profile: ModelProfile, dtype: str, gpu_mem_bytes: float, allowance: float) -> int:

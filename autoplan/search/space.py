@@ -36,8 +36,9 @@ runtime refuses it). The plan's note compares the best plan with the best plan o
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import heapq
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -48,13 +49,13 @@ import numpy as np
 from autoplan.cluster import Cluster
 from autoplan.cost.calibration import Calibrations
 from autoplan.cost.config import ParallelConfig
-from autoplan.cost.memory import MIN_BYTES_PER_PARAM, allowance_bytes, block_static_bytes
-from autoplan.cost.time import block_times
+from autoplan.cost.memory import allowance_bytes, block_static_bytes
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import RECOMPUTE, Job, Plan
 from autoplan.schedule import SCHEDULES
 from autoplan.search._gc import gc_paused
-from autoplan.search.evaluate import Dominated, SearchContext, evaluate, min_gpus_needed
+from autoplan.search.evaluate import Dominated, SearchContext, evaluate, min_memory_bytes
+from autoplan.search.rejections import REASONS, Rejection, Rejections
 
 __all__ = ["PINS", "PlanningError", "SearchResult", "search_plans"]
 
@@ -75,14 +76,27 @@ class PlanningError(ValueError):
 class SearchResult:
     plans: list[Plan]
     configs_evaluated: int
+    """Configurations cut and simulated: each base configuration's memory variants (recompute x
+    ZeRO / FSDP) count one each, so this can exceed `configs_considered`."""
     configs_considered: int
+    """Base configurations enumerated (tp x pp x dp x cp x ep x micro-batch x schedule x rank order)."""
     time_s: float
     notes: list[str] = field(default_factory=list)
+    rejections: Rejections = field(default_factory=Rejections)
+    """Base configurations dropped, per reason ([Note: recording rejections] in search/rejections.py);
+    with `explain`, the best few of each with figures."""
+
+    def kept_rejections(self) -> list[Rejection]:
+        """The kept rejections, reason by reason (empty unless the search ran with `explain`)."""
+        return [r for reason in REASONS for r, _ in self.rejections.kept(reason)]
 
     def to_dict(self) -> dict:
-        return {"plans": [p.to_dict() for p in self.plans],
-                "search": {"time_s": self.time_s, "configs_evaluated": self.configs_evaluated,
-                           "configs_considered": self.configs_considered, "notes": list(self.notes)}}
+        search = {"time_s": self.time_s, "configs_evaluated": self.configs_evaluated,
+                  "configs_considered": self.configs_considered, "rejected": dict(self.rejections.counts),
+                  "notes": list(self.notes)}
+        if self.rejections.detailed:
+            search["rejections"] = [r.to_dict() for r in self.kept_rejections()]
+        return {"plans": [p.to_dict() for p in self.plans], "search": search}
 
 
 def _divisors(n: int) -> list[int]:
@@ -280,10 +294,18 @@ def _sequence_parallel_allowed(profile: ModelProfile) -> bool:
     return True if info is None else bool(info.get("sequence_parallel"))
 
 
-def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -> Iterator[ParallelConfig]:
-    """Every base configuration (memory options left at their fastest), see the module note."""
+def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
+                  reject: Rejections | None = None) -> Iterator[ParallelConfig]:
+    """Every base configuration (memory options left at their fastest), see the module note.
+    `reject` counts (and keeps the first few of) the splits the batch or the model's layout refuse."""
     n_gpus, per_node = cluster.num_gpus, cluster.gpus_per_node
     tps = [pins["tp"]] if pins.get("tp") else [t for t in _divisors(per_node) if tp_refusal(profile, t) is None]
+    if reject is not None and not pins.get("tp"):
+        for t in _divisors(per_node):
+            why = tp_refusal(profile, t)
+            if why is not None:
+                reject.add("layout", t, ("tp", t), functools.partial(
+                    Rejection, "layout", f"tp={t}", f"tp {t} {why}" if why.startswith("does not") else why))
     for tp in tps:
         pps = [pins["pp"]] if pins.get("pp") else [p for p in _divisors(n_gpus // tp) if p <= profile.num_blocks]
         for pp in pps:
@@ -295,6 +317,11 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict)
             for cp in _context_degrees(profile, job, dp, pins):
                 replicas = dp // cp
                 if job.global_batch % replicas:
+                    if reject is not None:
+                        reject.add("batch", 0.0, (tp, pp, dp, cp), functools.partial(
+                            Rejection, "batch", f"tp={tp} pp={pp} dp={dp}" + (f" cp={cp}" if cp > 1 else ""),
+                            f"the global batch {job.global_batch} does not split over {replicas} data-parallel "
+                            "replicas"))
                     continue
                 per_replica = job.global_batch // replicas
                 mbss = [pins["micro_batch_size"]] if pins.get("micro_batch_size") else [
@@ -304,8 +331,18 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict)
                         continue
                     m = per_replica // mbs
                     if m > MAX_MICROBATCHES:
+                        if reject is not None:
+                            reject.add("batch", 1.0, (tp, pp, dp, cp, mbs), functools.partial(
+                                Rejection, "batch", f"tp={tp} pp={pp} dp={dp} mbs={mbs}x{m}",
+                                f"{m} micro-batches per replica, more than the {MAX_MICROBATCHES} searched "
+                                "(MAX_MICROBATCHES); a larger micro-batch or more GPUs"))
                         continue  # see MAX_MICROBATCHES
-                    for schedule, v in _schedules(profile, pp, m, pins):
+                    schedules = _schedules(profile, pp, m, pins)
+                    if reject is not None and pp > 1 and m % pp and pins.get("schedule") in (None, "interleaved-1f1b"):
+                        reject.add("batch", 2.0, (tp, pp, dp, cp, mbs, "interleaved-1f1b"), functools.partial(
+                            Rejection, "batch", f"tp={tp} pp={pp} dp={dp} mbs={mbs}x{m} interleaved-1f1b",
+                            f"interleaved 1F1B runs micro-batches in groups of pp: {m} is not a multiple of {pp}"))
+                    for schedule, v in schedules:
                         orders = [pins["rank_order"]] if pins.get("rank_order") else (
                             ["tp-dp-pp", "tp-pp-dp"] if pp > 1 and dp > 1 and cluster.num_nodes > 1 else ["tp-dp-pp"])
                         for order in orders:
@@ -408,18 +445,23 @@ def _frugal(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True, gpus_per_n
 
 def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spec: str, top: int = 5,
                  pins: dict | None = None, progress: Callable[[int, int, str], None] | None = None,
-                 calibrations: Calibrations | None = None) -> SearchResult:
+                 calibrations: Calibrations | None = None, explain: bool = False,
+                 advise: bool = True) -> SearchResult:
     """The `top` fastest plans that fit, ranked by simulated step time. `calibrations` gives each GPU
-    type's achieved rates (default: the files shipped for each type, cost/calibration.py)."""
+    type's achieved rates (default: the files shipped for each type, cost/calibration.py).
+    `explain`: keep the best few rejected configurations per reason, with figures and a fix checked
+    to fit ([Note: recording rejections]). `advise`: when nothing fits, say by how much and what
+    would fit, checked by further searches (search/advice.py)."""
     started = time.perf_counter()
     with gc_paused():  # see search/_gc.py: the search allocates much and creates no cycles
         return _search_plans(profile, cluster, job, model_spec=model_spec, top=top, pins=pins, progress=progress,
-                             started=started, calibrations=calibrations)
+                             started=started, calibrations=calibrations, explain=explain, advise=advise)
 
 
 def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spec: str, top: int,
                   pins: dict | None, progress: Callable[[int, int, str], None] | None, started: float,
-                  calibrations: Calibrations | None = None) -> SearchResult:
+                  calibrations: Calibrations | None = None, explain: bool = False,
+                  advise: bool = True) -> SearchResult:
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
     _check_pins(profile, cluster, job, pins)
     if top < 1:
@@ -446,28 +488,49 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     considered = 0
     min_capacity = min(g.mem_bytes - allowance_bytes(g) for g in cluster.gpu_types)
     static_cache: dict[tuple[int, int], float] = {}
+    recomputes = [pins["recompute"]] if pins.get("recompute") else list(RECOMPUTE)
     time_cache: dict[tuple, float] = {}
     fwd_share_cache: dict[tuple, float] = {}
-    for cfg in _base_configs(profile, cluster, job, pins):
+    rejections = Rejections(detailed=explain)
+    for cfg in _base_configs(profile, cluster, job, pins, rejections):
         considered += 1
         if not _shardings(cfg, pins, cluster.gpus_per_node, profile):
+            if explain:
+                rejections.add("layout", considered, _config_key(cfg), functools.partial(
+                    Rejection, "layout", cfg.describe(), _sharding_refusal(cfg, pins, profile)))
+            else:
+                rejections.counts["layout"] += 1
             continue
         frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
         key = (cfg.tp, cfg.dp, frugal.zero, frugal.dp_replicate, cfg.pp == 1, cfg.ep)
         if key not in static_cache:
             static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
-        if static_cache[key] / cfg.pp > min_capacity and not all_pinned:
+        weights_over = static_cache[key] / cfg.pp > min_capacity and not all_pinned
+        if weights_over and not explain:
+            rejections.counts["memory"] += 1
             continue  # not even the weights fit, whatever the cuts
+        # The bound holds for every rung: it prices the fastest one (the least recompute the ladder
+        # tries, sequence parallelism as every rung has it, which changes the block times), on the
+        # fastest GPU type for each block, with the links evaluate() uses (the search context's
+        # cluster). Pricing the base configuration instead (no sequence parallelism) made the bound
+        # exceed real step times and cut plans from the top k that a pinned search then found.
+        fastest = _with_memory_options(cfg, pins, sp_allowed, recomputes[0], frugal.zero, frugal.dp_replicate)
         spread = cfg.ep > 1 or cfg.cp > 1  # their groups' links depend on the rank layout (as SearchContext.block_times)
-        tkey = (cfg.tp, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.rank_order if spread else None,
-                cfg.pp if spread else None)
+        tkey = (cfg.tp, cfg.micro_batch_size, cfg.ep, cfg.cp, fastest.sequence_parallel,
+                cfg.rank_order if spread else None, cfg.pp if spread else None)
         if tkey not in time_cache:
-            slowest = min(cluster.gpu_types, key=lambda g: g.peak(job.dtype))
-            time_cache[tkey] = float(block_times(profile, slowest, cluster, cfg, job.dtype,
-                                                             ctx.calibrations.for_gpu(slowest)).total_s.sum())
+            time_cache[tkey] = float(np.min([ctx.block_times(g, fastest).total_s for g in ctx.cluster.gpu_types],
+                                            axis=0).sum())
         if tkey not in fwd_share_cache:
-            fwd_share_cache[tkey] = _fwd_share(ctx, cfg)
+            fwd_share_cache[tkey] = _fwd_share(ctx, fastest)
         bound = pre_cut_bound(cfg, time_cache[tkey], fwd_share_cache[tkey])
+        if weights_over:  # (explain) kept in the order of its bound, as the configurations evaluated
+            smallest = min(cluster.gpu_types, key=lambda g: g.mem_bytes)
+            need = static_cache[key] / cfg.pp + allowance_bytes(smallest)
+            rejections.add("memory", bound, _config_key(frugal), functools.partial(
+                _memory_rejection, frugal, bound, need, smallest.mem_bytes,
+                "its weights, gradients and optimizer states alone"), frugal)
+            continue
         # Order by an estimate with the schedule's bubble (equal stages: (p-1)/v of the ideal time
         # for 1F1B/interleaved, about a third of that for zero-bubble H1, Qi et al. 2024 Table 2)
         # so good plans come first and the valid bound prunes early.
@@ -484,20 +547,23 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         if per_replica_min > MAX_MICROBATCHES * max(_DEFAULT_MBS):
             raise PlanningError(f"global batch {job.global_batch} needs more than {MAX_MICROBATCHES} micro-batches "
                                 "per replica on this cluster; use a smaller batch or more GPUs")
-        _raise_no_plan(profile, cluster, job, pins)
+        _raise_no_plan(ctx, cluster, pins, sp_allowed, advise)
     candidates.sort()
 
-    best: list[tuple[float, int, Plan]] = []  # max-heap (negated) of the top plans
+    best: list[tuple[float, tuple, Plan]] = []  # the top plans, fastest first ([Note: an exact top k])
     best_by_kind: dict[bool, Plan] = {}  # FSDP (zero >= 2) or not -> the fastest plan that fits
     best_by_ep: dict[bool, Plan] = {}  # expert parallelism (ep > 1) or not -> the fastest plan that fits
     best_by_cp: dict[bool, Plan] = {}  # context parallelism (cp > 1) or not -> the fastest plan that fits
-    recomputes = [pins["recompute"]] if pins.get("recompute") else list(RECOMPUTE)
     evaluated = 0
 
-    def ladder(cfg: ParallelConfig, options: list[tuple[int, int]], stop: dict[tuple[int, int], int]) -> None:
+    def ladder(cfg: ParallelConfig, options: list[tuple[int, int]], stop: dict[tuple[int, int], int]) -> str | None:
         """Descend the recompute ladder of each sharding option until a rung fits or is dominated;
-        `stop` records that rung per option ([Note: sharded data parallelism in the search])."""
+        `stop` records that rung per option ([Note: sharded data parallelism in the search]). Returns
+        None when a plan was offered, else why none was: "bound", "memory" or "layout" (with the
+        lowest bound that pruned it in `pruned`)."""
         nonlocal evaluated
+        offered, outcome = False, None
+        pruned.clear()
         no_fit: set[tuple[int, int]] = set()  # (zero, rung) where FSDP over all of dp did not fit or was dominated
         for option in options:
             zero, replicate = option
@@ -514,27 +580,39 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
                 previous_acts = acts
                 if replicate > 1 and (zero, rung) in no_fit:
                     continue  # HSDP holds more than FSDP over all of dp, which did not fit (or could not win)
-                cutoff = -best[0][0] if len(best) >= top else float("inf")
-                if zero >= 2 and fsdp_floor_s(ctx, variant) >= cutoff:
+                cutoff = best[-1][0] if len(best) >= top else float("inf")
+                floor = fsdp_floor_s(ctx, variant) if zero >= 2 else 0.0
+                if floor >= cutoff:
                     stop[option] = rung
                     if replicate == 1:
                         no_fit.add((zero, rung))
+                    outcome = "bound"
+                    pruned.append((floor, cutoff, variant))
                     break  # its communication alone cannot beat the top plans; more recompute is slower
                 evaluated += 1
+                ctx.refusal = None
                 try:
                     result = evaluate(ctx, variant, require_fit=not all_pinned, cutoff_s=cutoff)
-                except Dominated:
+                except Dominated as exc:
                     stop[option] = rung
                     if zero >= 2 and replicate == 1:
                         no_fit.add((zero, rung))  # HSDP has the same compute and fewer cuttings that fit
+                    outcome = "bound"
+                    pruned.append((exc.args[0] if exc.args else cutoff, cutoff, variant))
                     break  # later rungs of the ladder are no faster
                 if result is None:
                     if zero >= 2 and replicate == 1:
                         no_fit.add((zero, rung))
+                    if ctx.refusal is not None:
+                        refused.append((ctx.refusal, variant))
+                        outcome = outcome or "layout"
+                    elif outcome != "bound":
+                        outcome = "memory"
                     continue
                 if result.plan.fits or all_pinned:
                     stop[option] = rung
-                    _keep(best, top, result.step_time_s, evaluated, result.plan)
+                    offered = True
+                    _keep(best, top, result.step_time_s, result.plan)
                     kind = zero >= 2
                     if result.plan.fits and (kind not in best_by_kind or result.step_time_s
                                              < best_by_kind[kind].predicted.step_time_s):
@@ -548,16 +626,44 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
                                              < best_by_cp[context_kind].predicted.step_time_s):
                         best_by_cp[context_kind] = result.plan
                     break
+        return None if offered else outcome or "memory"  # rungs skipped: HSDP or the same memory did not fit
 
+    pruned: list[tuple[float, float, ParallelConfig]] = []  # (lower bound, cutoff, variant) of the last ladder
+    refused: list[tuple[str, ParallelConfig]] = []
     for index, (_, bound, _, cfg) in enumerate(candidates):
-        if len(best) >= top and bound >= -best[0][0]:
-            continue  # ordered by the estimate, not the bound: later ones may still qualify
-        ladder(cfg, _shardings(cfg, pins, cluster.gpus_per_node, profile), {})
+        if len(best) >= top and bound >= best[-1][0]:
+            # Ordered by the estimate, not the bound: later ones may still qualify.
+            if explain:
+                rejections.add("bound", bound, _config_key(cfg), functools.partial(
+                    _bound_rejection, cfg, bound, best[-1][0], top))
+            else:
+                rejections.counts["bound"] += 1  # the fast path builds nothing ([Note: recording rejections])
+            continue
+        options = _shardings(cfg, pins, cluster.gpus_per_node, profile)
+        outcome = ladder(cfg, options, {})
+        if outcome is not None and not explain:
+            rejections.counts[outcome] += 1
+        elif outcome == "bound":
+            low, cutoff, variant = min(pruned, key=lambda e: e[0])
+            rejections.add("bound", low, _config_key(variant), functools.partial(
+                _bound_rejection, variant, low, cutoff, top))
+        elif outcome == "memory":
+            frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
+            rejections.add("memory", bound, _config_key(frugal), functools.partial(
+                _memory_rejection, frugal, bound, None, min(g.mem_bytes for g in cluster.gpu_types),
+                "no cutting of it"), frugal)
+        elif outcome == "layout":
+            why, variant = refused[-1]
+            rejections.add("layout", bound, _config_key(variant), functools.partial(
+                Rejection, "layout", variant.describe(), why, bound))
+        refused.clear()
         if progress is not None:
             progress(index + 1, len(candidates), cfg.describe())
-    plans = [p for _, _, p in sorted(best, key=lambda e: (-e[0], -e[1]))]
+    plans = [p for _, _, p in best]
+    if explain:
+        explain_memory(ctx, rejections, pins, sp_allowed)
     if not plans:
-        _raise_no_plan(profile, cluster, job, pins)
+        _raise_no_plan(ctx, cluster, pins, sp_allowed, advise)
     considered_cp = plans[0].cp > 1 or True in best_by_cp or pins.get("cp", 1) > 1  # long sequences only
     note = _context_note(ctx, plans[0], best_by_cp, pins) if considered_cp else None
     if note:
@@ -571,23 +677,147 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     if note:
         notes.append(note)
         plans[0] = dataclasses.replace(plans[0], notes=(*plans[0].notes, note))
-    return SearchResult(plans, evaluated, considered, time.perf_counter() - started, notes)
+    return SearchResult(plans, evaluated, considered, time.perf_counter() - started, notes, rejections)
 
 
-def _keep(best: list[tuple[float, int, Plan]], top: int, step_time_s: float, order: int, plan: Plan) -> None:
-    """Offer a plan to the max-heap of the `top` fastest."""
-    entry = (-step_time_s, -order, plan)
-    twin = next((e for e in best if _same_but_layout(e[2], plan)), None)
+def _plan_key(plan: Plan) -> tuple:
+    """A total order on plans of equal step time, the same whatever else the search kept: ties
+    rank the same way in a top 5 and a top 8."""
+    return (plan.tp, plan.pp, plan.dp, plan.micro_batch_size, plan.schedule, plan.virtual_stages,
+            RECOMPUTE.index(plan.recompute), plan.zero, plan.dp_replicate, plan.sequence_parallel, plan.ep, plan.cp,
+            plan.rank_order)
+
+
+def _keep(best: list[tuple[float, tuple, Plan]], top: int, step_time_s: float, plan: Plan) -> None:
+    """Offer a plan to the sorted list of the `top` fastest (ties by `_plan_key`)."""
+    entry = (step_time_s, _plan_key(plan), plan)
+    twin = next((i for i, e in enumerate(best) if _same_but_layout(e[2], plan)), None)
     if twin is not None:
         # Only the rank layout differs: keep the faster one, not both.
-        if entry > twin:
-            best.remove(twin)
-            best.append(entry)
-            heapq.heapify(best)
-    elif len(best) < top:
-        heapq.heappush(best, entry)
-    elif entry > best[0]:
-        heapq.heapreplace(best, entry)
+        if entry[:2] < best[twin][:2]:
+            del best[twin]
+        else:
+            return
+    if len(best) >= top and entry[:2] >= best[-1][:2]:
+        return
+    bisect.insort(best, entry, key=lambda e: e[:2])
+    del best[top:]
+
+
+def _config_key(cfg: ParallelConfig) -> tuple:
+    """A configuration without its rank layout: rejections keep one per key."""
+    return (cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch_size, cfg.schedule, cfg.virtual_stages, cfg.recompute, cfg.zero,
+            cfg.dp_replicate, cfg.ep, cfg.cp)
+
+
+def _sharding_refusal(cfg: ParallelConfig, pins: dict, profile: ModelProfile) -> str:
+    """Why `_shardings` offers no data-parallel sharding for this configuration (one line)."""
+    if cfg.ep > 1:
+        return "the runtime runs expert parallelism with zero 0, 2 or 3 and without HSDP"
+    if cfg.schedule == "zb-h1":
+        return "zb-h1 cannot run FSDP (its weight-gradient pass bypasses FSDP's gradient hooks)"
+    return fsdp_refusal(profile, cfg.tp) or "FSDP (zero 2 / 3) needs more than one data-parallel rank"
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"
+
+
+def _memory_rejection(cfg: ParallelConfig, bound_s: float, need_bytes: float | None, capacity_bytes: float,
+                      what: str) -> Rejection:
+    why = (f"{what} need {_gib(need_bytes)} per GPU, {_gib(need_bytes - capacity_bytes)} over its "
+           f"{_gib(capacity_bytes)}" if need_bytes is not None else f"{what} fits {_gib(capacity_bytes)} per GPU")
+    return Rejection("memory", cfg.describe(), why, bound_s, need_bytes, capacity_bytes, pins=config_pins(cfg))
+
+
+def config_pins(cfg: ParallelConfig) -> dict:
+    """The configuration as the pins `suggest` takes (every dimension but the rank layout)."""
+    return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "micro_batch_size": cfg.micro_batch_size,
+            "schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages, "recompute": cfg.recompute,
+            "zero": cfg.zero, "dp_replicate": cfg.dp_replicate, "ep": cfg.ep, "cp": cfg.cp,
+            "sequence_parallel": cfg.sequence_parallel}
+
+
+def _bound_rejection(cfg: ParallelConfig, bound_s: float, cutoff_s: float, top: int) -> Rejection:
+    return Rejection("bound", cfg.describe(), f"its step time is at least {bound_s:.4g} s, no faster than the "
+                     f"{top}th plan kept then ({cutoff_s:.4g} s)" if top > 1 else
+                     f"its step time is at least {bound_s:.4g} s, no faster than the best plan then "
+                     f"({cutoff_s:.4g} s)", bound_s)
+
+
+def explain_memory(ctx: SearchContext, rejections: Rejections, pins: dict, sp_allowed: bool) -> None:
+    """For each kept over-memory rejection: the memory it needs (`min_memory_bytes`) and the first
+    change, of those a user can pin, that fits under the model ([Note: recording rejections]).
+    Only with `explain`: a few cuttings and evaluations per kept configuration."""
+    kept = rejections._kept["memory"]
+    for index, (rank, order, key, make, cfg) in enumerate(kept):
+        rejection = make()
+        capacity = rejection.capacity_bytes
+        need = min_memory_bytes(ctx, cfg)
+        if need is not None and (rejection.need_bytes is None or need > rejection.need_bytes):
+            rejection.need_bytes = need
+        if rejection.need_bytes is not None:
+            rejection.why = (f"needs about {_gib(rejection.need_bytes)} per GPU, "
+                             f"{_gib(rejection.need_bytes - capacity)} over its {_gib(capacity)}"
+                             + (" (its weights, gradients and optimizer states alone)"
+                                if rejection.why.startswith("its weights") else " (no cutting fits)"))
+        fixed = _memory_fix(ctx, cfg, pins, sp_allowed)
+        if fixed is not None:
+            rejection.fix, rejection.fix_pins = fixed
+        kept[index] = (rank, order, key, (lambda r=rejection: r), cfg)
+
+
+def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed: bool) -> tuple[str, dict] | None:
+    """The first change that makes `cfg` fit, checked by evaluating it: a smaller micro-batch, zero 3,
+    full recompute, twice the pipeline stages or twice the tensor parallelism; (what it gives, the
+    pins it changes)."""
+    profile, cluster, job = ctx.profile, ctx.cluster, ctx.job
+    tries: list[tuple[str, ParallelConfig]] = []
+    if cfg.micro_batch_size > 1:
+        per_replica = cfg.micro_batch_size * cfg.num_microbatches
+        if per_replica <= MAX_MICROBATCHES:
+            tries.append(("--micro-batch-size 1", dataclasses.replace(cfg, micro_batch_size=1,
+                                                                     num_microbatches=per_replica)))
+    if cfg.zero < 3 and cfg.dp > 1 and cfg.ep == 1 and fsdp_allowed(cfg, profile):
+        tries.append(("--zero 3", dataclasses.replace(cfg, zero=3, dp_replicate=1)))
+    if cfg.recompute != "full":
+        tries.append(("--recompute full", dataclasses.replace(cfg, recompute="full")))
+    if cfg.dp % 2 == 0 and cfg.pp * 2 * cfg.virtual_stages <= profile.num_blocks and cfg.cp == 1:
+        replicas = cfg.dp // 2
+        if job.global_batch % replicas == 0 and (job.global_batch // replicas) % cfg.micro_batch_size == 0:
+            m = job.global_batch // replicas // cfg.micro_batch_size
+            if cfg.virtual_stages == 1 or m % (cfg.pp * 2) == 0:
+                tries.append((f"--pp {cfg.pp * 2}", dataclasses.replace(
+                    cfg, pp=cfg.pp * 2, dp=replicas, num_microbatches=m,
+                    zero=cfg.zero if replicas > 1 or cfg.zero >= 2 else 0,
+                    dp_replicate=cfg.dp_replicate if replicas % cfg.dp_replicate == 0 else 1,
+                    ep=cfg.ep if replicas % cfg.ep == 0 else 1)))
+    tp = cfg.tp * 2
+    if (cfg.dp % 2 == 0 and cluster.gpus_per_node % tp == 0 and tp_refusal(profile, tp) is None and cfg.cp == 1
+            and (cfg.zero < 2 or fsdp_allowed(dataclasses.replace(cfg, tp=tp), profile))):
+        replicas = cfg.dp // 2
+        if job.global_batch % replicas == 0 and (job.global_batch // replicas) % cfg.micro_batch_size == 0:
+            m = job.global_batch // replicas // cfg.micro_batch_size
+            if cfg.virtual_stages == 1 or m % cfg.pp == 0:
+                tries.append((f"--tp {tp}", dataclasses.replace(
+                    cfg, tp=tp, dp=replicas, num_microbatches=m, sequence_parallel=sp_allowed and
+                    pins.get("sequence_parallel") is not False,
+                    zero=cfg.zero if replicas > 1 or cfg.zero >= 2 else 0,
+                    dp_replicate=cfg.dp_replicate if replicas % cfg.dp_replicate == 0 else 1,
+                    ep=cfg.ep if replicas % cfg.ep == 0 else 1)))
+    for change, variant in tries:
+        if variant.num_microbatches > MAX_MICROBATCHES:
+            continue
+        try:
+            result = evaluate(ctx, variant)
+        except (ValueError, AssertionError):
+            continue
+        if result is not None and result.plan.fits:
+            plan = result.plan
+            before, after = config_pins(cfg), config_pins(variant)
+            return (f"{change}: fits in {_gib(plan.predicted.peak_memory_bytes)}, {plan.predicted.step_time_s:.4g} s "
+                    f"per step ({variant.describe()})", {k: v for k, v in after.items() if before[k] != v})
+    return None
 
 
 def _split(plan: Plan) -> str:
@@ -758,11 +988,15 @@ def fsdp_floor_s(ctx: SearchContext, cfg: ParallelConfig) -> float:
 
 
 def _fwd_share(ctx: SearchContext, cfg: ParallelConfig) -> float:
-    """The smallest forward / (forward + backward) ratio of any block (for `pre_cut_bound`)."""
-    times = ctx.block_times(min(ctx.cluster.gpu_types, key=lambda g: g.peak(ctx.job.dtype)), cfg)
-    fwd = times.fwd_s + times.tp_fwd_s
-    total = times.total_s
-    return float(np.min(np.where(total > 0, fwd / np.where(total > 0, total, 1), 1.0)))
+    """The smallest forward / (forward + backward) ratio of any block on any GPU type (for
+    `pre_cut_bound`, which grows with the share: the smallest keeps it a bound)."""
+    shares = []
+    for gpu in ctx.cluster.gpu_types:
+        times = ctx.block_times(gpu, cfg)
+        fwd = times.fwd_s + times.tp_fwd_s
+        total = times.total_s
+        shares.append(float(np.min(np.where(total > 0, fwd / np.where(total > 0, total, 1), 1.0))))
+    return min(shares)
 
 
 def _same_but_layout(a: Plan, b: Plan) -> bool:
@@ -771,17 +1005,7 @@ def _same_but_layout(a: Plan, b: Plan) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
-def _raise_no_plan(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -> None:
-    gpu = min(cluster.gpu_types, key=lambda g: g.mem_bytes)
-    need = min_gpus_needed(profile, job.dtype, gpu.mem_bytes, allowance_bytes(gpu))
-    if pins:
-        pinned = ", ".join(f"{k}={v}" for k, v in sorted(pins.items()))
-        raise PlanningError(f"no plan with {pinned} fits {cluster.num_gpus} x {gpu.name} "
-                            f"({gpu.mem_bytes / 2**30:.0f} GiB); relax a pin, or use more GPUs "
-                            f"(the weights and optimizer alone need at least {need})")
-    raise PlanningError(f"{profile.model_name} does not fit on {cluster.num_gpus} x {gpu.name} in any plan: it needs "
-                        f"at least {need} GPUs of that type for its weights, gradients and optimizer states alone "
-                        f"({profile.num_params / 1e9:.1f}B parameters x {MIN_BYTES_PER_PARAM(job.dtype):g} bytes, fully "
-                        "sharded); "
-                        "reduce the batch or sequence "
-                        "length, or use more GPUs")
+def _raise_no_plan(ctx: SearchContext, cluster: Cluster, pins: dict, sp_allowed: bool, advise: bool) -> None:
+    from autoplan.search.advice import no_plan_message  # the error path only (it imports this module)
+
+    raise PlanningError(no_plan_message(ctx, cluster, pins, sp_allowed, advise))

@@ -1,0 +1,49 @@
+"""`autoplan suggest --explain`: the best rejected configurations per reason, as a table.
+
+The search records them (search/rejections.py [Note: recording rejections]); this module only
+lays them out, and writes the line that counts what the search did.
+"""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from autoplan.search.rejections import REASONS
+from autoplan.search.space import SearchResult
+
+__all__ = ["rejections_table", "search_summary"]
+
+
+def rejections_table(result: SearchResult) -> Table:
+    """One row per kept rejection, reason by reason: the configuration, what it lacks (with figures)
+    and, over memory, a change checked to fit (or that none of those tried does)."""
+    counts = result.rejections.counts
+    table = Table(title="why other configurations lost (the best few per reason)", title_justify="left")
+    table.add_column("reason")
+    table.add_column("configuration")
+    table.add_column("why", overflow="fold")
+    table.add_column("what would fit", overflow="fold")
+    for reason, title in REASONS.items():
+        kept = [r for r, _ in result.rejections.kept(reason)]
+        for i, rejection in enumerate(kept):
+            fix = rejection.fix or ("no smaller micro-batch, zero 3, full recompute, 2x pp or 2x tp fits"
+                                    if reason == "memory" else "")
+            table.add_row(f"{title} ({counts[reason]:,})" if i == 0 else "", rejection.config, rejection.why, fix)
+        if not kept and counts[reason]:
+            table.add_row(f"{title} ({counts[reason]:,})", "", "(counted; none kept)", "")
+    return table
+
+
+def search_summary(result: SearchResult) -> str:
+    """What the search did, in the numbers the JSON's `search` object holds under the same names."""
+    counts = result.rejections.counts
+    dropped = counts["memory"] + counts["layout"] + counts["bound"]
+    parts = [f"searched {result.configs_considered:,} configurations (tp x pp x dp x micro-batch x schedule) in "
+             f"{result.time_s:.2f} s: {result.configs_considered - dropped:,} gave a plan, "
+             f"{counts['bound']:,} pruned by a bound, {counts['memory']:,} over memory"]
+    if counts["layout"]:
+        parts.append(f"{counts['layout']:,} refused by the runtime")
+    text = ", ".join(parts) + f"; {result.configs_evaluated:,} memory variants (recompute x ZeRO/FSDP) cut and simulated"
+    if counts["batch"]:
+        text += f"; {counts['batch']:,} splits skipped (batch not divisible)"
+    return text
