@@ -35,7 +35,8 @@ MODELS = {
     # A mixture of experts with shared experts, capacity dropping and the load-balancing loss.
     "zoo-moe": ("moe:num_layers=4,hidden_size=64,num_heads=4,num_kv_heads=2,ffn_hidden_size=96,vocab_size=256,"
                 "max_seq_len=64,num_experts=4,experts_per_token=2,num_shared_experts=1", 32),
-    "model-file": (str(ROOT / "examples/custom_model.py") + ":build", 32),
+    # examples/custom_model.py's classes at test size (the example itself: tests/test_export.py, test_faults.py).
+    "model-file": (str(ROOT / "tests/user_models/small_custom.py") + ":build", 32),
     "convnet": (str(ROOT / "tests/user_models/convnet.py") + ":build", None),
     # transformers models from tiny configs with their defaults, but dropout 0 where a config turns it
     # on (a pipeline cannot draw the masks a single process draws).
