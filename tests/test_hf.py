@@ -163,6 +163,23 @@ def test_spec_errors_are_one_line(spec, match):
     assert "\n" not in str(info.value)
 
 
+_SIZE_FIELDS = [("llama", f) for f in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                                         "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim")] + \
+               [("gpt2", f) for f in ("n_layer", "n_embd", "n_head", "n_positions", "n_inner")] + \
+               [("t5", f) for f in ("num_layers", "num_decoder_layers", "d_model", "d_kv", "d_ff", "num_heads")] + \
+               [("bart", f) for f in ("encoder_layers", "decoder_ffn_dim", "encoder_attention_heads")]
+
+
+@pytest.mark.parametrize("value", [0, -3])
+@pytest.mark.parametrize(("model_type", "field"), _SIZE_FIELDS)
+def test_every_size_field_below_one_is_refused_by_name(model_type, field, value):
+    """transformers takes any sign for these; a plan of a negative size is never what was meant."""
+    with pytest.raises(SourceError) as info:
+        parse_source(f"hf:{model_type}:{field}={value}")
+    message = str(info.value)
+    assert "\n" not in message and f"{field}={value} must be at least" in message, message
+
+
 def test_a_config_file_with_a_negative_size_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,
                                                       "hidden_size": 64, "num_attention_heads": 4,

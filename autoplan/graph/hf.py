@@ -149,15 +149,22 @@ _SIZE_FIELDS = {
 def _check_sizes(config: Any, where: str) -> None:
     """SourceError unless every size field the config sets (an int, or a list of ints) is at least 1
     (vocab_size at least 2) and at most the zoo's bound for it (larger than any published model)."""
+    aliases = getattr(config, "attribute_map", {})
+    # An alias (GPT-2's num_hidden_layers is n_layer) is checked by the name the config uses.
+    _check_size_values({f: getattr(config, f, None) for fields in _SIZE_FIELDS.values() for f in fields
+                        if f not in aliases}, where)
+
+
+def _check_size_values(values: Mapping[str, Any], where: str) -> None:
+    """`_check_sizes` on field values before a config is made of them: transformers' own checks
+    divide by the head count (a ZeroDivisionError for 0 heads) and name no fix."""
     from autoplan.graph.zoo import LOWER_BOUNDS, UPPER_BOUNDS
 
     for bound_name, fields in _SIZE_FIELDS.items():
         low, reason = LOWER_BOUNDS.get(bound_name, (1, "a size counts something"))
         high = UPPER_BOUNDS[bound_name]
         for field in fields:
-            if field in getattr(config, "attribute_map", {}):
-                continue  # an alias (GPT-2's num_hidden_layers is n_layer): checked by the name the config uses
-            value = getattr(config, field, None)
+            value = values.get(field)
             for item in value if isinstance(value, (list, tuple)) else [value]:
                 if not isinstance(item, int) or isinstance(item, bool):
                     continue  # unset (None), or not a size in this family
@@ -209,6 +216,7 @@ class HFSource(ModelSource):
         with _quiet():
             default = transformers.AutoConfig.for_model(head)
             fields = cls._parse_overrides(head, overrides, default)
+            _check_size_values(fields, f"hf: the {head} config")
             try:
                 config = transformers.AutoConfig.for_model(head, **fields)
             except Exception as exc:  # ValueError, or huggingface_hub's strict-dataclass validation error
@@ -245,6 +253,7 @@ class HFSource(ModelSource):
             types = sorted(transformers.CONFIG_MAPPING.keys())
             raise SourceError(f"hf: {str(file)!r} names model_type {model_type!r}, which transformers does not know"
                               f"{_did_you_mean(str(model_type), types)}; set a known model_type")
+        _check_size_values(data, f"hf: the {model_type} config {str(file)!r}")
         with _quiet():
             try:
                 config = transformers.AutoConfig.for_model(model_type, **data)
