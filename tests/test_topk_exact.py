@@ -22,8 +22,11 @@ CASES = {
     "llama3-8b-layers8-1x8": ("llama3-8b:num_layers=8", "1x8xH100-80GB", 64, 2048, 5),
     "gpt3-1.3b-2x8": ("gpt3-1.3b", "2x8xA100-80GB", 128, None, 5),
     "llama3-8b-default-2x8": ("llama3-8b", "2x8xH100-80GB", 512, 4096, 5),
+    "llama3-long-cp-1x8": ("llama3-8b:num_layers=4,max_seq_len=16384", "1x8xH100-80GB", 16, 16384, 5),
+    "mixtral-ep-1x8": ("mixtral-8x7b:num_layers=4", "1x8xH100-80GB", 64, 4096, 5),
 }
-DIMS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero", "rank_order")
+DIMS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero", "rank_order", "cp",
+        "ep")
 BASE = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "ep", "cp")
 KEY = BASE + ("recompute", "zero", "dp_replicate", "sequence_parallel", "rank_order")
 

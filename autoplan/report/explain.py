@@ -26,8 +26,8 @@ def rejections_table(result: SearchResult) -> Table:
     for reason, title in REASONS.items():
         kept = [r for r, _ in result.rejections.kept(reason)]
         for i, rejection in enumerate(kept):
-            fix = rejection.fix or ("no smaller micro-batch, zero 3, full recompute, 2x pp or 2x tp fits"
-                                    if reason == "memory" else "")
+            fix = rejection.fix or ("none of the changes tried fits (micro-batch 1, zero 3, full recompute, 2x pp, "
+                                    "2x tp, where they apply)" if reason == "memory" else "")
             table.add_row(f"{title} ({counts[reason]:,})" if i == 0 else "", rejection.config, rejection.why, fix)
         if not kept and counts[reason]:
             table.add_row(f"{title} ({counts[reason]:,})", "", "(counted; none kept)", "")

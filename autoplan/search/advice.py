@@ -21,7 +21,7 @@ __all__ = ["no_plan_message"]
 
 _CLOSEST = 3
 """Configurations (the least static memory per GPU first) whose memory need is measured."""
-_BUDGET_S = 20.0
+_BUDGET_S = 10.0
 """Seconds the checking searches may take together; advice past it is left out, not guessed."""
 
 

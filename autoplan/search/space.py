@@ -484,7 +484,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         pins.setdefault("ep", 1)
 
     # Bound every base configuration (cheap), then evaluate in increasing order of the bound.
-    candidates: list[tuple[float, int, ParallelConfig]] = []
+    candidates: list[tuple[float, float, int, ParallelConfig, ParallelConfig]] = []  # (estimate, bound, i, base, fastest rung)
     considered = 0
     min_capacity = min(g.mem_bytes - allowance_bytes(g) for g in cluster.gpu_types)
     static_cache: dict[tuple[int, int], float] = {}
@@ -536,7 +536,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         # so good plans come first and the valid bound prunes early.
         ramp = (cfg.pp - 1) / cfg.virtual_stages / (3 if cfg.schedule == "zb-h1" else 1)
         estimate = bound * (cfg.num_microbatches + ramp) / cfg.num_microbatches
-        candidates.append((estimate, bound, len(candidates), cfg))
+        candidates.append((estimate, bound, len(candidates), cfg, fastest))
     if considered == 0 and not pins:
         raise PlanningError(f"no tp x pp x dp split of {cluster.num_gpus} GPUs (tp <= {cluster.gpus_per_node} per node, "
                             f"pp <= {profile.num_blocks} blocks) has a data-parallel degree dividing the global batch "
@@ -630,12 +630,12 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
 
     pruned: list[tuple[float, float, ParallelConfig]] = []  # (lower bound, cutoff, variant) of the last ladder
     refused: list[tuple[str, ParallelConfig]] = []
-    for index, (_, bound, _, cfg) in enumerate(candidates):
+    for index, (_, bound, _, cfg, fastest) in enumerate(candidates):
         if len(best) >= top and bound >= best[-1][0]:
             # Ordered by the estimate, not the bound: later ones may still qualify.
             if explain:
-                rejections.add("bound", bound, _config_key(cfg), functools.partial(
-                    _bound_rejection, cfg, bound, best[-1][0], top))
+                rejections.add("bound", bound, _config_key(fastest), functools.partial(
+                    _bound_rejection, fastest, bound, best[-1][0], top))
             else:
                 rejections.counts["bound"] += 1  # the fast path builds nothing ([Note: recording rejections])
             continue
@@ -740,9 +740,7 @@ def config_pins(cfg: ParallelConfig) -> dict:
 
 def _bound_rejection(cfg: ParallelConfig, bound_s: float, cutoff_s: float, top: int) -> Rejection:
     return Rejection("bound", cfg.describe(), f"its step time is at least {bound_s:.4g} s, no faster than the "
-                     f"{top}th plan kept then ({cutoff_s:.4g} s)" if top > 1 else
-                     f"its step time is at least {bound_s:.4g} s, no faster than the best plan then "
-                     f"({cutoff_s:.4g} s)", bound_s)
+                     f"#{top} plan kept at the time ({cutoff_s:.4g} s)", bound_s, pins=config_pins(cfg))
 
 
 def explain_memory(ctx: SearchContext, rejections: Rejections, pins: dict, sp_allowed: bool) -> None:
