@@ -451,8 +451,9 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
              cutoff_s: float = float("inf")) -> Evaluation | None:
     """The plan for `cfg`, or None when no cutting fits in memory (and `require_fit`).
 
-    Raises `Dominated` when, after cutting, the slowest stage alone (it runs all m micro-batches
-    one after another) already takes `cutoff_s` or longer: the search has enough better plans.
+    Raises `Dominated` when a lower bound on its step time reaches `cutoff_s` (the search has
+    enough better plans): m times the bottleneck stage before the DP's tie-break, then the bounds
+    of the cutting that would be simulated (space.py [Note: an exact top k]).
     """
     profile, cluster = ctx.profile, ctx.cluster
     n = profile.num_blocks

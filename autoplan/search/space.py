@@ -14,8 +14,22 @@ Two bounds prune before any cutting (DESIGN.md):
 - memory: weights + gradients + optimizer states spread perfectly over pp stages and tp ranks
   must fit a GPU, otherwise no cutting can fit;
 - time: a base configuration cannot beat m * (sum of block times) / pp (perfect balance, no
-  bubble, no communication). Configurations are evaluated in increasing order of this bound, and
-  the search stops once the bound exceeds the K-th best step time found.
+  bubble, no communication). Configurations are evaluated in increasing order of an estimate
+  (the bound with the schedule's bubble), and each is skipped once its bound reaches the K-th best
+  step time found ([Note: an exact top k]).
+
+[Note: an exact top k]
+The top k is the true order of what the search evaluates: every pruning is by a valid lower bound
+against the k-th plan kept (a bound that is not one cut plans a pinned search then found, issue
+29), ties rank by `_plan_key` (not by the order of evaluation, which depends on k), and the list is
+kept sorted, so top k is a prefix of top k + n. The bounds: `pre_cut_bound` of the fastest rung
+(sequence parallelism as the rungs have it); before the DP's tie-break, m times the bottleneck
+less two boundaries' P2P (evaluate.py `_bottleneck_bound`: every cutting with that bottleneck);
+after it, the simulated cutting's own `_step_lower_bound` and `simulated_step_lower_bound`. The
+ladder keeps one rung per configuration and sharding option (later rungs and FSDP where ZeRO-1
+fits are taken as no faster), so a pinned search can return another rung of a listed
+configuration, never a configuration the list misses. tests/test_topk_exact.py pins each
+dimension of each top plan of a few cases to check this.
 
 GPipe is only evaluated when pinned: its bubble equals 1F1B's and it holds all m micro-batches'
 activations (Narayanan et al. 2021, Sec. 2.2.1), so 1F1B dominates it in this model.
