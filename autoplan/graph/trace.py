@@ -418,8 +418,8 @@ def retarget_device(gm: fx.GraphModule, device: str | torch.device) -> None:
 # autoplan: the user's line), and the fix. `--leaf-modules` is no fix: a leaf's forward still runs on
 # fake tensors when it is profiled. `torch.where` computes both sides and is traced as one operator.
 _READS_VALUE = ("DataDependentOutputException", "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
-_READS_VALUE_TEXT = ("symbolically traced variables cannot be used as inputs to control flow",
-                     "Tensor.item() cannot be called on meta tensors", "data-dependent", "_local_scalar_dense",
+_FX_BRANCH = "symbolically traced variables cannot be used as inputs to control flow"
+_READS_VALUE_TEXT = ("Tensor.item() cannot be called on meta tensors", "data-dependent", "_local_scalar_dense",
                      "Cannot copy out of meta tensor")
 _SHAPE_FROM_VALUES = ("DynamicOutputShapeException",)
 _VALUE_FIX = ("keep the value a tensor (a branch: compute both sides and pick with torch.where(cond, a, b)), or decide "
@@ -473,7 +473,10 @@ def value_dependence(exc: BaseException, stack_trace: str | None = None) -> str 
     chain = _exception_chain(exc)
     names = {type(e).__name__ for e in chain}
     text = " ".join(str(e).split("\n", 1)[0] for e in chain)
-    if names & set(_SHAPE_FROM_VALUES):
+    if _FX_BRANCH in text:  # fx cannot tell a branch on a value from one on a shape; export can
+        what, fix = ("branches on a traced tensor (its value, or its shape, which only --tracer export follows)",
+                     "for a shape, use --tracer export; for a value, " + _VALUE_FIX)
+    elif names & set(_SHAPE_FROM_VALUES):
         what, fix = "makes a tensor whose shape depends on its values (nonzero, a boolean mask, unique)", _SHAPE_FIX
     elif names & set(_READS_VALUE) or any(t in text for t in _READS_VALUE_TEXT):
         if "UnsupportedOperatorException" in names and "_local_scalar_dense" not in text:
@@ -817,7 +820,9 @@ def trace_model(
                 checked = _check_chain(model, gm, example_inputs)
         except Exception as exc:  # each tracer fails in its own way; keep the first line of each
             failures.append(f"{name} failed ({_first_line(exc)})")
-            value_read = value_read or value_dependence(exc)
+            # export's word wins over fx's: only export tells a branch on a value from one on a shape
+            found = value_dependence(exc)
+            value_read = (found or value_read) if name == "export" else (value_read or found)
             continue
         note = f"traced with {name}"
         if failures:
