@@ -61,6 +61,16 @@ _move("tp with pp and with dp on Hugging Face and custom models (30 s); kept: te
       "tp2-pp2 layout",
       "tests/test_sharding.py::test_tp2_with_pipeline_and_data_parallelism_matches_the_reference")
 
+_move("suggest --ep 2 -> `autoplan run` with zero 3 (a second 4-rank run of the same path); kept: [pins0-expected0] "
+      "(ep 2 with pp 2) and test_expert_parallel.py's numerics",
+      "tests/test_moe.py::test_suggest_with_ep_then_autoplan_run[pins1-expected1]")
+_move("the published-run gate as shipped (14 s): `.ci/run` runs the same script as its own step before the tests; "
+      "kept: test_gate_fails_with_the_zero1_regression_reapplied runs the gate's code on every run by default",
+      "tests/test_published_gate.py::test_gate_passes_as_shipped_through_the_script")
+_move("a hung rank (hang@1:2) caught by timeouts (13 s); kept: test_faults.py's "
+      "test_a_hung_rank_is_named_by_how_far_it_got, the same fault and launcher line",
+      "tests/test_reliability.py::test_a_hung_rank_is_caught_by_timeouts_and_stopped_by_the_launcher")
+
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
