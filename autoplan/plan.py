@@ -379,10 +379,16 @@ def validate(plan: Plan) -> list[str]:
         problems.append(f"tracer {plan.tracer!r} is not one of auto, fx, export, modules")
     if plan.rank_order not in RANK_ORDERS:
         problems.append(f"rank_order {plan.rank_order!r} is not one of {', '.join(RANK_ORDERS)}")
-    from autoplan.schedule import SCHEDULES
+    from autoplan.schedule import SCHEDULES, make_schedule
 
     if plan.schedule not in SCHEDULES:
         problems.append(f"schedule {plan.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    else:
+        try:  # the schedule's own rules (virtual stages, micro-batches per rank): what show and run build
+            make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
+        except ValueError as exc:
+            problems.append(f"schedule {plan.schedule!r} with pp {plan.pp}, {plan.num_microbatches} micro-batches and "
+                            f"virtual_stages {plan.virtual_stages}: {str(exc).splitlines()[0]}")
     if len(plan.stages) != plan.num_stages:
         problems.append(f"{len(plan.stages)} stages listed but pp*virtual_stages = {plan.num_stages}")
     expected_start = 0

@@ -556,6 +556,22 @@ def test_plan_commands_refuse_numbers_no_search_writes(tmp_path, plan_text, path
     assert code == 2 and err.count("\n") == 1 and words in err and "re-create it with `autoplan suggest" in err, err
 
 
+@pytest.mark.parametrize(("schedule", "virtual_stages"), [("1f1b", 2), ("interleaved-1f1b", 1)])
+def test_export_refuses_a_schedule_its_plan_cannot_build(tmp_path, plan_text, schedule, virtual_stages):
+    """`export` wrote these (`show` and `run` refused them when building the schedule)."""
+    data = json.loads(plan_text)
+    data["schedule"], data["virtual_stages"] = schedule, virtual_stages
+    if virtual_stages == 2:  # as many stages as pp * virtual_stages, so only the schedule is wrong
+        first, second = (dict(data["stages"][0]) for _ in range(2))
+        first.update(index=0, pp_rank=0, end_block=1)
+        second.update(index=1, pp_rank=0, first_block=1, end_block=len(data["block_names"]))
+        data["stages"] = [first, second]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    code, _, err = run_cli(["export", str(path), "--to", "megatron"])
+    assert code == 2 and err.count("\n") == 1 and f"schedule '{schedule}'" in err, err
+
+
 LLAMA = "llama:num_layers=4,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16"
 
 
