@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from _cli import run_main
 from _dist import run_ranks
 from test_user_paths import GLOBAL_BATCH, MICRO_BATCH, _full, _reference
 
@@ -115,8 +116,8 @@ def test_suggest_refuses_bad_cp_pins_in_one_line(model, args, words, capsys):
 def test_llama31_405b_at_131k_tokens_on_16384_h100_chooses_cp_and_says_why():
     """The long-context job of Llama 3 405B (16M tokens per step): `suggest` searches cp with the
     other dimensions and explains the choice; the JSON plan carries cp."""
-    result = run_cli("suggest", "--model", "llama3.1-405b", "--cluster", "2048x8xH100-80GB", "--global-batch", "128",
-                     "--seq-len", "131072", "--top", "3", "--json")
+    result = run_main("suggest", "--model", "llama3.1-405b", "--cluster", "2048x8xH100-80GB", "--global-batch", "128",
+                      "--seq-len", "131072", "--top", "3", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     best = data["plans"][0]

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _cli import run_main
 
 import autoplan
 from autoplan.cli import main
@@ -257,9 +256,8 @@ def test_llama3_70b_on_64_h100_fsdp_cli(tmp_path):
     torchtitan. (Since the calibrations were fitted to published runs, issue 28, the unpinned best plan
     for this job is zero 1 with cp 2: FSDP is pinned here.)"""
     out = tmp_path / "p.json"
-    done = subprocess.run([sys.executable, "-m", "autoplan", "suggest", "--model", "llama3-70b", "--cluster",
-                           "8x8xH100-80GB", "--top", "2", "--zero", "3", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = run_main("suggest", "--model", "llama3-70b", "--cluster", "8x8xH100-80GB", "--top", "2", "--zero", "3",
+                    "--out", str(out))
     assert done.returncode == 0, done.stderr
     plan = Plan.load(out)
     assert plan.zero == 3

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import glob
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _cli import run_main
 
 import autoplan
 from autoplan.cluster import parse_cluster
@@ -87,11 +86,9 @@ def test_one_trillion_selective_sp_fits_80gb(schedule, virtual_stages):
 
 def test_one_trillion_interleaved_cli_answers(tmp_path):
     out = tmp_path / "p.json"
-    args = [sys.executable, "-m", "autoplan", "suggest", "--model", ONE_T, "--cluster", "64x8xA100-80GB",
-            "--global-batch", "512", "--seq-len", "2048", "--tp", "8", "--pp", "64", "--dp", "1",
-            "--recompute", "selective", "--sequence-parallel", "--schedule", "interleaved-1f1b",
-            "--top", "1", "--out", str(out)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = run_main("suggest", "--model", ONE_T, "--cluster", "64x8xA100-80GB", "--global-batch", "512",
+                    "--seq-len", "2048", "--tp", "8", "--pp", "64", "--dp", "1", "--recompute", "selective",
+                    "--sequence-parallel", "--schedule", "interleaved-1f1b", "--top", "1", "--out", str(out))
     assert done.returncode == 0, done.stderr
     plan = json.loads(out.read_text())
     assert plan["fits"] and plan["schedule"] == "interleaved-1f1b"

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from _cli import run_main
 
 import autoplan
 from autoplan.graph import zoo
@@ -131,8 +132,8 @@ def test_fsdp_shards_each_gpus_experts_over_the_replicas_holding_them():
 
 def test_mixtral_8x22b_on_256_h100_searches_expert_parallelism_and_says_why():
     started = time.perf_counter()
-    result = run_cli("suggest", "--model", "mixtral-8x22b", "--cluster", "32x8xH100-80GB", "--global-batch", "1024",
-                     "--seq-len", "4096", "--json")
+    result = run_main("suggest", "--model", "mixtral-8x22b", "--cluster", "32x8xH100-80GB", "--global-batch", "1024",
+                      "--seq-len", "4096", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["search"]["time_s"] < 10, data["search"]["time_s"]

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from _cli import run_main
 from _dist import run_ranks
 
 import autoplan
@@ -57,8 +58,8 @@ def test_suggest_counts_the_llama3_8b_optimizer_state_over_dp_at_tp_2():
     """Issue 28: llama3-8b at tp 2 x dp 4 held 29.9 GiB of optimizer state at zero 0 and at zero 1."""
     memory = {}
     for zero in (0, 1):
-        result = run_cli("suggest", "--model", "llama3-8b", "--cluster", "1x8xH100-80GB", "--tp", "2", "--dp", "4",
-                         "--zero", str(zero), "--top", "1", "--json")
+        result = run_main("suggest", "--model", "llama3-8b", "--cluster", "1x8xH100-80GB", "--tp", "2", "--dp", "4",
+                          "--zero", str(zero), "--top", "1", "--json")
         assert result.returncode == 0, result.stderr
         plan = json.loads(result.stdout)["plans"][0]
         assert (plan["tp"], plan["dp"], plan["zero"]) == (2, 4, zero)
