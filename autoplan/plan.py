@@ -327,8 +327,8 @@ def validate(plan: Plan) -> list[str]:
     problems: list[str] = []
     try:
         cluster = plan.cluster_obj()
-    except ValueError as exc:
-        return [f"plan.cluster is malformed: {str(exc).splitlines()[0]}"]
+    except (ValueError, TypeError) as exc:  # TypeError: a curve point that is not a number (float([]))
+        return [f"plan.cluster is malformed: {(str(exc).splitlines() or [type(exc).__name__])[0]}"]
     num_gpus, gpus_per_node = cluster.num_gpus, cluster.gpus_per_node
     for name in ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "num_microbatches"):
         if not isinstance(getattr(plan, name), int) or getattr(plan, name) < 1:

@@ -572,6 +572,19 @@ def test_export_refuses_a_schedule_its_plan_cannot_build(tmp_path, plan_text, sc
     assert code == 2 and err.count("\n") == 1 and f"schedule '{schedule}'" in err, err
 
 
+@pytest.mark.parametrize("value", [None, [], {}])
+def test_a_plan_whose_cluster_curve_holds_no_number_is_one_line(tmp_path, plan_text, value):
+    """float(None) in Cluster.from_dict was a TypeError with a traceback from show and export."""
+    data = json.loads(plan_text)
+    curves = data["cluster"]["intra_node"]["curves"]
+    curves[sorted(curves)[0]][0][0] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    for argv in (["show", str(path)], ["export", str(path), "--to", "megatron"]):
+        code, _, err = run_cli(argv)
+        assert code == 2 and err.count("\n") == 1 and "plan.cluster is malformed" in err, err
+
+
 LLAMA = "llama:num_layers=4,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16"
 
 
