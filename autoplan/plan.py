@@ -3,7 +3,9 @@
 A plan names the model (spec and structural fingerprint), the cluster, the job, every parallelism
 choice, the stages as block ranges, and the prediction. `validate(plan)` is pure: it checks the
 plan's own consistency (degrees multiply to the GPU count, TP inside a node, every block placed
-once and in order, memory within capacity when the plan says it fits) without torch or a search.
+once and in order, the schedule buildable, memory within capacity when the plan says it fits,
+every predicted time, size and byte count finite and not negative, and the figures derived from
+others agreeing with them) without torch or a search. `Plan.load` refuses a file that fails it.
 
 [Note: rank layout]
 Ranks are numbered with tp innermost, so a TP group is always consecutive ranks inside one node.
