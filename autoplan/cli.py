@@ -348,8 +348,16 @@ FAST_EXIT_COMMANDS = frozenset({"suggest", "profile", "show", "export", "check",
 
 def console_main() -> None:
     """The `autoplan` console script and `python -m autoplan`: `main()` on sys.argv, then exit."""
+    planning = len(sys.argv) > 1 and sys.argv[1] in FAST_EXIT_COMMANDS
+    if planning:
+        import gc
+
+        # torch and a traced model leave ~600,000 long-lived objects, which the default thresholds
+        # (700, 10, 10) walk in a full collection every ~70,000 allocations: 5% of a cold suggest's CPU.
+        # Collections stay (memory as before), 14x less often.
+        gc.set_threshold(10_000, 10, 10)
     code = main()
-    if len(sys.argv) > 1 and sys.argv[1] in FAST_EXIT_COMMANDS:
+    if planning:
         import atexit
         import contextlib
         import os
