@@ -41,6 +41,7 @@ import contextlib
 import copy
 import io
 import logging
+import os
 import re
 import warnings
 from collections import Counter
@@ -489,6 +490,9 @@ def value_dependence(exc: BaseException, stack_trace: str | None = None) -> str 
         where = "in its forward (the line is unknown: AUTOPLAN_DEBUG=1 shows the full traceback)"
     else:
         file, line, function, code = frame
+        with contextlib.suppress(ValueError):  # another drive (Windows): keep the absolute path
+            relative = os.path.relpath(file)
+            file = file if relative.startswith("..") else relative
         where = f"at {file}:{line} in {function}" + (f" (`{code[:80]}`)" if code else "")
     return f"the model {what} {where}, which planning cannot follow (it runs the model on shapes, not values); {fix}"
 
