@@ -3,6 +3,8 @@ module-chain fallback is checked against the model before it is used."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -316,15 +318,19 @@ class _Chain(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("model_class", [_BranchOnValues, _FunctionalBetween])
-def test_module_chain_that_is_not_the_model_raises(model_class):
+@pytest.mark.parametrize(("model_class", "code"), [(_BranchOnValues, "if x.sum() > 0 else"),
+                                                   (_FunctionalBetween, "if not torch.isfinite(x).all():")])
+def test_module_chain_that_is_not_the_model_raises(model_class, code):
+    """fx and export fail on the value check, and the chain is not the model: the line names the
+    model's line that reads a value (the first thing to fix) and how (issue 29, item 10)."""
     with pytest.raises(TraceError) as info:
         trace_model(model_class(), (torch.randn(4, 8),))
     message = str(info.value)
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if code in text and "def " not in text)
     assert "\n" not in message
-    assert "fx failed" in message and "export failed" in message
-    assert "module chain (registration order) does not reproduce the model" in message
-    assert "--leaf-modules" in message and "make forward traceable" in message
+    assert "reads a tensor's value" in message and f"test_trace_nested.py:{line} " in message, message
+    assert "torch.where" in message
 
 
 def test_module_chain_reordered_children_raises():
@@ -363,7 +369,7 @@ def test_module_chain_on_meta_is_checked_on_a_materialized_copy():
     assert "a CPU copy materialized from meta" in traced.note
     with torch.device("meta"):
         wrong = _FunctionalBetween()
-    with pytest.raises(TraceError, match="does not reproduce"):
+    with pytest.raises(TraceError, match="reads a tensor's value"):
         trace_model(wrong, (torch.empty(4, 8, device="meta"),))
 
 
