@@ -208,6 +208,27 @@ class Plan:
     def boundaries(self) -> tuple[int, ...]:
         return (0, *(s.end_block for s in self.stages))
 
+    @property
+    def run_fingerprint(self) -> str:
+        """16 hex digits of sha256 over what a run of the plan does: the model (spec, structural
+        fingerprint, file digest), the cluster, the job, every degree, the schedule, the micro-batches
+        and the stage cuts. Predictions are left out: re-planning the same layout with another
+        calibration keeps the fingerprint, so its traces still compare (`autoplan run --trace`
+        records it; `autoplan show --trace` compares it)."""
+        import hashlib
+
+        identity = {
+            "model": [self.model, self.model_fingerprint, self.model_digest],
+            "cluster": self.cluster,
+            "job": [self.job.global_batch, self.job.seq_len, self.job.dtype],
+            "layout": [self.tp, self.pp, self.dp, self.cp, self.ep, self.zero, self.dp_replicate, self.rank_order,
+                       self.sequence_parallel, self.recompute],
+            "schedule": [self.schedule, self.virtual_stages, self.micro_batch_size, self.num_microbatches],
+            "cuts": list(self.boundaries),
+        }
+        text = json.dumps(identity, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def cluster_obj(self):
         from autoplan.cluster import Cluster
 

@@ -35,8 +35,9 @@ def test_show_refuses_the_trace_of_another_plan_through_the_cli(tmp_path, capsys
     assert out == ""  # refused before the plan's tables
     assert err.count("\n") == 1 and err.startswith("autoplan: error: ")
     assert f"trace {trace}" in err and "another plan" in err and str(b) in err and "dp 2" in err
-    if "autoplan_plan_fingerprint" in json.loads(trace.read_text()).get("otherData", {}):
-        assert "pp 2" in err  # the trace names the plan it was measured on
+    recorded = json.loads(trace.read_text())["otherData"]  # the run names the plan it ran
+    assert recorded["autoplan_plan_fingerprint"] == plan_a.run_fingerprint != plan_b.run_fingerprint
+    assert "pp 2" in err  # the refusal names the plan the trace was measured on
 
     assert main(["show", str(a), "--trace", str(trace), "--out", str(tmp_path / "t.svg")]) == 0
     out, err = capsys.readouterr()

@@ -280,23 +280,8 @@ def measured_timeline(trace: Mapping[str, Any], plan: Plan | None = None, *, ste
 # ---- which plan a trace was measured on ----------------------------------------------------
 
 def plan_fingerprint(plan: Plan) -> str:
-    """16 hex digits of sha256 over what a run of the plan does: the model (spec, structural
-    fingerprint, file digest), the cluster, the job, every degree, the schedule, the micro-batches
-    and the stage cuts. Predictions are left out: re-planning the same layout with another
-    calibration keeps the fingerprint, so its traces still compare."""
-    import hashlib
-
-    identity = {
-        "model": [plan.model, plan.model_fingerprint, plan.model_digest],
-        "cluster": plan.cluster,
-        "job": [plan.job.global_batch, plan.job.seq_len, plan.job.dtype],
-        "layout": [plan.tp, plan.pp, plan.dp, plan.cp, plan.ep, plan.zero, plan.dp_replicate, plan.rank_order,
-                   plan.sequence_parallel, plan.recompute],
-        "schedule": [plan.schedule, plan.virtual_stages, plan.micro_batch_size, plan.num_microbatches],
-        "cuts": list(plan.boundaries),
-    }
-    text = json.dumps(identity, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """The plan's run fingerprint (`Plan.run_fingerprint`), which `autoplan run --trace` records."""
+    return plan.run_fingerprint
 
 
 def plan_summary(plan: Plan) -> str:

@@ -346,7 +346,7 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
         gathered = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(events, gathered, dst=0)
         if rank == 0:
-            _write_trace(trace_path, gathered)
+            _write_trace(trace_path, gathered, plan)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -446,14 +446,18 @@ def _slowest(step_time_s: float, device: torch.device) -> float:
     return float(report[0])
 
 
-def _write_trace(path: str, per_rank: list) -> None:
-    """Chrome trace (chrome://tracing, Perfetto): one row per rank, one box per action."""
+def _write_trace(path: str, per_rank: list, plan: Plan) -> None:
+    """Chrome trace (chrome://tracing, Perfetto): one row per rank, one box per action. Its
+    "otherData" (the format's free-form object) names the plan, so `autoplan show --trace` can
+    refuse a trace measured on another one (report/timeline.py check_trace_matches)."""
     t0 = min((e[1] for events in per_rank for e in events), default=0.0)
     trace = [{"name": name, "ph": "X", "pid": rank, "tid": 0, "ts": (start - t0) * 1e6,
               "dur": (end - start) * 1e6, "args": {"step": step}}
              for rank, events in enumerate(per_rank) for name, start, end, step in events]
     trace += [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(per_rank))]
-    Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+    named = {"autoplan_plan_fingerprint": plan.run_fingerprint, "autoplan_plan": f"{plan.model}, tp {plan.tp} pp "
+             f"{plan.pp} dp {plan.dp}, {plan.schedule}", "num_ranks": plan.num_gpus}
+    Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms", "otherData": named}))
 
 
 _PHASES = {"started": "ranks started (Python and torch imported)", "connected": "ranks joined the process group",
