@@ -238,7 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     pins = p.add_argument_group("pins (fix a dimension; the rest is searched)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
-    pins.add_argument("--dp", type=int)
+    pins.add_argument("--dp", type=int, metavar="N",
+                      help="data-parallel ranks, the context-parallel ranks of --cp included (as the plan counts "
+                           "them: tp x pp x dp GPUs); tables show such a plan as dp N/cp and cp, the replicas the "
+                           "batch is split over")
     pins.add_argument("--micro-batch-size", type=int)
     pins.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
     pins.add_argument("--virtual-stages", type=int)
