@@ -766,13 +766,15 @@ def explain_memory(ctx: SearchContext, rejections: Rejections, pins: dict, sp_al
         rejection = make()
         capacity = rejection.capacity_bytes
         need = min_memory_bytes(ctx, cfg)
+        static_only = rejection.why.startswith("its weights")
         if need is not None and (rejection.need_bytes is None or need > rejection.need_bytes):
             rejection.need_bytes = need
+            static_only = False  # the best cutting's whole need: its activations in flight included
         if rejection.need_bytes is not None:
             rejection.why = (f"needs about {_gib(rejection.need_bytes)} per GPU, "
                              f"{_gib(rejection.need_bytes - capacity)} over its {_gib(capacity)}"
-                             + (" (its weights, gradients and optimizer states alone)"
-                                if rejection.why.startswith("its weights") else " (no cutting fits)"))
+                             + (" (its weights, gradients and optimizer states alone)" if static_only
+                                else " (the least any cutting needs, activations in flight included)"))
         fixed = _memory_fix(ctx, cfg, pins, sp_allowed)
         if fixed is not None:
             rejection.fix, rejection.fix_pins = fixed
