@@ -35,6 +35,7 @@ import dataclasses
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,37 @@ Curve = tuple[tuple[float, float], ...]
 """(message bytes, bus bandwidth bytes/s) points, strictly increasing in bytes (see `Link.curves`)."""
 
 
+def _curves_of(raw: Any) -> tuple[tuple[str, Curve], ...]:
+    """`Link.curves` as tuples of floats, or a ClusterSpecError naming the first wrong operation or
+    point (a YAML `[[null, 1]]` was a TypeError traceback from `float(None)`, issue 29)."""
+    if isinstance(raw, Mapping):
+        raw = tuple(raw.items())
+    if isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
+        raise ClusterSpecError(f"link curves must be ((operation, ((bytes, bytes_per_s), ...)), ...), got {raw!r}")
+    curves = []
+    for entry in raw:
+        if isinstance(entry, str | bytes) or not isinstance(entry, Sequence) or len(entry) != 2:
+            raise ClusterSpecError(f"link curves must be (operation, points) pairs, got {entry!r}")
+        op, points = entry
+        if op not in CURVE_OPS:
+            raise ClusterSpecError(f"link curve {op!r} is not one of {CURVE_OPS}")
+        if isinstance(points, str | bytes) or not isinstance(points, Sequence):
+            raise ClusterSpecError(f"link curve {op!r} must be a list of [bytes, bytes_per_s] points, got {points!r}")
+        if not points:
+            raise ClusterSpecError(f"link curve {op!r} has no points")
+        converted = []
+        for i, point in enumerate(points):
+            if (isinstance(point, str | bytes) or not isinstance(point, Sequence) or len(point) != 2
+                    or not all(_is_number(v) and 0 < v <= sys.float_info.max for v in point)):
+                raise ClusterSpecError(
+                    f"link curve {op!r}: point {i} must be [bytes, bytes_per_s], two finite numbers > 0, got "
+                    f"{list(point) if isinstance(point, Sequence) and not isinstance(point, str | bytes) else point!r}"
+                )
+            converted.append((float(point[0]), float(point[1])))
+        curves.append((op, tuple(converted)))
+    return tuple(curves)
+
+
 @dataclass(frozen=True)
 class Link:
     """A class of connection between two GPUs: alpha-beta (time = latency_s + bytes / bw), or the
@@ -100,20 +132,12 @@ class Link:
         if not _is_number(self.latency_s) or not self.latency_s >= 0:
             raise ClusterSpecError(f"link latency must be >= 0 s, got {self.latency_s!r}")
         table: dict[str, tuple[tuple[float, ...], ...]] = {}
-        curves = tuple((op, tuple((float(b), float(bw)) for b, bw in points)) for op, points in self.curves)
+        curves = _curves_of(self.curves)
         for op, points in curves:
-            if op not in CURVE_OPS:
-                raise ClusterSpecError(f"link curve {op!r} is not one of {CURVE_OPS}")
             if op in table:
                 raise ClusterSpecError(f"link has two curves for {op!r}")
-            if not points:
-                raise ClusterSpecError(f"link curve {op!r} has no points")
             sizes = tuple(b for b, _ in points)
             bws = tuple(bw for _, bw in points)
-            if not all(_is_number(v) and v > 0 for v in sizes + bws):
-                raise ClusterSpecError(
-                    f"link curve {op!r}: bytes and bandwidth must be > 0, got {list(points)}"
-                )
             if any(a >= b for a, b in zip(sizes, sizes[1:])):
                 raise ClusterSpecError(
                     f"link curve {op!r}: sizes must be strictly increasing, got {list(sizes)}"
@@ -771,15 +795,12 @@ def _link(raw: Any, default: Link, where: str) -> Link:
         raw_curves = raw["curves"]
         if not isinstance(raw_curves, Mapping):
             raise ClusterSpecError(f"{where}: curves must map an operation to [[bytes, bytes_per_s], ...]")
-        try:
-            curves = tuple(
-                (op, tuple((_yaml_number(b), _yaml_number(bw)) for b, bw in points))
-                for op, points in raw_curves.items()
-            )
-        except (TypeError, ValueError):
-            raise ClusterSpecError(
-                f"{where}: curves must map an operation to [[bytes, bytes_per_s], ...]"
-            ) from None
+        # Numeric strings become numbers (`_yaml_number`); Link checks the shape and names a wrong point.
+        curves = tuple(
+            (op, [[_yaml_number(v) for v in p] if isinstance(p, list) else p for p in points]
+             if isinstance(points, list) else points)
+            for op, points in raw_curves.items()
+        )
     try:
         return Link(float(bw), float(latency), kind, curves)
     except ClusterSpecError as e:

@@ -77,6 +77,15 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 def attach_aux_loss(output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
     """`output`, with the scalar `aux` added to the training loss as far as gradients go."""
+    # Type and rank checks only: they hold for the fake and functional tensors of torch.export, and an
+    # fx Proxy (symbolic tracing through this call) is let through as before.
+    for name, value in (("output", output), ("aux", aux)):
+        if not isinstance(value, torch.Tensor | torch.fx.Proxy):
+            raise TypeError(f"attach_aux_loss: {name} must be a torch.Tensor, got {type(value).__name__}; "
+                            "pass the layer's output tensor and its auxiliary loss as a scalar tensor")
+    if isinstance(aux, torch.Tensor) and aux.dim() != 0:
+        raise ValueError(f"attach_aux_loss: aux must be a scalar (0-dim) tensor, got shape {list(aux.shape)}; "
+                        "reduce it first (.sum() or .mean())")
     if not (torch.is_grad_enabled() and aux.requires_grad):
         return output
     return _AttachAuxLoss.apply(output, aux)

@@ -38,7 +38,7 @@ from autoplan.graph.positions import POSITIONS_ATTRIBUTE, holding_positions
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.source import ModelSource, OutputTemplate, as_source, trace_with_target
 from autoplan.graph.trace import retarget_device
-from autoplan.plan import Plan
+from autoplan.plan import Plan, PlanError, validate
 from autoplan.runtime.comm import P2P
 from autoplan.runtime.context import ContextParallelAttention, shard_sequence
 from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
@@ -593,9 +593,13 @@ def partition(
     follows the model's output. The default process group is initialized from the torchrun
     environment when none exists.
     """
-    if isinstance(plan, str | os.PathLike):  # a plan file, as `autoplan run` takes it
+    if isinstance(plan, str | os.PathLike):  # a plan file, as `autoplan run` takes it (validated on load)
         plan = Plan.load(plan)
-    if not isinstance(plan, Plan):
+    elif isinstance(plan, Plan):  # an object gets the checks a file gets on load
+        problems = validate(plan)
+        if problems:
+            raise PlanError(f"the plan is inconsistent: {problems[0]}; re-create it with autoplan.suggest")
+    else:
         raise TypeError(f"plan must be a Plan (autoplan.suggest(...)[0]) or a plan file's path, got "
                         f"{type(plan).__name__}")
     leaf_modules = plan.leaf_modules if leaf_modules is None else leaf_modules  # traced as planned
