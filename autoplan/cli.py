@@ -273,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", help="write the measured per-action timeline (Chrome trace JSON)")
     p.add_argument("--metrics", help="append one JSON object per step (run, step, loss, step_time_s, predicted_step_time_s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds any rank waits on another before failing")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds any rank waits on another before failing, once the ranks run steps (default 60; "
+                        "while they start: importing torch, tracing the model, at least 300)")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (step-N/ dirs; shared by all ranks)")
     p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint every K steps (and after the last; default 500 "
                    "with --checkpoint-dir)")

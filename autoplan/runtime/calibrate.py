@@ -43,6 +43,7 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 from autoplan.cluster import GPU, GPUS, cpu_device, dtype_key, get_gpu
 from autoplan.cost.calibration import Calibration
 from autoplan.cost.ops import gemm_time_s
+from autoplan.runtime.launch import MAX_TIMEOUT_S
 
 __all__ = ["CalibrationRunError", "calibrate", "guess_gpu", "write_calibration"]
 
@@ -533,6 +534,32 @@ def _check_out(out: str | os.PathLike, force: bool) -> Path:
     return path
 
 
+def _check_arguments(out, device, gpu, dtype, quick, collectives, nproc, force, timeout_s, progress) -> None:
+    """The arguments' types and ranges, one line each, before anything is measured (a wrong type
+    was an AttributeError traceback; `--timeout -1` was accepted)."""
+    if not isinstance(out, str | os.PathLike):
+        raise TypeError(f"--out must be a file path, got {type(out).__name__}")
+    if not str(out).strip():
+        raise ValueError("--out is empty; name the calibration JSON file to write")
+    for flag, value in (("--device", device), ("--gpu", gpu), ("--dtype", dtype)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{flag} must be a string, got {value!r}")
+        if value is not None and not value.strip():
+            raise ValueError(f"{flag} is empty; name one, or leave it out for the default")
+    for flag, value in (("--quick", quick), ("--collectives", collectives), ("--force", force)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be True or False, got {value!r}")
+    if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool)):
+        raise TypeError(f"--nproc must be an integer, got {nproc!r}")
+    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
+        raise TypeError(f"--timeout must be a number of seconds, got {timeout_s!r}")
+    if not math.isfinite(timeout_s) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"--timeout {timeout_s:g} must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g} "
+                         "(default 600)")
+    if not callable(progress):
+        raise TypeError(f"progress must be a function of one string, got {type(progress).__name__}")
+
+
 def calibrate(out: str | os.PathLike, *, device: str | None = None, gpu: str | None = None,
               dtype: str | None = None, quick: bool = False, collectives: bool = False, nproc: int | None = None,
               force: bool = False, timeout_s: float = 600.0, progress: Progress = _stderr_progress) -> Calibration | None:
@@ -546,6 +573,7 @@ def calibrate(out: str | os.PathLike, *, device: str | None = None, gpu: str | N
     written, or None on a rank other than 0 (only rank 0 writes). User mistakes raise ValueError
     before anything runs; a failed collective run raises CalibrationRunError.
     """
+    _check_arguments(out, device, gpu, dtype, quick, collectives, nproc, force, timeout_s, progress)
     path = _check_out(out, force)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cuda", "cpu"):
@@ -575,6 +603,11 @@ def calibrate(out: str | os.PathLike, *, device: str | None = None, gpu: str | N
             raise ValueError(f"--collectives needs at least 2 ranks, got {world}; pass --nproc 2 or more")
         if device == "cuda" and not launched and world > torch.cuda.device_count():
             raise ValueError(f"--nproc {world} but only {torch.cuda.device_count()} GPUs are visible")
+        cores = os.cpu_count() or 1
+        if device == "cpu" and not launched and world > max(2, cores):
+            # Ranks beyond the cores time the scheduler, not the link (and 1e30 tried to spawn 1e30).
+            raise ValueError(f"--nproc {world} is more than this machine's {cores} CPU cores; pass --nproc "
+                             f"{max(2, cores)} or fewer")
     elif nproc is not None:
         raise ValueError("--nproc only applies with --collectives")
 

@@ -39,6 +39,8 @@ separated by ';', each `KIND@RANK:STEP[:N]` with RANK a number or '*' (every ran
                          (or after its pipeline work of that step, if it has fewer)
 - `kill-in-checkpoint@R:S`  rank R SIGKILLs itself halfway through writing its DCP data file
                          (`__R_0.distcp`) of the checkpoint of step S (S = steps completed)
+- `slow-start@R:T`       rank R sleeps T seconds before joining the process group (a rank that
+                         starts late: [Note: start-up and step timeouts])
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ __all__ = ["CheckpointDirLock", "NonFiniteError", "check_output_file", "fail_ran
            "run_plan", "supervise", "synthetic_batch"]
 
 FAULT_ENV = "AUTOPLAN_FAULT"
-_FAULT_KINDS = ("raise", "kill", "hang", "stop", "nan", "nan-weight", "kill-mid-step", "kill-in-checkpoint")
+_FAULT_KINDS = ("raise", "kill", "hang", "stop", "nan", "nan-weight", "kill-mid-step", "kill-in-checkpoint",
+                "slow-start")
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "autoplan.runtime",
                       "autoplan.runtime.checkpoint")
 """Imported once by a forkserver (tests launching many short runs), not by every rank."""
@@ -82,6 +85,15 @@ DEFAULT_CHECKPOINT_EVERY = 500
 (`checkpoint.interval = 500`, torchtitan/config/job_config.py); a save also follows the last step."""
 MAX_STEPS = 100_000_000
 """More steps than any published pre-training run (Llama 3 405B: about 1.2 M steps, arXiv:2407.21783)."""
+MAX_TIMEOUT_S = 1e6
+"""Longest --timeout accepted (11.6 days): longer is no timeout at all, and 1e30 s overflowed the
+timedelta the process group is given (an OverflowError in every rank)."""
+STARTUP_TIMEOUT_S = 300.0
+"""How long a rank waits on its peers while the ranks start (joining the process group, building
+their stages): at least this, whatever --timeout says. Ranks start seconds apart (each imports torch:
+15-25 s on a loaded machine, issue 29) and trace the model apart, so `--timeout 1.5` failed every run
+at start-up with DistNetworkError. A rank that dies meanwhile is seen by the launcher at once; only a
+rank hung during start-up waits this long. See [Note: start-up and step timeouts]."""
 
 
 class NonFiniteError(RuntimeError):
@@ -228,13 +240,15 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     from autoplan.runtime.api import default_device, init_distributed, partition
 
     timeout = timedelta(seconds=timeout_s)
-    init_distributed(timeout)
+    startup = startup_timeout(timeout)
+    init_distributed(startup)
     rank = dist.get_rank()
     device = default_device()
     beat = current_heartbeat()
     where = beat.at if beat is not None else (lambda step, action: None)
     where(None, "building its stages")
-    pm = partition(spec, plan, device=device, seed=seed, timeout=timeout)
+    pm = partition(spec, plan, device=device, seed=seed, timeout=startup)
+    bound_waits(pm, timeout)
     if on_phase is not None:
         on_phase("built")
     # torch's fused AdamW: one pass over each parameter (as Megatron's fused Adam). The default
@@ -623,6 +637,29 @@ def _loopback_process_group(rank: int, world_size: int, port: int, timeout: time
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
+def startup_timeout(timeout: timedelta) -> timedelta:
+    """The wait allowed while the ranks start: `timeout`, or STARTUP_TIMEOUT_S if that is longer.
+
+    [Note: start-up and step timeouts] `--timeout` is "seconds any rank waits on another" once the
+    ranks run steps. Start-up waits are on peers that are still importing torch or tracing the
+    model, which takes seconds to minutes whatever the run's timeout: the process group, its
+    subgroups and the pipeline's transfers are made with this allowance (`_loopback_process_group`,
+    `partition`), then `bound_waits` sets every one of them to `timeout` before the first step."""
+    return max(timeout, timedelta(seconds=STARTUP_TIMEOUT_S))
+
+
+def bound_waits(pm, timeout: timedelta) -> None:
+    """After start-up: every process group this rank belongs to (the world, the meshes' and
+    partition's subgroups) and the pipeline's sends and receives time out after `timeout`."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:
+            c10d._set_pg_timeout(timeout, group)
+    pm.executor.comm.timeout = timeout
+
+
 def _spawned(rank: int, world_size: int, port: int, payload: dict, run_dir: str) -> None:
     """Entry of a rank the launcher spawned (through `ranks.LocalJob`, which ties it to the launcher,
     logs it and records its failure)."""
@@ -634,7 +671,10 @@ def _spawned(rank: int, world_size: int, port: int, payload: dict, run_dir: str)
     payload = dict(payload)
     plan = Plan.from_dict(payload.pop("plan"))
     _mark_phase(run_dir, rank, "started")
-    _loopback_process_group(rank, world_size, port, timedelta(seconds=payload["timeout_s"]))
+    for fault in payload["faults"]:
+        if fault.kind == "slow-start" and fault.rank in (None, rank):
+            time.sleep(fault.step)
+    _loopback_process_group(rank, world_size, port, startup_timeout(timedelta(seconds=payload["timeout_s"])))
     _mark_phase(run_dir, rank, "connected")
     _train(plan, **payload, on_phase=lambda phase: _mark_phase(run_dir, rank, phase))
 
@@ -746,7 +786,8 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
     `nproc` (default: the plan's GPU count) local processes, after checking that this machine holds
     them (machine.py [Note: a GPU plan on a CPU machine]: without CUDA, ranks whose estimated host
     memory exceeds what is free are refused unless `allow_oversubscribe`). `timeout_s` bounds every
-    wait on a peer. `checkpoint_dir` saves a checkpoint every `checkpoint_every` steps (default
+    wait on a peer once the ranks run steps (while they start: at least STARTUP_TIMEOUT_S, see
+    [Note: start-up and step timeouts]). `checkpoint_dir` saves a checkpoint every `checkpoint_every` steps (default
     DEFAULT_CHECKPOINT_EVERY) and after the last; `resume` continues from the newest good checkpoint
     in `checkpoint_dir` (`steps` is the total, so a run resumed at step 3 with steps=6 trains steps
     3, 4, 5). A step whose loss or gradients are not finite stops the run (exit 1, naming the step
@@ -774,6 +815,11 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
             plan = Plan.load(plan)
         else:
             raise ValueError(f"plan must be a Plan or a plan file's path, got {type(plan).__name__}")
+        if model is not None and not isinstance(model, str):
+            raise TypeError(f"model must be a model spec string, got {type(model).__name__}")
+        if model is not None and not model.strip():  # '' once ran the plan's model silently
+            raise ValueError(f"--model {model!r} is empty; give a model spec, or leave --model out to build the "
+                             f"plan's ({plan.model})")
         spec = model or plan.model
         check_memory_figures(plan)
         _check_run_arguments(steps, timeout_s, lr, seed, skip_nonfinite, checkpoint_every, nproc)
@@ -892,6 +938,8 @@ def _check_run_arguments(steps, timeout_s, lr, seed, skip_nonfinite, checkpoint_
             raise TypeError(f"{flag} must be a number, got {value!r}")
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"{flag} {value} must be a finite number above 0")
+    if timeout_s > MAX_TIMEOUT_S:
+        raise ValueError(f"--timeout {timeout_s:g} is more than {MAX_TIMEOUT_S:g} s (11 days); give at most that")
 
 
 def _check_resumable(plan: Plan, checkpoint_dir: str) -> Path | None:
