@@ -58,6 +58,11 @@ __all__ = [
 ]
 
 _GB = 1e9
+MAX_LINK_GBPS = 1e5
+"""No link is faster (NVLink 5: 900 GB/s per GPU per direction); a bigger figure is a typo."""
+MAX_LINK_LATENCY_S = 1.0
+"""No link is slower to start a message (InfiniBand and NVLink: microseconds; TCP across a WAN: tens
+of milliseconds); a bigger figure is a typo, usually microseconds written as seconds."""
 
 
 def _is_int(value: object) -> bool:
@@ -127,10 +132,15 @@ class Link:
     )
 
     def __post_init__(self) -> None:
-        if not _is_number(self.bw_bytes_per_s) or not self.bw_bytes_per_s > 0:
-            raise ClusterSpecError(f"link bandwidth must be > 0 bytes/s, got {self.bw_bytes_per_s!r}")
-        if not _is_number(self.latency_s) or not self.latency_s >= 0:
-            raise ClusterSpecError(f"link latency must be >= 0 s, got {self.latency_s!r}")
+        # Upper bounds: an infinite or 1e300 GB/s link (a typo in a YAML file) was priced as free.
+        if not _is_number(self.bw_bytes_per_s) or not 0 < self.bw_bytes_per_s <= MAX_LINK_GBPS * _GB:
+            raise ClusterSpecError(f"link bandwidth must be > 0 and at most {MAX_LINK_GBPS:g} GB/s "
+                                   f"({MAX_LINK_GBPS * _GB:g} bytes/s), got {self.bw_bytes_per_s!r} bytes/s")
+        if not _is_number(self.latency_s) or not 0 <= self.latency_s <= MAX_LINK_LATENCY_S:
+            raise ClusterSpecError(f"link latency must be >= 0 and at most {MAX_LINK_LATENCY_S:g} s, got "
+                                   f"{self.latency_s!r} s")
+        if not isinstance(self.kind, str):
+            raise ClusterSpecError(f"link kind must be a label string such as 'NVLink', got {self.kind!r}")
         table: dict[str, tuple[tuple[float, ...], ...]] = {}
         curves = _curves_of(self.curves)
         for op, points in curves:
@@ -207,6 +217,18 @@ class Cluster:
     _group_first_node: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ClusterSpecError(f"cluster name must be a string, got {self.name!r}")
+        if isinstance(self.groups, str | bytes | Mapping) or not isinstance(self.groups, Sequence):
+            raise ClusterSpecError(f"cluster {self.name!r}: groups must be a sequence of NodeGroup, got {self.groups!r}")
+        for group in self.groups:
+            if not isinstance(group, NodeGroup):
+                raise ClusterSpecError(f"cluster {self.name!r}: groups must hold NodeGroup(num_nodes, gpus_per_node, "
+                                       f"gpu), got {group!r}")
+        for attr in ("intra_node", "inter_node"):
+            if not isinstance(getattr(self, attr), Link):
+                raise ClusterSpecError(f"cluster {self.name!r}: {attr} must be a Link(bw_bytes_per_s, latency_s), "
+                                       f"got {getattr(self, attr)!r}")
         groups = tuple(self.groups)
         object.__setattr__(self, "groups", groups)
         if not groups:
@@ -776,14 +798,16 @@ def _link(raw: Any, default: Link, where: str) -> Link:
     for key, scale in (("bw_gbps", _GB), ("bw_bytes_per_s", 1.0)):
         if key in raw:
             value = _yaml_number(raw[key])
-            if not _is_number(value) or not value > 0:
-                raise ClusterSpecError(f"{where}: {key} must be a positive number, got {raw[key]!r}")
+            if not _is_number(value) or not 0 < value <= MAX_LINK_GBPS * _GB / scale:
+                raise ClusterSpecError(f"{where}: {key} must be a positive number of at most "
+                                       f"{MAX_LINK_GBPS * _GB / scale:g}, got {raw[key]!r}")
             bw = value * scale
     for key, divisor in (("latency_us", 1e6), ("latency_s", 1.0)):
         if key in raw:
             value = _yaml_number(raw[key])
-            if not _is_number(value) or not value >= 0:
-                raise ClusterSpecError(f"{where}: {key} must be a number >= 0, got {raw[key]!r}")
+            if not _is_number(value) or not 0 <= value <= MAX_LINK_LATENCY_S * divisor:
+                raise ClusterSpecError(f"{where}: {key} must be a number >= 0 and at most "
+                                       f"{MAX_LINK_LATENCY_S * divisor:g}, got {raw[key]!r}")
             latency = value / divisor
     kind = raw.get("kind", default.kind)
     if not isinstance(kind, str):
@@ -825,8 +849,6 @@ def _yaml_number(value: Any) -> Any:
     return value
 
 
-MAX_LINK_GBPS = 1e5
-"""No link is faster (NVLink 5: 900 GB/s per GPU per direction); a bigger figure is a typo."""
 
 
 def _bw_arg(name: str, value: float) -> float:

@@ -18,6 +18,7 @@ runs once per forward, with or without recomputation, where a recomputed forward
 from __future__ import annotations
 
 import contextlib
+import math
 import types
 from collections.abc import Iterator
 
@@ -39,6 +40,8 @@ def _current_scale() -> float:
 def aux_loss_scale(scale: float) -> Iterator[None]:
     """Backward passes inside this block scale auxiliary losses' gradients by `scale` (the factor
     the training loss was multiplied by before its backward)."""
+    if not isinstance(scale, int | float) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise TypeError(f"aux_loss_scale: scale must be a finite number (the training loss's factor), got {scale!r}")
     previous = _current_scale()
     _state.scale = float(scale)
     try:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoplan._checks import require, require_int, require_strings
 from autoplan.graph.aux_loss import recording_aux_losses
 from autoplan.graph.experts import expert_modules
 from autoplan.graph.positions import POSITIONS_ATTRIBUTE, holding_positions
@@ -593,6 +594,7 @@ def partition(
     follows the model's output. The default process group is initialized from the torchrun
     environment when none exists.
     """
+    _check_partition_arguments(example_inputs, loss_fn, example_target, device, seed, timeout, leaf_modules, tracer)
     if isinstance(plan, str | os.PathLike):  # a plan file, as `autoplan run` takes it (validated on load)
         plan = Plan.load(plan)
     elif isinstance(plan, Plan):  # an object gets the checks a file gets on load
@@ -747,6 +749,29 @@ def partition(
                             context=ContextParallelAttention(layout.cp_group, plan.cp, layout.cp_index, plan.job.seq_len)
                             if plan.cp > 1 else None,
                             output_template=output_template)
+
+
+def _check_partition_arguments(example_inputs, loss_fn, example_target, device, seed, timeout, leaf_modules,
+                               tracer) -> None:
+    """`partition`'s keyword arguments, one line each before anything is traced (a float device was a
+    multi-line TypeError from torch.device, a non-tensor target an AttributeError from the loss)."""
+    require("example_inputs", example_inputs, (tuple, list), "a tuple or list of the model's inputs", optional=True)
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function loss_fn(output, target), got {type(loss_fn).__name__}")
+    require("example_target", example_target, torch.Tensor, "a tensor (the loss's target)", optional=True)
+    require("device", device, (str, torch.device), "a device such as 'cpu' or 'cuda:0'", optional=True)
+    if isinstance(device, str):
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device {device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N'") from None
+    require_int("seed", seed, low=0)
+    require("timeout", timeout, timedelta, "a datetime.timedelta (how long a rank waits on another)")
+    if not timedelta(0) < timeout <= timedelta(seconds=1e6):
+        raise ValueError(f"timeout {timeout} must be above 0 and at most 1e6 s (how long a rank waits on another)")
+    if leaf_modules is not None:
+        require_strings("leaf_modules", leaf_modules)
+    require("tracer", tracer, str, "one of auto, fx, export or modules", optional=True)
 
 
 @torch.no_grad()
