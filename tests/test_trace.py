@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,6 +115,29 @@ def test_every_tracer_names_the_line_that_reads_a_value(tracer):
     with pytest.raises(ValueError) as info:
         profile_model(source.build(), source.example_inputs(2), tracer=tracer)
     assert f"branchy.py:{_line_of('y.sum() > 0:')} " in str(info.value), str(info.value)
+
+
+def test_a_value_read_outside_any_layer_is_named_from_the_line_fx_recorded(capsys):
+    """fx traces `.item()` in the top-level forward as a node; it fails only when the profile runs it,
+    where the traceback holds no frame of the model's: the line comes from the traced node."""
+    user_file = Path(__file__).parent / "user_models" / "value_in_forward.py"
+    line = next(i for i, text in enumerate(user_file.read_text().splitlines(), 1) if "max().item()" in text)
+    assert main(["suggest", "--model", f"{user_file}:build", "--cluster", "1x2xcpu", "--global-batch", "4"]) == 2
+    err = capsys.readouterr().err
+    assert f"value_in_forward.py:{line} in forward" in err and "reads a tensor's value" in err, err
+    assert err.count("\n") == 1
+
+
+def test_tracing_does_not_import_inductor():
+    """fx's `record_stack_traces` imported torch._inductor on every trace (0.6 s of CPU of a warm
+    suggest); the tracer records the model's line itself."""
+    code = ("import sys, torch; from autoplan.graph import zoo; from autoplan.graph.trace import trace_model\n"
+            "model = zoo.build_model('gpt:num_layers=2,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16')\n"
+            "traced = trace_model(model, (torch.zeros(2, 16, dtype=torch.long),))\n"
+            "assert traced.tracer == 'fx', traced.tracer\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._inductor')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_user_leaf_modules_become_blocks():

@@ -39,14 +39,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import logging
 import os
 import re
+import sys
+import sysconfig
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -186,12 +190,25 @@ class _LeafTracer(fx.Tracer):
     def __init__(self, leaves: set[str]):
         super().__init__()
         self._leaves = leaves
-        # Each node keeps the model's line that made it: a value read such as `.item()` is traced as a
-        # node and fails only when profiled, where that line is named ([Note: value-dependent control flow]).
-        self.record_stack_traces = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self._leaves or super().is_leaf_module(m, module_qualified_name)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        """Each node keeps the model's line that made it: a value read such as `.item()` is traced as
+        a node and fails only when profiled, where that line is named ([Note: value-dependent control
+        flow]). One frame, found here, not fx's `record_stack_traces`: that formats the whole stack of
+        every node and imports torch._inductor to filter it (0.6 s of CPU on every trace)."""
+        node = super().create_node(*args, **kwargs)
+        autoplan_dir = _library_prefixes()[1]
+        frame = sys._getframe(1)
+        # Out through torch to the innermost frame of the model's; reaching autoplan first means the
+        # node is not made by the model's code (placeholders, the output) or the model is autoplan's own.
+        while frame is not None and not _outside_library(frame.f_code.co_filename):
+            frame = None if frame.f_code.co_filename.startswith(autoplan_dir) else frame.f_back
+        if frame is not None and not node.stack_trace:  # a traceback line's format, which _STACK_FRAME reads
+            node.stack_trace = f'File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}'
+        return node
 
 
 def _trace_fx(model: nn.Module, leaves: set[str], num_inputs: int) -> fx.GraphModule:
@@ -439,21 +456,26 @@ def _exception_chain(exc: BaseException) -> list[BaseException]:
 _STACK_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
+@functools.cache
+def _library_prefixes() -> tuple[str, ...]:
+    """Where torch, autoplan and the standard library live: frames there are not the model's."""
+    return tuple(os.path.join(str(path), "") for path in  # a trailing separator: torchvision is not torch
+                 (Path(torch.__file__).parent, Path(__file__).resolve().parents[1], sysconfig.get_paths()["stdlib"]))
+
+
+def _outside_library(filename: str) -> bool:
+    """Whether a frame's file is the model's own (not torch, autoplan, the standard library or generated code)."""
+    return not filename.startswith("<") and not filename.startswith(_library_prefixes())
+
+
 def _user_frame(chain: Sequence[BaseException], stack_trace: str | None) -> tuple[str, int, str, str] | None:
     """(file, line, function, source line) of the innermost frame outside torch, autoplan, the
     standard library and generated code: the model's own line that read the value. Looked for in the
     exception's traceback, then in `stack_trace` (the failing graph node's, recorded when traced)."""
     import linecache
-    import sysconfig
     import traceback
-    from pathlib import Path
 
-    skip = [str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]),
-            sysconfig.get_paths()["stdlib"]]
-
-    def outside(name: str) -> bool:
-        return not name.startswith("<") and not any(name.startswith(prefix) for prefix in skip)
-
+    outside = _outside_library
     for exc in chain:
         frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
         for frame in reversed(frames):
