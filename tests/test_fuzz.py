@@ -11,9 +11,9 @@ Nonsense property, for inputs the strategies know are nonsense (a model larger t
 one, files nested deeper than any autoplan file, wrong types to the Python API): exit 2 with one line
 (CLI), or ValueError / TypeError with a one-line message (API); never accepted.
 
-Inputs stay cheap (tiny zoo models, small clusters). Generated CLI and API inputs per run: 2,020
+Inputs stay cheap (tiny zoo models, small clusters). Generated CLI and API inputs per run: 2,170
 (the `max_examples` below: 500 model specs, 250 cluster strings, 120 cluster YAML files, 150 pin
-sets, 250 plan files, 100 suites, 250 nested files for 9 readers, 400 API calls), plus 150 planner
+sets, 250 plan files, 100 suites, 250 nested files for 9 readers, 400 + 150 API calls), plus 150 planner
 profiles; hypothesis runs each test to its `max_examples` (`--hypothesis-show-statistics` prints the
 counts); about 20 s on 2 cores. Crashes fuzzing found are kept at the end as regression tests.
 """
@@ -602,3 +602,121 @@ def test_plans_of_every_kind_pass_the_checks_on_load(tmp_path, extra):
                             "--seq-len", "16", *extra, "--top", "1", "--out", str(out)])
     assert code == 0, err
     assert run_cli(["show", str(out)])[0] == 0
+
+
+# ---- issue 29, item 11: what a fuzz of the cluster, aux-loss, partition, run and calibrate entries found ----
+
+
+@pytest.mark.parametrize("curve, words", [
+    ("[[null, 1]]", "point 0 must be [bytes, bytes_per_s]"),    # was TypeError: float() argument ... 'NoneType'
+    ("[[1, 2, 3]]", "point 0 must be [bytes, bytes_per_s]"),
+    ("[[1, 2], 5]", "point 1 must be [bytes, bytes_per_s]"),
+    ("[[1, .inf]]", "two finite numbers > 0"),
+    ("7", "must be a list of [bytes, bytes_per_s] points"),
+    ("[]", "has no points"),
+])
+def test_a_cluster_yaml_link_curve_that_is_not_points_is_one_line(tmp_path, curve, words):
+    path = tmp_path / "c.yaml"
+    path.write_text("groups:\n  - {nodes: 1, gpus_per_node: 2, gpu: H100-SXM-80GB}\n"
+                    f"intra_node: {{bw_gbps: 450, latency_us: 2, curves: {{all_reduce: {curve}}}}}\n")
+    code, _, err = run_cli(["suggest", "--model", TINY, "--cluster", str(path), *TINY_ARGS])
+    assert code == 2 and err.count("\n") == 1, err
+    assert "intra_node: link curve 'all_reduce'" in err and words in err, err
+
+
+@pytest.mark.parametrize("link, words", [
+    ("{bw_gbps: .inf}", "bw_gbps must be a positive number of at most 100000"),   # was priced as a free link
+    ("{bw_gbps: 1e300}", "bw_gbps must be a positive number of at most 100000"),
+    ("{latency_us: 5e6}", "latency_us must be a number >= 0 and at most 1e+06"),
+])
+def test_a_cluster_yaml_link_no_machine_has_is_one_line(tmp_path, link, words):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"groups:\n  - {{nodes: 2, gpus_per_node: 2, gpu: H100-SXM-80GB}}\ninter_node: {link}\n")
+    code, _, err = run_cli(["suggest", "--model", TINY, "--cluster", str(path), *TINY_ARGS])
+    assert code == 2 and err.count("\n") == 1 and words in err, err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["run", "PLAN", "--model", ""], "--model '' is empty"),            # ran the plan's model silently
+    (["run", "PLAN", "--model", " "], "leave --model out"),
+    (["run", "PLAN", "--timeout", "1e9"], "--timeout 1e+09 is more than 1e+06 s"),
+    (["calibrate", "--out", "OUT", "--timeout", "-1"], "--timeout -1 must be a number of seconds above 0"),  # accepted
+    (["calibrate", "--out", "OUT", "--timeout", "0"], "--timeout 0 must be a number of seconds above 0"),
+    (["calibrate", "--out", "OUT", "--timeout", "nan"], "--timeout nan must be"),
+    (["calibrate", "--out", "OUT", "--collectives", "--nproc", "1000000"], "CPU cores; pass --nproc"),
+    (["calibrate", "--out", "", "--quick"], "--out is empty"),
+    (["calibrate", "--out", "OUT", "--dtype", ""], "--dtype is empty"),
+])
+def test_run_and_calibrate_refuse_what_they_once_accepted(tmp_path, plan_text, argv, words):
+    plan = tmp_path / "plan.json"
+    plan.write_text(plan_text)
+    out = tmp_path / "cal.json"
+    argv = [{"PLAN": str(plan), "OUT": str(out)}.get(a, a) for a in argv]
+    if argv[0] == "calibrate":
+        argv += ["--device", "cpu"]
+    started = time.perf_counter()
+    code, _, err = run_cli(argv)
+    assert code == 2 and err.count("\n") == 1 and words in err, err
+    assert time.perf_counter() - started < 10 and not out.exists()  # refused before anything ran
+
+
+def _more_api_call(function: str, argument: str, value, plan_path: str):
+    """A call of `function` with `value` for `argument` and valid values elsewhere, arranged so that
+    a call whose every argument is valid still stops before any work (a sentinel mistake checked last)."""
+    import torch
+
+    import autoplan
+    from autoplan.runtime.calibrate import calibrate
+    from autoplan.runtime.launch import run_plan
+
+    if function == "attach_aux_loss":
+        args = {"output": torch.zeros(2), "aux": torch.tensor(1.0, requires_grad=True)}
+        args["output" if argument in ("model", "cluster", "global_batch") else "aux"] = value
+        return lambda: autoplan.attach_aux_loss(**args)
+    if function == "aux_loss_scale":
+        return lambda: autoplan.aux_loss_scale(value).__enter__()
+    if function == "partition":  # all valid: this two-rank plan has no process group (PartitionError)
+        key = {"model": "example_inputs", "cluster": "device", "global_batch": "seed", "seq_len": "timeout",
+               "top": "loss_fn", "dtype": "example_target", "tracer": "tracer"}.get(argument, "leaf_modules")
+        return lambda: autoplan.partition(TINY, plan_path, **{key: value})
+    if function == "run_plan":  # all valid: the fault spec is refused last, before spawning
+        key = {"model": "model", "cluster": "nproc", "global_batch": "steps", "seq_len": "timeout_s", "top": "seed",
+               "dtype": "metrics_path", "tracer": "data", "leaf_modules": "checkpoint_dir"}.get(argument, "lr")
+        return lambda: run_plan(plan_path, _fault="not-a-fault", **{key: value})
+    if function == "calibrate":  # all valid: the output's directory does not exist
+        key = {"model": "device", "cluster": "gpu", "global_batch": "nproc", "seq_len": "timeout_s",
+               "top": "quick", "dtype": "dtype", "tracer": "force"}.get(argument, "collectives")
+        return lambda: calibrate("/nonexistent-dir/cal.json", **{key: value})
+    from autoplan.cluster import Cluster  # a link field of a cluster mapping
+
+    key = {"model": "bw_gbps", "cluster": "latency_us", "global_batch": "kind", "seq_len": "bw_bytes_per_s",
+           "top": "latency_s"}.get(argument, "curves")
+    link = {key: value} if key != "curves" else {"curves": {"p2p": [[1, 1], value]}}
+    return lambda: Cluster.from_dict({"nodes": 2, "gpus_per_node": 2, "gpu": "H100-80GB", "inter_node": link})
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(function=st.sampled_from(["attach_aux_loss", "aux_loss_scale", "partition", "run_plan", "calibrate",
+                                 "Cluster.from_dict"]),
+       argument=st.sampled_from(_SUGGEST_ARGS), value=_WRONG)
+def test_more_of_the_api_answers_any_wrong_argument_in_one_line(tmp_path, plan_text, function, argument, value):
+    """The same property as above for the entries a fuzz of issue 29 found tracebacks in: a wrong
+    type or value is ValueError or TypeError with one line (attach_aux_loss(1, aux) was returned
+    silently, attach_aux_loss(out, 1) an AttributeError, partition(device=1.5) a multi-line TypeError)."""
+    plan = tmp_path / "plan.json"
+    if not plan.exists():
+        plan.write_text(plan_text)
+    call = _more_api_call(function, argument, value, str(plan))
+    started = time.perf_counter()
+    try:
+        call()
+    except (ValueError, TypeError) as exc:
+        message = str(exc).strip()
+        assert message and len(message.splitlines()) == 1, (function, argument, value, message)
+        if not message.startswith("the model rejects"):  # the model's own words about inputs it was given
+            for raw in ("object has no attribute", "not supported between", "argument must be", "not iterable"):
+                assert raw not in message, (function, argument, value, message)
+    else:
+        # Accepted only where the value is a valid one: a scale, a link figure, a curve point.
+        assert function in ("aux_loss_scale", "Cluster.from_dict"), (function, argument, value)
+    assert time.perf_counter() - started < 20

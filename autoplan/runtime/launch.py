@@ -823,8 +823,14 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
         spec = model or plan.model
         check_memory_figures(plan)
         _check_run_arguments(steps, timeout_s, lr, seed, skip_nonfinite, checkpoint_every, nproc)
-        if not isinstance(allow_oversubscribe, bool):
-            raise ValueError(f"allow_oversubscribe must be True or False, got {allow_oversubscribe!r}")
+        for flag, value in (("allow_oversubscribe", allow_oversubscribe), ("resume", resume)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be True or False, got {value!r}")
+        for flag, value in (("--metrics", metrics_path), ("--trace", trace_path), ("--checkpoint-dir", checkpoint_dir)):
+            if value is not None and not isinstance(value, str | os.PathLike):
+                raise TypeError(f"{flag} must be a path, got {type(value).__name__}")
+        if data is not None and not isinstance(data, str):
+            raise TypeError(f"--data must be FILE.py:FUNCTION, got {type(data).__name__}")
         for flag, path in (("--metrics", metrics_path), ("--trace", trace_path)):
             if path is not None:
                 check_output_file(flag, path)
