@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,3 +246,24 @@ def test_cpu_without_half_precision_instructions_times_in_fp32(monkeypatch):
     assert timing_dtype("cpu", torch.bfloat16) == (torch.bfloat16, None)
     assert timing_dtype("cpu", torch.float32) == (torch.float32, None)
     assert timing_dtype("meta", torch.bfloat16) == (torch.bfloat16, None)
+
+
+_COND_FILE = Path(__file__).parent / "user_models" / "cond_branches.py"
+
+
+@pytest.mark.parametrize(("builder", "code"), [
+    ("build", "return torch.cond(y.sum() > 0"),  # in each layer: a leaf module the profile runs
+    ("build_top", "x = torch.cond(x.sum() > 0"),  # in the top-level forward: export traces it into the graph
+])
+def test_cli_torch_cond_is_one_line_naming_its_line_and_the_rewrite(capsys, tmp_path, monkeypatch, builder, code):
+    """A model using torch.cond was a NotImplementedError traceback from the operator recorder
+    (graph/operators.py, [Note: higher-order operators])."""
+    from autoplan.cli import main
+
+    monkeypatch.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path))
+    line = next(i for i, text in enumerate(_COND_FILE.read_text().splitlines(), 1) if code in text)
+    rc = main(["suggest", "--model", f"{_COND_FILE}:{builder}", "--cluster", "1x2xcpu", "--global-batch", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("autoplan: error: the model calls torch.cond at "), err
+    assert f"cond_branches.py:{line} in forward" in err and "torch.where(pred, a, b)" in err, err
+    assert "Traceback" not in err and "NotImplementedError" not in err

@@ -24,7 +24,8 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from autoplan.graph.blocks import Op
 
-__all__ = ["RECORDER_VERSION", "Call", "FusedAttention", "FusedRMSNorm", "GpuKernels", "OperatorRecorder", "merge_batches"]
+__all__ = ["RECORDER_VERSION", "Call", "FusedAttention", "FusedRMSNorm", "GpuKernels", "OperatorRecorder", "UnpricedOperator",
+           "merge_batches"]
 
 RECORDER_VERSION = 7
 """In the profile cache's key: a change to what is recorded re-profiles."""
@@ -63,9 +64,32 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# [Note: higher-order operators]
+# torch.cond, while_loop, scan, map and flex_attention are higher-order operators: one call that runs
+# graphs of its own. None is priced. torch.cond runs one branch chosen by a value, which planning
+# (on shapes) never sees; pricing the more expensive branch would be an upper bound, but torch 2.13
+# cannot run a cond's backward on fake tensors under a FLOP counter (its joint-graph capture fails
+# in aot_autograd) and runs the forward through dynamo, which rejects dispatch modes it meets.
+# So the recorder takes every higher-order operator (`supports_higher_order_operators`) only to
+# refuse it by name (`UnpricedOperator`), and the profile says in one line where the model calls it
+# and how to write it with ordinary operators (graph/profile.py, `_unpriced`). Before, torch's own
+# NotImplementedError ("no rule registered for HigherOrderOperator cond") came out as a traceback.
+
+
+class UnpricedOperator(RuntimeError):
+    """A higher-order operator reached the recorder ([Note: higher-order operators])."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"higher-order operator {name} cannot be priced")
+        self.name = name
+
+
 class OperatorRecorder(TorchDispatchMode):
     """Records the calls of whatever runs under it (see the module docstring). Enter it inside the
     fake mode, so that it sees every call first and passes it on."""
+
+    supports_higher_order_operators = True
+    """Higher-order operators come to `__torch_dispatch__`, to be refused by name ([Note: higher-order operators])."""
 
     def __init__(self, params: list[torch.Tensor], hidden: int | None, custom_flops: dict | None = None) -> None:
         super().__init__()
@@ -92,6 +116,8 @@ class OperatorRecorder(TorchDispatchMode):
                                hidden, ()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            raise UnpricedOperator(func.name())
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.paused:

@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from autoplan.graph.operators import (
     FusedAttention,
     GpuKernels,
     OperatorRecorder,
+    UnpricedOperator,
     merge_batches,
 )
 from autoplan.graph.positions import POSITIONS_ATTRIBUTE
@@ -58,6 +60,7 @@ from autoplan.graph.trace import (
     TracedModel,
     crossing_values,
     extract_submodule,
+    model_line,
     trace_with_loss,
     value_dependence,
 )
@@ -483,6 +486,23 @@ def _measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, tor
         fwd_calls=calls[0],
         bwd_calls=calls[1],
     )
+
+
+def _unpriced(exc: UnpricedOperator, sub: fx.GraphModule) -> str:
+    """One line for a higher-order operator in the model ([Note: higher-order operators] in
+    graph/operators.py): what it calls, where, and how to write it with ordinary operators. The
+    line is the traceback's (a leaf module run by the profile), else the graph node's (export traces
+    the operator into the graph; fx cannot trace it)."""
+    node = next((n for n in sub.graph.nodes
+                 if isinstance(n.target, torch._ops.HigherOrderOperator) and n.target.name() == exc.name), None)
+    where = model_line(exc, node.meta.get("stack_trace") if node is not None else None)
+    if exc.name == "cond":
+        return (f"the model calls torch.cond {where}, which planning cannot price (the branch taken depends on a "
+                "value, and torch cannot trace a cond's backward on fake tensors); compute both branches and pick "
+                "with torch.where(pred, a, b), or choose the branch with a Python flag set when the model is built")
+    return (f"the model calls the higher-order operator torch.ops.higher_order.{exc.name} {where}, which planning "
+            "cannot price (it runs graphs of its own); write it with ordinary tensor operations (a Python loop for "
+            "while_loop, scan or map; F.scaled_dot_product_attention for flex_attention)")
 
 
 def _block_ops(sub: fx.GraphModule, cost: _BlockCost, doubled_inputs: list[Any] | None, hidden: int | None,
@@ -1030,7 +1050,16 @@ def profile_traced(
                 fake_inputs.append(_fake_like(x, dtype) if isinstance(x, torch.Tensor) and not run.owns(x) else x)
         fp = _block_fingerprint(traced, index, sub, fake_inputs)
         if fp not in costs:
-            costs[fp] = _measure_block(sub, fake_inputs, _block_params(sub, run), hidden, run)
+            try:
+                costs[fp] = _measure_block(sub, fake_inputs, _block_params(sub, run), hidden, run)
+            except UnpricedOperator as exc:
+                if os.environ.get("AUTOPLAN_DEBUG"):
+                    raise
+                # torch.cond runs through dynamo, which marks the wrapper it was compiling when the
+                # refusal interrupted it as skipped: a later export of a cond in this process would fail.
+                if "torch._dynamo" in sys.modules:
+                    torch._dynamo.reset()
+                raise ProfileError(_unpriced(exc, sub)) from None
             ops[fp] = _block_ops(sub, costs[fp], [doubled.values[n] for n in input_names] if doubled else None,
                                  hidden, doubled, dtype)
             if device != "meta":

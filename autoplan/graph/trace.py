@@ -60,7 +60,7 @@ from torch import nn
 
 __all__ = [
     "TraceError", "TracedModel", "extract_submodule", "find_layer_container", "find_layer_containers",
-    "retarget_device", "trace_model",
+    "model_line", "retarget_device", "trace_model",
     "trace_with_loss", "value_dependence",
 ]
 
@@ -507,16 +507,22 @@ def value_dependence(exc: BaseException, stack_trace: str | None = None) -> str 
         what, fix = "reads a tensor's value (.item(), bool(t), `if x.sum() > 0`, .tolist())", _VALUE_FIX
     else:
         return None
-    frame = _user_frame(chain, stack_trace)
-    if frame is None:
-        where = "in its forward (the line is unknown: AUTOPLAN_DEBUG=1 shows the full traceback)"
-    else:
-        file, line, function, code = frame
-        with contextlib.suppress(ValueError):  # another drive (Windows): keep the absolute path
-            relative = os.path.relpath(file)
-            file = file if relative.startswith("..") else relative
-        where = f"at {file}:{line} in {function}" + (f" (`{code[:80]}`)" if code else "")
+    where = model_line(exc, stack_trace)
     return f"the model {what} {where}, which planning cannot follow (it runs the model on shapes, not values); {fix}"
+
+
+def model_line(exc: BaseException, stack_trace: str | None = None) -> str:
+    """Where in the model's own code `exc` was raised: "at file:line in function (`code`)" (the
+    file relative to the working directory when under it), from the exception's traceback or the
+    failing node's `stack_trace`; or a clause saying the line is unknown."""
+    frame = _user_frame(_exception_chain(exc), stack_trace)
+    if frame is None:
+        return "in its forward (the line is unknown: AUTOPLAN_DEBUG=1 shows the full traceback)"
+    file, line, function, code = frame
+    with contextlib.suppress(ValueError):  # another drive (Windows): keep the absolute path
+        relative = os.path.relpath(file)
+        file = file if relative.startswith("..") else relative
+    return f"at {file}:{line} in {function}" + (f" (`{code[:80]}`)" if code else "")
 
 
 def _first_line(exc: BaseException) -> str:
