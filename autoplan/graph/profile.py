@@ -866,7 +866,7 @@ def _write_cached(path: Path, profile: ModelProfile) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one writer per file name; replace is atomic
-        tmp.write_text(profile.to_json())
+        tmp.write_text(profile.to_json(indent=None))  # json's C encoder runs only without indent: 5x faster
         tmp.replace(path)
     except OSError:
         pass  # a read-only or full cache directory costs the next run a re-profile, nothing else
