@@ -99,6 +99,9 @@ def _profile_with_graph(model, *, batch_size, seq_len, example_inputs, loss_fn, 
     require("device", device, str, "a string (meta, cpu or cuda)")
     require("tracer", tracer, str, "a string (auto, fx, export or modules)")
     require_strings("leaf_modules", leaf_modules)
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function loss_fn(output, target), got {type(loss_fn).__name__}")
+    require("example_target", example_target, torch.Tensor, "a tensor (the loss's target)", optional=True)
     if example_inputs is not None:
         require("example_inputs", example_inputs, (tuple, list), "a tuple or list of the model's inputs")
     source = as_source(model, example_inputs, loss_fn)

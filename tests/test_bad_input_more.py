@@ -181,3 +181,12 @@ def test_run_refuses_an_empty_model_spec(tmp_path, capsys):
     assert err.count("\n") == 1 and "--model '' is empty" in err and TINY in err, err
     with pytest.raises(ValueError, match="model must be a model spec string, got int"):
         autoplan.run_plan(str(plan), model=3)
+
+
+@pytest.mark.parametrize("kwargs, named", [({"loss_fn": 3}, "loss_fn"), ({"example_target": "x"}, "example_target")])
+def test_profile_refuses_a_loss_or_target_of_the_wrong_type(kwargs, named):
+    import autoplan
+
+    with pytest.raises(TypeError, match=named) as info:
+        autoplan.profile("gpt:num_layers=1,hidden_size=32,num_heads=2,vocab_size=64,max_seq_len=16", **kwargs)
+    assert "\n" not in str(info.value)
