@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from autoplan._version import __version__
 
 # Public name -> the module that defines it (imported on first access, then cached in globals()).
 _LAZY: dict[str, str] = {

@@ -226,7 +226,7 @@ def load_baseline(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
 
 def write_baseline(path: str | os.PathLike, results: Sequence[CaseResult]) -> int:
     """Write the current metrics of every case that has a plan, atomically; returns how many."""
-    from autoplan import __version__
+    from autoplan._version import __version__
 
     cases = {r.case.name: r.current for r in results if r.current is not None}
     data = {"schema_version": BASELINE_SCHEMA_VERSION, "autoplan_version": __version__, "cases": cases}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 # Only what parsing the command line needs is imported here: `autoplan --help` and `--version` stay
 # under a second (issue 29); torch, rich and the planner load inside the command that uses them.
-from autoplan import __version__
+from autoplan._version import __version__
 from autoplan._files import check_output_file
 
 if TYPE_CHECKING:

@@ -914,7 +914,7 @@ def _analytic_key(traced: TracedModel, example_inputs: Sequence[Any], *, model_n
     The result depends on the graph (its code, blocks and the parameter shapes in the model
     fingerprint), the code it calls (`_code_files`), the input shapes and dtypes, the dtype, the
     config numbers in `info`, torch (kernel choice, FLOP formulas) and autoplan."""
-    from autoplan import __version__
+    from autoplan._version import __version__
 
     files = _code_files(traced)
     digest = _source_digest(files) if files is not None else None
