@@ -12,10 +12,9 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from autoplan._files import check_output_file
-
 # Only what parsing the command line needs is imported here: `autoplan --help` and `--version` stay
 # under a second (issue 29); torch, rich and the planner load inside the command that uses them.
+from autoplan._files import check_output_file
 from autoplan._version import __version__
 
 if TYPE_CHECKING:
