@@ -100,3 +100,14 @@ def test_a_resumed_fp16_run_goes_on_at_its_loss_scale(tmp_path, monkeypatch, cap
                  "--metrics", str(metrics)]) == 0
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [(r["step"], r["loss_scale"]) for r in records] == [(3, 16384.0), (4, 16384.0)]
+
+
+def test_the_loss_scale_never_grows_past_what_the_fp16_loss_gradient_can_hold():
+    """The gradient handed to the fp16 loss is the scale itself: at 2**16 (> 65504) it is inf on
+    every step, so growth stops at 2**15 ([Note: fp16 loss scaling])."""
+    scaler = LossScaler(growth_interval=1)
+    for _ in range(3):
+        scaler.update(overflow=False)
+    assert scaler.scale == 2.0**15
+    assert torch.isfinite(torch.tensor(scaler.scale, dtype=torch.float16))
+    assert not torch.isfinite(torch.tensor(scaler.scale * scaler.growth_factor, dtype=torch.float16))

@@ -77,10 +77,10 @@ def test_a_small_gpu_plan_that_fits_runs_on_cpu_ranks_with_a_note(tiny_a100, sma
     fit = check_machine(Plan.load(tiny_a100), 2)
     assert fit.estimate_bytes < 3 * GIB
     assert fit.note.startswith("no CUDA here: the A100-SXM4-80GB plan runs as 2 CPU ranks with gloo"), fit.note
-    with pytest.raises(ValueError, match="must be a finite number of bytes at least 0"):  # negative figures, refused by the estimate
-        bad = Plan.load(tiny_a100).to_dict()
-        bad["stages"][0]["memory"]["activations_bytes"] = -1e9
-        host_memory_bytes(Plan.from_dict(bad))
+    bad = Plan.load(tiny_a100).to_dict()
+    bad["stages"][0]["memory"]["activations_bytes"] = -1e9
+    with pytest.raises(ValueError, match="activations_bytes = -1000000000.0 must be a finite number of bytes"):
+        run_plan(Plan.from_dict(bad), nproc=2)  # a Plan object is validated before any estimate
 
 
 def test_under_cuda_each_local_rank_needs_its_own_gpu(tiny_a100):
@@ -166,6 +166,10 @@ def test_a_sigkill_with_memory_short_is_reported_as_likely_out_of_memory(monkeyp
     monkeypatch.setattr("autoplan.runtime.launch.oom_kills", lambda: 1)
     assert "likely killed for lack of memory" in calm.report(_procs(0, -signal.SIGKILL))
     assert calm.report(_procs(0, 1)) == ""  # no SIGKILL: nothing to add
+    # A rank the launcher killed itself (frozen, or alive after the grace period) is not blamed on memory.
+    both = calm.report(_procs(-signal.SIGKILL, -signal.SIGKILL), stopped_by_launcher={1: "stopped by the launcher"})
+    assert both.startswith("rank 0 was likely killed"), both
+    assert calm.report(_procs(0, -signal.SIGKILL), stopped_by_launcher={1: "stopped by the launcher"}) == ""
 
 
 def test_start_up_shows_what_each_rank_is_doing(tmp_path):

@@ -53,6 +53,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -66,7 +67,6 @@ from autoplan.runtime.machine import (
     MachineFit,
     available_memory_bytes,
     check_machine,
-    check_memory_figures,
     oom_kills,
 )
 from autoplan.runtime.ranks import LocalJob, current_heartbeat, fail_rank, free_port, one_line, supervise
@@ -590,9 +590,10 @@ class _OomWatch:
         return (self.lowest_free is not None and self.total is not None
                 and self.lowest_free < max(0.05 * self.total, 0.5 * GIB))
 
-    def report(self, procs: list) -> str:
-        """The line printed for a job whose rank was SIGKILLed with memory short, else ""."""
-        killed = [r for r, p in enumerate(procs) if p.exitcode == -signal.SIGKILL]
+    def report(self, procs: list, stopped_by_launcher: Mapping[int, str] = {}) -> str:  # noqa: B006 (read only)
+        """The line printed for a job whose rank was SIGKILLed with memory short, else "". Ranks the
+        launcher killed itself (frozen, or still alive after the grace period) are not counted."""
+        killed = [r for r, p in enumerate(procs) if p.exitcode == -signal.SIGKILL and r not in stopped_by_launcher]
         if not killed or not self.likely_oom():
             return ""
         estimate = self.fit.estimate_bytes if self.fit is not None else None
@@ -821,7 +822,6 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
             raise ValueError(f"--model {model!r} is empty; give a model spec, or leave --model out to build the "
                              f"plan's ({plan.model})")
         spec = model or plan.model
-        check_memory_figures(plan)
         _check_run_arguments(steps, timeout_s, lr, seed, skip_nonfinite, checkpoint_every, nproc)
         for flag, value in (("allow_oversubscribe", allow_oversubscribe), ("resume", resume)):
             if not isinstance(value, bool):
@@ -900,7 +900,7 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
                 code = job.supervise(grace_s=_grace_s, on_poll=lambda: (progress(), oom.sample()))
                 progress.finish()
                 if code:
-                    oom.report(job.procs)
+                    oom.report(job.procs, stopped_by_launcher=job.stopped)
                 return code
             except _Terminated:
                 job.failed = True

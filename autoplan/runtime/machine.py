@@ -22,14 +22,13 @@ smaller cgroup limit's headroom (a container sees the host's /proc/meminfo).
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from autoplan.plan import Plan
 
-__all__ = ["GIB", "MachineFit", "RANK_BASE_BYTES", "available_memory_bytes", "check_machine", "check_memory_figures",
-           "host_memory_bytes", "oom_kills"]
+__all__ = ["GIB", "MachineFit", "RANK_BASE_BYTES", "available_memory_bytes", "check_machine", "host_memory_bytes",
+           "oom_kills"]
 
 GIB = 2**30
 RANK_BASE_BYTES = 0.5 * GIB
@@ -90,32 +89,20 @@ def oom_kills() -> int | None:
     return sum(counts) if counts else None
 
 
-def check_memory_figures(plan: Plan) -> None:
-    """Refuse (ValueError, one line) a plan whose memory figures are negative or not numbers: a plan
-    file edited or corrupted after `suggest` (plan.py's `validate` checks them on load too)."""
-    for stage in plan.stages:
-        for name in (*_MEMORY_FIELDS, "allowance_bytes"):
-            value = getattr(stage.memory, name)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"plan.stages[{stage.index}].memory.{name} = {value!r} must be a finite number of "
-                                 f"bytes at least 0; re-create the plan with `autoplan suggest --out`")
-    peak = plan.predicted.peak_memory_bytes
-    if not isinstance(peak, int | float) or not math.isfinite(peak) or peak < 0:
-        raise ValueError(f"plan.predicted.peak_memory_bytes = {peak!r} must be a finite number of bytes at least 0; "
-                         f"re-create the plan with `autoplan suggest --out`")
-
-
 def host_memory_bytes(plan: Plan) -> float:
     """Estimated host memory of all the plan's ranks run as CPU processes on one machine (module
-    docstring). Refuses (ValueError, one line) a memory figure that is negative or not a number."""
-    check_memory_figures(plan)
+    docstring). The plan's memory figures were checked finite and not negative when it was loaded
+    or passed in (plan.py `validate`)."""
     by_pp_rank: dict[int, float] = {}
+    params_by_pp_rank: dict[int, int] = {}
+    for stage in plan.stages:  # `num_params` is per GPU already (tp-sharded); a rank's chunks add up
+        params_by_pp_rank[stage.pp_rank] = params_by_pp_rank.get(stage.pp_rank, 0) + stage.num_params
     bytes_per_param = 4 + 4 + 8 + (2 if plan.job.dtype != "float32" else 0)  # master, grad, Adam, working copy
     for stage in plan.stages:
         memory = stage.memory
         held = sum(getattr(memory, name) for name in _MEMORY_FIELDS)
         if held == 0:  # a plan without memory figures: its parameters at least (Adam, mixed precision)
-            held = stage.num_params * bytes_per_param / plan.tp
+            held = params_by_pp_rank[stage.pp_rank] * bytes_per_param
         # Every stage of one pipeline rank carries that rank's whole memory (plan.py, StagePlan.memory).
         by_pp_rank[stage.pp_rank] = max(by_pp_rank.get(stage.pp_rank, 0.0), held)
     return sum(by_pp_rank.values()) * plan.tp * plan.dp + plan.num_gpus * RANK_BASE_BYTES

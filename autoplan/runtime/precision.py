@@ -41,10 +41,11 @@ accumulated and reduced, and then, as torch.amp.GradScaler and Megatron-LM's Dyn
 - a step whose gradients hold an infinity or a NaN on ANY rank (the launcher's one MAX all-reduce
   over the whole world, `launch._loss_and_nonfinite`, which every rank reads) is an overflow: no
   optimizer step on any rank, S halves;
-- after `growth_interval` steps in a row without overflow, S doubles.
-The initial S is 2**15, not GradScaler's 2**16: here the loss itself is fp16 (the stages compute in
-the plan's dtype, the loss included, with no autocast to promote it to fp32), and the gradient the
-backward starts from, S / num_microbatches, must be below fp16's largest finite value, 65504. S
+- after `growth_interval` steps in a row without overflow, S doubles, up to `max_scale`.
+S starts at, and never grows past, 2**15 (GradScaler starts at 2**16 and has no cap): here the loss
+itself is fp16 (the stages compute in the plan's dtype, the loss included, with no autocast to promote
+it to fp32), and the gradient the backward hands that fp16 loss is S (the executor scales the loss in
+fp32), which must stay below fp16's largest finite value, 65504: at 2**16 every step would overflow. S
 never goes below `min_scale` (1, Megatron-LM's `min_loss_scale`): an overflow at S = 1 is a
 non-finite gradient, not a too-large scale, and the run treats it as one (--skip-nonfinite).
 """
@@ -171,10 +172,10 @@ class LossScaler:
     rule (growth 2, backoff 0.5, growth interval 2000) on the fp32 master gradients."""
 
     def __init__(self, init_scale: float = 2.0**15, *, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, min_scale: float = 1.0):
+                 growth_interval: int = 2000, min_scale: float = 1.0, max_scale: float = 2.0**15):
         self.scale = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.min_scale = growth_interval, min_scale
+        self.growth_interval, self.min_scale, self.max_scale = growth_interval, min_scale, max_scale
         self.good_steps = 0
         """Steps without overflow since the scale last changed."""
 
@@ -192,14 +193,14 @@ class LossScaler:
 
     def update(self, overflow: bool) -> None:
         """After a step: halve on an overflow (the step was skipped), grow after `growth_interval`
-        good steps in a row."""
+        good steps in a row, never past `max_scale`."""
         if overflow:
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.good_steps = 0
             return
         self.good_steps += 1
         if self.good_steps >= self.growth_interval:
-            self.scale *= self.growth_factor
+            self.scale = min(self.scale * self.growth_factor, self.max_scale)  # the fp16 loss's gradient is S
             self.good_steps = 0
 
     def state_dict(self) -> dict[str, float]:

@@ -236,6 +236,9 @@ class LocalJob:
         self.procs: list = []
         self._lifeline = None
         self.failed = False
+        self.stopped: dict[int, str] = {}
+        """Ranks the launcher stopped itself (rank -> how), filled by `supervise`: their SIGKILL is not a
+        crash, nor the kernel's OOM killer."""
 
     def __enter__(self) -> LocalJob:
         return self
@@ -266,7 +269,7 @@ class LocalJob:
         reader.close()  # only the ranks hold the reading end: it sees EOF when this process is gone
 
     def supervise(self, grace_s: float, poll_s: float = 0.05, on_poll: Callable[[], None] | None = None) -> int:
-        code = supervise(self.procs, self.run_dir, grace_s, poll_s, on_poll)
+        code = supervise(self.procs, self.run_dir, grace_s, poll_s, on_poll, stopped=self.stopped)
         self.failed = code != 0
         return code
 
@@ -283,7 +286,7 @@ def _frozen_ranks(procs: list, run_dir: str, now: float) -> dict[int, str]:
 
 
 def supervise(procs: list, run_dir: str, grace_s: float, poll_s: float = 0.05,
-              on_poll: Callable[[], None] | None = None) -> int:
+              on_poll: Callable[[], None] | None = None, stopped: dict[int, str] | None = None) -> int:
     """Wait for the ranks; on the first failure give the rest `grace_s` to end, then stop them.
 
     Prints one line naming the rank to blame and why, and the log directory; returns 0 or 1.
@@ -299,7 +302,7 @@ def supervise(procs: list, run_dir: str, grace_s: float, poll_s: float = 0.05,
     from multiprocessing.connection import wait
 
     first_seen: dict[int, float] = {}  # rank -> when the launcher saw it end non-zero
-    stopped: dict[int, str] = {}  # rank -> how the launcher stopped it
+    stopped = {} if stopped is None else stopped  # rank -> how the launcher stopped it (the caller may read it)
     frozen: dict[int, str] = {}  # rank -> its stalled heartbeat, seen at the first failure
     failure_at = term_at = None
     while True:
