@@ -12,6 +12,7 @@ and every command imports only what it runs. `from autoplan import suggest` work
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from autoplan._version import __version__
@@ -66,6 +67,11 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        if not name.startswith("_") and importlib.util.find_spec(f"autoplan.{name}") is not None:
+            # `import autoplan; autoplan.runtime...`: a subpackage, bound as the eager imports once bound it
+            value = importlib.import_module(f"autoplan.{name}")
+            globals()[name] = value
+            return value
         raise AttributeError(f"module 'autoplan' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value

@@ -126,3 +126,12 @@ def test_console_script_exit_keeps_output_files_and_codes(tmp_path):
     assert plan["tp"] * plan["pp"] * plan["dp"] == 2
     refused = run_cli("suggest", "--model", SMALL, "--cluster", "1x2xA100-80GB", "--global-batch", "8", "--tp", "3")
     assert refused.returncode == 2 and refused.stderr.startswith("autoplan: error:"), refused.stderr
+
+
+def test_the_lazy_package_still_binds_its_subpackages():
+    """`import autoplan; autoplan.runtime.partition` worked with the eager imports: it still does."""
+    code = ("import autoplan; assert autoplan.runtime.partition is autoplan.partition; "
+            "assert autoplan.cluster.parse_cluster; "
+            "import sys; sys.exit(0 if not hasattr(autoplan, 'no_such_name') else 1)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-800:]

@@ -144,6 +144,9 @@ def no_plan_message(ctx: SearchContext, cluster: Cluster, pins: dict, sp_allowed
             more = None if relaxed else _fits_on_more_gpus(ctx, cluster, pins, cluster.num_gpus + 1, deadline)
             if relaxed or more:
                 parts.append(relaxed or more)
+            elif time.perf_counter() >= deadline:  # the searches stopped early: say so, do not guess
+                parts.append(f"no pin removal or larger cluster was found to fit within the {_BUDGET_S:.0f} s "
+                             "spent looking")
             else:
                 parts.append("no pin removal or cluster up to 8x this size was found to fit")
     return "; ".join(parts)
