@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoplan import models as zoo
 from autoplan._checks import require, require_int, require_paths, require_strings
 from autoplan.cluster import Cluster, parse_cluster, with_collective_curves
 from autoplan.cost.calibration import Calibrations
-from autoplan.graph import zoo
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.profile import (
     Progress,
@@ -25,11 +25,11 @@ from autoplan.graph.profile import (
     model_fingerprint,
     profile_traced,
 )
-from autoplan.graph.source import ModelSource, ModuleSource, as_source, trace_with_target
 from autoplan.graph.trace import TracedModel, trace_model
 from autoplan.plan import MAX_JOB_SIZE, Job, Plan
 from autoplan.search._gc import gc_paused
 from autoplan.search.space import SearchResult, search_plans
+from autoplan.sources import ModelSource, ModuleSource, as_source, trace_with_target
 
 __all__ = ["ProfiledModel", "parse_dtype", "profile", "profile_with_graph", "suggest", "suggest_with_stats"]
 

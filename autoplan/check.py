@@ -182,8 +182,8 @@ def _parse_case(raw: Any, index: int, where: str) -> Case:
 
 def validate_case_specs(suite: Suite) -> None:
     """Parse every model and cluster spec before running anything, so a typo fails in a second."""
+    from autoplan import models as zoo
     from autoplan.cluster import parse_cluster
-    from autoplan.graph import zoo
 
     for case in suite.cases:
         for key, parse in (("model", zoo.parse_model_spec), ("cluster", parse_cluster)):

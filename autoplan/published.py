@@ -40,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
+from autoplan import models as zoo
 from autoplan.cluster import GPU, parse_cluster
 from autoplan.cost.calibration import Calibration, Calibrations, default_calibration
 from autoplan.cost.config import ParallelConfig
-from autoplan.graph import zoo
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.profile import profile_model
 from autoplan.plan import Job, Plan

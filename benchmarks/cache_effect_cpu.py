@@ -32,7 +32,7 @@ def _median_s(fn, flush: torch.Tensor | None, repeats: int = 7, warmup: int = 2)
 
 
 def main() -> int:
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
 
     torch.set_num_threads(1)
     model = zoo.build_model(MODEL, device="cpu", seed=0)

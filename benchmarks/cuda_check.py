@@ -82,7 +82,7 @@ def _train(plan, steps: int) -> dict:
     """Train `plan` in this process (one NCCL rank) and measure step time and peak memory."""
     import torch
 
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
     from autoplan.runtime import partition
     from autoplan.runtime.launch import synthetic_batch
 

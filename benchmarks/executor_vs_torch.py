@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 def _plan(spec: str, schedule: str, pp: int, micro_batch_size: int, num_microbatches: int, seq_len: int):
     from _dist import make_plan
 
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
     from autoplan.graph.profile import model_fingerprint
     from autoplan.graph.trace import trace_model
 
@@ -42,7 +42,7 @@ def _torch_schedule(spec: str, plan, rank: int):
     """torch PipelineStage + ScheduleGPipe/Schedule1F1B over the same stage module autoplan builds."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
     from autoplan.graph.trace import trace_model
     from autoplan.runtime.split import (
         build_stage_modules,
@@ -65,7 +65,7 @@ def _torch_schedule(spec: str, plan, rank: int):
 
 
 def _torch_loss(output, target):
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
 
     return zoo.lm_loss(output[0] if isinstance(output, tuple) else output, target)  # stage modules return tuples
 
@@ -73,7 +73,7 @@ def _torch_loss(output, target):
 def _worker(rank: int, world_size: int, port: int, args: dict, queue) -> None:
     from datetime import timedelta
 
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
     from autoplan.runtime import partition
 
     torch.set_num_threads(args["threads"])

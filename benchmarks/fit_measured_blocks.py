@@ -31,10 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+from autoplan import models as zoo
 from autoplan.cluster import get_gpu
 from autoplan.cost.calibration import Calibration, default_calibration
 from autoplan.cost.time import op_pass_times
-from autoplan.graph import zoo
 from autoplan.graph.profile import profile_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -42,7 +42,7 @@ DTYPES = ("float32", "bfloat16")
 
 
 def measure(spec: str, batch: int, seq: int, dtype: torch.dtype) -> dict:
-    from autoplan.graph.zoo import build_model, example_inputs, example_targets, lm_loss
+    from autoplan.models import build_model, example_inputs, example_targets, lm_loss
 
     model = build_model(spec, device="cpu", dtype=dtype)
     (ids,) = example_inputs(spec, batch_size=batch, seq_len=seq, device="cpu")

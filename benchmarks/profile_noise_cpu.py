@@ -44,7 +44,7 @@ def main() -> int:
         parser.error(f"--repeats {args.repeats!r} must be comma-separated integers, e.g. 5,20")
     import torch
 
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
     from autoplan.graph.profile import profile_model
 
     torch.set_num_threads(1)  # as each of 4 ranks on a 2-core machine runs

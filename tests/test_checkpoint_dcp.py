@@ -15,7 +15,7 @@ from _dist import run_ranks
 from test_runtime_multiproc import GPT, _data
 from test_runtime_precision import _plan_with
 
-from autoplan.graph import zoo
+from autoplan import models as zoo
 from autoplan.runtime import checkpoint as ckpt
 
 STEPS = 2

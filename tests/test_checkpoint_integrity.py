@@ -20,7 +20,7 @@ import pytest
 import torch
 from _dist import make_plan
 
-from autoplan.graph import zoo
+from autoplan import models as zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import trace_model
 from autoplan.runtime import checkpoint as ckpt

@@ -407,7 +407,7 @@ def test_torchtitan_builds_the_hugging_face_model_with_its_head_dim(pp, tmp_path
     import torch
 
     import autoplan
-    from autoplan.graph.hf import HFSource
+    from autoplan.sources.hf import HFSource
 
     pins = dict(zero=2) if pp == 1 else dict(zero=0, schedule="1f1b", micro_batch_size=1)
     plan = autoplan.suggest(_HEAD_DIM_LLAMA, "1x2xA100-80GB", global_batch=4, seq_len=64, pp=pp, tp=1, **pins)[0]

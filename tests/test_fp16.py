@@ -13,8 +13,8 @@ from _dist import make_plan
 from test_runtime_multiproc import GPT, _data
 from test_runtime_precision import _reference
 
+from autoplan import models as zoo
 from autoplan.cli import main
-from autoplan.graph import zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import trace_model
 from autoplan.runtime.precision import LossScaler

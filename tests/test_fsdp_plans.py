@@ -198,7 +198,7 @@ def test_pinned_zero3_and_hsdp():
 def test_sharding_options():
     """At most four FSDP options per base configuration; none with zb-h1; HSDP only where a node's
     data-parallel ranks make a shard group ([Note: sharded data parallelism in the search])."""
-    from autoplan.search.space import _shardings
+    from autoplan.search.configs import _shardings
 
     assert _shardings(_cfg(tp=2, dp=8), {}, 8) == [(1, 1), (2, 1), (2, 2), (3, 1), (3, 2)]
     assert _shardings(_cfg(tp=8, dp=8), {}, 8) == [(1, 1), (2, 1), (3, 1)]  # shard group of 1: no HSDP

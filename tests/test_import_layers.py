@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -45,3 +47,19 @@ def test_the_runtime_reaching_into_the_search_breaks_the_contract(tmp_path):
     proc = _lint_imports(tmp_path)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-1000:]
     assert "1 kept, 1 broken" in proc.stdout and "autoplan.runtime.split -> autoplan.search.space" in proc.stdout
+
+
+@pytest.mark.parametrize("module, line, broken", [
+    # the analysis reaching into the built-in models (issue 30: models apart from analysis)
+    ("graph/blocks.py", "from autoplan.models import build_model", "autoplan.graph.blocks -> autoplan.models"),
+    # a built-in model reaching up to the sources that wrap it (what made graph/source.py and hf.py a circle)
+    ("models/build.py", "from autoplan.sources import hf", "autoplan.models.build -> autoplan.sources.hf"),
+])
+def test_the_analysis_and_the_models_stay_below_the_sources(tmp_path, module, line, broken):
+    shutil.copytree(ROOT / "autoplan", tmp_path / "autoplan", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    with open(tmp_path / "autoplan" / module, "a") as f:
+        f.write(f"\n{line}  # noqa: E402,F401\n")
+    proc = _lint_imports(tmp_path)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-1000:]
+    assert "1 kept, 1 broken" in proc.stdout and broken in proc.stdout, proc.stdout[-2000:]

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
+from autoplan import models as zoo
 from autoplan.cli import main
 from autoplan.cluster.devices import GPUS, get_gpu
 from autoplan.cluster.topology import PRESETS as CLUSTER_PRESETS
 from autoplan.cluster.topology import parse_cluster
-from autoplan.graph import zoo
 
 
 def _rows(what: str, capsys) -> list[dict]:

@@ -13,7 +13,7 @@ import autoplan
 from autoplan.cluster import parse_cluster
 from autoplan.cost.config import ParallelConfig
 from autoplan.cost.memory import BYTES_PER_PARAM, allowance_bytes, held_params, param_counts, rank_memory
-from autoplan.graph.zoo import PRESET_SOURCES, PRESETS, build_model
+from autoplan.models import PRESET_SOURCES, PRESETS, build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30

@@ -15,7 +15,7 @@ import torch
 from _cli import run_main
 
 import autoplan
-from autoplan.graph import zoo
+from autoplan import models as zoo
 from autoplan.graph.aux_loss import aux_loss_scale
 from autoplan.plan import validate
 from autoplan.report.export import ExportError, export_plan

@@ -8,6 +8,7 @@ import math
 import pytest
 
 import autoplan
+from autoplan import models as zoo
 from autoplan.cli import main as cli_main
 from autoplan.cluster import get_gpu
 from autoplan.cost.calibration import (
@@ -18,7 +19,6 @@ from autoplan.cost.calibration import (
     shipped_calibrations,
 )
 from autoplan.cost.ops import attention_time_s, gemm_time_s, memory_time_s, op_time_s
-from autoplan.graph import zoo
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.profile import profile_model
 

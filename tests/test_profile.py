@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import autoplan
+from autoplan import models as zoo
 from autoplan.graph import profile as profile_mod
-from autoplan.graph import zoo
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.profile import flop_counter, profile_model
 from autoplan.graph.trace import trace_model

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from autoplan import models as zoo
 from autoplan.cluster import parse_cluster
 from autoplan.cost.config import ParallelConfig
-from autoplan.graph import zoo
 from autoplan.graph.profile import profile_model
 from autoplan.plan import Job
 from autoplan.search.evaluate import SearchContext, evaluate

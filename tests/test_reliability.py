@@ -17,7 +17,7 @@ import pytest
 import torch
 from _dist import make_plan, run_ranks
 
-from autoplan.graph import zoo
+from autoplan import models as zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import trace_model
 from autoplan.runtime import checkpoint as ckpt

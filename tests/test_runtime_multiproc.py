@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from _dist import make_plan, run_ranks
 from models import SkipModel
 
-from autoplan.graph import zoo
+from autoplan import models as zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import trace_model
 from autoplan.runtime import run_plan

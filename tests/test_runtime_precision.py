@@ -10,7 +10,7 @@ import torch
 from _dist import make_plan, recorded_sends, run_ranks
 from test_runtime_multiproc import GPT, LLAMA, _build, _data, _plan
 
-from autoplan.graph import zoo
+from autoplan import models as zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import trace_model
 

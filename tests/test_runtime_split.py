@@ -7,7 +7,7 @@ import torch
 from _dist import make_plan
 from models import SkipModel
 
-from autoplan.graph import zoo
+from autoplan import models as zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import append_loss, trace_model
 from autoplan.runtime.api import PartitionError, _check_tp_tracing, check_model

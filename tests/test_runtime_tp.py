@@ -13,7 +13,7 @@ from _dist import make_plan, recorded_sends, run_ranks
 from models import SkipModel
 from torch import nn
 
-from autoplan.graph import zoo
+from autoplan import models as zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import trace_model
 from autoplan.runtime.api import PartitionError, _check_tp_tracing, check_model

@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: N812
 from _dist import make_plan, run_ranks
 from torch import nn
 
-from autoplan.graph import zoo
+from autoplan import models as zoo
 from autoplan.graph.sharding import find_layout
 
 GPT = "gpt:num_layers=2,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16"

@@ -45,7 +45,7 @@ def _case(name: str):
 
 
 def _key(plan, names=KEY) -> tuple:
-    # With one stage every schedule runs the same passes (search/space.py `_schedules`): a pinned
+    # With one stage every schedule runs the same passes (search/configs.py `_schedules`): a pinned
     # --schedule relabels the same plan.
     return tuple("any" if n == "schedule" and plan.pp == 1 else getattr(plan, n) for n in names)
 

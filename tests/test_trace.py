@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from autoplan import models as zoo
 from autoplan.cli import main
-from autoplan.graph import zoo
 from autoplan.graph.profile import profile_model
 from autoplan.graph.trace import TraceError, extract_submodule, find_layer_container, trace_model
 from tests import models
@@ -109,7 +109,7 @@ def test_the_traceable_rewrite_the_refusal_advises_is_planned(capsys):
 
 @pytest.mark.parametrize("tracer", ["fx", "export", "modules"])
 def test_every_tracer_names_the_line_that_reads_a_value(tracer):
-    from autoplan.graph.source import parse_source
+    from autoplan.sources import parse_source
 
     source = parse_source(f"{_USER_FILE}:build")
     with pytest.raises(ValueError) as info:
@@ -131,7 +131,7 @@ def test_a_value_read_outside_any_layer_is_named_from_the_line_fx_recorded(capsy
 def test_tracing_does_not_import_inductor():
     """fx's `record_stack_traces` imported torch._inductor on every trace (0.6 s of CPU of a warm
     suggest); the tracer records the model's line itself."""
-    code = ("import sys, torch; from autoplan.graph import zoo; from autoplan.graph.trace import trace_model\n"
+    code = ("import sys, torch; from autoplan import models as zoo; from autoplan.graph.trace import trace_model\n"
             "model = zoo.build_model('gpt:num_layers=2,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16')\n"
             "traced = trace_model(model, (torch.zeros(2, 16, dtype=torch.long),))\n"
             "assert traced.tracer == 'fx', traced.tracer\n"

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoplan.graph import zoo
+from autoplan import models as zoo
 from autoplan.graph.trace import (
     TraceError,
     extract_submodule,

@@ -128,7 +128,7 @@ def _rank_job(rank: int, world_size: int, spec: str, plans: dict) -> dict:
 
 def _reference(spec: str, plan, inputs, target):
     """Loss and gradients of the whole model over the plan's micro-batches, one process."""
-    from autoplan.graph.source import parse_source
+    from autoplan.sources import parse_source
 
     source = parse_source(spec)
     torch.manual_seed(0)

@@ -237,7 +237,7 @@ def _memory_job(rank, world_size, plans):
 def _reference(plan, steps: int):
     """The whole model on one process, AdamW over the plan's micro-batches: parameters and each
     step's gradients."""
-    from autoplan.graph.source import parse_source
+    from autoplan.sources import parse_source
 
     source = parse_source(SPEC)
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from torch.fx import Tracer, symbolic_trace
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from autoplan.graph.zoo import (
+from autoplan.models import (
     PRESETS,
     GPTConfig,
     GPTLayer,

@@ -1,5 +1,5 @@
 """`autoplan list models|clusters|gpus`: the built-in model presets, cluster presets and GPU types,
-read from the tables the planner itself uses (graph/zoo.py `PRESETS`, cluster/topology.py `PRESETS`,
+read from the tables the planner itself uses (models/presets.py `PRESETS`, cluster/topology.py `PRESETS`,
 cluster/devices.py `GPUS`), so the list cannot drift from what `--model` and `--cluster` accept.
 
 Rows are plain dicts (`model_rows`, `cluster_rows`, `gpu_rows`): `--json` prints them as they are,
@@ -55,7 +55,7 @@ def _num_params(config: Any) -> int:
     Exact, and milliseconds where building a 126-layer model is seconds."""
     import dataclasses
 
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
 
     one, two = (sum(p.numel() for p in zoo.build_model(dataclasses.replace(config, num_layers=n)).parameters())
                 for n in (1, 2))
@@ -64,7 +64,7 @@ def _num_params(config: Any) -> int:
 
 def model_rows() -> list[dict[str, Any]]:
     """One row per zoo preset, in the zoo's order."""
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
 
     rows = []
     for name, config in zoo.PRESETS.items():
@@ -81,7 +81,7 @@ def model_rows() -> list[dict[str, Any]]:
             "vocab_size": info["vocab_size"],
             "num_experts": info["num_experts"],
             "experts_per_token": info["experts_per_token"],
-            # A zoo model's --seq-len defaults to its own context (graph/source.py default_seq_len).
+            # A zoo model's --seq-len defaults to its own context (sources/base.py default_seq_len).
             "default_seq_len": info["max_seq_len"],
             "sources": list(zoo.PRESET_SOURCES.get(name, ())),
         })

@@ -124,7 +124,7 @@ def _boundary_bytes(plan: Plan) -> float | None:
     dtype (Narayanan et al. SC'21 Sec. 3.1); None when the plan's model is not a zoo spec.
     """
     try:
-        from autoplan.graph import zoo
+        from autoplan import models as zoo
 
         info = zoo.model_info(zoo.parse_model_spec(plan.model))
     except Exception:  # a file model or an nn.Module class name: no shape facts to use

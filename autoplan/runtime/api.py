@@ -37,7 +37,6 @@ from autoplan.graph.aux_loss import recording_aux_losses
 from autoplan.graph.experts import expert_modules
 from autoplan.graph.positions import POSITIONS_ATTRIBUTE, holding_positions
 from autoplan.graph.profile import model_fingerprint
-from autoplan.graph.source import ModelSource, OutputTemplate, as_source, trace_with_target
 from autoplan.graph.trace import retarget_device
 from autoplan.plan import Plan, PlanError, validate
 from autoplan.runtime.comm import P2P
@@ -63,6 +62,7 @@ from autoplan.runtime.split import (
     tied_parameter_names,
 )
 from autoplan.schedule import make_schedule
+from autoplan.sources import ModelSource, OutputTemplate, as_source, trace_with_target
 
 __all__ = ["PartitionError", "PartitionedModel", "check_model", "default_device", "init_distributed", "partition"]
 

@@ -111,8 +111,8 @@ def _note(message: str) -> None:
 def _check(plan: Plan, spec: str) -> None:
     """Everything that can be checked before a process is spawned: the model builds, is the one
     the plan was made for (structure, and the file it comes from), and takes the plan's inputs."""
-    from autoplan.graph.source import FileSource, parse_source
     from autoplan.runtime.api import check_model
+    from autoplan.sources import FileSource, parse_source
 
     try:
         source = parse_source(spec)
@@ -136,7 +136,7 @@ def _check(plan: Plan, spec: str) -> None:
 
 def synthetic_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, targets) of training step `step` for a token model: `graph.source.token_batch`."""
-    from autoplan.graph.source import token_batch
+    from autoplan.sources import token_batch
 
     return token_batch(seed, step, batch, seq_len, vocab)
 
@@ -188,7 +188,7 @@ def load_data_function(data: str, plan: Plan, *, check: bool = True):
     seq_len) -> (inputs, target)`, inputs a tensor or a tuple of the model's forward arguments.
     With `check` (the launcher, before any process is spawned) it is called for step 0 and its
     batch is checked: two parts, and every tensor of the global batch's rows."""
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
 
     if ".py:" not in data:
         raise ValueError(f"--data {data!r} must name path/to/file.py:FUNCTION")

@@ -26,8 +26,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autoplan.graph.source import tied_parameter_names  # noqa: F401 - re-exported: the runtime's callers use it here
 from autoplan.graph.trace import TracedModel, crossing_values, extract_submodule
+from autoplan.sources import tied_parameter_names  # noqa: F401 - re-exported: the runtime's callers use it here
 
 __all__ = ["CrossingValue", "StageSpec", "build_stage_modules", "materialize_stages", "plan_stage_specs",
            "propagate_values", "tied_parameter_names"]
@@ -146,7 +146,7 @@ def materialize_stages(modules: Sequence[nn.Module], device: torch.device, *, se
     slice of the full model's values: the full value is drawn by name as usual and copied into the
     shard as an implicitly replicated tensor (only the local slice is written).
     """
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
 
     holder = nn.ModuleList(modules)
     slots: dict[int, list[tuple[nn.Module, str]]] = {}

@@ -3,7 +3,9 @@ memory, and only advice that helps, each checked under the model before it is gi
 to the closest configuration that fits (evaluated), a pin whose removal lets a plan fit, or a
 cluster size that fits (searched, `advise=False` so that these searches do not advise in turn).
 
-Called by search/space.py only once a search has found nothing; never on the search's fast path.
+Called by search/space.py only once a search has found nothing; never on the search's fast path. The
+search that checks the advice is passed in (`search`: space.search_plans), so that this module reads
+the configurations from search/configs.py and never imports space.py back (issue 30: no import circle).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
+from typing import Any
 
 from autoplan.cluster import Cluster, NodeGroup
 from autoplan.cost.memory import MIN_BYTES_PER_PARAM, allowance_bytes, block_static_bytes
-from autoplan.search import space
+from autoplan.search.configs import _base_configs, _frugal, _memory_fix, _shardings
 from autoplan.search.evaluate import SearchContext, min_gpus_needed, min_memory_bytes
 
 __all__ = ["no_plan_message"]
@@ -37,10 +41,10 @@ def _closest(ctx: SearchContext, pins: dict, sp_allowed: bool):
     GPU in its most frugal memory option, among the `_CLOSEST` with the least static bytes."""
     profile, cluster, job = ctx.profile, ctx.cluster, ctx.job
     statics = []
-    for cfg in space._base_configs(profile, cluster, job, pins):
-        if not space._shardings(cfg, pins, cluster.gpus_per_node, profile):
+    for cfg in _base_configs(profile, cluster, job, pins):
+        if not _shardings(cfg, pins, cluster.gpus_per_node, profile):
             continue
-        frugal = space._frugal(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
+        frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
         statics.append((float(block_static_bytes(profile, frugal, job.dtype).sum()) / cfg.pp, len(statics), frugal))
     statics.sort(key=lambda e: e[:2])
     best = None
@@ -68,7 +72,7 @@ def _plan_line(plan) -> str:
 
 
 def _fits_on_more_gpus(ctx: SearchContext, cluster: Cluster, pins: dict, at_least: int,
-                       deadline: float) -> str | None:
+                       deadline: float, search: Callable[..., Any]) -> str | None:
     """The smallest cluster of this GPU (whole nodes, at least `at_least` GPUs, up to 8x) on which a
     search finds a plan, as advice; None when none was found in time."""
     per_node = cluster.gpus_per_node
@@ -79,8 +83,8 @@ def _fits_on_more_gpus(ctx: SearchContext, cluster: Cluster, pins: dict, at_leas
             return None
         unpinnable = {k: v for k, v in pins.items() if k not in ("dp",)}  # dp follows the GPU count
         try:
-            result = space.search_plans(ctx.profile, bigger, ctx.job, model_spec=ctx.model_spec, top=1,
-                                        pins=unpinnable, calibrations=ctx.calibrations, advise=False)
+            result = search(ctx.profile, bigger, ctx.job, model_spec=ctx.model_spec, top=1,
+                            pins=unpinnable, calibrations=ctx.calibrations, advise=False)
         except ValueError:
             nodes *= 2
             continue
@@ -88,15 +92,16 @@ def _fits_on_more_gpus(ctx: SearchContext, cluster: Cluster, pins: dict, at_leas
     return None
 
 
-def _fits_without_a_pin(ctx: SearchContext, cluster: Cluster, pins: dict, deadline: float) -> str | None:
+def _fits_without_a_pin(ctx: SearchContext, cluster: Cluster, pins: dict, deadline: float,
+                        search: Callable[..., Any]) -> str | None:
     """A pin whose removal lets a plan fit on this cluster, with that plan; None when none does."""
     for key in sorted(pins):
         if time.perf_counter() > deadline:
             return None
         relaxed = {k: v for k, v in pins.items() if k != key}
         try:
-            result = space.search_plans(ctx.profile, cluster, ctx.job, model_spec=ctx.model_spec, top=1,
-                                        pins=relaxed, calibrations=ctx.calibrations, advise=False)
+            result = search(ctx.profile, cluster, ctx.job, model_spec=ctx.model_spec, top=1,
+                            pins=relaxed, calibrations=ctx.calibrations, advise=False)
         except ValueError:
             continue
         flag = "--" + key.replace("_", "-")
@@ -104,10 +109,12 @@ def _fits_without_a_pin(ctx: SearchContext, cluster: Cluster, pins: dict, deadli
     return None
 
 
-def no_plan_message(ctx: SearchContext, cluster: Cluster, pins: dict, sp_allowed: bool, advise: bool) -> str:
+def no_plan_message(ctx: SearchContext, cluster: Cluster, pins: dict, sp_allowed: bool, advise: bool, *,
+                    search: Callable[..., Any]) -> str:
     """The one-line error when no plan fits: the figure by which the closest configuration is over,
     and the checked advice (module docstring). `cluster`: as the user gave it (the context's has the
-    calibrated network efficiency applied, which a new search applies again)."""
+    calibrated network efficiency applied, which a new search applies again). `search`: the search
+    that checks the advice (space.search_plans)."""
     profile, job = ctx.profile, ctx.job
     deadline = time.perf_counter() + _BUDGET_S
     gpu = min(cluster.gpu_types, key=lambda g: g.mem_bytes)
@@ -122,7 +129,7 @@ def no_plan_message(ctx: SearchContext, cluster: Cluster, pins: dict, sp_allowed
                 f"this type for its weights, gradients and optimizer states alone "
                 f"({profile.num_params * per_param / 2**30:,.0f} GiB: {_fmt_count(profile.num_params)} parameters x "
                 f"{per_param:g} bytes, fully sharded with zero 3), which a smaller batch or sequence does not change")
-        more = _fits_on_more_gpus(ctx, cluster, pins, need_gpus, deadline) if advise else None
+        more = _fits_on_more_gpus(ctx, cluster, pins, need_gpus, deadline, search) if advise else None
         return text + (f"; {more}" if more else f"; use at least {need_gpus} GPUs")
     closest = _closest(ctx, pins, sp_allowed)
     parts = []
@@ -136,12 +143,12 @@ def no_plan_message(ctx: SearchContext, cluster: Cluster, pins: dict, sp_allowed
         parts.append(f"the closest, {cfg.describe()}, needs about {need / 2**30:.1f} GiB per GPU "
                      f"({(need - capacity) / 2**30:.1f} GiB over)")
     if advise:
-        fix = space._memory_fix(ctx, closest[1], pins, sp_allowed) if closest is not None else None
+        fix = _memory_fix(ctx, closest[1], pins, sp_allowed) if closest is not None else None
         if fix is not None:
             parts.append(f"with {fix[0]}")
         else:
-            relaxed = _fits_without_a_pin(ctx, cluster, pins, deadline) if pins else None
-            more = None if relaxed else _fits_on_more_gpus(ctx, cluster, pins, cluster.num_gpus + 1, deadline)
+            relaxed = _fits_without_a_pin(ctx, cluster, pins, deadline, search) if pins else None
+            more = None if relaxed else _fits_on_more_gpus(ctx, cluster, pins, cluster.num_gpus + 1, deadline, search)
             if relaxed or more:
                 parts.append(relaxed or more)
             elif time.perf_counter() >= deadline:  # the searches stopped early: say so, do not guess

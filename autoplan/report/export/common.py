@@ -159,7 +159,7 @@ def model_shape(plan: Plan) -> TransformerShape | None:
     text = plan.model
     if text.startswith("hf:"):
         return _hf_shape(text)
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
 
     try:
         spec = zoo.parse_model_spec(text)
@@ -181,8 +181,8 @@ def model_shape(plan: Plan) -> TransformerShape | None:
 
 
 def _hf_shape(text: str) -> TransformerShape | None:
-    from autoplan.graph.hf import HFSource
-    from autoplan.graph.source import SourceError
+    from autoplan.sources import SourceError
+    from autoplan.sources.hf import HFSource
 
     try:
         source = HFSource.from_spec(text)
@@ -212,8 +212,8 @@ def model_kind(plan: Plan) -> str:
     (moe)", "a model file", "a Hugging Face bert model", "a GPT-2 family decoder", "a Llama decoder")."""
     text = plan.model
     if text.startswith("hf:"):
-        from autoplan.graph.hf import HFSource
-        from autoplan.graph.source import SourceError
+        from autoplan.sources import SourceError
+        from autoplan.sources.hf import HFSource
 
         try:
             model_type = getattr(HFSource.from_spec(text)._config, "model_type", None) or "?"
@@ -222,7 +222,7 @@ def model_kind(plan: Plan) -> str:
         if model_type in _HF_LLAMA_LIKE:
             return f"a Hugging Face {model_type} model with attention or MLP biases"
         return f"a Hugging Face {model_type} model"
-    from autoplan.graph import zoo
+    from autoplan import models as zoo
 
     try:
         spec = zoo.parse_model_spec(text)

@@ -14,17 +14,17 @@ KV cache, and torch.export cannot return a cache object).
 Inputs are what the forward needs and nothing more: the main input (`input_ids` (b, s) below the
 vocabulary, or `pixel_values` (b, channels, image_size, image_size) for vision models), plus
 `decoder_input_ids` (b, s) for encoder-decoder models; optional arguments in between are passed as
-None. The loss is source.py's default loss on the output's logits.
+None. The loss is sources/base.py's default loss on the output's logits.
 
 [Note: HF weights by name]
 A stage's parameters get values that depend only on (seed, parameter name), so a stage materialized
-alone equals the same parameters of a full model (zoo.py, [Note: name-keyed init], the same
+alone equals the same parameters of a full model (models/init.py, [Note: name-keyed init], the same
 generator): matrices and higher (embeddings, projections, stacked experts) ~ N(0,
 `initializer_range`), biases 0, other 1-D parameters (norm scales) 1. These are not transformers'
 own per-module initializations (which need the module classes a stage's graph no longer has), only
 deterministic values of the same scale. Buffers that transformers computes in `__init__` (rotary
 `inv_freq`, BERT's `position_ids`) are copied from a reference build whose parameters are on meta
-and whose buffers are real (`source.parameters_on_meta`), so they hold what transformers computed.
+and whose buffers are real (`base.parameters_on_meta`), so they hold what transformers computed.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from autoplan._files import read_json
-from autoplan.graph.source import (
+from autoplan.sources.base import (
     InputTemplate,
     ModelSource,
     SourceError,
@@ -128,8 +128,8 @@ def _parse_value(key: str, raw: str, default: Any) -> Any:
                           f"write e.g. {key}={json.dumps(default) if not isinstance(default, str) else default}") from None
 
 
-# Size fields of transformers configs, by the zoo field whose bounds they share (zoo.UPPER_BOUNDS,
-# zoo.LOWER_BOUNDS): each model family names them its own way (GPT-2 n_layer / n_embd, T5 d_model / d_ff,
+# Size fields of transformers configs, by the zoo field whose bounds they share (models.UPPER_BOUNDS,
+# models.LOWER_BOUNDS): each model family names them its own way (GPT-2 n_layer / n_embd, T5 d_model / d_ff,
 # BART encoder_layers). transformers checks none of them for sign: `hf:llama:num_hidden_layers=-1`
 # was planned as a model of "1 blocks".
 _SIZE_FIELDS = {
@@ -158,7 +158,7 @@ def _check_sizes(config: Any, where: str) -> None:
 def _check_size_values(values: Mapping[str, Any], where: str) -> None:
     """`_check_sizes` on field values before a config is made of them: transformers' own checks
     divide by the head count (a ZeroDivisionError for 0 heads) and name no fix."""
-    from autoplan.graph.zoo import LOWER_BOUNDS, UPPER_BOUNDS
+    from autoplan.models.bounds import LOWER_BOUNDS, UPPER_BOUNDS
 
     for bound_name, fields in _SIZE_FIELDS.items():
         low, reason = LOWER_BOUNDS.get(bound_name, (1, "a size counts something"))
@@ -177,7 +177,7 @@ def _check_size_values(values: Mapping[str, Any], where: str) -> None:
 
 
 def _param_seed(seed: int, name: str) -> int:
-    return zlib.crc32(f"{seed}:{name}".encode())  # zoo.py's [Note: name-keyed init]
+    return zlib.crc32(f"{seed}:{name}".encode())  # models/init.py's [Note: name-keyed init]
 
 
 class HFSource(ModelSource):

@@ -1,18 +1,8 @@
-"""Model sources: every way a user names a model, as one object that rebuilds it anywhere.
+"""What every model source is (`ModelSource`) and what sources share: the default loss and target,
+input templates, the training batch of a step, and the error a source raises.
 
-A `ModelSource` is what the planner and the runtime ask about a model (DESIGN.md, "Second wave:
-model sources"). It is made from a spec string, and the spec is what a plan records, so
-`autoplan run plan.json` rebuilds the very model `suggest` planned, on every rank:
-
-    gpt2-small, llama:num_layers=4,...     the built-in zoo (`ZooSource`)
-    path/to/model.py:build                 a user's file (`FileSource`); build() returns
-                                           (module, example_inputs) or (module, example_inputs, loss_fn)
-    hf:PATH, hf:MODEL_TYPE:key=value,...   a Hugging Face model from its config (`autoplan.graph.hf`)
-    an nn.Module passed to the API         `ModuleSource` (the API's caller gives the inputs)
-
-A source answers: build the module (on meta: nothing allocated), its example inputs at any batch
-size and sequence length (shapes on meta, values elsewhere), a training batch for step k (a pure
-function of seed and step, so resumed runs see the same data), a target for the loss, and the loss.
+Apart from the sources themselves (builtin.py, user.py, hf.py) so that each of them, and the
+runtime, imports this without importing the others.
 
 [Note: the default loss]
 `loss_fn(output, target)` receives what the model's forward returns (a tensor, a tuple, a dict or
@@ -26,23 +16,20 @@ float target of the output's shape when the last dimension is 1.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from autoplan.graph import zoo
+from autoplan import models
 
 __all__ = [
-    "FileSource", "InputTemplate", "ModelSource", "ModuleSource", "OutputTemplate", "SourceError", "ZooSource",
-    "as_source", "default_loss", "default_target", "first_tensor", "parameters_on_meta", "parse_source",
-    "tied_parameter_names", "token_batch", "trace_with_target",
+    "InputTemplate", "ModelSource", "SourceError", "default_loss", "default_target", "first_tensor",
+    "parameters_on_meta", "tied_parameter_names", "token_batch",
 ]
 
 
@@ -287,9 +274,9 @@ class ModelSource(ABC):
 
     @torch.no_grad()
     def init_weights(self, module: nn.Module, seed: int, aliases: Mapping[str, str] | None = None) -> None:
-        """Initialize a materialized stage: parameters by name (zoo.py's [Note: name-keyed init]:
+        """Initialize a materialized stage: parameters by name (models/init.py's [Note: name-keyed init]:
         the values the full model would get), buffers copied from `reference_buffers`."""
-        zoo.init_weights(module, seed=seed, aliases=aliases)
+        models.init_weights(module, seed=seed, aliases=aliases)
         buffers = [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b.device.type != "meta"]
         reference = self.reference_buffers() if buffers else {}
         for name, buffer in buffers:
@@ -300,215 +287,3 @@ class ModelSource(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
 
-
-class ZooSource(ModelSource):
-    """A built-in gpt / llama model (autoplan.graph.zoo), fed token ids below its vocabulary."""
-
-    def __init__(self, spec: zoo.ModelSpec):
-        self.model_spec = spec
-        self.spec = spec.text
-        self.name = spec.name
-
-    def build(self, device: torch.device | str = "meta") -> nn.Module:
-        try:
-            return zoo.build_model(self.model_spec, device=device)
-        except RuntimeError as exc:  # e.g. "Storage size calculation overflowed" for absurd sizes
-            raise SourceError(f"cannot build {self.name}: {str(exc).strip().splitlines()[0]}; check its sizes") from None
-
-    def input_templates(self) -> tuple[InputTemplate, ...]:
-        config = self.model_spec.config
-        return (InputTemplate((1, config.max_seq_len), torch.int64, 0, config.vocab_size, 0, 1),)
-
-    @property
-    def loss_fn(self) -> Callable[..., Tensor]:
-        return zoo.lm_loss
-
-    @property
-    def default_seq_len(self) -> int:
-        return self.model_spec.config.max_seq_len
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.model_spec.config.max_seq_len
-
-    @property
-    def info(self) -> dict[str, int | None]:
-        return {k: v for k, v in zoo.model_info(self.model_spec).items() if isinstance(v, int)}
-
-    def static_target(self, batch_size: int, seq_len: int | None) -> Tensor:
-        return torch.empty((batch_size, seq_len or self.default_seq_len), dtype=torch.int64, device="meta")
-
-    def check_seq_len(self, seq_len: int | None) -> None:
-        if seq_len is not None and seq_len > self.max_seq_len:
-            raise SourceError(f"seq_len {seq_len} exceeds max_seq_len {self.max_seq_len}; raise it, e.g. "
-                              f"'{self.spec.split(':')[0]}:max_seq_len={seq_len}'")
-        super().check_seq_len(seq_len)
-
-    def batch(self, seed: int, step: int, batch_size: int, seq_len: int | None, output_shape: Sequence[int],
-              output_dtype: torch.dtype) -> tuple[tuple, Tensor]:
-        ids, targets = token_batch(seed, step, batch_size, seq_len or self.default_seq_len,
-                                   self.model_spec.config.vocab_size)
-        return (ids,), targets
-
-
-def _templates_from_examples(examples: Sequence[Any], vocab: int | None) -> tuple[InputTemplate, ...]:
-    """Templates from a user's example inputs: dim 0 is the batch; dim 1 of the first integer input
-    of two or more dimensions (token ids; else of the first 3-D float input, (batch, sequence,
-    features)) is the sequence, and so is dim 1 of every other input of that length (masks,
-    positions, embeddings); integer inputs keep their value range (or stay below the vocabulary when
-    the examples are on meta). Images (4-D) have no sequence."""
-    tensors = [t for t in examples if isinstance(t, Tensor)]
-    batch = next((t.shape[0] for t in tensors if t.dim() > 0), None)
-    ids = next((t for t in tensors if not t.dtype.is_floating_point and t.dim() >= 2), None)
-    if ids is None:  # no token ids: a (batch, sequence, features) float input carries the sequence
-        ids = next((t for t in tensors if t.dtype.is_floating_point and t.dim() == 3), None)
-    seq = ids.shape[1] if ids is not None else None
-    out = []
-    for value in examples:
-        if not isinstance(value, Tensor):
-            out.append(InputTemplate(None, None, constant=value))
-            continue
-        batch_dim = 0 if value.dim() > 0 and value.shape[0] == batch else None
-        seq_dim = 1 if seq is not None and value.dim() >= 2 and value.shape[1] == seq else None
-        low, high = 0, 2
-        if not value.dtype.is_floating_point and value.dtype != torch.bool:
-            if value.device.type != "meta" and value.numel():
-                low, high = int(value.min()), int(value.max()) + 1
-            elif vocab is not None:
-                high = vocab
-        out.append(InputTemplate(tuple(value.shape), value.dtype, low, high, batch_dim, seq_dim))
-    return tuple(out)
-
-
-def _smallest_vocabulary(module: nn.Module) -> int | None:
-    sizes = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
-    return min(sizes) if sizes else None
-
-
-class FileSource(ModelSource):
-    """A user's `file.py:function`; the function returns (module, example_inputs) or
-    (module, example_inputs, loss_fn) and is called under `torch.device("meta")` for planning."""
-
-    def __init__(self, spec: zoo.ModelSpec):
-        self.model_spec = spec
-        self.spec = spec.text
-        self.name = spec.name
-        self.path = spec.path
-        self._loaded: tuple[nn.Module, tuple, Callable | None] | None = None
-        self._buffers: dict[str, Tensor] | None = None
-
-    def _load(self) -> tuple[nn.Module, tuple, Callable | None]:
-        if self._loaded is None:
-            self._loaded = zoo.load_user_model(self.model_spec, device="meta", with_loss=True)
-        return self._loaded
-
-    def build(self, device: torch.device | str = "meta") -> nn.Module:
-        module = self._load()[0]
-        if torch.device(device).type != "meta":
-            module.to_empty(device=device)
-            self.init_weights(module, seed=0, aliases=tied_parameter_names(module))
-        return module
-
-    def reference_buffers(self) -> dict[str, Tensor]:
-        """The function's model built once more with its parameters on meta: its buffers' values."""
-        if self._buffers is None:
-            try:
-                with parameters_on_meta():
-                    module = zoo.load_function(self.model_spec)()[0]
-            except Exception as exc:
-                raise SourceError(f"{self.name}() raised {type(exc).__name__}: {exc}") from exc
-            self._buffers = {n: b.detach() for n, b in module.named_buffers(remove_duplicate=False)}
-        return self._buffers
-
-    def input_templates(self) -> tuple[InputTemplate, ...]:
-        module, examples, _ = self._load()
-        return _templates_from_examples(examples, _smallest_vocabulary(module))
-
-    @property
-    def loss_fn(self) -> Callable[..., Tensor]:
-        return self._load()[2] or default_loss
-
-    @property
-    def max_seq_len(self) -> int | None:
-        return None
-
-    def file_digest(self) -> str:
-        return hashlib.sha256(Path(self.path).read_bytes()).hexdigest()
-
-
-class ModuleSource(ModelSource):
-    """An nn.Module handed to the Python API with its example inputs (and loss)."""
-
-    def __init__(self, module: nn.Module, example_inputs: Sequence[Any], loss_fn: Callable | None = None):
-        self.module = module
-        self.examples = tuple(example_inputs)
-        self._loss = loss_fn
-        self.spec = type(module).__name__
-        self.name = self.spec
-
-    def build(self, device: torch.device | str = "meta") -> nn.Module:
-        return self.module
-
-    def input_templates(self) -> tuple[InputTemplate, ...]:
-        return _templates_from_examples(self.examples, _smallest_vocabulary(self.module))
-
-    @property
-    def loss_fn(self) -> Callable[..., Tensor]:
-        return self._loss or default_loss
-
-
-def as_source(model: str | nn.Module | ModelSource, example_inputs: Sequence[Any] | None = None,
-              loss_fn: Callable[..., Tensor] | None = None) -> ModelSource:
-    """The source of what a user passed: a spec string, a source, or an nn.Module with its example
-    inputs (and loss)."""
-    if isinstance(model, (str, ModelSource)):
-        return parse_source(model)
-    if isinstance(model, nn.Module):
-        if example_inputs is None:
-            raise SourceError("an nn.Module needs example_inputs, e.g. example_inputs=(torch.randint(0, V, (1, 128)),)")
-        return ModuleSource(model, example_inputs, loss_fn)
-    raise SourceError(f"model must be a spec string or an nn.Module, got {type(model).__name__}")
-
-
-def parse_source(spec: str | ModelSource) -> ModelSource:
-    """The source a spec string names (module docstring); a source is returned as it is."""
-    if isinstance(spec, ModelSource):
-        return spec
-    if isinstance(spec, str) and spec.strip().startswith("hf:"):
-        from autoplan.graph import hf
-
-        return hf.HFSource.from_spec(spec.strip())
-    parsed = zoo.parse_model_spec(spec)
-    return FileSource(parsed) if parsed.family == "file" else ZooSource(parsed)
-
-
-# ---- tracing a source with its loss ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OutputTemplate:
-    """Shape (at the traced batch) and dtype of the tensor the loss's target follows (the logits)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def trace_with_target(module: nn.Module, inputs: Sequence[Any], loss_fn: Callable[..., Tensor], *,
-                      target_maker: Callable[[OutputTemplate, int], Tensor], example_target: Tensor | None = None,
-                      leaf_modules: Sequence[str] = (), tracer: str = "auto"):
-    """Trace `module` on `inputs` and append `loss_fn(output, target)`; returns (traced, graph inputs,
-    output template). Without `example_target` the target is made by `target_maker(template,
-    batch rows)` from the output's shape, found by one fake-tensor forward of the traced graph;
-    with one, the template is None."""
-    from autoplan.graph.profile import fake_output
-    from autoplan.graph.trace import append_loss, trace_model
-
-    traced = trace_model(module, inputs, leaf_modules=leaf_modules, tracer=tracer)
-    template = None  # with a target given, no forward is needed (a cached profile runs none)
-    if example_target is None:
-        logits = first_tensor(fake_output(traced, inputs))
-        template = OutputTemplate(tuple(int(d) for d in logits.shape), logits.dtype)
-        rows = next((t.shape[0] for t in inputs if isinstance(t, Tensor) and t.dim() > 0), 1)
-        example_target = target_maker(template, rows)
-    traced = append_loss(traced, loss_fn)
-    return traced, [*inputs, example_target], template

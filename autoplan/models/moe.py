@@ -1,0 +1,136 @@
+"""The mixture-of-experts Llama: experts reached through buffers of fixed shape ([Note: static
+dispatch]), with a load-balancing loss attached through graph/aux_loss.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from autoplan.graph.aux_loss import attach_aux_loss
+from autoplan.models.common import INIT_STD, _embedding
+from autoplan.models.config import MoEConfig
+from autoplan.models.llama import LlamaAttention, LlamaMLP, LlamaModel
+
+__all__ = ["GroupedExperts", "MoEFeedForward", "MoELayer", "MoEModel", "expert_capacity"]
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts
+#
+# [Note: static dispatch]
+# Tokens reach their experts through buffers of fixed shape: each expert takes at most `capacity`
+# tokens of each sequence (`expert_capacity`), in token order, and a token over an expert's
+# capacity skips it (GShard, arXiv:2006.16668, Algorithm 1 with one group per sequence). Fixed
+# shapes let the model build and trace on meta, let FlopCounterMode count the experts' FLOPs at
+# the capacity the run uses, and make expert parallelism one `all_to_all` of equal splits. One
+# group per sequence makes the dropping, and the load-balancing loss computed per sequence
+# (DeepSeek-V3's sequence-wise balance loss, arXiv:2412.19437 Eq. 17-20, with Switch's weighting),
+# independent of how the batch is split into micro-batches and data-parallel shards, so a
+# pipelined run reproduces a single-process one exactly.
+
+
+def expert_capacity(seq_len: int, experts_per_token: int, num_experts: int, capacity_factor: float) -> int:
+    """Tokens of one sequence one expert takes: ceil(capacity_factor * seq_len * k / E) (GShard
+    Sec. 2.2, per group; a group here is one sequence), at least 1 and at most seq_len (a token
+    picks an expert once)."""
+    return max(1, min(seq_len, math.ceil(capacity_factor * seq_len * experts_per_token / num_experts)))
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU MLPs stored as stacked matrices, applied to tokens grouped by expert:
+    input (experts, tokens, h) -> (experts, tokens, h), one batched matmul per matrix.
+
+    The leading dimension of every parameter and of the input is the expert, so an expert-parallel
+    runtime can keep a slice of the experts on each rank and exchange the token groups (the
+    contract `runtime/experts.py` relies on; torchtitan's GroupedExperts has the same layout)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, num_layers: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        # Megatron-LM scaled_init_method_normal for the output projection, as in LlamaMLP.
+        self.init_stds = {"w2": INIT_STD / math.sqrt(2 * num_layers)}
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return torch.bmm(F.silu(torch.bmm(tokens, self.w1)) * torch.bmm(tokens, self.w3), self.w2)
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k routing (Shazeer et al. 2017, arXiv:1701.06538) to GroupedExperts, plus shared experts;
+    see [Note: static dispatch]."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        h, f = config.hidden_size, config.ffn_hidden_size
+        self.num_experts, self.top_k = config.num_experts, config.experts_per_token
+        self.capacity_factor, self.aux_loss_coef = config.capacity_factor, config.router_aux_loss_coef
+        self.normalize_top_k = config.normalize_top_k
+        self.router = nn.Linear(h, config.num_experts, bias=False)
+        self.experts = GroupedExperts(config.num_experts, h, f, config.num_layers)
+        self.shared_experts = None
+        if config.num_shared_experts:
+            shared = dataclasses.replace(config, ffn_hidden_size=f * config.num_shared_experts)
+            self.shared_experts = LlamaMLP(shared)  # n shared experts = one MLP n times as wide (DeepSeekMoE)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, h = x.shape
+        E, k = self.num_experts, self.top_k
+        capacity = expert_capacity(s, k, E, self.capacity_factor)
+        probs = self.router(x).float().softmax(dim=-1)  # (b, s, E)
+        weights, chosen = probs.topk(k, dim=-1)  # (b, s, k)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        chosen = chosen.flatten(1)  # (b, s*k), token-major
+        picks = torch.zeros(b, s * k, E, dtype=torch.int32, device=x.device).scatter_(2, chosen.unsqueeze(2), 1)
+        place = ((picks.cumsum(1) - 1) * picks).sum(2)  # each pick's place in its expert's queue
+        slot = torch.where(place < capacity, chosen * capacity + place, E * capacity)  # dropped -> spare slot
+        index = slot.unsqueeze(2).expand(b, s * k, h)
+        tokens = x.unsqueeze(2).expand(b, s, k, h).reshape(b, s * k, h)
+        buffer = x.new_zeros(b, E * capacity + 1, h).scatter_add(1, index, tokens)
+        grouped = buffer[:, :-1].reshape(b, E, capacity, h).transpose(0, 1).reshape(E, b * capacity, h)
+        done = self.experts(grouped).reshape(E, b, capacity, h).transpose(0, 1).reshape(b, E * capacity, h)
+        done = torch.cat([done, done.new_zeros(b, 1, h)], dim=1).gather(1, index)  # the spare slot gives 0
+        out = (done.view(b, s, k, h) * weights.to(done.dtype).unsqueeze(3)).sum(dim=2)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if self.aux_loss_coef:
+            # Switch Transformer's load-balancing loss (arXiv:2101.03961 Eq. 4-6), per sequence:
+            # E * sum_e f_e * P_e with f_e the share of the sequence's picks routed to e (not
+            # differentiable) and P_e its mean router probability; averaged over sequences.
+            share = picks.float().mean(dim=1)
+            balance = E * (share * probs.mean(dim=1)).sum(dim=1).mean()
+            out = attach_aux_loss(out, self.aux_loss_coef * balance)
+        return out
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attention = LlamaAttention(config)
+        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.moe = MoEFeedForward(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.moe(self.mlp_norm(x))
+
+
+class MoEModel(LlamaModel):
+    """LlamaModel with MoELayer layers."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.tok_embeddings = _embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(MoELayer(config) for _ in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
