@@ -278,13 +278,13 @@ def test_replayed_layers_give_the_layout_a_full_run_gives(spec, monkeypatch, tmp
     from autoplan.api import profile_with_graph
 
     captured = {}
-    original = profile_mod._tensor_parallel
+    original = profile_mod.tensor_parallel_summary
 
     def capture(traced, inputs):
         captured["args"] = (traced, inputs)
         return original(traced, inputs)
 
-    monkeypatch.setattr(profile_mod, "_tensor_parallel", capture)
+    monkeypatch.setattr(profile_mod, "tensor_parallel_summary", capture)
     profile_with_graph(spec, seq_len=64, cache_dir=tmp_path)
     replayed = sharding_mod.traced_layout(*captured["args"])
     monkeypatch.setattr(sharding_mod._FlowInterpreter, "call_module", torch.fx.Interpreter.call_module)
