@@ -178,7 +178,7 @@ def _record_calls(sub: fx.GraphModule, inputs: list[Any], params: dict[str, torc
 
 
 def measure_block(sub: fx.GraphModule, inputs: list[Any], params: dict[str, torch.Tensor], hidden: int | None,
-                   run: FakeRun) -> BlockCost:
+                  run: FakeRun) -> BlockCost:
     """Forward and backward of one block on fake tensors, counting FLOPs and saved bytes."""
     param_storages = {p.untyped_storage()._cdata for p in params.values()}
     saved: dict[int, tuple[int, bool]] = {}

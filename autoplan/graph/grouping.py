@@ -166,7 +166,7 @@ def stateless_modules(model: nn.Module) -> set[str]:
 
 
 def group_blocks(gm: fx.GraphModule, tracer: str, containers: Sequence[str], units: list[str],
-                  stateless: set[str] = frozenset()):
+                 stateless: set[str] = frozenset()):
     """Assign every node a block (see [Note: blocks]); returns (names, node_block, modules)."""
     names: list[str] = []
     modules: list[list[str]] = []

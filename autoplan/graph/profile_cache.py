@@ -98,8 +98,8 @@ def _code_files(traced: TracedModel) -> set[str] | None:
 
 
 def analytic_key(traced: TracedModel, example_inputs: Sequence[Any], *, model_name: str, fingerprint: str,
-                  dtype: torch.dtype | None, info: dict[str, int | None], batch_size: int | None,
-                  seq_len: int | None) -> str | None:
+                 dtype: torch.dtype | None, info: dict[str, int | None], batch_size: int | None,
+                 seq_len: int | None) -> str | None:
     """Cache key of an analytic (fake-tensor) profile, or None when it cannot be cached safely.
 
     The result depends on the graph (its code, blocks and the parameter shapes in the model

@@ -171,8 +171,8 @@ TIMING_METHOD = "chain-affine-v1"  # in the timed cache key: a new method re-tim
 
 
 def time_block(traced: TracedModel, index: int, inputs: list[Any], device: str, dtype: torch.dtype | None,
-                warmup: int, repeats: int, occurrences: int = 1,
-                spreads: list[float] | None = None) -> tuple[float, float]:
+               warmup: int, repeats: int, occurrences: int = 1,
+               spreads: list[float] | None = None) -> tuple[float, float]:
     """Median forward and backward seconds of block `index` on a real device, run as a chain of up
     to `occurrences` copies ([Note: timing in context])."""
     sub, _, _ = extract_submodule(traced, index, index)

@@ -180,7 +180,7 @@ def trace_model(
                     raise TraceError("no repeated layer list (ModuleList/Sequential) to cut at")
                 gm = chain_modules(model, units)
             block_names, node_block, block_modules = group_blocks(gm, name, containers, units,
-                                                                   stateless_modules(model))
+                                                                  stateless_modules(model))
             if name == "modules":
                 checked = check_chain(model, gm, example_inputs)
         except Exception as exc:  # each tracer fails in its own way; keep the first line of each
