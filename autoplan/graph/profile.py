@@ -383,33 +383,17 @@ def profile_traced(
     return profile
 
 
-def profile_module(
-    model: nn.Module,
-    traced: TracedModel,
-    graph_inputs: Sequence[Any],
-    *,
-    model_name: str,
-    info: dict[str, int | None] | None = None,
-    dtype: torch.dtype | None = torch.bfloat16,
-    device: str = "meta",
-    batch_size: int | None = None,
-    seq_len: int | None = None,
-    warmup: int = 2,
-    repeats: int = 5,
-    cache_dir: str | os.PathLike | None = None,
-    progress: Progress | None = None,
-) -> ModelProfile:
+def profile_module(model: nn.Module, traced: TracedModel, graph_inputs: Sequence[Any], *, model_name: str,
+                   info: dict[str, int | None] | None = None, **options: Any) -> ModelProfile:
     """`profile_traced` for `traced`, the graph of `model`, run on `graph_inputs`: with the model's
     config numbers (`config_info`, each overridden by `info` where that is set), its fingerprint, and
-    whether context parallelism can split its sequences (`extra["context_parallel"]`). The one path
-    from a built model to its profile, for `profile_model` and for `autoplan.api.profile_with_graph`."""
+    whether context parallelism can split its sequences (`extra["context_parallel"]`). `options` are
+    `profile_traced`'s (dtype, device, batch_size, seq_len, warmup, repeats, cache_dir, progress). The
+    one path from a built model to its profile, for `profile_model` and `autoplan.api.profile_with_graph`."""
     merged = config_info(model)
     merged.update({k: v for k, v in (info or {}).items() if v is not None})
-    profile = profile_traced(
-        traced, graph_inputs, model_name=model_name, fingerprint=model_fingerprint(model), dtype=dtype,
-        device=device, info=merged, batch_size=batch_size, seq_len=seq_len, warmup=warmup, repeats=repeats,
-        cache_dir=cache_dir, progress=progress,
-    )
+    profile = profile_traced(traced, graph_inputs, model_name=model_name, fingerprint=model_fingerprint(model),
+                             info=merged, **options)
     extra = {**profile.extra, "context_parallel": context_parallel_support(model, profile)}
     return dataclasses.replace(profile, extra=extra)
 
