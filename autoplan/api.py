@@ -18,13 +18,7 @@ from autoplan._checks import require, require_int, require_paths, require_string
 from autoplan.cluster import Cluster, parse_cluster, with_collective_curves
 from autoplan.cost.calibration import Calibrations
 from autoplan.graph.blocks import ModelProfile
-from autoplan.graph.profile import (
-    Progress,
-    config_info,
-    context_parallel_support,
-    model_fingerprint,
-    profile_traced,
-)
+from autoplan.graph.profile import Progress, profile_module
 from autoplan.graph.trace import TracedModel, trace_model
 from autoplan.plan import MAX_JOB_SIZE, Job, Plan
 from autoplan.search._gc import gc_paused
@@ -132,14 +126,11 @@ def _profile_with_graph(model, *, batch_size, seq_len, example_inputs, loss_fn, 
         traced, graph_inputs, _ = trace_with_target(
             module, inputs, loss, example_target=example_target, leaf_modules=leaf_modules, tracer=tracer,
             target_maker=lambda out, rows: source.target(out.shape, out.dtype, rows, device="meta"))
-    info = config_info(module)
-    info.update({k: v for k, v in source.info.items() if v is not None})
     rows = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), batch_size)
-    prof = profile_traced(traced, graph_inputs, model_name=source.name, fingerprint=model_fingerprint(module),
-                          dtype=torch_dtype, device=device, info=info, batch_size=rows,
+    prof = profile_module(module, traced, graph_inputs, model_name=source.name, info=source.info, dtype=torch_dtype,
+                          device=device, batch_size=rows,
                           seq_len=seq_len or 1,  # a model without a sequence counts samples
                           cache_dir=cache_dir, progress=progress)
-    prof = dataclasses.replace(prof, extra={**prof.extra, "context_parallel": context_parallel_support(module, prof)})
     return ProfiledModel(module, traced, prof, tuple(inputs), source, loss)
 
 

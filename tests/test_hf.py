@@ -249,12 +249,13 @@ def test_two_ranks_match_a_single_process_build():
 
 
 def test_export_at_the_compute_dtype_keeps_the_models_own_casts():
-    """Traced on meta for bf16 (`_trace_export(dtype=)`), then materialized by name and run in bf16, the
+    """Traced on meta for bf16 (`trace_export(dtype=)`), then materialized by name and run in bf16, the
     graph computes exactly what transformers' own bf16 model does (fp32 rotary tables and norm
     statistics included): Mixtral's router and experts too."""
     import copy
 
-    from autoplan.graph.trace import _trace_export, retarget_device
+    from autoplan.graph.export_trace import trace_export
+    from autoplan.graph.trace import retarget_device
 
     for name in ("llama", "mixtral"):
         source = parse_source(SPECS[name])
@@ -262,7 +263,7 @@ def test_export_at_the_compute_dtype_keeps_the_models_own_casts():
         native = copy.deepcopy(source.build("cpu")).to(torch.bfloat16)
         meta = source.build("meta")
         aliases = tied_parameter_names(meta)
-        gm = _trace_export(meta, source.example_inputs(2, 16), torch.bfloat16)
+        gm = trace_export(meta, source.example_inputs(2, 16), torch.bfloat16)
         retarget_device(gm, "cpu")
         assert any(torch.float32 in (*n.args, *n.kwargs.values()) for n in gm.graph.nodes)  # the upcasts stay
         gm.to_empty(device="cpu")

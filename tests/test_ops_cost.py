@@ -151,23 +151,23 @@ def _calibrations(cal: Calibration):
 
 
 def test_a_meta_run_profiles_as_a_fake_run_does(tmp_path, monkeypatch):
-    """[Note: meta or fake] in graph/profile.py: a zoo model runs on meta tensors, with attention routed
+    """[Note: meta or fake] in graph/fake_run.py: a zoo model runs on meta tensors, with attention routed
     to the fused kernel; the profile is the one FakeTensorMode gives, and nothing leaks out."""
     import torch
 
-    import autoplan.graph.profile as profile_mod
+    import autoplan.graph.fake_run as fake_run
 
     spec = "llama3-8b:num_layers=2,hidden_size=256,num_heads=4,num_kv_heads=2,ffn_hidden_size=512,vocab_size=512"
     on_meta = autoplan.profile(spec, seq_len=64, cache_dir=tmp_path / "meta")
     assert torch.empty(1).device.type == "cpu"  # the meta device context did not outlive the run
-    original = profile_mod._run_in
+    original = fake_run._run_in
 
     def fake_only(mode, *args, meta, **kwargs):
         if meta:
-            raise profile_mod.ProfileError("fake tensors only")
+            raise fake_run.ProfileError("fake tensors only")
         return original(mode, *args, meta=meta, **kwargs)
 
-    monkeypatch.setattr(profile_mod, "_run_in", fake_only)
+    monkeypatch.setattr(fake_run, "_run_in", fake_only)
     on_fake = autoplan.profile(spec, seq_len=64, cache_dir=tmp_path / "fake")
     assert on_meta == on_fake
     assert any(o.kind == "attention" for b in on_meta.blocks for o in b.ops)

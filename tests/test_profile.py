@@ -12,8 +12,11 @@ import torch
 import autoplan
 from autoplan import models as zoo
 from autoplan.graph import profile as profile_mod
+from autoplan.graph import timing
+from autoplan.graph.block_cost import flop_counter
 from autoplan.graph.blocks import ModelProfile
-from autoplan.graph.profile import flop_counter, profile_model
+from autoplan.graph.fake_run import ProfileError
+from autoplan.graph.profile import profile_model
 from autoplan.graph.trace import trace_model
 
 GPT_SMALL = "gpt:num_layers=3,hidden_size=64,num_heads=4,vocab_size=128,max_seq_len=64"
@@ -144,8 +147,8 @@ def test_profile_params_match_megatron_formula():
 
 def test_identical_layers_are_profiled_once(monkeypatch):
     calls = []
-    original = profile_mod._measure_block
-    monkeypatch.setattr(profile_mod, "_measure_block", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = profile_mod.measure_block
+    monkeypatch.setattr(profile_mod, "measure_block", lambda *a, **k: calls.append(1) or original(*a, **k))
     prof = autoplan.profile("llama3-8b:num_layers=6", batch_size=1, seq_len=128)
     layers = [b for b in prof.blocks if b.kind == "layer"]
     assert len(layers) == 6 and len({b.fingerprint for b in layers}) == 1
@@ -168,7 +171,7 @@ def test_timed_profile_is_cached(monkeypatch, tmp_path):
     def must_not_time(*_a, **_k):
         raise AssertionError("the cached profile should have been reused")
 
-    monkeypatch.setattr(profile_mod, "_time_block", must_not_time)
+    monkeypatch.setattr(profile_mod, "time_block", must_not_time)
     again = autoplan.profile(GPT_SMALL, batch_size=1, seq_len=16, device="cpu", dtype="fp32", cache_dir=tmp_path)
     assert again.blocks == prof.blocks
 
@@ -184,23 +187,23 @@ def test_tied_head_names_the_block_it_shares_with():
 
 def test_repeated_blocks_are_timed_as_a_chain_of_copies():
     mib = 2**20
-    assert profile_mod.chain_length(3 * mib, occurrences=300, cache_bytes=32 * mib) == 22  # ceil(64 / 3)
-    assert profile_mod.chain_length(3 * mib, occurrences=8, cache_bytes=32 * mib) == 8  # all fit: warm, as run
-    assert profile_mod.chain_length(262 * mib, occurrences=1, cache_bytes=32 * mib) == 1
-    assert profile_mod.chain_length(0, occurrences=10_000, cache_bytes=32 * mib) == profile_mod._MAX_CHAIN
-    assert profile_mod.last_level_cache_bytes("cpu") >= 2**20
+    assert timing.chain_length(3 * mib, occurrences=300, cache_bytes=32 * mib) == 22  # ceil(64 / 3)
+    assert timing.chain_length(3 * mib, occurrences=8, cache_bytes=32 * mib) == 8  # all fit: warm, as run
+    assert timing.chain_length(262 * mib, occurrences=1, cache_bytes=32 * mib) == 1
+    assert timing.chain_length(0, occurrences=10_000, cache_bytes=32 * mib) == timing._MAX_CHAIN
+    assert timing.last_level_cache_bytes("cpu") >= 2**20
 
 
 def test_timed_profile_fits_a_fixed_part_from_two_batch_sizes(monkeypatch, tmp_path):
     calls = []
-    original = profile_mod._time_block
+    original = profile_mod.time_block
 
     def record(traced, index, inputs, *args):
         # args: device, dtype, warmup, repeats, occurrences (then the spreads list, at the first batch)
         calls.append((index, inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) else None, args[4]))
         return original(traced, index, inputs, *args)
 
-    monkeypatch.setattr(profile_mod, "_time_block", record)
+    monkeypatch.setattr(profile_mod, "time_block", record)
     prof = autoplan.profile(GPT_SMALL, batch_size=2, seq_len=16, device="cpu", dtype="fp32", cache_dir=tmp_path)
     assert prof.extra["batch_scaling"] == "affine"
     unique = len({b.fingerprint for b in prof.blocks})
@@ -214,7 +217,7 @@ def test_timed_profile_fits_a_fixed_part_from_two_batch_sizes(monkeypatch, tmp_p
 
 def test_inputs_the_model_rejects_are_one_line_errors():
     model = zoo.build_model(GPT_SMALL)
-    with pytest.raises(profile_mod.ProfileError, match="rejects the example inputs"):
+    with pytest.raises(ProfileError, match="rejects the example inputs"):
         profile_model(model, (torch.zeros(2, 3, 4, device="meta"),))
 
 
@@ -236,7 +239,7 @@ def test_deferred_code_block_runs_like_an_eager_one():
 
 
 def test_cpu_without_half_precision_instructions_times_in_fp32(monkeypatch):
-    from autoplan.graph.profile import timing_dtype
+    from autoplan.graph.timing import timing_dtype
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)

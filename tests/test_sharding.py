@@ -269,25 +269,26 @@ def test_tp2_with_pipeline_and_data_parallelism_matches_the_reference():
 
 @pytest.mark.parametrize("spec", ["gpt3-175b:num_layers=6", "llama3-8b:num_layers=5", "gpt2-small"])
 def test_replayed_layers_give_the_layout_a_full_run_gives(spec, monkeypatch, tmp_path):
-    """[Note: repeated layers] in graph/sharding.py: the third and later identical layers are not run
+    """[Note: repeated layers] in graph/data_flow.py: the third and later identical layers are not run
     through the data flow; the layout is the one a run through every layer finds."""
     import torch
 
+    import autoplan.graph.data_flow as data_flow
     import autoplan.graph.profile as profile_mod
     import autoplan.graph.sharding as sharding_mod
     from autoplan.api import profile_with_graph
 
     captured = {}
-    original = profile_mod._tensor_parallel
+    original = profile_mod.tensor_parallel_summary
 
     def capture(traced, inputs):
         captured["args"] = (traced, inputs)
         return original(traced, inputs)
 
-    monkeypatch.setattr(profile_mod, "_tensor_parallel", capture)
+    monkeypatch.setattr(profile_mod, "tensor_parallel_summary", capture)
     profile_with_graph(spec, seq_len=64, cache_dir=tmp_path)
     replayed = sharding_mod.traced_layout(*captured["args"])
-    monkeypatch.setattr(sharding_mod._FlowInterpreter, "call_module", torch.fx.Interpreter.call_module)
+    monkeypatch.setattr(data_flow.FlowInterpreter, "call_module", torch.fx.Interpreter.call_module)
     full = sharding_mod.traced_layout(*captured["args"])
     assert replayed.styles and replayed.styles == full.styles
     assert replayed.groups == full.groups and replayed.layers == full.layers and replayed.divides == full.divides

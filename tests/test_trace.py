@@ -11,8 +11,10 @@ import torch
 
 from autoplan import models as zoo
 from autoplan.cli import main
+from autoplan.graph.grouping import find_layer_container
 from autoplan.graph.profile import profile_model
-from autoplan.graph.trace import TraceError, extract_submodule, find_layer_container, trace_model
+from autoplan.graph.trace import extract_submodule, trace_model
+from autoplan.graph.trace_errors import TraceError
 from tests import models
 from tests.models import IntCrossingModel, ShapeBranchModel, SkipModel, Untraceable, ValueCheckModel
 

@@ -11,13 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoplan import models as zoo
-from autoplan.graph.trace import (
-    TraceError,
-    extract_submodule,
-    find_layer_container,
-    find_layer_containers,
-    trace_model,
-)
+from autoplan.graph.grouping import find_layer_container, find_layer_containers
+from autoplan.graph.trace import extract_submodule, trace_model
+from autoplan.graph.trace_errors import TraceError
 
 # --------------------------------------------------------------------------------------------
 # A torchvision-style ResNet-50 (layers 3, 4, 6, 3 of Bottlenecks), narrow so it runs fast.
@@ -374,6 +370,6 @@ def test_module_chain_on_meta_is_checked_on_a_materialized_copy():
 
 
 def test_module_chain_of_a_large_model_says_it_was_not_checked(monkeypatch):
-    monkeypatch.setattr("autoplan.graph.trace._CHECK_MAX_PARAMS", 100)
+    monkeypatch.setattr("autoplan.graph.module_chain._CHECK_MAX_PARAMS", 100)
     traced = trace_model(_Chain(), (torch.randn(4, 8),))
     assert "NOT checked against the model" in traced.note

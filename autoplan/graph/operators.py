@@ -72,7 +72,7 @@ def _nbytes(t: torch.Tensor) -> int:
 # in aot_autograd) and runs the forward through dynamo, which rejects dispatch modes it meets.
 # So the recorder takes every higher-order operator (`supports_higher_order_operators`) only to
 # refuse it by name (`UnpricedOperator`), and the profile says in one line where the model calls it
-# and how to write it with ordinary operators (graph/profile.py, `_unpriced`). Before, torch's own
+# and how to write it with ordinary operators (graph/block_cost.py, `unpriced`). Before, torch's own
 # NotImplementedError ("no rule registered for HigherOrderOperator cond") came out as a traceback.
 
 
@@ -329,7 +329,7 @@ def _tp_axis(call: Call, batch_axis: int | None) -> int | None:
 # fake or meta tensors). Where the two differ in a way that matters, the recording follows the GPU:
 # nn.RMSNorm (F.rms_norm) is one fused kernel forward and one backward on CUDA (torch >= 2.8,
 # `_fused_rms_norm`) but eight fp32 operators on the CPU, which priced a llama layer 17-34% slow on an
-# H100. Such a block's operators are recorded in a second pass with the fused kernel (graph/profile.py,
+# H100. Such a block's operators are recorded in a second pass with the fused kernel (graph/block_cost.py,
 # `_record_calls`); its FLOPs and saved bytes stay those of the first (the composite form saves more: an upper bound on a GPU, exact
 # on a CPU run).
 
@@ -390,7 +390,7 @@ class FusedRMSNorm(torch.autograd.Function):
 
 class FusedAttention(torch.overrides.TorchFunctionMode):
     """scaled_dot_product_attention as the fused kernel a CPU (and a GPU) runs, also on meta tensors,
-    where torch would take its unfused math path ([Note: meta or fake] in graph/profile.py)."""
+    where torch would take its unfused math path ([Note: meta or fake] in graph/fake_run.py)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -36,6 +36,9 @@ graph, run on the graph's own inputs (`traced_layout`), so a plan `suggest` retu
 runtime runs. The runtime (`runtime/parallel.py`) runs a layout either with torch's parallel styles (module hooks)
 where the traced graph calls the attention / MLP modules whole, or with the whole stage in DTensor
 where the graph inlines them (torch.export); sequence parallelism needs the former.
+
+The layout as data is graph/tp_layout.py; the machinery that follows the flow through every op is
+graph/data_flow.py; this module runs it on a model and reads the pattern from what it recorded.
 """
 
 from __future__ import annotations
@@ -43,22 +46,28 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["ShardGroup", "TensorParallelLayout", "find_layout", "for_graph", "is_transposed_linear", "linear_widths",
-           "sp_children", "traced_layout"]
+from autoplan.graph.data_flow import (
+    ATTN,
+    INPUT,
+    NORM,
+    OUTPUT,
+    Flow,
+    FlowInterpreter,
+    FlowMode,
+    constants_device,
+    tags_of,
+)
+from autoplan.graph.tp_layout import ShardGroup, TensorParallelLayout
 
-_OUTPUT = "<output>"
-_INPUT = "<input>"
-_NORM = "<norm>"  # marks an activation normalized over its features since the last linear
-_ATTN = "<attn>"  # marks an activation on which two activations met in a batched matmul
+__all__ = ["default_inputs", "find_layout", "for_graph", "is_transposed_linear", "linear_widths", "sp_children",
+           "traced_layout"]
 
 
 def linear_widths(module: nn.Module) -> tuple[int, int] | None:
@@ -78,350 +87,9 @@ def is_transposed_linear(module: nn.Module) -> bool:
     return not isinstance(module, nn.Linear) and linear_widths(module) is not None
 
 
-@dataclass(frozen=True)
-class ShardGroup:
-    """Column-parallel linears feeding one row-parallel linear."""
-
-    kind: str
-    """"attention" or "mlp"."""
-    colwise: tuple[str, ...]
-    rowwise: str
-    counts: tuple[tuple[str, int], ...]
-    """What tp must divide: ("num_heads", 32), ("num_kv_heads", 8) or ("ffn_hidden_size", 11008)."""
-    parent: str
-    """The innermost module holding all of them (the attention or MLP module)."""
-
-
-@dataclass
-class TensorParallelLayout(Mapping):
-    """A model's tensor-parallel layout: module path -> style, read as a mapping.
-
-    Styles: "colwise" / "rowwise" (Megatron's column- and row-parallel linears), "vocab-embedding"
-    (rows of the token table) and "vocab-head" (columns of the logits); modules absent stay
-    replicated."""
-
-    styles: dict[str, str] = field(default_factory=dict)
-    groups: tuple[ShardGroup, ...] = ()
-    divides: dict[str, tuple[int, str]] = field(default_factory=dict)
-    """Count name ("num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size") -> (the gcd of that
-    count over the model's layers, the first module that has it): tp must divide each gcd. KV heads
-    are not replicated, so tp must divide them too."""
-    layers: tuple[str, ...] = ()
-    """Transformer layers sequence parallelism lays out (norms and sharded attention + MLP children)."""
-    replicated: dict[str, str] = field(default_factory=dict)
-    """Attention modules left whole on every tp rank -> why."""
-    note: str = ""
-    """Why no tp > 1 is possible (one line), or "" when the layout shards something."""
-    sharded_params: int = 0
-    """Parameters the layout shards (each tp rank holds 1/tp of them); the rest are replicated."""
-    total_params: int = 0
-    transposed: frozenset[str] = frozenset()
-    """Sharded linears whose weight is stored (in, out) (transformers' `Conv1D`)."""
-    tied: dict[str, str] = field(default_factory=dict)
-    """Another name of a sharded parameter, under a module the layout does not style (BERT's
-    `cls.predictions.bias` is `cls.predictions.decoder.bias`) -> the sharded parameter's name: a
-    stage that holds the parameter only under that name must shard it the same way."""
-    inlined: bool = False
-    """The traced graph inlines the sharded modules (torch.export): the runtime runs such stages in
-    DTensor ([Note: tensor parallelism on an inlined graph] in runtime/parallel.py), without
-    sequence parallelism. Set by `for_graph`."""
-
-    def __getitem__(self, key: str) -> str:
-        return self.styles[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.styles)
-
-    def __len__(self) -> int:
-        return len(self.styles)
-
-    def refusal(self, tp: int) -> str | None:
-        """One line saying why this model cannot run at `tp`, or None when it can."""
-        if tp == 1:
-            return None
-        if self.note:
-            return f"no tensor-parallel layout: {self.note}; plan with tp = 1"
-        for name, (count, path) in self.divides.items():
-            if count % tp:
-                where = f" of '{path}'" if path else ""
-                hint = ("pad the vocabulary to a multiple of tp (Megatron-LM pads to 128 * tp) or plan with another tp"
-                        if name == "vocab_size" else "plan with a tp that divides it")
-                return f"tp = {tp} does not divide {name} = {count}{where}; {hint}"
-        return None
-
-    def degrees(self, max_tp: int) -> list[int]:
-        """Every tp in 1..max_tp this layout can run."""
-        return [t for t in range(1, max_tp + 1) if self.refusal(t) is None]
-
-    def summary(self) -> dict[str, Any]:
-        """What the profile records (`ModelProfile.extra["tensor_parallel"]`): JSON only."""
-        return {"divides": {k: c for k, (c, _) in self.divides.items()}, "sequence_parallel": bool(self.layers),
-                "note": self.note, "replicated": dict(self.replicated),
-                # FSDP cannot shard a [q | k | v] projection's bias again along its one dim (fsdp.py)
-                "fused_qkv": any(style == "colwise-qkv" for style in self.values()),
-                "sharded_params": self.sharded_params, "total_params": self.total_params}
-
-
-# --------------------------------------------------------------------------------------------
-# The data-flow run
-
-_BATCHED_MATMULS = {torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default}
-_ATTENTION_KERNELS = {getattr(torch.ops.aten, name).default for name in (
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_fused_attention_overrideable") if hasattr(torch.ops.aten, name)}
-_FEATURE_NORMS = {torch.ops.aten.native_layer_norm.default, torch.ops.aten.mean.dim, torch.ops.aten.var.correction,
-                  torch.ops.aten.var_mean.correction}
-if hasattr(torch.ops.aten, "_fused_rms_norm"):
-    _FEATURE_NORMS.add(torch.ops.aten._fused_rms_norm.default)
-
-
-def _tags(t: Any) -> frozenset:
-    return getattr(t, "_ap_tags", frozenset()) if isinstance(t, torch.Tensor) else frozenset()
-
-
-class _FlowMode(TorchDispatchMode):
-    """Carries `_ap_tags` (linear paths, `_NORM`, `_ATTN`) from every op's inputs to its outputs."""
-
-    def __init__(self, params: set[int]):
-        super().__init__()
-        self.params = params
-        self.head_dim: dict[frozenset, int] = {}
-        """Linears an attention matmul read from -> head size."""
-        self.first_op: dict[str, Any] = {}
-        """Linear path -> the first op applied to its output."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        flat, _ = tree_flatten((args, kwargs))
-        inputs = [t for t in flat if isinstance(t, torch.Tensor) and id(t) not in self.params]
-        tags = frozenset().union(*(_tags(t) for t in inputs))
-        for t in inputs:
-            fresh = getattr(t, "_ap_fresh", None)
-            if (fresh is not None and func in _VIEWS and isinstance(out, torch.Tensor) and out.dim() and t.dim()
-                    and out.shape[-1] == t.shape[-1]):
-                out._ap_fresh = fresh  # (b * s, n) -> (b, s, n), as an inlined Conv1D ends: still its output
-            elif fresh is not None and fresh not in self.first_op and isinstance(out, (torch.Tensor, tuple, list)):
-                shape = out.shape if isinstance(out, torch.Tensor) else None
-                self.first_op[fresh] = (func, tuple(t.shape), tuple(shape) if shape is not None else None,
-                                        tuple(a for a in args[1:] if not isinstance(a, torch.Tensor)))
-        if func in _ATTENTION_KERNELS:
-            q, k = args[0], args[1]
-            if _tags(q) - {_NORM, _ATTN, _INPUT} and _tags(k) - {_NORM, _ATTN, _INPUT}:
-                self.head_dim.setdefault(frozenset((_tags(q) | _tags(k)) - {_NORM}), int(q.shape[-1]))
-                tags = tags | {_ATTN}
-        elif func in _BATCHED_MATMULS:
-            a, b = args[-2], args[-1]
-            if _tags(a) - {_NORM, _ATTN, _INPUT} and _tags(b) - {_NORM, _ATTN, _INPUT}:
-                if _ATTN not in tags:  # q k^T (the weights times v comes after): its inner dim is the head size
-                    self.head_dim.setdefault(frozenset(tags - {_NORM}), int(a.shape[-1]))
-                tags = tags | {_ATTN}
-        elif func in _FEATURE_NORMS and inputs and _is_last_dim_reduction(func, args):
-            tags = tags | {_NORM}
-        outs, _ = tree_flatten(out)
-        for t in outs:
-            if isinstance(t, torch.Tensor):
-                with contextlib.suppress(AttributeError, RuntimeError):  # a tensor that takes no attributes
-                    t._ap_tags = _tags(t) | tags
-        return out
-
-
-def _is_last_dim_reduction(func, args) -> bool:
-    if func is torch.ops.aten.native_layer_norm.default:
-        return True
-    x = args[0]
-    dims = args[1] if len(args) > 1 else None
-    if dims is None:
-        return True
-    dims = [dims] if isinstance(dims, int) else list(dims)
-    return any(d % x.dim() == x.dim() - 1 for d in dims)
-
-
-@dataclass
-class _Flow:
-    widths: dict[str, tuple[int, int]]
-    """Linear path -> (in, out) features."""
-    transposed: set[str]
-    """Linears whose weight is stored (in, out) (`Conv1D`)."""
-    embeddings: dict[str, tuple[int, int, int]]
-    """Embedding path -> (num_embeddings, dim, id of its weight)."""
-    head_weights: dict[str, int]
-    """Linear path -> id of its weight (to see a head tied to an embedding)."""
-    sources: dict[str, frozenset]
-    """Linear path -> tags of its input when it ran."""
-    consumers: dict[str, set[str]]
-    head_dim: dict[frozenset, int]
-    first_op: dict[str, Any]
-    order: list[str]
-
-
-_GRAPH_LINEARS = {torch.ops.aten.linear.default: False, torch.nn.functional.linear: False,
-                  torch.ops.aten.addmm.default: True}
-"""Linear ops of an inlined graph -> whether the weight is (in, out) (Conv1D's addmm(bias, x, w))."""
-_GRAPH_EMBEDDINGS = (torch.ops.aten.embedding.default, torch.nn.functional.embedding)
-
-
-class _FlowInterpreter(torch.fx.Interpreter):
-    """Runs a traced graph, treating a linear op on a parameter (an inlined nn.Linear or Conv1D,
-    named by its weight's module) as a call of that linear."""
-
-    def __init__(self, gm: torch.fx.GraphModule, flow: _Flow, pre, post, device: torch.device | None,
-                 mode: _FlowMode | None = None):
-        super().__init__(gm)
-        self.flow, self.pre, self.post, self.device, self.mode = flow, pre, post, device, mode
-        self.fakes: dict[str, torch.Tensor] = {}
-        self.runs: dict[tuple, list[tuple[str, Any, int, int]]] = {}
-        """[Note: repeated layers] structure -> (path, output, first order index, end) of each run."""
-
-    def call_module(self, target: str, args: Any, kwargs: Any) -> Any:
-        """[Note: repeated layers]: the third and later calls of a module whose structure and input
-        shapes repeat an earlier one are not run: what the data flow would record is the second
-        call's record, renamed."""
-        module = self.fetch_attr(target)
-        key = _structure(module, args, kwargs)
-        runs = self.runs.setdefault(key, []) if key is not None and self.mode is not None else None
-        if runs is not None and len(runs) >= 2:
-            return self._replay(target, runs)
-        start = len(self.flow.order)
-        out = super().call_module(target, args, kwargs)
-        if runs is not None:
-            runs.append((target, out, start, len(self.flow.order)))
-        return out
-
-    def _replay(self, target: str, runs: list) -> Any:
-        first, second, previous = runs[0][0], runs[1][0], runs[-1][0]
-        # The second run's own linears become this module's; its inputs' (the first run's) the
-        # previous run's. Other tags (earlier layers, the embedding) stay as they were.
-        renames = ((second + ".", target + "."), (first + ".", previous + "."))
-
-        def rename(tag: Any) -> Any:
-            if not isinstance(tag, str):
-                return tag
-            for old, new in renames:
-                if tag.startswith(old):
-                    return new + tag[len(old):]
-            return tag
-
-        def rename_set(tags: frozenset) -> frozenset:
-            return frozenset(rename(t) for t in tags)
-
-        template = runs[1]
-        flow, mode = self.flow, self.mode
-        for path in flow.order[template[2]:template[3]]:
-            mine = rename(path)
-            flow.sources.setdefault(mine, rename_set(flow.sources.get(path, frozenset())))
-            flow.order.append(mine)
-            if path in mode.first_op and mine not in mode.first_op:
-                mode.first_op[mine] = mode.first_op[path]
-        for tags, dim in list(mode.head_dim.items()):
-            if any(isinstance(t, str) and t.startswith(second + ".") for t in tags):
-                mode.head_dim.setdefault(rename_set(tags), dim)
-        runs.append((target, None, len(flow.order) - (template[3] - template[2]), len(flow.order)))
-
-        def fresh(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-                copy._ap_tags = rename_set(_tags(value))
-                return copy
-            if isinstance(value, (tuple, list)):
-                return type(value)(fresh(v) for v in value)
-            return value
-
-        return fresh(template[1])
-
-    def _names(self, weight: torch.Tensor) -> list[str]:
-        """Every module path holding `weight` (tied parameters have several), in registration order."""
-        return [n.rpartition(".")[0] for n, p in self.module.named_parameters(remove_duplicate=False) if p is weight]
-
-    def get_attr(self, target: str, args: Any, kwargs: Any) -> Any:
-        value = super().get_attr(target, args, kwargs)
-        if self.device is None or not isinstance(value, torch.Tensor) or value.device == self.device:
-            return value
-        if target not in self.fakes:  # on the device of the graph's constants (export bakes it in)
-            self.fakes[target] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=self.device)
-        return self.fakes[target]
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        weight_arg = None
-        if n.op == "call_function" and n.target in _GRAPH_LINEARS:
-            weight_arg = n.args[2] if _GRAPH_LINEARS[n.target] else n.args[1]
-        elif n.op == "call_function" and n.target in _GRAPH_EMBEDDINGS:
-            table = n.args[0]
-            if isinstance(table, torch.fx.Node) and table.op == "get_attr":
-                w = _attr(self.module, table.target)
-                path = self._names(w)[0] if self._names(w) else table.target.rpartition(".")[0]
-                self.flow.embeddings[path] = (int(w.shape[0]), int(w.shape[1]), id(w))
-        if not (isinstance(weight_arg, torch.fx.Node) and weight_arg.op == "get_attr"):
-            return super().run_node(n)
-        w = _attr(self.module, weight_arg.target)
-        # A head tied to the embedding reads the embedding's weight: name it by its own module, the
-        # last of the weight's names (a head registers after the embeddings: T5's `lm_head` after
-        # `shared`, `encoder.embed_tokens` and `decoder.embed_tokens`).
-        names = [name for name in self._names(w) if name not in self.flow.embeddings]
-        path = names[-1] if names else weight_arg.target.rpartition(".")[0]
-        transposed = _GRAPH_LINEARS[n.target]
-        self.flow.widths[path] = (int(w.shape[0]), int(w.shape[1])) if transposed else (int(w.shape[1]), int(w.shape[0]))
-        self.flow.head_weights[path] = id(w)
-        if transposed:
-            self.flow.transposed.add(path)
-        x = self.env[n.args[1] if transposed else n.args[0]]
-        self.pre(path, x)
-        out = super().run_node(n)
-        self.post(path, out)
-        return out
-
-
-# [Note: repeated layers]
-# A 96-layer model runs its layer 96 times through the data flow, about 50 operators each: most of
-# the cost of finding a layout. Layers of one structure (class, parameter shapes, input shapes) record
-# the same flow up to names: the third and later are not run; the second's record is copied with its
-# paths renamed to the layer's, and the first's (its input's producer) to the previous layer's. A
-# tag from further back (an earlier layer's output reaching a later one through the residual stream)
-# is not carried forward; it only ever adds consumers to a layer's output projection, which no pair
-# reads (a pair's feeders have one consumer). tests/test_sharding.py checks the layouts are equal.
-
-
-def _structure(module: nn.Module, args: Any, kwargs: Any) -> tuple | None:
-    """What makes two calls of a module record the same flow: its class, parameter shapes and
-    input shapes; None when an input is not a tensor, a scalar or None (run it)."""
-    def describe(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return (tuple(value.shape), value.dtype)
-        if isinstance(value, (tuple, list)):
-            return tuple(describe(v) for v in value)
-        if value is None or isinstance(value, (int, float, bool, str)):
-            return value
-        raise TypeError
-
-    try:
-        inputs = (describe(list(args)), describe(sorted(kwargs.items())))
-    except TypeError:
-        return None
-    params = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
-    return (type(module).__qualname__, params, inputs)
-
-
-def _constants_device(gm: torch.fx.GraphModule) -> torch.device | None:
-    """The device a graph's factory calls name (torch.export records the one it traced on)."""
-    for n in gm.graph.nodes:
-        device = n.kwargs.get("device") if n.op == "call_function" else None
-        if isinstance(device, (str, torch.device)) and torch.device(device).type != "meta":
-            return torch.device(device)
-    return None
-
-
-def _attr(module: nn.Module, target: str) -> Any:
-    obj: Any = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any]) -> _Flow:
+def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any]) -> Flow:
     linears = {path: m for path, m in model.named_modules() if linear_widths(m) is not None}
-    flow = _Flow(widths={p: linear_widths(m) for p, m in linears.items()},
+    flow = Flow(widths={p: linear_widths(m) for p, m in linears.items()},
                  transposed={p for p, m in linears.items() if is_transposed_linear(m)},
                  embeddings={p: (m.num_embeddings, m.embedding_dim, id(m.weight)) for p, m in model.named_modules()
                              if isinstance(m, nn.Embedding)},
@@ -430,7 +98,7 @@ def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any
     params = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
 
     def pre(path, x):
-        flow.sources.setdefault(path, _tags(x))
+        flow.sources.setdefault(path, tags_of(x))
         flow.order.append(path)
 
     def post(path, out):
@@ -445,16 +113,16 @@ def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any
         handles.append(m.register_forward_hook(lambda module, args, out, path=path: post(path, out)))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = _FlowMode(params)
+    mode = FlowMode(params)
     param = next(iter(model.parameters()), None)
-    graph_device = _constants_device(model) if isinstance(model, torch.fx.GraphModule) else None
+    graph_device = constants_device(model) if isinstance(model, torch.fx.GraphModule) else None
     device = graph_device or (param.device if param is not None else torch.device("cpu"))
 
     def fake(x):  # an empty of the input's shape on the model's device (a fake tensor: nothing allocated)
         if not isinstance(x, torch.Tensor):
             return x
         x = torch.empty(x.shape, dtype=x.dtype, device=device)
-        x._ap_tags = frozenset({_INPUT})  # a model input is a source of its own: it never pairs two linears
+        x._ap_tags = frozenset({INPUT})  # a model input is a source of its own: it never pairs two linears
         return x
 
     # Fake tensors: nothing is allocated (real weights are not copied), and models that test values
@@ -472,7 +140,7 @@ def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any
                 args, kwargs = tuple(fake(x) for x in example_inputs), {}
             with mode:
                 if isinstance(model, torch.fx.GraphModule):
-                    out = _FlowInterpreter(model, flow, pre, post, graph_device, mode).run(*args, **kwargs)
+                    out = FlowInterpreter(model, flow, pre, post, graph_device, mode).run(*args, **kwargs)
                 else:
                     out = model(*args, **kwargs)
     finally:
@@ -486,9 +154,9 @@ def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any
             if s in flow.consumers:
                 flow.consumers[s].add(path)
     for t in tree_flatten(out)[0] if not hasattr(out, "to_tuple") else tree_flatten(out.to_tuple())[0]:
-        for s in _tags(t):
+        for s in tags_of(t):
             if s in flow.consumers:
-                flow.consumers[s].add(_OUTPUT)
+                flow.consumers[s].add(OUTPUT)
     return flow
 
 
@@ -543,7 +211,7 @@ def find_layout(model: nn.Module, example_inputs: Sequence[Any] | None = None) -
     for b in flow.order:
         src = flow.sources.get(b, frozenset())
         feeders = sorted(s for s in src if s in flow.widths)
-        if not feeders or _NORM in src or len(feeders) != len(src - {_ATTN}):
+        if not feeders or NORM in src or len(feeders) != len(src - {ATTN}):
             continue  # fed by something else too (a residual, an input, a normalization)
         if any(flow.consumers[a] != {b} for a in feeders):
             continue
@@ -551,7 +219,7 @@ def find_layout(model: nn.Module, example_inputs: Sequence[Any] | None = None) -
         if any(flow.widths[a][0] != b_out for a in feeders) or any(a in styles for a in feeders):
             continue  # not hidden -> ... -> hidden
         parent = _common_parent([*feeders, b])
-        if _ATTN in src:
+        if ATTN in src:
             head_dim = next((d for k, d in flow.head_dim.items() if k <= set(feeders)), None)
             if not head_dim or any(flow.widths[a][1] % head_dim for a in feeders):
                 continue
@@ -659,9 +327,9 @@ def _per_head(first_op, num_heads: int) -> bool:
     return out_shape[lead] == num_heads
 
 
-def _vocab_parallel(flow: _Flow, styles: dict[str, str], divides: dict) -> None:
+def _vocab_parallel(flow: Flow, styles: dict[str, str], divides: dict) -> None:
     """Mark the token embedding and LM head vocabulary-parallel (see the module note)."""
-    heads = [p for p in flow.order if flow.consumers.get(p) == {_OUTPUT} and p not in styles]
+    heads = [p for p in flow.order if flow.consumers.get(p) == {OUTPUT} and p not in styles]
     if len(heads) != 1 or heads[0] in flow.transposed:
         return
     h, vocab = flow.widths[heads[0]]
@@ -737,5 +405,3 @@ def sp_children(layer: nn.Module, layout: TensorParallelLayout, path: str) -> tu
     units = [name for name, _ in layer.named_children() if prefix + name in parents]
     norms = [name for name, c in layer.named_children() if isinstance(c, (nn.LayerNorm, nn.RMSNorm))]
     return norms, units
-
-

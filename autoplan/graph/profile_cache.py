@@ -1,0 +1,128 @@
+"""The on-disk cache of profiles: where it lives, its keys, reading and writing entries.
+
+A timed profile is keyed by the model's fingerprint, the device, shapes, dtypes, torch and the
+timing method; an analytic one by everything its result depends on, the source files of the code it
+runs included (`analytic_key`). Apart from the recording (graph/block_cost.py, graph/timing.py) so
+that what invalidates a cached profile is read in one place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autoplan.graph.blocks import ModelProfile
+from autoplan.graph.operators import RECORDER_VERSION
+from autoplan.graph.timing import TIMING_METHOD
+from autoplan.graph.trace import TracedModel
+
+__all__ = ["analytic_key", "profile_cache_dir", "read_cached", "timed_key", "write_cached"]
+
+_CACHED_FIELDS = f"ops-v{RECORDER_VERSION}-tp2"  # in both cache keys: profiles cached before a field existed are redone (tp2: fused_qkv)
+
+
+def profile_cache_dir(cache_dir: str | os.PathLike | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get("AUTOPLAN_CACHE_DIR", Path.home() / ".cache" / "autoplan")) / "profiles"
+
+
+def read_cached(path: Path, fingerprint: str, *, timed: bool) -> ModelProfile | None:
+    if not path.exists():
+        return None
+    try:
+        cached = ModelProfile.from_dict(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError):
+        return None  # a stale or damaged cache entry is re-measured and rewritten
+    if cached.fingerprint != fingerprint or (timed and not cached.is_timed):
+        return None
+    if "tensor_parallel" not in cached.extra:  # cached before layouts were recorded
+        return None
+    return cached
+
+
+def write_cached(path: Path, profile: ModelProfile) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one writer per file name; replace is atomic
+        tmp.write_text(profile.to_json(indent=None))  # json's C encoder runs only without indent: 5x faster
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only or full cache directory costs the next run a re-profile, nothing else
+
+
+def _source_digest(paths: set[str]) -> str | None:
+    h = hashlib.sha1()
+    for path in sorted(paths):
+        try:
+            h.update(path.encode() + b"\0" + Path(path).read_bytes())
+        except OSError:
+            return None
+    return h.hexdigest()
+
+
+_GRAPH_CODE = ("profile.py", "fake_run.py", "block_cost.py", "timing.py", "profile_cache.py", "profile_extra.py",
+               "trace.py", "trace_errors.py", "grouping.py", "export_trace.py", "module_chain.py", "blocks.py")
+"""autoplan's own files in every analytic key: the profiler and the tracer, split over these modules."""
+
+
+def _code_files(traced: TracedModel) -> set[str] | None:
+    """Source files whose code decides what the traced graph computes, besides torch itself (whose
+    version is in the key): autoplan's graph package (the profiler, the tracer, the zoo) and the
+    file of every module class and called function outside torch. None when some code has no file
+    (defined in a REPL or generated): then the profile is not cached, since an edit could not be seen."""
+    import sys
+
+    files = {str(Path(__file__).resolve().parent / name) for name in _GRAPH_CODE}
+    objects: list[Any] = [type(m) for m in {type(m): m for m in traced.gm.modules()}.values()]
+    objects += [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
+    for obj in objects:
+        module_name = getattr(obj, "__module__", None) or ""
+        if module_name == "torch" or module_name.startswith(("torch.", "_operator", "operator", "builtins")):
+            continue
+        if type(obj).__name__ == "OpOverload" or isinstance(obj, type) and issubclass(obj, fx.GraphModule):
+            continue
+        module = sys.modules.get(module_name)
+        path = getattr(module, "__file__", None)
+        if not path:
+            return None
+        files.add(path)
+    return files
+
+
+def analytic_key(traced: TracedModel, example_inputs: Sequence[Any], *, model_name: str, fingerprint: str,
+                 dtype: torch.dtype | None, info: dict[str, int | None], batch_size: int | None,
+                 seq_len: int | None) -> str | None:
+    """Cache key of an analytic (fake-tensor) profile, or None when it cannot be cached safely.
+
+    The result depends on the graph (its code, blocks and the parameter shapes in the model
+    fingerprint), the code it calls (`_code_files`), the input shapes and dtypes, the dtype, the
+    config numbers in `info`, torch (kernel choice, FLOP formulas) and autoplan."""
+    from autoplan._version import __version__
+
+    files = _code_files(traced)
+    digest = _source_digest(files) if files is not None else None
+    if digest is None:
+        return None
+    inputs = [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
+    parts = ["analytic", fingerprint, model_name, traced.tracer, traced.note, traced.block_names, traced.gm.code,
+             inputs, str(dtype), sorted((k, v) for k, v in info.items()), batch_size, seq_len, torch.__version__,
+             __version__, digest, _CACHED_FIELDS]
+    return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:20]
+
+
+def timed_key(traced: TracedModel, *, fingerprint: str, device_name: str, batch_size: int, seq_len: int,
+              dtype: torch.dtype | None, timed_dtype: torch.dtype | None) -> str:
+    """Cache key of a timed profile: the model, its blocks, the device, the shapes and dtypes, torch and
+    the timing method ([Note: timing in context] in graph/timing.py)."""
+    return hashlib.sha1(
+        json.dumps([fingerprint, traced.block_names, device_name, batch_size, seq_len, str(dtype), str(timed_dtype),
+                    torch.__version__, TIMING_METHOD, _CACHED_FIELDS]).encode()
+    ).hexdigest()[:20]

@@ -1,0 +1,99 @@
+"""A tensor-parallel layout as data: which modules are column-, row- or vocabulary-parallel, what
+tp must divide, and why a model cannot run at a given tp.
+
+graph/sharding.py finds a layout from the model's data flow; the profile records its summary, the
+search reads its refusals, and the runtime (runtime/parallel.py) applies it. Apart from the finding
+so that the readers of a layout need none of its machinery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ShardGroup", "TensorParallelLayout"]
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """Column-parallel linears feeding one row-parallel linear."""
+
+    kind: str
+    """"attention" or "mlp"."""
+    colwise: tuple[str, ...]
+    rowwise: str
+    counts: tuple[tuple[str, int], ...]
+    """What tp must divide: ("num_heads", 32), ("num_kv_heads", 8) or ("ffn_hidden_size", 11008)."""
+    parent: str
+    """The innermost module holding all of them (the attention or MLP module)."""
+
+
+@dataclass
+class TensorParallelLayout(Mapping):
+    """A model's tensor-parallel layout: module path -> style, read as a mapping.
+
+    Styles: "colwise" / "rowwise" (Megatron's column- and row-parallel linears), "vocab-embedding"
+    (rows of the token table) and "vocab-head" (columns of the logits); modules absent stay
+    replicated."""
+
+    styles: dict[str, str] = field(default_factory=dict)
+    groups: tuple[ShardGroup, ...] = ()
+    divides: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Count name ("num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size") -> (the gcd of that
+    count over the model's layers, the first module that has it): tp must divide each gcd. KV heads
+    are not replicated, so tp must divide them too."""
+    layers: tuple[str, ...] = ()
+    """Transformer layers sequence parallelism lays out (norms and sharded attention + MLP children)."""
+    replicated: dict[str, str] = field(default_factory=dict)
+    """Attention modules left whole on every tp rank -> why."""
+    note: str = ""
+    """Why no tp > 1 is possible (one line), or "" when the layout shards something."""
+    sharded_params: int = 0
+    """Parameters the layout shards (each tp rank holds 1/tp of them); the rest are replicated."""
+    total_params: int = 0
+    transposed: frozenset[str] = frozenset()
+    """Sharded linears whose weight is stored (in, out) (transformers' `Conv1D`)."""
+    tied: dict[str, str] = field(default_factory=dict)
+    """Another name of a sharded parameter, under a module the layout does not style (BERT's
+    `cls.predictions.bias` is `cls.predictions.decoder.bias`) -> the sharded parameter's name: a
+    stage that holds the parameter only under that name must shard it the same way."""
+    inlined: bool = False
+    """The traced graph inlines the sharded modules (torch.export): the runtime runs such stages in
+    DTensor ([Note: tensor parallelism on an inlined graph] in runtime/parallel.py), without
+    sequence parallelism. Set by `for_graph`."""
+
+    def __getitem__(self, key: str) -> str:
+        return self.styles[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.styles)
+
+    def __len__(self) -> int:
+        return len(self.styles)
+
+    def refusal(self, tp: int) -> str | None:
+        """One line saying why this model cannot run at `tp`, or None when it can."""
+        if tp == 1:
+            return None
+        if self.note:
+            return f"no tensor-parallel layout: {self.note}; plan with tp = 1"
+        for name, (count, path) in self.divides.items():
+            if count % tp:
+                where = f" of '{path}'" if path else ""
+                hint = ("pad the vocabulary to a multiple of tp (Megatron-LM pads to 128 * tp) or plan with another tp"
+                        if name == "vocab_size" else "plan with a tp that divides it")
+                return f"tp = {tp} does not divide {name} = {count}{where}; {hint}"
+        return None
+
+    def degrees(self, max_tp: int) -> list[int]:
+        """Every tp in 1..max_tp this layout can run."""
+        return [t for t in range(1, max_tp + 1) if self.refusal(t) is None]
+
+    def summary(self) -> dict[str, Any]:
+        """What the profile records (`ModelProfile.extra["tensor_parallel"]`): JSON only."""
+        return {"divides": {k: c for k, (c, _) in self.divides.items()}, "sequence_parallel": bool(self.layers),
+                "note": self.note, "replicated": dict(self.replicated),
+                # FSDP cannot shard a [q | k | v] projection's bias again along its one dim (fsdp.py)
+                "fused_qkv": any(style == "colwise-qkv" for style in self.values()),
+                "sharded_params": self.sharded_params, "total_params": self.total_params}
