@@ -5,7 +5,7 @@ input gradient, weight gradient) in fp32 and in half precision, side by side, wi
 
 On a CPU without AVX512-BF16 or AMX, half-precision GEMMs go through a conversion path many times
 slower than fp32, and `autoplan profile --device cpu` times blocks in fp32 instead
-(graph/profile.py `timing_dtype`). The shapes are one gpt2-small MLP projection at 1,024 tokens.
+(graph/timing.py `timing_dtype`). The shapes are one gpt2-small MLP projection at 1,024 tokens.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ _GRAPH_CODE = ("profile.py", "fake_run.py", "block_cost.py", "timing.py", "profi
 
 def _code_files(traced: TracedModel) -> set[str] | None:
     """Source files whose code decides what the traced graph computes, besides torch itself (whose
-    version is in the key): autoplan's graph package (the profiler, the tracer, the zoo) and the
+    version is in the key): autoplan's graph package (the profiler and the tracer, `_GRAPH_CODE`) and the
     file of every module class and called function outside torch. None when some code has no file
     (defined in a REPL or generated): then the profile is not cached, since an edit could not be seen."""
     import sys
