@@ -43,7 +43,7 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 from autoplan.cluster import GPU, GPUS, cpu_device, dtype_key, get_gpu
 from autoplan.cost.calibration import Calibration
 from autoplan.cost.ops import gemm_time_s
-from autoplan.runtime.launch import MAX_TIMEOUT_S
+from autoplan.runtime.preflight import MAX_TIMEOUT_S
 
 __all__ = ["CalibrationRunError", "calibrate", "guess_gpu", "write_calibration"]
 

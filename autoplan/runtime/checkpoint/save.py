@@ -1,8 +1,8 @@
 """`save_checkpoint`: this rank's part of the model and optimizer, written through DCP, durably
 and atomically (the package docstring's "Atomicity"), with the manifest rank 0 writes last.
 
-Also the fault `kill-in-checkpoint` of launch.py's fault injection (`_data_filesystem`), which kills
-a rank in the middle of its data file.
+Also the fault `kill-in-checkpoint` (runtime/faults.py): `_data_filesystem` kills a rank in the
+middle of its data file.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _data_filesystem(kill_after_bytes: int | None = None):
     """DCP's FileSystem, recording the data files this rank writes (`written`: hashed after the
     save, [Note: checkpoint checksums]). With `kill_after_bytes`, a data file SIGKILLs this process
     after that many bytes (or, if the file ends sooner, before it is closed): `kill-in-checkpoint`
-    in launch.py."""
+    in faults.py."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class DataFileSystem(FileSystem):
