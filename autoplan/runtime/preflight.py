@@ -121,6 +121,9 @@ class CheckpointDirLock:
         self.release()
 
 
+# ---- the checks of a run ------------------------------------------------------------------------
+
+
 @dataclass
 class RunChecks:
     """What `check_run` found and decided before any process is spawned."""
