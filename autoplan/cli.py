@@ -179,7 +179,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from autoplan.report.tables import calibration_table
-    from autoplan.runtime.calibrate import CalibrationRunError, calibrate
+    from autoplan.runtime.calibrate import calibrate
+    from autoplan.runtime.calibrate_collectives import CalibrationRunError
 
     try:
         cal = calibrate(args.out, device=args.device, gpu=args.gpu, dtype=args.dtype, quick=args.quick,

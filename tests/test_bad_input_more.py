@@ -142,7 +142,7 @@ def test_partition_refuses_wrong_arguments_in_one_line(kwargs, words):
 
 
 def test_start_up_waits_get_the_allowance_and_steps_get_the_timeout():
-    from autoplan.runtime.launch import STARTUP_TIMEOUT_S, bound_waits, startup_timeout
+    from autoplan.runtime.rendezvous import STARTUP_TIMEOUT_S, bound_waits, startup_timeout
 
     assert startup_timeout(timedelta(seconds=1.5)) == timedelta(seconds=STARTUP_TIMEOUT_S)
     assert startup_timeout(timedelta(seconds=900)) == timedelta(seconds=900)

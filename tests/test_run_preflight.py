@@ -19,8 +19,9 @@ import torch
 from autoplan.cli import main
 from autoplan.plan import Plan
 from autoplan.runtime import machine, run_plan
-from autoplan.runtime.launch import CheckpointDirLock, _mark_phase, _OomWatch, _StartProgress
+from autoplan.runtime.launch import _mark_phase, _OomWatch, _StartProgress
 from autoplan.runtime.machine import GIB, check_machine, host_memory_bytes
+from autoplan.runtime.preflight import CheckpointDirLock
 
 TINY = "gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=256,max_seq_len=32"
 

@@ -1,0 +1,308 @@
+"""One rank's training loop (`_train`): build the rank's stages, resume, run the steps with AdamW,
+check the loss and gradients, write metrics, traces and checkpoints.
+
+Checkpoints and resume (docs/reliability.md): with `checkpoint_dir` and `checkpoint_every=K`,
+every K steps (and after the last step) the ranks save their stages' parameters and AdamW state
+under the model's own names through torch.distributed.checkpoint (`checkpoint.save_checkpoint`:
+shards as shards, replicated tensors once); with `resume`, training continues from the newest
+complete checkpoint, saved under this plan or any other plan of the same model. Synthetic data
+comes from the model source (`ModelSource.batch`: inputs of the shapes, dtypes and value ranges of
+the model's example inputs, and a target for its loss) and is a pure function of (seed, step), so
+a resumed run sees exactly the batches a straight run would.
+
+Apart from the launcher (launch.py), which spawns the processes that run it, and from the checks
+before spawning (preflight.py): this is what runs inside a rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from autoplan.plan import Plan
+from autoplan.runtime.faults import _Fault, _inject, _poison, _sigkill_self
+from autoplan.runtime.ranks import current_heartbeat, one_line
+from autoplan.runtime.rendezvous import bound_waits, startup_timeout
+
+__all__ = ["NonFiniteError", "load_data_function", "synthetic_batch"]
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradients hold a NaN or an infinity (and --skip-nonfinite is used up)."""
+
+
+def synthetic_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, targets) of training step `step` for a token model: `graph.source.token_batch`."""
+    from autoplan.sources import token_batch
+
+    return token_batch(seed, step, batch, seq_len, vocab)
+
+
+def load_data_function(data: str, plan: Plan, *, check: bool = True):
+    """The user's `file.py:function` that makes step k's global batch: `function(step, batch_size,
+    seq_len) -> (inputs, target)`, inputs a tensor or a tuple of the model's forward arguments.
+    With `check` (the launcher, before any process is spawned) it is called for step 0 and its
+    batch is checked: two parts, and every tensor of the global batch's rows."""
+    from autoplan import models as zoo
+
+    if ".py:" not in data:
+        raise ValueError(f"--data {data!r} must name path/to/file.py:FUNCTION")
+    spec = zoo.parse_model_spec(data)
+    fn = zoo.load_function(spec)
+    if not check:
+        return fn
+    rows = plan.job.global_batch
+    try:
+        result = fn(0, rows, plan.job.seq_len)
+    except Exception as exc:
+        raise ValueError(f"--data {data}: {spec.function}(0, {rows}, {plan.job.seq_len}) raised "
+                         f"{one_line(exc)}") from None
+    if not (isinstance(result, tuple | list) and len(result) == 2):
+        raise ValueError(f"--data {data}: {spec.function}(step, batch_size, seq_len) must return (inputs, target), "
+                         f"got {type(result).__name__}")
+    inputs, target = result
+    tensors = [*(inputs if isinstance(inputs, tuple | list) else (inputs,)), target]
+    wrong = [t.shape[0] for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != rows]
+    if wrong:
+        raise ValueError(f"--data {data}: step 0's batch has {wrong[0]} rows; it must be the global batch of "
+                         f"{rows} (each dp replica takes its rows)")
+    return fn
+
+
+def _batch_fn(pm, data: str | None, plan: Plan, seed: int):
+    """step -> (inputs tuple, target) of the global batch: the user's data, else the source's."""
+    if data is not None:
+        fn = load_data_function(data, plan, check=False)  # the launcher checked it
+
+        def user_batch(step: int):
+            inputs, target = fn(step, plan.job.global_batch, plan.job.seq_len)
+            return (tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)), target
+
+        return user_batch
+    out = pm.output_template  # None where the source knows its target without the output's shape
+    shape, dtype = (out.shape, out.dtype) if out is not None else ((), torch.float32)
+    return lambda step: pm.source.batch(seed, step, plan.job.global_batch, plan.job.seq_len, shape, dtype)
+
+
+def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace_path: str | None,
+           metrics_path: str | None, lr: float, fail_at: tuple[int, int] | None = None, data: str | None = None,
+           checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = False,
+           faults: tuple[_Fault, ...] = (), skip_nonfinite: int = 0, run_id: str = "", resume_from: str | None = None,
+           on_phase=None) -> None:
+    import torch.distributed as dist
+
+    from autoplan.runtime import checkpoint as ckpt
+    from autoplan.runtime.api import default_device, init_distributed, partition
+
+    timeout = timedelta(seconds=timeout_s)
+    startup = startup_timeout(timeout)
+    init_distributed(startup)
+    rank = dist.get_rank()
+    device = default_device()
+    beat = current_heartbeat()
+    where = beat.at if beat is not None else (lambda step, action: None)
+    where(None, "building its stages")
+    pm = partition(spec, plan, device=device, seed=seed, timeout=startup)
+    bound_waits(pm, timeout)
+    if on_phase is not None:
+        on_phase("built")
+    # torch's fused AdamW: one pass over each parameter (as Megatron's fused Adam). The default
+    # foreach version measured 3.5x the memory-bound time on an H100 (docs/status.md); on CPU the
+    # default per-tensor loop took 8-9x the fused step for 65M parameters on one thread (0.56-0.63 s
+    # against 0.062-0.075 s, `python benchmarks/optimizer_cpu.py`): the step's tail, on the critical path.
+    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=lr, fused=True)
+    make_batch = _batch_fn(pm, data, plan, seed)
+    loss_src = plan.rank(plan.pp - 1, 0, 0)
+
+    start_step = 0
+    if resume and checkpoint_dir:
+        where(None, "loading a checkpoint")
+        start_step = _resume(ckpt, checkpoint_dir, resume_from, pm, optimizer, rank)
+
+    step_box = [start_step]
+    mid_step = [f for f in faults if f.kind == "kill-mid-step" and (f.rank is None or f.rank == rank)]
+    if mid_step:
+        ops = [0]
+
+        def hook(*_args) -> None:
+            for f in mid_step:
+                if f.step == step_box[0]:
+                    ops[0] += 1
+                    if ops[0] >= f.n:
+                        _sigkill_self()
+
+        pm.executor.comm.op_hook = hook
+    if beat is not None:
+        pm.executor.on_action = lambda action: where(step_box[0], action)
+
+    clock_offset = time.time() - time.perf_counter()  # perf_counter -> epoch seconds, comparable across ranks
+    events = []
+    skipped = 0
+    for step in range(start_step, steps):
+        step_box[0] = step
+        where(step, "starting the step")
+        _inject(faults, fail_at, rank, step)
+        if any(f.hits("nan-weight", rank, step) for f in faults):
+            _poison(pm, "weight")
+        inputs, targets = make_batch(step)
+        start = time.perf_counter()
+        loss = pm.step(*inputs, target=targets)
+        if any(f.hits("kill-mid-step", rank, step) for f in faults):
+            _sigkill_self()  # fewer P2P transfers than asked for: die before the collectives
+        if any(f.hits("nan", rank, step) for f in faults):
+            _poison(pm, "grad")
+        where(step, "checking the loss and gradients")
+        loss_value, nonfinite = _loss_and_nonfinite(pm, loss if rank == loss_src else None, device)
+        optimizer_start = time.perf_counter()
+        scaler = pm.loss_scaler
+        step_scale = scaler.scale if scaler is not None else None  # the scale this step's backward used
+        # fp16: gradients that overflowed at a finite loss are the scale's fault, not the model's
+        # (precision.py [Note: fp16 loss scaling]); every rank read the same flags, so all skip.
+        overflow = (scaler is not None and nonfinite.startswith("non-finite gradients") and not scaler.at_minimum)
+        if overflow:
+            if rank == 0:
+                print(f"step {step}  skipped: gradient overflow at loss scale {scaler.scale:g}; the scale is now "
+                      f"{max(scaler.scale * scaler.backoff_factor, scaler.min_scale):g}", flush=True)
+            scaler.update(overflow=True)
+            pm.zero_grad()
+        elif nonfinite:
+            skipped += 1
+            message = f"{nonfinite} at step {step}"
+            if skipped > skip_nonfinite:
+                raise NonFiniteError(f"{message}; stopped (--skip-nonfinite N skips up to N such steps)")
+            if rank == 0:
+                print(f"step {step}  skipped: {message} ({skipped} of --skip-nonfinite {skip_nonfinite})", flush=True)
+            pm.zero_grad()
+        else:
+            where(step, "in the optimizer step")
+            optimizer.step()
+            if scaler is not None:
+                scaler.update(overflow=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_time_s = time.perf_counter() - start
+        tail = [*pm.last_reductions, ("OPTIMIZER", optimizer_start, start + step_time_s)]
+        where(step, "reporting the step time")
+        step_time_s = _slowest(step_time_s, device)
+        events += [(str(r.action), r.start_s + clock_offset, r.end_s + clock_offset, step) for r in pm.last_trace]
+        events += [(phase, a + clock_offset, b + clock_offset, step) for phase, a, b in tail]
+        if rank == 0 and not nonfinite:
+            print(f"step {step}  loss {loss_value:.4f}  step {step_time_s:.3f} s  "
+                  f"predicted {plan.predicted.step_time_s:.3f} s" +
+                  (f"  loss scale {step_scale:g}" if scaler is not None else ""), flush=True)
+        if rank == 0 and metrics_path:  # appended per step: a run that dies later keeps what it measured
+            record = {"run": run_id, "step": step, "loss": loss_value if not nonfinite else None,
+                      "step_time_s": step_time_s, "predicted_step_time_s": plan.predicted.step_time_s}
+            if nonfinite:
+                record["skipped"] = "gradient overflow" if overflow else nonfinite
+            if scaler is not None:
+                record["loss_scale"] = step_scale
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        done = step + 1
+        if checkpoint_dir and checkpoint_every and (done % checkpoint_every == 0 or done == steps):
+            where(step, f"saving the checkpoint of step {done}")
+            path = ckpt.save_checkpoint(
+                checkpoint_dir, done, pm, optimizer, timeout=timeout,
+                extra={"seed": seed, "model": spec, "model_fingerprint": plan.model_fingerprint, "pp": plan.pp,
+                       "dp": plan.dp, "tp": plan.tp,
+                       **({"loss_scale": pm.loss_scaler.state_dict()} if pm.loss_scaler is not None else {})},
+                _kill_midway=any(f.hits("kill-in-checkpoint", rank, done) for f in faults))
+            if rank == 0:
+                print(f"checkpoint {path}", flush=True)
+    where(steps, "finishing")
+    if trace_path:
+        gathered = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(events, gathered, dst=0)
+        if rank == 0:
+            _write_trace(trace_path, gathered, plan)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _resume(ckpt, checkpoint_dir: str, chosen_by_launcher: str | None, pm, optimizer, rank: int) -> int:
+    """Restore the checkpoint the launcher verified (`_check_resumable`; rank 0 chooses where no
+    launcher did, and shares the choice so every rank resumes from the same one); returns the step
+    to start at."""
+    import torch.distributed as dist
+
+    chosen = [chosen_by_launcher]
+    if rank == 0 and chosen[0] is None:
+        path, skipped = ckpt.choose_checkpoint(checkpoint_dir)
+        for damaged, reason in skipped:
+            print(f"checkpoint {damaged} is damaged ({reason}); resuming from {path or 'step 0'}", flush=True)
+        chosen = [str(path or "")]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    if not chosen[0]:
+        if rank == 0:
+            print(f"no complete checkpoint in {checkpoint_dir}; starting from step 0", flush=True)
+        return 0
+    loaded = ckpt.load_checkpoint(chosen[0], checksums=False)  # every file's sha256 was just checked
+    same_layout = loaded.manifest.get("world_size") == dist.get_world_size()
+    start_step = ckpt.restore(loaded, pm, optimizer, strict=True, rank=rank if same_layout else None)
+    scale = (loaded.manifest.get("extra") or {}).get("loss_scale")
+    if pm.loss_scaler is not None and scale:  # fp16: the scale goes on where it was (the same on every rank)
+        pm.loss_scaler.load_state_dict(scale)
+    if rank == 0:
+        print(f"resumed from {chosen[0]} (step {start_step})", flush=True)
+    return start_step
+
+
+def _loss_and_nonfinite(pm, loss: torch.Tensor | None, device: torch.device) -> tuple[float, str]:
+    """One MAX all-reduce before the optimizer step: the loss (only its owner contributes a value)
+    and whether any stage's loss or gradients hold a NaN or an infinity. Returns the loss and "" or
+    what is not finite ("non-finite loss (stage 3) and gradients in stages 0, 3").
+
+    Why flags, not the loss itself: gloo's MAX of -inf and NaN is -inf, so a NaN loss reduced as a
+    value read as -inf (issue "Faults and hostile input")."""
+    import torch.distributed as dist
+
+    num_stages = pm.plan.num_stages
+    report = torch.zeros(2 + num_stages, device=device)
+    report[0] = -float("inf")
+    if loss is not None:
+        value = float(loss)
+        if math.isfinite(value):
+            report[0] = value
+        else:
+            report[1] = 1.0
+    for stage in pm.nonfinite_stages():
+        report[2 + stage] = 1.0
+    dist.all_reduce(report, op=dist.ReduceOp.MAX)
+    values = report.tolist()
+    bad_stages = [s for s in range(num_stages) if values[2 + s] > 0]
+    parts = []
+    if values[1] > 0:
+        parts.append(f"loss (stage {num_stages - 1})")
+    if bad_stages:
+        parts.append(f"gradients in stage{'s' if len(bad_stages) > 1 else ''} {', '.join(map(str, bad_stages))}")
+    return values[0], ("non-finite " + " and ".join(parts)) if parts else ""
+
+
+def _slowest(step_time_s: float, device: torch.device) -> float:
+    """The slowest rank's step time (what the step took for the job)."""
+    import torch.distributed as dist
+
+    report = torch.tensor([step_time_s], device=device)
+    dist.all_reduce(report, op=dist.ReduceOp.MAX)
+    return float(report[0])
+
+
+def _write_trace(path: str, per_rank: list, plan: Plan) -> None:
+    """Chrome trace (chrome://tracing, Perfetto): one row per rank, one box per action. Its
+    "otherData" (the format's free-form object) names the plan, so `autoplan show --trace` can
+    refuse a trace measured on another one (report/timeline.py check_trace_matches)."""
+    t0 = min((e[1] for events in per_rank for e in events), default=0.0)
+    trace = [{"name": name, "ph": "X", "pid": rank, "tid": 0, "ts": (start - t0) * 1e6,
+              "dur": (end - start) * 1e6, "args": {"step": step}}
+             for rank, events in enumerate(per_rank) for name, start, end, step in events]
+    trace += [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(per_rank))]
+    named = {"autoplan_plan_fingerprint": plan.run_fingerprint, "autoplan_plan": f"{plan.model}, tp {plan.tp} pp "
+             f"{plan.pp} dp {plan.dp}, {plan.schedule}", "num_ranks": plan.num_gpus}
+    Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms", "otherData": named}))
