@@ -1,7 +1,7 @@
 """Bad input a fuzz left open (issue 29, item 11): link curves, attach_aux_loss, partition's Plan
 objects, `run --model ''`, `calibrate --timeout -1`, and `run --timeout 1.5`, which failed every run
 at start-up (a rank waits on peers that are still importing torch; [Note: start-up and step
-timeouts] in runtime/launch.py). The CLI cases of the same findings are in test_fuzz.py."""
+timeouts] in runtime/rendezvous.py). The CLI cases of the same findings are in test_fuzz.py."""
 
 from __future__ import annotations
 
