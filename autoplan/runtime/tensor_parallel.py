@@ -1,6 +1,5 @@
 """Tensor parallelism: the layout a plan's tp runs, and the tensor-parallel steps of `partition`.
 
-
 Tensor parallelism (tp > 1) is Megatron-style (Shoeybi et al. 2019, Sec 3) over the mesh's "tp"
 axis, on the layout `graph/sharding.py` finds from the model's data flow (column-parallel q/k/v,
 up/gate projections, row-parallel output and down projections, vocabulary-parallel embedding and
@@ -58,7 +57,6 @@ __all__ = ["TensorParallelError", "apply_tensor_parallel", "check_tp_tracing", "
 
 class TensorParallelError(ValueError):
     """The model cannot be run tensor-parallel at this degree (one-line message)."""
-
 
 
 def tensor_parallel_plan(model: Any, tp: int, example_inputs: Sequence[Any] | None = None
