@@ -10,7 +10,7 @@ from models import SkipModel
 from autoplan import models as zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import append_loss, trace_model
-from autoplan.runtime.api import PartitionError, _check_tp_tracing, check_model
+from autoplan.runtime.api import PartitionError, check_model
 from autoplan.runtime.split import (
     build_stage_modules,
     materialize_stages,
@@ -18,6 +18,7 @@ from autoplan.runtime.split import (
     propagate_values,
     tied_parameter_names,
 )
+from autoplan.runtime.tensor_parallel import check_tp_tracing as _check_tp_tracing
 
 GPT = "gpt:num_layers=4,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16"
 

@@ -29,11 +29,25 @@ cp mesh) is the gradient of the mean over all tokens.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
-__all__ = ["ContextParallelAttention", "chunk_positions", "shard_sequence"]
+from autoplan.graph.experts import expert_modules
+from autoplan.graph.positions import POSITIONS_ATTRIBUTE
+from autoplan.runtime.errors import PartitionError
+
+if TYPE_CHECKING:
+    from autoplan.graph.trace import TracedModel
+    from autoplan.plan import Plan
+    from autoplan.runtime.mesh import ParallelLayout
+    from autoplan.runtime.split import StageBuild
+
+__all__ = ["ContextParallelAttention", "apply_context_parallel", "chunk_positions", "refuse_context_parallel",
+           "shard_sequence"]
 
 _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -107,3 +121,22 @@ class ContextParallelAttention:
         mask = self._causal_mask(q.device) if options["is_causal"] else None
         return self._original(q, k, v, attn_mask=mask, dropout_p=options["dropout_p"], scale=options["scale"],
                               enable_gqa=options["enable_gqa"])
+
+
+def refuse_context_parallel(model: nn.Module, traced: TracedModel, plan: Plan) -> None:
+    """Refuse (one line, before any process group) a cp > 1 plan for a model that does not read its
+    tokens' positions from `sequence_positions()`, or that has experts."""
+    if plan.cp > 1 and not getattr(type(model), POSITIONS_ATTRIBUTE, False):
+        raise PartitionError(f"the plan has cp {plan.cp} but {type(model).__name__} does not read token positions "
+                             "from autoplan's sequence_positions() (graph/positions.py); re-plan it with "
+                             "`autoplan suggest` (cp 1)")
+    if plan.cp > 1 and expert_modules(traced.gm):
+        raise PartitionError(f"the plan has cp {plan.cp} but the model has experts, whose capacity and balance loss "
+                             "are per whole sequence; re-plan it with `autoplan suggest` (cp 1)")
+
+
+def apply_context_parallel(build: StageBuild, plan: Plan, layout: ParallelLayout) -> None:
+    """The context-parallel step: the attention that gathers keys and values over the cp group,
+    entered around every step (`PartitionedModel.step`); the stages themselves are unchanged."""
+    if plan.cp > 1:
+        build.context = ContextParallelAttention(layout.cp_group, plan.cp, layout.cp_index, plan.job.seq_len)

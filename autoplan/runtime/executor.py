@@ -24,7 +24,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,9 +33,15 @@ from torch import nn
 from autoplan.graph.aux_loss import aux_loss_scale
 from autoplan.runtime.comm import P2P
 from autoplan.runtime.split import StageSpec
+from autoplan.schedule import make_schedule
 from autoplan.schedule.actions import Action, ActionKind
 
-__all__ = ["ActionRecord", "PipelineExecutor", "Stage"]
+if TYPE_CHECKING:
+    from autoplan.plan import Plan
+    from autoplan.runtime.mesh import ParallelLayout
+    from autoplan.runtime.split import StageBuild
+
+__all__ = ["ActionRecord", "PipelineExecutor", "Stage", "build_executor"]
 
 
 @dataclass
@@ -334,3 +341,18 @@ class PipelineExecutor:
         del self._state[(s, m)]
         if self.on_weight_grads is not None:
             self.on_weight_grads()
+
+
+def build_executor(build: StageBuild, plan: Plan, layout: ParallelLayout, *, device: torch.device,
+                   timeout: timedelta) -> PipelineExecutor:
+    """The last step: the executor of this rank's list of the plan's schedule over its stages, with
+    the p2p channels to its pipeline peers (sent in the compute dtype)."""
+    schedule = make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
+    return PipelineExecutor(
+        build.stages, schedule.with_comms()[layout.pp_index], num_stages=plan.num_stages,
+        num_microbatches=plan.num_microbatches, rank_of_stage=lambda s: layout.stage_rank[s],
+        comm=P2P(device, plan.num_stages, plan.num_microbatches, timeout,
+                 wire_dtype=None if build.compute_dtype == torch.float32 else build.compute_dtype),
+        split_backward=schedule.split_backward(),
+        on_weight_grads=None if build.precision is None else build.precision.flush_grads,
+    )

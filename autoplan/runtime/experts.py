@@ -29,15 +29,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from autoplan.graph.experts import expert_modules
-from autoplan.runtime.parallel import all_reduce_grads
+from autoplan.runtime.data_parallel import all_reduce_grads
+from autoplan.runtime.errors import PartitionError
 
-__all__ = ["reduce_expert_grads", "shard_experts"]
+if TYPE_CHECKING:
+    from autoplan.graph.trace import TracedModel
+    from autoplan.plan import Plan
+    from autoplan.runtime.mesh import ParallelLayout
+    from autoplan.runtime.split import StageBuild
+
+__all__ = ["apply_expert_parallel", "reduce_expert_grads", "refuse_expert_parallel", "shard_experts"]
 
 
 def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -99,3 +107,20 @@ def reduce_expert_grads(params: Iterable[nn.Parameter], expert_dp_group: dist.Pr
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         p.grad.div_(dp)
+
+
+def refuse_expert_parallel(traced: TracedModel, plan: Plan) -> None:
+    """Refuse (one line, before any process group) an ep > 1 plan for a model without grouped experts."""
+    if plan.ep > 1 and not expert_modules(traced.gm):
+        raise PartitionError(f"the plan has ep {plan.ep} but the model has no grouped experts (graph/experts.py) to "
+                             "split; re-plan it with `autoplan suggest` (ep 1)")
+
+
+def apply_expert_parallel(build: StageBuild, plan: Plan, layout: ParallelLayout) -> None:
+    """The expert-parallel step (ep > 1): each rank keeps its 1/ep of the experts (`shard_experts`).
+    The grouped-experts modules are found before slicing: a slice no longer has num_experts experts
+    (graph/experts.py); FSDP shards them apart (fsdp.py)."""
+    if plan.ep == 1:
+        return
+    build.experts_of = {i: list(expert_modules(module).values()) for i, module in build.modules.items()}
+    build.expert_params = shard_experts(list(build.modules.values()), layout.ep_group, layout.ep_index, plan.ep)

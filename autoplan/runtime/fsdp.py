@@ -3,7 +3,7 @@
 [Note: FSDP under the pipeline executor]
 A plan with zero >= 2 runs its data parallelism with FSDP2 (Zhao et al. 2023, "PyTorch FSDP",
 VLDB; the per-parameter DTensor sharding of `torch.distributed.fsdp.fully_shard`), as torchtitan
-does, over the plan's mesh (parallel.py `ParallelLayout.fsdp_mesh`: the "dp_shard" axis, or
+does, over the plan's mesh (mesh.py `ParallelLayout.fsdp_mesh`: the "dp_shard" axis, or
 ("dp_replicate", "dp_shard") for HSDP, where FSDP shards inside a group and all-reduces the shards
 across groups). Composed with tensor parallelism, a tp-sharded parameter becomes a 2-D DTensor.
 
@@ -41,12 +41,64 @@ across groups). Composed with tensor parallelism, a tp-sharded parameter becomes
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-__all__ = ["ShardedStage", "finish_step", "fsdp_roots", "shard_stage", "start_step", "unit_paths"]
+from autoplan.runtime.errors import PartitionError
+
+if TYPE_CHECKING:
+    from autoplan.plan import Plan
+    from autoplan.runtime.mesh import ParallelLayout
+    from autoplan.runtime.split import StageBuild
+
+__all__ = ["ShardedStage", "apply_fsdp", "check_sharding", "finish_step", "fsdp_roots", "refuse_fused_qkv",
+           "shard_stage", "start_step", "unit_paths"]
+
+
+def check_sharding(plan: Plan) -> None:
+    """Refuse (one line) a data-parallel sharding the runtime cannot run."""
+    if plan.zero >= 2 and plan.schedule == "zb-h1":
+        raise PartitionError(f"zero {plan.zero} (FSDP) cannot run the zb-h1 schedule: its weight-gradient pass "
+                             "runs outside autograd, where FSDP reduces gradients; re-plan with --schedule 1f1b "
+                             "or --zero 1")
+
+
+def refuse_fused_qkv(tp_plan: Mapping[str, str], plan: Plan) -> None:
+    """Refuse (one line, before any process group) FSDP over a tensor-parallel fused q/k/v projection."""
+    fused = [path for path, style in tp_plan.items() if style == "colwise-qkv"]
+    if fused and plan.zero >= 2:
+        raise PartitionError(f"zero {plan.zero} (FSDP) with tp {plan.tp} cannot shard the fused q/k/v projection "
+                             f"'{fused[0]}' (FSDP would split its tensor-parallel [q | k | v] thirds again along the "
+                             "same dim); re-plan with --zero 1 or --tp 1")
+
+
+def apply_fsdp(build: StageBuild, plan: Plan, layout: ParallelLayout) -> None:
+    """The data-parallel step under zero >= 2: every stage of this rank sharded with `shard_stage`
+    (FSDP2, or HSDP over a 2-D mesh) around its runner, its experts over the expert mesh."""
+    _check_unshared(build.modules, plan)
+    for index, stage in build.stages.items():
+        stage.runner = shard_stage(stage.module, stage.runner, mesh=layout.fsdp_mesh, zero=plan.zero,
+                                   compute_dtype=build.compute_dtype, experts=build.experts_of.get(index, ()),
+                                   expert_mesh=layout.expert_fsdp_mesh, dp=plan.dp)
+        stage.params = [p for p in stage.module.parameters() if p.requires_grad]
+    # fully_shard replaced the expert slices by sharded parameters
+    build.expert_params = [p for units in build.experts_of.values() for unit in units for p in unit.parameters()]
+
+
+def _check_unshared(stage_modules: Mapping[int, nn.Module], plan: Plan) -> None:
+    """FSDP manages a parameter in one unit: refuse (one line) a rank whose stages share one (a
+    tied weight whose two ends land on one pipeline rank in two virtual stages, as T5's decoder
+    embedding and head can)."""
+    holder: dict[int, tuple[int, str]] = {}
+    for index, module in sorted(stage_modules.items()):
+        for name, p in module.named_parameters():
+            first = holder.setdefault(id(p), (index, name))
+            if first[0] != index:
+                raise PartitionError(f"zero {plan.zero} (FSDP) cannot shard '{name}', which stages {first[0]} and "
+                                     f"{index} of one pipeline rank share (a tied weight); re-plan with --zero 1 or "
+                                     "--virtual-stages 1")
 
 
 class ShardedStage(nn.Module):

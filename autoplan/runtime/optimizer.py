@@ -20,7 +20,7 @@ has this one, for every zero = 1 plan with a dp group:
   largest first, each to the rank with the fewest elements so far (ZeroRedundancyOptimizer's
   greedy rule). A rank holds Adam's two moments for about 1/dp of the elements.
 - A step: the inner optimizer (`optim`, the user's optimizer class) steps the owned parameters with
-  the gradients every rank already holds (the runtime all-reduces them over dp, runtime/api.py);
+  the gradients every rank already holds (the runtime all-reduces them over dp, runtime/partitioned.py);
   then each rank broadcasts its owned values, flattened into one buffer per dtype, over the dp group
   (DP_GRAD_SYNC's counterpart: Megatron-LM all-gathers the updated parameters here).
 - The fp32 masters of a bf16 plan are sharded too, as Megatron-LM's distributed optimizer shards its
@@ -35,7 +35,7 @@ has this one, for every zero = 1 plan with a dp group:
   rank holds 2 + 4 + (4 + 8) / dp bytes per parameter in bf16, Megatron-LM's distributed
   optimizer's 2 + 4 + 12 / dp (4 + 4 + 8 / dp in fp32, where the parameter is the master), which
   the memory model counts (cost/memory.py [Note: bytes per parameter]).
-- cp ranks are dp ranks here (runtime/parallel.py: the dp group spans them; they hold the same
+- cp ranks are dp ranks here (runtime/mesh.py: the dp group spans them; they hold the same
   parameters and, after the all-reduce, the same gradients), so the state is sharded over them too.
   Expert parallelism is refused with zero 1 (plan.py): its dp ranks hold different experts.
 

@@ -53,13 +53,43 @@ non-finite gradient, not a too-large scale, and the run treats it as one (--skip
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from autoplan.runtime.parallel import grad_like_param
+from autoplan.runtime.errors import PartitionError
+from autoplan.runtime.tensor_parallel import grad_like_param
 
-__all__ = ["LossScaler", "MixedPrecision", "cast_buffers"]
+if TYPE_CHECKING:
+    from autoplan.plan import Plan
+    from autoplan.runtime.mesh import ParallelLayout
+    from autoplan.runtime.split import StageBuild
+
+__all__ = ["LossScaler", "MixedPrecision", "apply_precision", "cast_buffers", "compute_dtype"]
+
+
+def compute_dtype(plan: Plan) -> torch.dtype:
+    """The plan's compute dtype: fp32, or bf16 / fp16 with fp32 masters ([Note: mixed precision];
+    fp16 with a loss scale, [Note: fp16 loss scaling])."""
+    dtype = getattr(torch, plan.job.dtype, None)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise PartitionError(f"the runtime runs plans in bfloat16, float16 or float32, not {plan.job.dtype}; "
+                             f"re-plan with --dtype bf16")
+    return dtype
+
+
+def apply_precision(build: StageBuild, plan: Plan, layout: ParallelLayout) -> None:
+    """The precision step: the stages compute in the plan's dtype. bf16 / fp16 working copies with
+    fp32 masters (`MixedPrecision`), except under FSDP (zero >= 2, [Note: FSDP under the pipeline
+    executor] in fsdp.py), whose policy casts the parameters: only buffers are cast here then."""
+    build.compute_dtype = compute_dtype(plan)
+    if build.compute_dtype == torch.float32:
+        return
+    if plan.zero < 2:
+        build.precision = MixedPrecision(list(build.modules.values()), build.compute_dtype)
+    else:
+        cast_buffers(list(build.modules.values()), build.compute_dtype)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

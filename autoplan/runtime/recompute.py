@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -32,8 +32,14 @@ from torch.utils.checkpoint import checkpoint
 
 from autoplan.graph.profile import block_kind
 from autoplan.graph.trace import TracedModel, extract_submodule
+from autoplan.runtime.executor import Stage
 
-__all__ = ["RECOMPUTED_KINDS", "RecomputeRunner", "recompute_runner"]
+if TYPE_CHECKING:
+    from autoplan.plan import Plan
+    from autoplan.runtime.mesh import ParallelLayout
+    from autoplan.runtime.split import StageBuild
+
+__all__ = ["RECOMPUTED_KINDS", "RecomputeRunner", "apply_recompute", "recompute_runner"]
 
 RECOMPUTED_KINDS = frozenset({"layer", "attention", "mlp"})
 """Block kinds recomputed by `full` and `selective`, as in the cost model (cost/time.py, cost/memory.py)."""
@@ -92,6 +98,15 @@ class RecomputeRunner:
     @property
     def recomputed_blocks(self) -> list[int]:
         return [p.block for p in self.pieces if p.recomputed]
+
+
+def apply_recompute(build: StageBuild, plan: Plan, layout: ParallelLayout) -> None:
+    """The recompute step: this rank's executor stages (`build.stages`), each run by its
+    `recompute_runner` where the plan recomputes, else as its module whole. After the steps that
+    replace parameters (tensor parallel, experts, precision): the pieces refer to the stage's modules."""
+    build.stages = {i: Stage(build.specs[i], module, runner=recompute_runner(
+        build.traced, module, build.specs[i].first_block, build.specs[i].end_block, build.specs[i].inputs,
+        build.specs[i].outputs, plan.recompute)) for i, module in build.modules.items()}
 
 
 def recompute_runner(traced: TracedModel, stage_module: fx.GraphModule, first_block: int, end_block: int,

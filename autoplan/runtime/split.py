@@ -19,18 +19,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autoplan.graph.trace import TracedModel, crossing_values, extract_submodule
+from autoplan.graph.trace import TracedModel, crossing_values, extract_submodule, retarget_device
+from autoplan.runtime.errors import PartitionError
 from autoplan.sources import tied_parameter_names  # noqa: F401 - re-exported: the runtime's callers use it here
 
-__all__ = ["CrossingValue", "StageSpec", "build_stage_modules", "materialize_stages", "plan_stage_specs",
-           "propagate_values", "tied_parameter_names"]
+if TYPE_CHECKING:
+    from autoplan.plan import Plan
+    from autoplan.runtime.mesh import ParallelLayout
+
+__all__ = ["CrossingValue", "StageBuild", "StageSpec", "batch_size_of", "build_stage_modules", "materialize",
+           "materialize_stages", "plan_stage_specs", "propagate_values", "split_stages", "stage_specs",
+           "tied_parameter_names"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,38 @@ class StageSpec:
     """Values crossing the cut before this stage (received from stage index - 1)."""
     send: tuple[CrossingValue, ...]
     """Values crossing the cut after this stage (sent to stage index + 1); empty for the last."""
+
+
+@dataclass
+class StageBuild:
+    """What `partition`'s steps build for this rank's stages, handed from one step to the next
+    ([Note: the order of partition's steps] in api.py): each step reads and replaces fields here."""
+
+    traced: TracedModel
+    specs: list[StageSpec]
+    """Every stage's spec (this rank's and the others'), by stage index; sequence parallelism cuts
+    the values crossing a cut between two layers (tensor_parallel.py)."""
+    modules: dict[int, nn.Module]
+    """This rank's stage modules by stage index (the model's own modules and parameter names)."""
+    tp_plan: Mapping[str, str]
+    """The tensor-parallel layout as the traced graph runs it (tensor_parallel.py `check_tp_tracing`);
+    empty for tp 1."""
+    aliases: dict[str, str]
+    """Every name of a tied parameter -> its first name in the model."""
+    on_meta: bool
+    """Whether the stage modules were built on meta (a model spec), not with real weights."""
+    compute_dtype: torch.dtype = torch.float32
+    """What the stages compute in (precision.py `compute_dtype`)."""
+    precision: Any = None
+    """precision.MixedPrecision: bf16 / fp16 working copies with fp32 masters, or None."""
+    expert_params: list[nn.Parameter] = field(default_factory=list)
+    """This rank's slices of the experts under expert parallelism (experts.py), else empty."""
+    experts_of: dict[int, list[nn.Module]] = field(default_factory=dict)
+    """Stage index -> its grouped-experts modules (ep > 1), found before they are sliced."""
+    context: Any = None
+    """context.ContextParallelAttention for cp > 1, else None."""
+    stages: dict[int, Any] = field(default_factory=dict)
+    """executor.Stage by stage index: the modules with their runners (made by recompute.py's step)."""
 
 
 def propagate_values(traced: TracedModel, inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -128,6 +167,41 @@ def plan_stage_specs(traced: TracedModel, boundaries: Sequence[int], values: Map
     return specs
 
 
+def batch_size_of(values: Sequence[Any]) -> int | None:
+    """The batch size of the first tensor with a dimension in `values`, or None."""
+    return next((t.shape[0] for t in values if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+
+
+def stage_specs(traced: TracedModel, graph_inputs: Sequence[Any], plan: Plan, model: nn.Module,
+                device: torch.device) -> list[StageSpec]:
+    """Every stage's `StageSpec` under `plan`, with the shapes of everything at the micro-batch size
+    found on fake tensors (see [Note: crossing values]); refuses (one line) a model that traces into
+    other blocks than the plan names. A graph traced by torch.export is retargeted to `device`."""
+    if tuple(traced.block_names) != tuple(plan.block_names):
+        raise PartitionError(f"the model traces into {len(traced.block_names)} blocks but the plan names "
+                             f"{len(plan.block_names)}; trace with the same leaf_modules and tracer as the plan")
+    param = next(model.parameters(), None)
+    prop_device = param.device if param is not None else torch.device("cpu")
+    if traced.tracer == "export":
+        retarget_device(traced.gm, prop_device)
+    batch = batch_size_of(graph_inputs)
+    fake_inputs = {}
+    for name, value in zip(traced.input_names, graph_inputs):
+        if isinstance(value, torch.Tensor):
+            shape = list(value.shape)
+            if value.dim() > 0 and shape[0] == batch:
+                shape[0] = plan.micro_batch_size
+            if plan.cp > 1 and value.dim() > 1 and shape[1] == plan.job.seq_len:  # this rank's share of it
+                shape[1] = plan.job.seq_len // plan.cp
+            value = torch.empty(shape, dtype=value.dtype, device=prop_device)
+        fake_inputs[name] = value
+    values = propagate_values(traced, fake_inputs)
+    specs = plan_stage_specs(traced, plan.boundaries, values)
+    if traced.tracer == "export":
+        retarget_device(traced.gm, device)
+    return specs
+
+
 def build_stage_modules(traced: TracedModel, specs: Sequence[StageSpec]) -> dict[int, fx.GraphModule]:
     """stage index -> GraphModule of its blocks (over the model's own modules and parameters)."""
     return {s.index: extract_submodule(traced, s.first_block, s.end_block - 1)[0] for s in specs}
@@ -142,7 +216,7 @@ def materialize_stages(modules: Sequence[nn.Module], device: torch.device, *, se
     seed, aliases)` (default `zoo.init_weights`; the model source's own, so a stage gets the values
     the full model would; tied copies on other stages use `aliases`); real tensors (parameters, and
     buffers a source computed on the CPU) are moved. Parameters shared between the modules stay shared.
-    Tensor-parallel shards (DTensors made on meta by `parallel.apply_tensor_parallel`) get their
+    Tensor-parallel shards (DTensors made on meta by `tensor_parallel.shard_module`) get their
     slice of the full model's values: the full value is drawn by name as usual and copied into the
     shard as an implicitly replicated tensor (only the local slice is written).
     """
@@ -174,3 +248,35 @@ def materialize_stages(modules: Sequence[nn.Module], device: torch.device, *, se
                     zoo.init_weights(module, seed=seed, aliases=aliases)
                 else:
                     init(module, seed, aliases)
+
+
+def split_stages(modules: Mapping[int, nn.Module], plan: Plan, layout: ParallelLayout, *, traced: TracedModel,
+                 specs: Sequence[StageSpec], tp_plan: Mapping[str, str], aliases: Mapping[str, str]) -> StageBuild:
+    """The split step: this rank's stages of every stage's module (`build_stage_modules`), those
+    the plan puts on its pipeline index, as they were built (on meta, or with real weights)."""
+    mine = {s.index: modules[s.index] for s in plan.stages if s.pp_rank == layout.pp_index}
+    on_meta = any(p.device.type == "meta" for m in mine.values() for p in m.parameters())
+    return StageBuild(traced=traced, specs=list(specs), modules=mine, tp_plan=tp_plan, aliases=dict(aliases),
+                      on_meta=on_meta)
+
+
+def materialize(build: StageBuild, plan: Plan, layout: ParallelLayout, *, device: torch.device, seed: int,
+                init: Callable[[nn.Module, int, Mapping[str, str] | None], None] | None) -> None:
+    """This rank's stage modules on `device` (`materialize_stages`); replicas of a model with real
+    weights, built apart, then start from dp rank 0's weights (as DDP)."""
+    modules = list(build.modules.values())
+    materialize_stages(modules, device, seed=seed, aliases=build.aliases, init=init)
+    if not build.on_meta and layout.dp_group is not None:
+        _broadcast_from_first_replica(modules, layout, plan)
+
+
+@torch.no_grad()
+def _broadcast_from_first_replica(modules: Sequence[nn.Module], layout: ParallelLayout, plan: Plan) -> None:
+    """Copy dp rank 0's parameters and buffers to the other replicas of this stage."""
+    src = plan.rank(layout.pp_index, 0, layout.tp_index)
+    seen: set[int] = set()
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                dist.broadcast(tensor.data, src=src, group=layout.dp_group)

@@ -1,0 +1,171 @@
+"""The (pp, dp, tp) device mesh of a plan: where this rank sits and the groups it reduces over.
+
+The mesh is torch's `DeviceMesh` over the plan's rank layout ([Note: rank layout] in plan.py), so
+the dp and tp groups are the mesh's own groups. It is apart from what runs over it (the gradient
+reductions in data_parallel.py, tensor parallelism in tensor_parallel.py, FSDP in fsdp.py) because
+every step of `partition` reads it and none of them owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoplan.runtime.errors import PartitionError
+
+__all__ = ["ParallelLayout", "build_layout", "build_mesh"]
+
+
+@dataclass
+class ParallelLayout:
+    """Where this rank sits in the plan's mesh and the groups it reduces over."""
+
+    rank: int
+    world_size: int
+    pp_index: int
+    dp_index: int
+    tp_index: int
+    pp: int
+    dp: int
+    tp: int
+    stage_rank: dict[int, int]
+    """Virtual stage -> global rank that runs it with this rank's dp and tp coordinates."""
+    mesh: object | None
+    """torch DeviceMesh with axes ("pp", "dp_replicate", "dp_shard", "tp") (torchtitan's order), or
+    None for a single rank. The dp index is replicate index * dp_shard + shard index, so a shard
+    group is dp_shard consecutive replicas (inside a node when tp * dp_shard fits one)."""
+    dp_group: dist.ProcessGroup | None
+    tie_groups: dict[str, dist.ProcessGroup]
+    """Canonical name of a tied parameter split over pipeline ranks -> the group of its holders."""
+    tp_mesh: object | None = None
+    """The 1-D "tp" sub-mesh this rank shards over (ranks plan.rank(pp, dp, 0..tp-1)), or None."""
+    fsdp_mesh: object | None = None
+    """The mesh FSDP shards over (zero >= 2): 1-D "dp_shard", or 2-D ("dp_replicate", "dp_shard")
+    for HSDP; None otherwise."""
+    ep_index: int = 0
+    """This rank's place in its expert-parallel group (dp_index % ep): which slice of the experts
+    it holds (runtime/experts.py)."""
+    ep_group: dist.ProcessGroup | None = None
+    """The ep consecutive dp replicas (same pp and tp index) that exchange tokens, or None (ep 1)."""
+    pp_group: dist.ProcessGroup | None = None
+    """The pipeline ranks with this rank's dp and tp index (the mesh's "pp" axis), or None (pp 1)."""
+    cp_index: int = 0
+    """This rank's place in its context-parallel group (dp_index % cp): which chunks of every
+    sequence it holds (runtime/context.py)."""
+    cp_group: dist.ProcessGroup | None = None
+    """The cp consecutive dp ranks (same pp and tp index) that split each sequence, or None (cp 1)."""
+    expert_dp_group: dist.ProcessGroup | None = None
+    """The dp replicas holding the same experts (dp_index % ep equal), over which expert gradients
+    are summed; None when there is one (ep = dp) or ep is 1."""
+    expert_fsdp_mesh: object | None = None
+    """With ep > 1 and zero >= 2: the 1-D mesh of those same replicas ("edp"), over which FSDP
+    shards the experts (fsdp.py); None otherwise."""
+
+
+def build_layout(plan, rank: int, world_size: int, device_type: str,
+                 tied_holders: Mapping[str, Sequence[int]], *, timeout: timedelta | None = None) -> ParallelLayout:
+    """Mesh and groups for `rank`; collective: every rank calls it with the same arguments.
+
+    `tied_holders` maps a tied parameter's canonical name to the pipeline indices that hold a copy.
+    `timeout` bounds every collective of every group made here: torch gives a subgroup its own
+    default (30 minutes on gloo, 10 on NCCL), not the world group's, so a dp peer that hung made its
+    partner wait half an hour in the gradient all-reduce (issue "Faults and hostile input").
+    """
+    pp_index, dp_index, tp_index = plan.coords(rank)
+    stage_rank = {s.index: plan.rank(s.pp_rank, dp_index, tp_index) for s in plan.stages}
+    mesh = dp_group = tp_mesh = fsdp_mesh = expert_fsdp_mesh = None
+    replicate = getattr(plan, "dp_replicate", 1)
+    shard = plan.dp // replicate
+    if world_size > 1 or plan.zero >= 2:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        layout = torch.tensor([[[[plan.rank(p, r * shard + s, t) for t in range(plan.tp)] for s in range(shard)]
+                                for r in range(replicate)] for p in range(plan.pp)])
+        override = _group_options(device_type, timeout)
+        mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+                          backend_override=(override,) * 4)
+        # torchtitan flattens the dp dimensions the same way
+        dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=override)
+        dp_group = dp_mesh.get_group() if plan.dp > 1 else None
+        tp_mesh = mesh["tp"] if plan.tp > 1 else None
+        if plan.zero >= 2:
+            fsdp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
+        if plan.zero >= 2 and getattr(plan, "ep", 1) > 1:
+            # The dp index read as (dp / ep, ep): the first axis holds the replicas with the same
+            # experts, torchtitan's "dp_shard_mod_ep" (torchtitan/distributed/parallel_dims.py).
+            ep = plan.ep
+            expert_layout = torch.tensor([[[[plan.rank(p, o * ep + i, t) for t in range(plan.tp)] for i in range(ep)]
+                                           for o in range(plan.dp // ep)] for p in range(plan.pp)])
+            expert_fsdp_mesh = DeviceMesh(device_type, expert_layout, mesh_dim_names=("pp", "edp", "ep", "tp"),
+                                          backend_override=(override,) * 4)["edp"]
+    tie_groups: dict[str, dist.ProcessGroup] = {}
+    for name in sorted(tied_holders):
+        holders = sorted(set(tied_holders[name]))
+        if len(holders) < 2:
+            continue
+        for d in range(plan.dp):  # new_group is collective: every rank creates every group
+            for t in range(plan.tp):
+                ranks = [plan.rank(p, d, t) for p in holders]
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    tie_groups[name] = group
+    ep, cp = getattr(plan, "ep", 1), getattr(plan, "cp", 1)
+    # Expert and context parallelism fold over dp: groups of ep (cp) consecutive dp ranks, and for
+    # ep the dp ranks holding the same experts (one per ep group).
+    ep_group = _dp_subgroup(plan, rank, lambda d: d // ep, timeout) if ep > 1 else None
+    expert_dp_group = _dp_subgroup(plan, rank, lambda d: d % ep, timeout) if 1 < ep < plan.dp else None
+    cp_group = _dp_subgroup(plan, rank, lambda d: d // cp, timeout) if cp > 1 else None
+    return ParallelLayout(rank, world_size, pp_index, dp_index, tp_index, plan.pp, plan.dp, plan.tp,
+                          stage_rank, mesh, dp_group, tie_groups, tp_mesh, fsdp_mesh,
+                          pp_group=mesh["pp"].get_group() if mesh is not None and plan.pp > 1 else None,
+                          ep_index=dp_index % ep, ep_group=ep_group, cp_index=dp_index % cp, cp_group=cp_group,
+                          expert_dp_group=expert_dp_group, expert_fsdp_mesh=expert_fsdp_mesh)
+
+
+def _dp_subgroup(plan, rank: int, key, timeout: timedelta | None) -> dist.ProcessGroup:
+    """The group of this rank among those that split each (pp, tp) coordinate's dp ranks by
+    `key(dp_index)`. new_group is collective: every rank creates every group, in the same order."""
+    mine = None
+    for p in range(plan.pp):
+        for t in range(plan.tp):
+            parts: dict[int, list[int]] = {}
+            for d in range(plan.dp):
+                parts.setdefault(key(d), []).append(plan.rank(p, d, t))
+            for ranks in parts.values():
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine = group
+    return mine
+
+
+def _group_options(device_type: str, timeout: timedelta | None) -> tuple[str | None, object | None]:
+    """DeviceMesh's (backend, options) for groups whose collectives time out after `timeout`."""
+    if timeout is None:
+        return (None, None)
+    options = dist.ProcessGroupNCCL.Options() if device_type == "cuda" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return (None, options)
+
+
+def build_mesh(plan, modules: Mapping[int, nn.Module], aliases: Mapping[str, str], device: torch.device,
+               timeout: timedelta) -> ParallelLayout:
+    """This rank's `ParallelLayout` under `plan`, in the default process group (collective).
+
+    `modules` are every stage's module (this rank's and the others'), `aliases` every name of a tied
+    parameter -> its first name: which pipeline ranks hold a copy of each tied parameter comes from
+    the graph, the same on every rank."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size != plan.num_gpus:
+        raise PartitionError(f"the plan needs {plan.num_gpus} ranks (tp {plan.tp} * pp {plan.pp} * dp {plan.dp}) "
+                             f"but the process group has {world_size}")
+    holders: dict[str, list[int]] = {}
+    for index, module in modules.items():
+        for name, _ in module.named_parameters(remove_duplicate=False):
+            if name in aliases:
+                holders.setdefault(aliases[name], []).append(plan.stages[index].pp_rank)
+    return build_layout(plan, rank, world_size, device.type, holders, timeout=timeout)

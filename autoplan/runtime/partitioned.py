@@ -1,0 +1,338 @@
+"""`PartitionedModel`: this rank's stages of a model under a plan, trained by the pipeline executor.
+
+What `partition` (api.py) returns: the built stages and executor, with what a training loop calls
+(`step`, `parameters`, `make_optimizer`, `state_dict`). Apart from api.py because it is the running
+model, while api.py builds it; see api.py's docstring for its use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoplan.graph.aux_loss import recording_aux_losses
+from autoplan.graph.positions import holding_positions
+from autoplan.plan import Plan
+from autoplan.runtime.context import ContextParallelAttention, shard_sequence
+from autoplan.runtime.data_parallel import all_reduce_grads
+from autoplan.runtime.errors import PartitionError
+from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
+from autoplan.runtime.experts import reduce_expert_grads
+from autoplan.runtime.fsdp import finish_step, fsdp_roots, start_step
+from autoplan.runtime.mesh import ParallelLayout
+from autoplan.runtime.precision import LossScaler, MixedPrecision
+from autoplan.runtime.tensor_parallel import grad_like_param
+from autoplan.sources import ModelSource, OutputTemplate
+
+__all__ = ["PartitionedModel"]
+
+
+class PartitionedModel:
+    """This rank's stages of a model under a plan; see the module docstrings here and in api.py."""
+
+    def __init__(self, *, plan: Plan, layout: ParallelLayout, stages: dict[int, Stage], executor: PipelineExecutor,
+                 input_names: Sequence[str], aliases: Mapping[str, str], device: torch.device,
+                 batch_size_of_example: int | None, precision: MixedPrecision | None = None,
+                 compute_dtype: torch.dtype = torch.float32,
+                 source: ModelSource | None = None, output_template: OutputTemplate | None = None,
+                 expert_params: Sequence[nn.Parameter] = (), context: ContextParallelAttention | None = None):
+        self.plan = plan
+        self.context = context
+        """Context parallelism (cp > 1): this rank's positions of every sequence and the attention
+        that gathers keys and values over the cp group (runtime/context.py), else None."""
+        self.expert_params = list(expert_params)
+        self._has_aux_losses: bool | None = None  # found on the first step (`_aux_loss`)
+        """This rank's slices of the experts under expert parallelism (runtime/experts.py): their
+        gradients are reduced over the replicas holding the same experts, not over all of dp."""
+        self.source = source
+        """The model source (sources/base.py): it makes batches and targets for `autoplan run`."""
+        self.output_template = output_template
+        """Shape (at one micro-batch) and dtype of the output the loss's target follows."""
+        self.layout = layout
+        self.stages = stages
+        self.executor = executor
+        self.input_names = list(input_names)
+        self.aliases = dict(aliases)
+        """Every name of a tied parameter -> its first name in the model."""
+        self.device = device
+        self.precision = precision
+        """bf16 working copies with fp32 masters (precision.py), or None for an fp32 plan and under
+        FSDP (zero >= 2), whose own mixed-precision policy keeps the fp32 masters sharded (fsdp.py)."""
+        self.compute_dtype = compute_dtype
+        """What the stages compute in (the plan's dtype): float inputs are cast to it."""
+        self._fsdp_roots = fsdp_roots(stages)
+        """The stages' root FSDP units (zero >= 2), else empty."""
+        self.last_reductions: list[tuple[str, float, float]] = []
+        """(phase, start, end) of the last step's gradient reductions after the pipeline (perf_counter)."""
+        self._params = self._collect_params()
+        self.loss_scaler = LossScaler() if compute_dtype == torch.float16 else None
+        """fp16 plans: the dynamic loss scale (precision.py [Note: fp16 loss scaling]); `step` scales
+        the backward by it and unscales the gradients, the caller skips the optimizer step on an
+        overflow on any rank and calls `loss_scaler.update(overflow)`. None otherwise."""
+
+    # ---- parameters ----------------------------------------------------------------------------
+    def _collect_params(self) -> list[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        out = []
+        for index in sorted(self.stages):
+            for name, p in self.stages[index].module.named_parameters():
+                if self.precision is not None:  # the fp32 master: what users optimize and save
+                    p = self.precision.master_of.get(id(p), p)
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((name, p))
+        return out
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their names in the model (a tied copy under its own name).
+
+        With tp > 1 a sharded parameter is a DTensor: `.to_local()` holds this rank's 1/tp slice
+        (rows of a column-parallel weight and its bias, columns of a row-parallel weight). In a bf16
+        plan these are the fp32 masters; once `make_optimizer` has made a ZeRO-1 optimizer, a master
+        another dp rank owns holds no values here (NaN; `holds_values` is False), only its fp32
+        gradient: this rank's values of it are the bf16 working copy, which `state_dict` returns
+        (runtime/precision.py `release_masters`)."""
+        return iter(self._params)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self._params)
+
+    def nonfinite_stages(self) -> list[int]:
+        """This rank's stages whose gradients hold a NaN or an infinity (after `step`, before the
+        optimizer): one norm per gradient, as Megatron-LM's and torchtitan's gradient-norm checks
+        find them (a non-finite element makes its norm non-finite)."""
+        bad = []
+        for index in sorted(self.stages):
+            grads = []
+            for p in self.stages[index].module.parameters():
+                p = self.precision.master_of.get(id(p), p) if self.precision is not None else p
+                if p.grad is not None:
+                    grad = p.grad
+                    grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+            if grads and not torch.stack(torch._foreach_norm(grads)).isfinite().all():
+                bad.append(index)
+        return bad
+
+    def zero_grad(self) -> None:
+        for _, p in self._params:
+            p.grad = None
+        for stage in self.stages.values():
+            for p in stage.params:
+                p.grad = None
+
+    def holds_values(self, param: torch.Tensor) -> bool:
+        """Whether this rank holds the values of `param` (one of `parameters()`): False only for an
+        fp32 master another dp rank owns under a bf16 ZeRO-1 optimizer (see `named_parameters`)."""
+        return self.precision is None or self.precision.holds(param)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (as `named_parameters`) and persistent buffers by name. A master
+        this rank does not hold (`holds_values`) is given as its bf16 working copy: the values this
+        rank has, rounded to bf16; the owner's entry is the fp32 one."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self._params:
+            if not self.holds_values(p):
+                p = self.precision.working_of[id(p)]
+            out[name] = p.detach()
+        for index in sorted(self.stages):
+            module = self.stages[index].module
+            for name, buf in module.named_buffers():
+                mod_name, _, local = name.rpartition(".")
+                owner = module.get_submodule(mod_name) if mod_name else module
+                if local not in owner._non_persistent_buffers_set:
+                    out.setdefault(name, buf.detach())
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = False) -> list[str]:
+        """Copy this rank's part of a full-model state dict; returns the local names not found
+        (raises on any when `strict`)."""
+        missing = []
+        local = self.state_dict()
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for name, tensor in local.items():
+            source = state_dict.get(name)
+            if source is None and name in self.aliases:
+                source = state_dict.get(self.aliases[name])
+            if source is None:
+                missing.append(name)
+                continue
+            if isinstance(source, DTensor):
+                source = source.full_tensor()
+            source = source.to(tensor.device, tensor.dtype)
+            if isinstance(tensor, DTensor):  # a tp shard: this rank's slice of the full tensor
+                source = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+                tensor = tensor.to_local()
+            tensor.copy_(source)
+        if self.precision is not None:
+            self.precision.refresh()
+        if strict and missing:
+            raise KeyError(f"state dict has no entry for {len(missing)} local tensors, e.g. {missing[0]!r}")
+        return missing
+
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                       **kwargs: Any) -> torch.optim.Optimizer:
+        """The optimizer over this rank's parameters, sharded as the plan's ZeRO stage says.
+
+        zero = 0 (or dp = 1): `optimizer_class(self.parameters(), **kwargs)`, replicated on the dp
+        replicas. zero = 1: `ZeroOneOptimizer` over the dp group (optimizer.py; Rajbhandari et al.
+        2020, ZeRO P_os, as Megatron-LM's distributed optimizer shards it at any tp): each dp rank
+        keeps `optimizer_class`'s state for its share of this rank's parameters (tensor-parallel
+        shards included), steps those and broadcasts them to the other dp ranks. In a bf16 plan the
+        fp32 masters are sharded too (Megatron-LM's distributed optimizer): each rank keeps the
+        values of the masters it owns only (`holds_values`), and owners broadcast the bf16 working
+        copies. zero >= 2: the parameters are FSDP shards (fsdp.py), so a plain optimizer over them
+        holds and steps only this rank's shard."""
+        if self.plan.zero != 1 or self.layout.dp_group is None:
+            return optimizer_class(self._param_groups(), **kwargs)
+        from autoplan.runtime.optimizer import ZeroOneOptimizer
+
+        working = self.precision.working_of if self.precision is not None else None
+        optimizer = ZeroOneOptimizer(self._param_groups(), optimizer_class, group=self.layout.dp_group,
+                                     working=working, **kwargs)
+        if self.precision is not None:  # the other dp ranks' masters: no fp32 values here
+            self.precision.release_masters({id(p) for p in optimizer.owned_parameters()})
+        return optimizer
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        """This rank's parameters as optimizer groups: tensor-parallel shards (DTensors) apart from
+        plain tensors, since torch's fused and foreach optimizers run one kernel per group and
+        refuse a group that mixes the two (`aten._fused_adamw_ got mixed torch.Tensor and DTensor`)."""
+        from torch.distributed.tensor import DTensor
+
+        groups: dict[Any, list[nn.Parameter]] = {}  # by mesh: one kernel's DTensors share one (FSDP x tp: 2-D)
+        for p in self.parameters():
+            key = (id(p.device_mesh), p.device_mesh.ndim) if isinstance(p, DTensor) else None
+            groups.setdefault(key, []).append(p)
+        return [{"params": group} for group in groups.values()]
+
+    @property
+    def last_trace(self) -> list[ActionRecord]:
+        """(action, start, end) of every action of the last step, in this rank's order."""
+        return self.executor.last_trace
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.layout.pp_index == self.plan.pp - 1
+
+    # ---- training --------------------------------------------------------------------------------
+    def _microbatches(self, inputs: Sequence[Any], target: Any) -> list[dict[str, Any]]:
+        plan = self.plan
+        local = plan.micro_batch_size * plan.num_microbatches
+        names = self.input_names
+        values = dict(zip(names, inputs))
+        if target is not None:
+            values[names[-1]] = target
+        needed = [n for n in names if n not in values]
+        used = {n for s in self.stages.values() for n in s.spec.data_inputs}
+        if any(n in used for n in needed):
+            raise PartitionError(f"step() needs inputs {names} (target=... for the loss), got {list(values)}")
+        out: list[dict[str, Any]] = [{} for _ in range(plan.num_microbatches)]
+        compute_dtype = None if self.compute_dtype == torch.float32 else self.compute_dtype
+        for name, value in values.items():
+            if (compute_dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point()
+                    and name != names[-1]):  # a bf16 plan computes in bf16: float inputs too (not the target)
+                value = value.to(compute_dtype)
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                rows = value.shape[0]
+                replica = self.layout.dp_index // plan.cp  # the ranks of a cp group share their sequences
+                if rows == local * plan.replicas and plan.replicas > 1:
+                    value = value[replica * local:(replica + 1) * local]
+                elif rows != local:
+                    raise PartitionError(
+                        f"input {name!r} has {rows} rows; expected the global batch {local * plan.replicas} or this "
+                        f"replica's {local} (micro_batch_size {plan.micro_batch_size} * num_microbatches "
+                        f"{plan.num_microbatches})")
+                if self.context is not None:
+                    value = shard_sequence(value, self.context.positions, plan.job.seq_len)
+                for m, chunk in enumerate(value.to(self.device).chunk(plan.num_microbatches)):
+                    out[m][name] = chunk
+            else:
+                for m in range(plan.num_microbatches):
+                    out[m][name] = value
+        return out
+
+    def step(self, *inputs: Any, target: Any = None, zero_grad: bool = True) -> torch.Tensor | None:
+        """Forward and backward of one batch through the pipeline, gradients reduced.
+
+        Returns the mean loss over the global batch on ranks of the last pipeline stage, else None;
+        a model's auxiliary losses (`autoplan.attach_aux_loss`: a router's load-balancing loss) are
+        part of it, as they are of the gradients.
+
+        fp16 plans: the backward is scaled by `loss_scaler.scale` and the gradients are unscaled before
+        this returns; if any rank's gradients are not finite (an overflow: `nonfinite_stages`, agreed
+        over the world), skip the optimizer step (`zero_grad`); either way call
+        `loss_scaler.update(overflow)` (`autoplan run` does all this).
+        """
+        if zero_grad:
+            self.zero_grad()
+        if self.precision is not None:
+            self.precision.refresh()  # the optimizer stepped the fp32 masters since the last step
+        microbatches = self._microbatches(inputs, target)
+        self.executor.grad_scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+        start_step(self._fsdp_roots, self.plan.pp)
+        with recording_aux_losses() as aux_losses:
+            if self.context is not None:  # this rank's chunks of every sequence (runtime/context.py)
+                with holding_positions(self.context.positions), self.context:
+                    loss = self.executor.run(microbatches)
+            else:
+                loss = self.executor.run(microbatches)
+        aux = self._aux_loss(aux_losses)
+        if aux is not None and self.executor.grad_scale != 1.0:  # recorded with the loss scale's factor
+            aux = aux / self.executor.grad_scale
+        fsdp_start = time.perf_counter()
+        finish_step(self._fsdp_roots, self.plan.pp)  # FSDP's reduce-scatter under pp > 1 (fsdp.py)
+        fsdp_end = time.perf_counter()
+        if self.precision is not None:
+            self.precision.flush_grads()
+        if self.plan.tp > 1:  # DTensor gradients laid out as their parameters (see grad_like_param)
+            for _, p in self._params:
+                if p.grad is not None:
+                    p.grad = grad_like_param(p, p.grad)
+        # The step's tail after the pipeline, for traces (the cost model's `tails`).
+        self.last_reductions = []
+        if self._fsdp_roots and self.plan.pp > 1 and self.layout.dp_group is not None:
+            self.last_reductions.append(("DP_GRAD_SYNC", fsdp_start, fsdp_end))
+        tie_start = time.perf_counter()
+        for name, group in self.layout.tie_groups.items():
+            local = [p for n, p in self._params if self.aliases.get(n) == name]
+            all_reduce_grads(local, group, average=False)
+        if self.layout.tie_groups:
+            self.last_reductions.append(("TIED_GRAD_SYNC", tie_start, time.perf_counter()))
+        if not self._fsdp_roots and self.layout.dp_group is not None:  # FSDP reduced its gradients itself
+            dp_start = time.perf_counter()
+            experts = {id(p) for p in self.expert_params}
+            all_reduce_grads([p for _, p in self._params if id(p) not in experts], self.layout.dp_group, average=True)
+            if self.expert_params:
+                reduce_expert_grads(self.expert_params, self.layout.expert_dp_group, self.plan.dp)
+            self.last_reductions.append(("DP_GRAD_SYNC", dp_start, time.perf_counter()))
+        if self.loss_scaler is not None:  # the fp32 gradients, accumulated and reduced, at their true size
+            self.loss_scaler.unscale_([p.grad for _, p in self._params if p.grad is not None])
+        if loss is not None and aux is not None:
+            loss = loss + aux
+        if loss is not None and self.layout.dp_group is not None:
+            dist.all_reduce(loss, group=self.layout.dp_group)
+            loss /= self.plan.dp
+        return loss
+
+    def _aux_loss(self, recorded: list[torch.Tensor]) -> torch.Tensor | None:
+        """The auxiliary losses (graph/aux_loss.py) of this replica's step, summed over its pipeline
+        ranks onto the last one, or None for a model without any. Whether the model has any is
+        agreed by the pipeline ranks on the first step (a stage without MoE layers records none)."""
+        mine = torch.stack(recorded).sum() if recorded else torch.zeros((), device=self.device)
+        if self._has_aux_losses is None:
+            flag = torch.tensor([1.0 if recorded else 0.0], device=self.device)
+            if self.layout.pp_group is not None:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.layout.pp_group)
+            self._has_aux_losses = bool(flag.item())
+        if not self._has_aux_losses:
+            return None
+        if self.layout.pp_group is not None:
+            dist.all_reduce(mine, group=self.layout.pp_group)
+        return mine

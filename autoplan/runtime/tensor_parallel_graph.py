@@ -1,0 +1,402 @@
+"""Tensor parallelism on an inlined graph: a stage that computes in DTensor end to end.
+
+The path of tensor_parallel.py for graphs traced by torch.export (Hugging Face models), where the
+attention and MLP are inlined and no module hook fires; apart from the hooks path because it is a
+rewriting of the stage's graph (its operators swapped for DTensor-friendly ones), not a layout of
+its modules.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from autoplan.graph.sharding import is_transposed_linear
+
+__all__ = ["DTensorStage", "shard_inlined_graph"]
+
+
+# [Note: tensor parallelism on an inlined graph]
+# A graph traced by torch.export inlines the attention and the MLP: no module hook fires, and the
+# head counts of its reshapes are baked in at full width. Such a stage computes in DTensor end to
+# end: the layout's parameters are Shard DTensors (column-parallel weights and biases on the output
+# features, row-parallel weights on the input features, the vocabulary rows of the embedding and
+# head), every other parameter and buffer a Replicate DTensor, the stage's inputs enter as
+# Replicate DTensors and its outputs leave as whole local tensors (`dtensor_stage`). DTensor's
+# sharding propagation follows the graph with global shapes, so the baked reshapes split a sharded
+# feature dim into (heads, head_dim) with the heads sharded, and inserts the collectives Megatron
+# places by hand: the partial sums of a row-parallel linear are all-reduced where the residual
+# needs them, and the gradients of the replicated inputs of column-parallel linears in backward.
+# The graph is rewritten in five places where DTensor would fail or be slow: a custom operator
+# DTensor has no rule for (Mixtral's `transformers.grouped_mm_fallback`) runs replicated on whole
+# local tensors (`_ReplicatedOp`); size checks (`_assert_tensor_metadata`, no sharding rule) are
+# dropped; reshapes and views of a DTensor whose local shard is not contiguous copy it first
+# (DTensor decides view-ability on global strides); attention runs on the local heads
+# (`_local_attention`: DTensor's rule for CPU attention goes through a slow decomposition; a mask or
+# bias per head, such as T5's relative position bias, is cut to the local heads too, a plain one the
+# graph made as a replicated tensor); an embedding lookup of a vocabulary-sharded table is
+# all-reduced at once (its masked partial result cannot wait). Constants the graph creates (masks,
+# positions) are plain tensors: DTensor's implicit replication treats them as replicated. Every
+# parameter is a DTensor, so an optimizer sees one kind of tensor. A parameter a stage holds only
+# under another name of a sharded one (BERT's `cls.predictions.bias`, T5's
+# `decoder.embed_tokens.weight`: `TensorParallelLayout.tied`) is sharded as that one, so the tie's
+# gradient reduction between pipeline stages sums shards that line up.
+
+
+def shard_inlined_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh, shared: dict) -> list[str]:
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    # id of a parameter -> (it, its DTensor): one dict over the stages of a rank, so a parameter two
+    # stages share (a tied table on one pipeline rank's two virtual stages) stays one parameter.
+    converted: dict[int, tuple[nn.Parameter, nn.Parameter]] = shared
+    done = []
+    # The layout's modules first: a parameter they share with another module (a tied head's bias)
+    # takes their placement.
+    modules = sorted(module.named_modules(remove_duplicate=False), key=lambda item: item[0] not in layout)
+    tied = getattr(layout, "tied", {})
+    vocab_tables: set[int] = set()  # the token table under any of its names (a T5 stage reads lm_head.weight)
+    for path, owner in modules:
+        module_style = layout.get(path)
+        for name, p in list(owner.named_parameters(recurse=False)):
+            style, key = layout.get(path), name
+            transposed = path in getattr(layout, "transposed", ()) or is_transposed_linear(owner)
+            full = f"{path}.{name}" if path else name
+            if style is None and full in tied and tied[full].rpartition(".")[0] in layout:
+                # Another name of a sharded parameter (a stage may hold it only under this one):
+                # the same placement, or the tie's gradient reduction across stages would not line up.
+                target, _, key = tied[full].rpartition(".")
+                style = layout.get(target)
+                transposed = target in getattr(layout, "transposed", ())
+            if id(p) not in converted:
+                if style in ("colwise", "vocab-head"):
+                    dim = 1 if transposed and key == "weight" else 0
+                    placement = Shard(dim)
+                elif style == "colwise-qkv":  # each of the q, k, v thirds sharded ([Note: fused q/k/v])
+                    dim = 1 if transposed and key == "weight" else 0
+                    placement = _StridedShard(dim, split_factor=3)
+                elif style == "rowwise" and key == "weight":
+                    placement = Shard(0 if transposed else 1)
+                elif style == "vocab-embedding":
+                    placement = Shard(0)
+                else:
+                    placement = Replicate()
+                converted[id(p)] = (p, nn.Parameter(
+                    distribute_tensor(p.detach(), tp_mesh, [placement], src_data_rank=None),
+                    requires_grad=p.requires_grad))
+            owner._parameters[name] = converted[id(p)][1]
+            if style in ("vocab-embedding", "vocab-head") and key == "weight":  # a lookup may read a tied head's
+                vocab_tables.add(id(converted[id(p)][1]))
+        for name, b in list(owner.named_buffers(recurse=False)):
+            if b is not None and not isinstance(b, DTensor):
+                owner._buffers[name] = DTensor.from_local(b, tp_mesh, [Replicate()], run_check=False)
+        if module_style is not None:
+            done.append(path)
+    vocab_tables |= {id(module.get_submodule(p).weight) for p, style in layout.items()
+                     if style == "vocab-embedding" and _has_submodule(module, p)}
+    for gm in module.modules():
+        if isinstance(gm, torch.fx.GraphModule):
+            _rewrite_for_dtensor(gm, vocab_tables)
+    return done
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int]) -> None:
+    """The graph rewrites of [Note: tensor parallelism on an inlined graph]."""
+    import torch.nn.functional as F  # noqa: N812
+
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten._assert_tensor_metadata.default and not node.users:
+            gm.graph.erase_node(node)
+        elif node.target in _CONTIGUOUS_FIRST:
+            node.target = _CONTIGUOUS_FIRST[node.target]
+        elif node.target in (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention):
+            node.target = _local_attention
+        elif node.target in _FUSED_QKV_OPS:
+            weight = node.args[2] if node.target is aten.addmm.default else node.args[1]
+            if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and _is_strided(_get_attr(gm, weight.target)):
+                node.target = _FUSED_QKV_OPS[node.target]
+        elif node.target in _SPLITS:
+            node.target = _SPLITS[node.target]
+        elif _no_sharding_rule(node.target):
+            node.target = _ReplicatedOp(node.target)
+        elif node.target in (aten.embedding.default, F.embedding):
+            weight = node.args[0] if node.target is aten.embedding.default else node.args[1]
+            if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and id(_get_attr(gm, weight.target)) in vocab_tables:
+                node.target = _VOCAB_EMBEDDING[node.target]  # same node (its block and name stay): no new node
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _no_sharding_rule(target: Any) -> bool:
+    """A custom operator (not aten's or prims') DTensor has no sharding rule for (transformers'
+    `grouped_mm_fallback` of Mixtral's experts)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace in ("aten", "prims"):
+        return False
+    prop = DTensor._op_dispatcher.sharding_propagator
+    return not any(target in getattr(prop, table, {}) for table in
+                   ("op_strategy_funcs", "op_to_rules", "op_single_dim_strategy_funcs"))
+
+
+class _ReplicatedOp:
+    """Runs an operator DTensor has no rule for on whole local tensors (its DTensor inputs made
+    Replicate) and gives Replicate DTensors back: the same computation on every tp rank, as for a
+    module the layout leaves replicated."""
+
+    def __init__(self, op):
+        self.op = op
+        self.__name__ = f"replicated_{op.namespace}_{op._opname}"
+
+    def __call__(self, *args, **kwargs):
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.utils._pytree import tree_map
+
+        mesh = next((x.device_mesh for x in tree_flatten((args, kwargs))[0] if isinstance(x, DTensor)), None)
+        if mesh is None:
+            return self.op(*args, **kwargs)
+
+        def local(x):
+            if isinstance(x, DTensor):
+                return x.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+            return x
+
+        def wrap(x):
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            return x
+
+        return tree_map(wrap, self.op(*tree_map(local, args), **tree_map(local, kwargs)))
+
+
+def _get_attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _replicated(x: Any) -> Any:
+    """`x` as a Replicate DTensor whose gradient is whole too (not the table's masked partial)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(x, DTensor):
+        return x
+    whole = x.redistribute(x.device_mesh, [Replicate()]).to_local()
+    return DTensor.from_local(whole, x.device_mesh, [Replicate()], run_check=False)
+
+
+def _vocab_embedding_aten(weight, ids, *args, **kwargs):
+    return _replicated(torch.ops.aten.embedding.default(weight, ids, *args, **kwargs))
+
+
+def _vocab_embedding_f(ids, weight, *args, **kwargs):
+    return _replicated(torch.nn.functional.embedding(ids, weight, *args, **kwargs))
+
+
+_VOCAB_EMBEDDING = {torch.ops.aten.embedding.default: _vocab_embedding_aten,
+                    torch.nn.functional.embedding: _vocab_embedding_f}
+
+
+# [Note: fused q/k/v]
+# A fused projection laid out [q | k | v] along its output features (GPT-2's `c_attn`, split into
+# three right after) is sharded by thirds: `_StridedShard(dim, split_factor=3)`, so rank r holds
+# [q_r | k_r | v_r], each 1/tp of that block's heads, while the parameter's `full_tensor()` (state
+# dicts, checkpoints) is the model's own [q | k | v]. DTensor has no rule for such a linear, so the
+# graph's linear op runs on the local shards (`_qkv_linear`: the replicated input's gradient is a
+# partial sum, all-reduced by DTensor), its following view keeps the placement (`_view`), and the
+# split into q, k and v hands each rank its own thirds as Shard DTensors (`_split`); from there
+# attention is head-parallel as with separate q, k and v projections.
+
+
+def _is_strided(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(t, DTensor) and isinstance(t.placements[0], _StridedShard)
+
+
+def _local_input(x: Any, mesh) -> Any:
+    """A replicated input's local tensor whose gradient is a partial sum (of this rank's columns)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if not isinstance(x, DTensor):
+        return x
+    return x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def _qkv_out(out: torch.Tensor, mesh) -> Any:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return DTensor.from_local(out, mesh, [_StridedShard(out.dim() - 1, split_factor=3)], run_check=False)
+
+
+def _qkv_addmm(bias, x, weight, *, beta=1, alpha=1):  # Conv1D: addmm(bias, x, weight (in, out))
+    mesh = weight.device_mesh
+    out = torch.addmm(bias.to_local(), _local_input(x, mesh), weight.to_local(), beta=beta, alpha=alpha)
+    return _qkv_out(out, mesh)
+
+
+def _qkv_linear(x, weight, bias=None):
+    mesh = weight.device_mesh
+    out = torch.nn.functional.linear(_local_input(x, mesh), weight.to_local(),
+                                     None if bias is None else bias.to_local())
+    return _qkv_out(out, mesh)
+
+
+_FUSED_QKV_OPS = {torch.ops.aten.addmm.default: _qkv_addmm, torch.ops.aten.linear.default: _qkv_linear,
+                  torch.nn.functional.linear: _qkv_linear}
+
+
+def _strided_view(x, shape) -> Any:
+    """A view of a [q_r | k_r | v_r] DTensor: one that keeps the last dim keeps the placement; one
+    that splits it into (3, ...) gives Shard on the dim after the 3 (the heads); else None."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    shape = list(shape)
+    if -1 in shape:
+        known = math.prod(d for d in shape if d != -1)
+        shape[shape.index(-1)] = x.numel() // known
+    mesh, n, last = x.device_mesh, x.device_mesh.size(), x.shape[-1]
+    local = x.to_local()
+    if shape[-1] == last:
+        out = local.reshape(*shape[:-1], last // n)
+        return DTensor.from_local(out, mesh, [_StridedShard(len(shape) - 1, split_factor=3)], run_check=False)
+    k = next((i for i in range(len(shape)) if math.prod(shape[i:]) == last), None)
+    if k is not None and shape[k] == 3 and k + 1 < len(shape) and shape[k + 1] % n == 0:
+        out = local.reshape(*shape[:k], 3, shape[k + 1] // n, *shape[k + 2:])
+        return DTensor.from_local(out, mesh, [Shard(k + 1)], run_check=False)
+    return None
+
+
+def _split(x, split_size, dim=0):
+    from torch.distributed.tensor import DTensor, Shard
+
+    if _is_strided(x) and x.placements[0].dim == dim % x.dim() and split_size * 3 == x.shape[dim]:
+        mesh = x.device_mesh
+        return tuple(DTensor.from_local(t, mesh, [Shard(dim % x.dim())], run_check=False)
+                     for t in x.to_local().chunk(3, dim))
+    return torch.ops.aten.split.Tensor(x, split_size, dim)
+
+
+def _split_with_sizes(x, sizes, dim=0):
+    if _is_strided(x) and len(sizes) == 3 and len(set(sizes)) == 1:
+        return _split(x, sizes[0], dim)
+    return torch.ops.aten.split_with_sizes.default(x, sizes, dim)
+
+
+_SPLITS = {torch.ops.aten.split.Tensor: _split, torch.ops.aten.split_with_sizes.default: _split_with_sizes}
+
+
+def _contiguous(x: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor) and not x._local_tensor.is_contiguous():
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient's local shard contiguous (for the reshape of the
+    gradient in a view's backward, which has the same problem as the forward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _contiguous(grad)
+
+
+def _reshape(x, shape):
+    out = _strided_view(x, shape) if _is_strided(x) else None
+    if out is None:
+        out = torch.ops.aten.reshape.default(_contiguous(x), shape)
+    return _ContiguousGrad.apply(out) if out.requires_grad else out
+
+
+def _view(x, shape):
+    out = _strided_view(x, shape) if _is_strided(x) else None
+    if out is None:
+        out = torch.ops.aten.view.default(_contiguous(x), shape)
+    return _ContiguousGrad.apply(out) if out.requires_grad else out
+
+
+_CONTIGUOUS_FIRST = {torch.ops.aten.reshape.default: _reshape, torch.ops.aten.view.default: _view}
+
+
+def _local_attention(q, k, v, attn_mask=None, *args, **kwargs):
+    """Scaled dot-product attention on this rank's heads (dim 1) when q, k and v hold whole heads,
+    else on the whole (replicated) tensors; the result is a DTensor of that placement."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(q, DTensor):
+        return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, attn_mask, *args, **kwargs)
+    mesh = q.device_mesh
+    n = mesh.size()
+    heads_split = q.dim() == 4 and q.shape[1] % n == 0 and k.shape[1] % n == 0
+    placements = [Shard(1)] if heads_split else [Replicate()]
+
+    def local(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        per_head = t.dim() == 4 and t.shape[1] == q.shape[1]  # a mask or bias per head (T5's), else broadcast
+        if not isinstance(t, DTensor):
+            if not (heads_split and per_head):
+                return t
+            # A plain tensor the graph made (T5's zero position bias plus the mask) is replicated:
+            # this rank's heads are a local slice.
+            t = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        return t.redistribute(mesh, placements if per_head else [Replicate()]).to_local()
+
+    out = torch.ops.aten.scaled_dot_product_attention.default(local(q), local(k), local(v), local(attn_mask),
+                                                              *args, **kwargs)
+    return DTensor.from_local(out, mesh, placements, run_check=False)
+
+
+class DTensorStage:
+    """Runs a stage of an inlined graph in DTensor ([Note: tensor parallelism on an inlined graph]):
+    tensor inputs enter as Replicate DTensors, outputs leave as whole local tensors."""
+
+    def __init__(self, run, tp_mesh):
+        self.run = run
+        self.tp_mesh = tp_mesh
+
+    def __call__(self, *args: Any) -> Any:
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.utils._pytree import tree_map
+
+        # Plain tensors the graph makes (masks, positions) are replicated; the switch is
+        # process-wide because backward (and recomputation inside it) runs outside this call.
+        DTensor._op_dispatcher._allow_implicit_replication = True
+
+        def enter(x):
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                return DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False)
+            return x
+
+        def leave(x):
+            if isinstance(x, DTensor):
+                return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local()
+            return x
+
+        return tree_map(leave, self.run(*tree_map(enter, args)))
