@@ -165,7 +165,7 @@ def persistent_bytes_per_param(dtype: str, zero: int, dp: int, dp_replicate: int
 
 def reduction_buffer_bytes(cfg: ParallelConfig, num_params: float, unit_params: Sequence[float] | np.ndarray) -> float:
     """Transient bytes of the gradient reduction. zero 0 / 1 with dp > 1: the flat copy of one
-    bucket of fp32 gradients (runtime/parallel.py `all_reduce_grads`, DDP's 25 MiB buckets, Li et
+    bucket of fp32 gradients (runtime/data_parallel.py `all_reduce_grads`, DDP's 25 MiB buckets, Li et
     al. 2020, Sec. 3.2.3), at most all of the rank's gradients. zero >= 2: FSDP2 copies one unit's
     fp32 gradient into the flat input of its reduce-scatter (`foreach_reduce`), beside the
     unsharded gradient it reduces. Measured on CPU ranks by tests/test_runtime_fsdp.py."""

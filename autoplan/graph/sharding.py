@@ -33,7 +33,7 @@ and KV-head counts come from the shapes that flow, so a model needs no attribute
 
 The profile (what `suggest` searches) and `partition` both take a model's layout from its traced
 graph, run on the graph's own inputs (`traced_layout`), so a plan `suggest` returns is one the
-runtime runs. The runtime (`runtime/parallel.py`) runs a layout either with torch's parallel styles (module hooks)
+runtime runs. The runtime (`runtime/tensor_parallel.py`) runs a layout either with torch's parallel styles (module hooks)
 where the traced graph calls the attention / MLP modules whole, or with the whole stage in DTensor
 where the graph inlines them (torch.export); sequence parallelism needs the former.
 
@@ -347,7 +347,7 @@ def _vocab_parallel(flow: Flow, styles: dict[str, str], divides: dict) -> None:
 def _sp_layers(model: nn.Module, layout: TensorParallelLayout) -> list[str]:
     """Layers whose direct children are feature norms (LayerNorm / RMSNorm) and the sharded
     attention and MLP modules, with nothing replicated inside: [Note: sequence parallelism] in
-    runtime/parallel.py lays those out."""
+    runtime/tensor_parallel.py lays those out."""
     out = []
     by_parent = {g.parent: g for g in layout.groups}
     for path, layer in model.named_modules():

@@ -7,7 +7,7 @@ experts [i * E/ep, (i + 1) * E/ep) of its ep index i. Around its forward:
 
 - dispatch (a forward pre-hook): the (E, n, ...) token groups are split along the expert dimension
   into ep equal parts, part j to rank j (`all_to_all_single`, one call, equal splits because the
-  zoo's dispatch gives every expert the same capacity, [Note: static dispatch] in graph/zoo.py);
+  zoo's dispatch gives every expert the same capacity, [Note: static dispatch] in models/moe.py);
   rank i receives, from each of the ep ranks, the tokens for its own E/ep experts and runs them as
   (E/ep, ep * n, ...);
 - combine (a forward hook): the inverse all-to-all returns each token group to the rank it came

@@ -14,7 +14,7 @@ has this one, for every zero = 1 plan with a dp group:
   masters of a bf16 plan, tensor-parallel DTensors whose `.to_local()` is this rank's 1/tp slice).
   Each parameter is owned whole by one rank of the dp group, as in `ZeroRedundancyOptimizer`, not
   cut at a flat-buffer boundary as in Megatron-LM: the state of a parameter lives on one rank, so a
-  checkpoint keys it by the parameter's name (runtime/checkpoint.py) and loads under any layout.
+  checkpoint keys it by the parameter's name (runtime/checkpoint/) and loads under any layout.
 - Who owns what: the parameters by size (the global size, so that the tp ranks of one dp rank,
   which hold slices of the same tensors, own the same ones and a checkpoint gets every slice),
   largest first, each to the rank with the fewest elements so far (ZeroRedundancyOptimizer's
@@ -30,7 +30,7 @@ has this one, for every zero = 1 plan with a dp group:
   owner steps its masters, writes them into their working parameters (bf16 rounding, what
   `refresh` would write) and broadcasts those: 2 bytes an element on the wire, not 4, and the
   working copies of every rank are those of a replicated optimizer, bit for bit. Checkpoints write
-  each master's fp32 values from its owner (runtime/checkpoint.py).
+  each master's fp32 values from its owner (runtime/checkpoint/).
 - Not sharded: the gradients (all-reduced, not reduce-scattered) and the bf16 working parameters. A
   rank holds 2 + 4 + (4 + 8) / dp bytes per parameter in bf16, Megatron-LM's distributed
   optimizer's 2 + 4 + 12 / dp (4 + 4 + 8 / dp in fp32, where the parameter is the master), which

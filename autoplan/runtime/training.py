@@ -37,7 +37,7 @@ class NonFiniteError(RuntimeError):
 
 
 def synthetic_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, targets) of training step `step` for a token model: `graph.source.token_batch`."""
+    """(ids, targets) of training step `step` for a token model: `sources.base.token_batch`."""
     from autoplan.sources import token_batch
 
     return token_batch(seed, step, batch, seq_len, vocab)

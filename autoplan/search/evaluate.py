@@ -532,7 +532,7 @@ def _tie_within_rank(profile: ModelProfile, cfg: ParallelConfig, boundaries: Seq
     """Whether FSDP (zero >= 2) would have to shard one parameter in two virtual stages of a
     pipeline rank: a tied block and its owner in two stages that one rank runs (T5's decoder
     embedding and head under interleaving). FSDP manages a parameter in one unit, so the runtime
-    refuses such a plan (runtime/api.py `_check_unshared`)."""
+    refuses such a plan (runtime/fsdp.py `_check_unshared`)."""
     if cfg.zero < 2 or cfg.virtual_stages == 1:
         return False
     groups: dict[int, set[int]] = {}  # owner block -> stages of it and of every block tied to it
@@ -662,7 +662,7 @@ def _make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times:
                                / shards)
         dp_exposed.append(exposed)
         optim_s.append(opt)
-        tails.append(tied_s[p] + exposed + opt)  # the order the runtime does them in (runtime/api.py, step)
+        tails.append(tied_s[p] + exposed + opt)  # the order the runtime does them in (runtime/partitioned.py, step)
 
     delays_f = [comm_time(s - 1, s, ActionKind.F) if cfg.pp > 1 else 0.0 for s in range(1, num_stages)]
     delays_b = [comm_time(s + 1, s, ActionKind.B) if cfg.pp > 1 else 0.0 for s in range(num_stages - 1)]

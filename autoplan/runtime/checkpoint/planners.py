@@ -17,7 +17,7 @@ import torch
 # [Note: strided shards in DCP]
 # DCP describes a rank's piece of a DTensor as one box (offsets, sizes) of the global tensor. A
 # fused q/k/v projection sharded by thirds (`_StridedShard(dim, split_factor=3)`, [Note: fused
-# q/k/v] in parallel.py) holds [q_r | k_r | v_r]: three boxes, which `dcp.save` rejects ("overlapping
+# q/k/v] in tensor_parallel_graph.py) holds [q_r | k_r | v_r]: three boxes, which `dcp.save` rejects ("overlapping
 # chunks"). Such a DTensor goes to DCP as `_Pieces`: its local boxes (found without communication
 # by sharding an index vector per dimension as the tensor is sharded) as views of the local tensor;
 # `_SavePlanner` writes each as a chunk of the global tensor and `_LoadPlanner` reads into each view
