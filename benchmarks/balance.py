@@ -31,7 +31,7 @@ def main() -> int:
     from autoplan.cost.config import ParallelConfig
     from autoplan.cost.memory import param_counts
     from autoplan.plan import Job
-    from autoplan.search.evaluate import SearchContext
+    from autoplan.search.context import SearchContext
     from autoplan.search.ilp import solve_ilp
     from autoplan.search.partition import CutProblem, balanced_by, equal_layers, solve_dp, stage_stats
 

@@ -46,7 +46,8 @@ def main() -> int:
     from autoplan.cost.config import ParallelConfig
     from autoplan.cost.memory import param_counts
     from autoplan.runtime import run_plan
-    from autoplan.search.evaluate import SearchContext, evaluate_cuts
+    from autoplan.search.context import SearchContext
+    from autoplan.search.evaluate import evaluate_cuts
     from autoplan.search.partition import balanced_by, equal_layers
 
     pp = args.ranks
