@@ -14,8 +14,9 @@ from autoplan.plan import Plan, PlanError, validate
 from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate
 from autoplan.search.ilp import solve_ilp
-from autoplan.search.partition import CutProblem, solve_dp
+from autoplan.search.partition import solve_dp
 from autoplan.search.space import PlanningError
+from autoplan.search.stage_model import CutProblem
 
 SMALL = "gpt:num_layers=8,hidden_size=512,num_heads=8,vocab_size=4096,max_seq_len=512"
 

@@ -31,7 +31,7 @@ from autoplan.search.bounds import simulated_step_lower_bound
 from autoplan.search.context import SearchContext
 from autoplan.search.fsdp_exposed import fsdp_exposed
 from autoplan.search.inflight import interleaved_held, schedule_inflight
-from autoplan.search.partition import Cuts
+from autoplan.search.stage_model import Cuts
 
 __all__ = ["Unsimulated", "make_plan", "rank_memories"]
 

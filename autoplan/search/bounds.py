@@ -18,7 +18,7 @@ from autoplan.cost.time import BlockTimes
 from autoplan.graph.blocks import ModelProfile
 from autoplan.schedule import ActionKind
 from autoplan.search.context import SearchContext
-from autoplan.search.partition import Cuts
+from autoplan.search.stage_model import Cuts
 
 __all__ = ["Dominated", "bottleneck_bound", "min_gpus_needed", "simulated_step_lower_bound", "step_lower_bound"]
 
@@ -33,7 +33,7 @@ def bottleneck_bound(cfg: ParallelConfig, cuts: Cuts, link_s: np.ndarray) -> flo
     included ([Note: DP tie-break]: it keeps the bottleneck, not the other stages).
 
     Some stage of any such cutting takes the bottleneck B in the DP's model, its blocks plus its two
-    boundaries' P2P time (partition.py `stage_stats`), so its compute is at least B - 2 max(P2P),
+    boundaries' P2P time (stage_model.py `stage_stats`), so its compute is at least B - 2 max(P2P),
     and its rank runs that compute for each of the m micro-batches one after another. The margin
     covers the prefix sums' rounding."""
     link = float(np.max(link_s)) if len(link_s) else 0.0

@@ -30,7 +30,8 @@ from autoplan.cost.time import BlockTimes, block_times, cut_transfer_times_s
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import Job
 from autoplan.schedule import SimResult
-from autoplan.search.partition import CutProblem, Cuts, DPSolver
+from autoplan.search.partition import DPSolver
+from autoplan.search.stage_model import CutProblem, Cuts
 
 __all__ = ["CutCache", "SearchContext", "stage_gpus"]
 

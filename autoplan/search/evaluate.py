@@ -3,6 +3,11 @@
 This is where the parts meet (DESIGN.md, "The search"): block times and bytes from `cost/`, stage
 cutting from `search/partition.py`, the schedule from `schedule/` walked by its simulator, and the
 result written down as a `Plan`.
+
+This module chooses the cutting (the DP's answer, the cutoffs, the runtime's refusals); the parts it
+meets live apart: what a search knows once in context.py, micro-batches in flight in inflight.py,
+the pruning bounds in bounds.py, and the plan of a given cutting in assemble.py (with FSDP's
+exposed communication in fsdp_exposed.py).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import Plan
 from autoplan.search.assemble import Unsimulated, make_plan
 from autoplan.search.bounds import Dominated, bottleneck_bound, step_lower_bound
+from autoplan.search.climb import climb_boundaries
 from autoplan.search.context import CutCache, SearchContext, stage_gpus
 from autoplan.search.inflight import interleaved_at_peak, schedule_inflight
-from autoplan.search.partition import CutProblem, DPSolver, climb_boundaries, make_cuts
+from autoplan.search.partition import DPSolver
+from autoplan.search.stage_model import CutProblem, make_cuts
 
 __all__ = ["Evaluation", "evaluate", "evaluate_cuts", "min_memory_bytes"]
 
@@ -147,8 +154,8 @@ def evaluate(ctx: SearchContext, cfg: ParallelConfig, *, require_fit: bool = Tru
     sharing = cpu_sharing(profile, pp_gpus[0], cluster) is not None and num_stages > 1
     if sharing:
         # The bounds below assume the DP's cutting is the one simulated; under shared cores a local
-        # search may find a faster one ([Note: cutting under shared cores]). Such clusters are a
-        # machine's few ranks: simulate every configuration.
+        # search may find a faster one (climb.py [Note: cutting under shared cores]). Such clusters
+        # are a machine's few ranks: simulate every configuration.
         cutoff_s = float("inf")
     capacity = _stage_capacity(ctx, cfg, pp_gpus, static, acts, inflight)
     # Configurations often pose the same cutting problem (both rank orders when the pipeline's
