@@ -47,7 +47,8 @@ from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.profile import profile_model
 from autoplan.plan import Job, Plan
-from autoplan.search.evaluate import SearchContext, evaluate
+from autoplan.search.context import SearchContext
+from autoplan.search.evaluate import evaluate
 
 __all__ = ["DATA_DIR", "FIT_PARAMETERS", "SC21_STACK", "Prediction", "PublishedRun", "apply_parameters",
            "calibrations_for", "chip", "chosen_dimensions", "fit", "load_runs", "measured_start", "neutral", "parameters_of", "predict",

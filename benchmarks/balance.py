@@ -31,9 +31,11 @@ def main() -> int:
     from autoplan.cost.config import ParallelConfig
     from autoplan.cost.memory import param_counts
     from autoplan.plan import Job
-    from autoplan.search.evaluate import SearchContext
+    from autoplan.search.baselines import balanced_by, equal_layers
+    from autoplan.search.context import SearchContext
     from autoplan.search.ilp import solve_ilp
-    from autoplan.search.partition import CutProblem, balanced_by, equal_layers, solve_dp, stage_stats
+    from autoplan.search.partition import solve_dp
+    from autoplan.search.stage_model import CutProblem, stage_stats
 
     profile = autoplan.profile(MODEL, batch_size=1, seq_len=2048)
     cluster = parse_cluster("1x8xA100-80GB")

@@ -16,7 +16,8 @@ import time
 import numpy as np
 
 from autoplan.search.ilp import solve_ilp
-from autoplan.search.partition import CutProblem, solve_dp
+from autoplan.search.partition import solve_dp
+from autoplan.search.stage_model import CutProblem
 
 
 def llama_like(num_blocks: int, num_stages: int, seed: int = 0) -> CutProblem:

@@ -46,8 +46,9 @@ def main() -> int:
     from autoplan.cost.config import ParallelConfig
     from autoplan.cost.memory import param_counts
     from autoplan.runtime import run_plan
-    from autoplan.search.evaluate import SearchContext, evaluate_cuts
-    from autoplan.search.partition import balanced_by, equal_layers
+    from autoplan.search.baselines import balanced_by, equal_layers
+    from autoplan.search.context import SearchContext
+    from autoplan.search.evaluate import evaluate_cuts
 
     pp = args.ranks
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // pp))  # what each rank gets when run

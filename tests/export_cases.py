@@ -11,7 +11,7 @@ import itertools
 import autoplan
 
 # A small Llama (GQA, untied embeddings) whose head is heavy enough (128k vocabulary) that the
-# planner gives the output layer (with the final norm: search/evaluate.py [Note: final norm with
+# planner gives the output layer (with the final norm: search/context.py [Note: final norm with
 # the head]) a stage of its own: no transformer layer on the last stage at pp = 4.
 LLAMA = "llama:num_layers=8,hidden_size=512,num_heads=8,num_kv_heads=4,vocab_size=128000,max_seq_len=512"
 SMALL_LLAMA = "llama:num_layers=12,hidden_size=256,num_heads=4,num_kv_heads=2,vocab_size=32000,max_seq_len=512"

@@ -133,7 +133,7 @@ def test_the_pipeline_module_arguments_reproduce_the_cuts_or_say_which_they_give
 
 
 def test_the_nearest_cuts_are_stated_layer_by_layer():
-    # The planner keeps the final norm with the head (search/evaluate.py [Note: final norm with the
+    # The planner keeps the final norm with the head (search/context.py [Note: final norm with the
     # head]); cut by hand at [0, 3, 6, 10, 11], the plan is no partition_method's.
     plan = case("empty-last-stage")
     stages = tuple(dataclasses.replace(s, first_block=a, end_block=b)

@@ -404,7 +404,7 @@ def test_executed_file_runs_torchrun(exports, tmp_path):
 
 
 def test_a_final_norm_cut_from_the_head_is_a_listed_difference():
-    """The planner keeps the final norm with the head (search/evaluate.py [Note: final norm with the
+    """The planner keeps the final norm with the head (search/context.py [Note: final norm with the
     head]); a plan cut between them by hand still exports only with the difference listed."""
     plan = case("empty-last-stage")
     *head, before, last = plan.stages

@@ -20,7 +20,8 @@ from autoplan.cost.config import ParallelConfig
 from autoplan.cost.memory import block_static_bytes, param_counts, rank_memory
 from autoplan.plan import Job, Plan, validate
 from autoplan.report.export import ExportError, export_plan
-from autoplan.search.evaluate import SearchContext, evaluate
+from autoplan.search.context import SearchContext
+from autoplan.search.evaluate import evaluate
 from autoplan.search.space import PlanningError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -206,7 +206,7 @@ def test_interleaved_rank_peak_is_megatrons_warmup(pp, m, v):
     """A GPU's chunks do not peak together: at its peak rank r holds its warm-up forwards plus one,
     2 (p - r - 1) + (v - 1) p + 1 chunk-micro-batches (Megatron-LM's interleaved schedule), never
     more than the sum of its chunks' own peaks."""
-    from autoplan.search.evaluate import interleaved_held, schedule_inflight
+    from autoplan.search.inflight import interleaved_held, schedule_inflight
 
     peaks = schedule_inflight("interleaved-1f1b", pp, m, v)
     for r, rows in enumerate(interleaved_held(pp, m, v)):

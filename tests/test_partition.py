@@ -7,17 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from autoplan.search.baselines import balanced_by, equal_layers
 from autoplan.search.ilp import solve_ilp
-from autoplan.search.partition import (
-    CutProblem,
-    balanced_by,
-    brute_force,
-    equal_layers,
-    rank_mem_bytes,
-    solve_dp,
-    stage_stats,
-    violations,
-)
+from autoplan.search.partition import brute_force, solve_dp
+from autoplan.search.stage_model import CutProblem, rank_mem_bytes, stage_stats, violations
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -337,7 +330,9 @@ def test_ilp_time_limit_keeps_dp_incumbent_or_raises() -> None:
 def test_climb_never_worsens_the_start_and_follows_its_objective():
     import numpy as np
 
-    from autoplan.search.partition import CutProblem, climb_boundaries, solve_dp, stage_stats, violations
+    from autoplan.search.climb import climb_boundaries
+    from autoplan.search.partition import solve_dp
+    from autoplan.search.stage_model import CutProblem, stage_stats, violations
 
     n, stages = 40, 4
     legal = np.ones(n - 1, dtype=bool)

@@ -21,7 +21,8 @@ from autoplan.cluster import parse_cluster
 from autoplan.cost.config import ParallelConfig
 from autoplan.graph.profile import profile_model
 from autoplan.plan import Job
-from autoplan.search.evaluate import SearchContext, evaluate
+from autoplan.search.context import SearchContext
+from autoplan.search.evaluate import evaluate
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "benchmarks" / "data" / "modern_runs.json"

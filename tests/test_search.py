@@ -11,10 +11,12 @@ import autoplan
 from autoplan.api import suggest_with_stats
 from autoplan.cluster import parse_cluster
 from autoplan.plan import Plan, PlanError, validate
-from autoplan.search.evaluate import SearchContext, evaluate
+from autoplan.search.context import SearchContext
+from autoplan.search.evaluate import evaluate
 from autoplan.search.ilp import solve_ilp
-from autoplan.search.partition import CutProblem, solve_dp
+from autoplan.search.partition import solve_dp
 from autoplan.search.space import PlanningError
+from autoplan.search.stage_model import CutProblem
 
 SMALL = "gpt:num_layers=8,hidden_size=512,num_heads=8,vocab_size=4096,max_seq_len=512"
 
@@ -149,7 +151,7 @@ def test_dp_cuts_equal_ilp_on_the_search_problem(small_result):
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
 def test_inflight_closed_forms_match_the_simulator(name):
     from autoplan.schedule import make_schedule, simulate
-    from autoplan.search.evaluate import schedule_inflight
+    from autoplan.search.inflight import schedule_inflight
 
     for p in range(1, 7):
         for m in range(1, 13):
@@ -159,7 +161,7 @@ def test_inflight_closed_forms_match_the_simulator(name):
 
 def test_interleaved_inflight_scan_matches_the_simulator():
     from autoplan.schedule import make_schedule, simulate
-    from autoplan.search.evaluate import schedule_inflight
+    from autoplan.search.inflight import schedule_inflight
 
     for p in range(2, 6):
         for v in (2, 3, 4):
@@ -237,7 +239,7 @@ def test_simulated_step_lower_bound_never_exceeds_the_simulation(schedule):
 
     from autoplan.cost.config import ParallelConfig
     from autoplan.schedule import ActionKind, make_schedule, simulate
-    from autoplan.search.evaluate import simulated_step_lower_bound
+    from autoplan.search.bounds import simulated_step_lower_bound
 
     rng = random.Random(1)
     for _ in range(60):
@@ -267,7 +269,7 @@ def test_simulated_step_lower_bound_never_exceeds_the_simulation(schedule):
 def test_simulated_step_lower_bound_is_exact_for_equal_1f1b_stages():
     from autoplan.cost.config import ParallelConfig
     from autoplan.schedule import ActionKind
-    from autoplan.search.evaluate import simulated_step_lower_bound
+    from autoplan.search.bounds import simulated_step_lower_bound
 
     p, m = 4, 8
     cfg = ParallelConfig(tp=1, pp=p, dp=1, micro_batch_size=1, num_microbatches=m, schedule="1f1b")
@@ -279,7 +281,7 @@ def test_simulated_step_lower_bound_is_exact_for_equal_1f1b_stages():
 def test_search_results_do_not_depend_on_the_pruning(monkeypatch):
     """Skipping simulations by the bound, and reusing cuts and simulations across configurations,
     give exactly the plans an unpruned search finds."""
-    import autoplan.search.evaluate as evaluate_mod
+    import autoplan.search.assemble as evaluate_mod
 
     pruned, _ = suggest_with_stats(SMALL, "2x4xA100-80GB", global_batch=32, seq_len=512, top=4)
     monkeypatch.setattr(evaluate_mod, "simulated_step_lower_bound", lambda *args: 0.0)

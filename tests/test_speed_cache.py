@@ -15,7 +15,8 @@ from autoplan.api import profile_with_graph
 from autoplan.graph import profile as profile_mod
 from autoplan.models import llama
 from autoplan.search._gc import gc_paused
-from autoplan.search.partition import CutProblem, DPSolver, brute_force, solve_dp
+from autoplan.search.partition import DPSolver, brute_force, solve_dp
+from autoplan.search.stage_model import CutProblem
 
 SMALL = "gpt:num_layers=3,hidden_size=64,num_heads=4,vocab_size=128,max_seq_len=64"
 
@@ -133,7 +134,7 @@ def test_gc_pause_hands_objects_to_the_old_generation():
 
 
 def test_stage_stats_match_the_stage_model():
-    from autoplan.search.partition import _Prefix, _stage_mem, _stage_time, stage_stats
+    from autoplan.search.stage_model import _Prefix, _stage_mem, _stage_time, stage_stats
 
     rng = np.random.default_rng(5)
     for two_d in (False, True):

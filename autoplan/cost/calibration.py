@@ -108,7 +108,7 @@ class Calibration:
     unit's lazy initialization and unsharded all-gather, the hooks' host work the GPU is not yet
     ahead of, the last reduce-scatter: Zhao et al. 2023, "PyTorch FSDP", VLDB 16(12), Sec. 4.3;
     cost/comm.py [Note: FSDP communication]); fitted to published runs, charged once per step
-    (search/evaluate.py `_fsdp_exposed`)."""
+    (search/fsdp_exposed.py `fsdp_exposed`)."""
     attention_kernel: str = "flash"
     """`flash` or `unfused` ([Note: software stacks])."""
     selective_recompute: str = "attention"
@@ -117,7 +117,7 @@ class Calibration:
     """Whether a pipeline transfer blocks its sender and receiver: Megatron-LM's p2p_communication
     waited on every request and then synchronized the device ("to protect against race condition
     when using batch_isend_irecv()") until `--overlap-p2p-communication`; autoplan's executor and
-    today's stacks overlap transfers with compute (search/evaluate.py [Note: blocking P2P])."""
+    today's stacks overlap transfers with compute (search/assemble.py [Note: blocking P2P])."""
     overlap_grad_reduce: bool = True
     """Whether the data-parallel gradient all-reduce (zero 0 / 1) runs in buckets during the last
     backward (PyTorch DDP, Li et al. 2020, Sec. 3.2.3; Megatron-LM's `--overlap-grad-reduce` since

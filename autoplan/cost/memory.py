@@ -66,7 +66,7 @@ moment, not the sum of each chunk's own peak: the chunks do not peak together. A
 warm-up rank r holds 2 (p - r - 1) + (v - 1) p + 1 chunk-micro-batches (Megatron-LM's warm-up;
 Narayanan et al. 2021, Sec. 2.2.2: the first stage holds L (1 + (p - 1) / (p v)) layers' worth);
 the sum of the chunks' peaks was 23-30% more at v >= 4 (p 8, v 4: 48 against 39 on rank 0).
-`rank_memory` takes the moments (search/evaluate.py `interleaved_held`).
+`rank_memory` takes the moments (search/inflight.py `interleaved_held`).
 
 [Note: fused RMSNorm]
 The profile runs on CPU (fake tensors), where nn.RMSNorm's `_fused_rms_norm` has no kernel and
@@ -426,7 +426,7 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
     micro-batches in flight on each. `acts` and `params` (`block_act_bytes`, `param_counts`) may be
     passed when the caller has them. `held` (moments x stages): the micro-batches each stage holds
     at each moment its activations grow; the activations are then the largest moment's, not the
-    sum of each stage's own peak ([Note: activations]; search/evaluate.py `interleaved_held`)."""
+    sum of each stage's own peak ([Note: activations]; search/inflight.py `interleaved_held`)."""
     weights_b, grads_b, optim_b = persistent_bytes_per_param(dtype, cfg.zero, cfg.dp, cfg.dp_replicate, cfg.tp)
     params = param_counts(profile, cfg) if params is None else params
     cpu = gpu.name == "cpu"

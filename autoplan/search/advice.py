@@ -18,8 +18,10 @@ from typing import Any
 
 from autoplan.cluster import Cluster, NodeGroup
 from autoplan.cost.memory import MIN_BYTES_PER_PARAM, allowance_bytes, block_static_bytes
+from autoplan.search.bounds import min_gpus_needed
 from autoplan.search.configs import _base_configs, _frugal, _memory_fix, _shardings
-from autoplan.search.evaluate import SearchContext, min_gpus_needed, min_memory_bytes
+from autoplan.search.context import SearchContext
+from autoplan.search.evaluate import min_memory_bytes
 
 __all__ = ["no_plan_message"]
 

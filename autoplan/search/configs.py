@@ -20,7 +20,8 @@ from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import RECOMPUTE, Job
 from autoplan.schedule import SCHEDULES
-from autoplan.search.evaluate import SearchContext, evaluate
+from autoplan.search.context import SearchContext
+from autoplan.search.evaluate import evaluate
 from autoplan.search.rejections import Rejection, Rejections
 
 __all__ = ["MAX_MICROBATCHES", "PINS", "PlanningError", "config_pins", "cp_refusal", "ep_refusal", "fsdp_allowed",

@@ -1,8 +1,8 @@
 """Exact stage cutting as a mixed-integer program (PuLP + bundled CBC), with an optimality flag.
 
-Same model as the DP in ``partition.py`` (see [Note: the stage model] there): per-stage block
-times (one row per stage for mixed GPU types), per-boundary cut time, static + in-flight activation
-memory with boundary buffers, and legal cut positions. In addition, when the problem carries
+Same model as the DP in ``partition.py`` (see [Note: the stage model] in ``stage_model.py``):
+per-stage block times (one row per stage for mixed GPU types), per-boundary cut time, static +
+in-flight activation memory with boundary buffers, and legal cut positions. In addition, when the problem carries
 ``rank_of_stage`` and ``rank_capacity_bytes`` (interleaved schedules place several stages on one
 GPU) the ILP enforces the exact per-rank memory sum *instead of* the per-stage ``capacity_bytes``,
 which the DP can only approximate with a conservative per-stage share.
@@ -31,7 +31,8 @@ import warnings
 import numpy as np
 import pulp
 
-from autoplan.search.partition import CutProblem, Cuts, _Prefix, make_cuts, solve_dp, violations
+from autoplan.search.partition import solve_dp
+from autoplan.search.stage_model import CutProblem, Cuts, _Prefix, make_cuts, violations
 
 __all__ = ["solve_ilp"]
 

@@ -24,8 +24,8 @@ against the k-th plan kept (a bound that is not one cut plans a pinned search th
 29), ties rank by `_plan_key` (not by the order of evaluation, which depends on k), and the list is
 kept sorted, so top k is a prefix of top k + n. The bounds: `pre_cut_bound` of the fastest rung
 (sequence parallelism as the rungs have it); before the DP's tie-break, m times the bottleneck
-less two boundaries' P2P (evaluate.py `_bottleneck_bound`: every cutting with that bottleneck);
-after it, the simulated cutting's own `_step_lower_bound` and `simulated_step_lower_bound`. The
+less two boundaries' P2P (bounds.py `bottleneck_bound`: every cutting with that bottleneck);
+after it, the simulated cutting's own `step_lower_bound` and `simulated_step_lower_bound`. The
 ladder keeps one rung per configuration and sharding option (later rungs and FSDP where ZeRO-1
 fits are taken as no faster), so a pinned search can return another rung of a listed
 configuration, never a configuration the list misses. tests/test_topk_exact.py pins each
@@ -66,6 +66,7 @@ from autoplan.cost.memory import allowance_bytes, block_static_bytes
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import RECOMPUTE, Job, Plan
 from autoplan.search._gc import gc_paused
+from autoplan.search.bounds import Dominated
 from autoplan.search.configs import (
     _DEFAULT_MBS,
     MAX_MICROBATCHES,
@@ -83,7 +84,8 @@ from autoplan.search.configs import (
     fsdp_refusal,
     tp_refusal,
 )
-from autoplan.search.evaluate import Dominated, SearchContext, evaluate, min_memory_bytes
+from autoplan.search.context import SearchContext
+from autoplan.search.evaluate import evaluate, min_memory_bytes
 from autoplan.search.rejections import REASONS, Rejection, Rejections
 
 __all__ = ["PlanningError", "SearchResult", "search_plans"]
@@ -567,7 +569,7 @@ def pre_cut_bound(cfg: ParallelConfig, total_s: float, fwd_share: float) -> floa
 
     Pipeline rank r is busy m * t_r after the forwards of the earlier ranks' stages and (GPipe,
     1F1B) before their backwards, so step >= S_r + m t_r with S_r the time of the stages before it
-    (see `evaluate._step_lower_bound`). Minimizing max_r over every split of T makes all terms
+    (see `bounds.step_lower_bound`). Minimizing max_r over every split of T makes all terms
     equal: L - S_{r+1} = (L - S_r)(1 - 1/m), hence L = T / (1 - (1 - 1/m)^p) >= m T / p. Zero-bubble
     only waits for earlier forwards, a share phi >= fwd_share of each stage: L = phi T / (1 - (1 -
     phi/m)^p). Interleaving waits only for chunk-0 stages, so it gets the plain m T / p.

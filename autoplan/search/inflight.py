@@ -1,0 +1,103 @@
+"""How many micro-batches each pipeline stage holds at its peak, from a schedule's structure alone.
+
+Apart from the scoring because it needs no times: the order in which a schedule runs its forwards and
+backwards fixes what each stage holds (closed forms for GPipe, 1F1B and ZB-H1, a prefix scan of each
+rank's action order for interleaved 1F1B). The cutting DP sizes stages with it
+(search/evaluate.py) and the plan's memory is counted with it (search/assemble.py `rank_memories`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from autoplan.schedule import make_schedule, simulate
+
+__all__ = ["interleaved_at_peak", "interleaved_held", "schedule_inflight"]
+
+
+@functools.lru_cache(maxsize=4096)
+def schedule_inflight(name: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[int, ...]:
+    """Peak micro-batches in flight per virtual stage, from the schedule's structure (unit times).
+
+    GPipe holds all m (Huang et al. 2019); 1F1B holds p - s on stage s (Narayanan et al. 2021, Sec.
+    2.2.1); ZB-H1 holds p on every stage until its W (Qi et al. 2024, Sec. 3.1); all capped at m.
+    tests/test_search.py checks these closed forms against the simulator. Interleaving is simulated.
+    """
+    m = num_microbatches
+    if name == "gpipe":
+        return (m,) * pp
+    if name == "1f1b":
+        return tuple(min(pp - s, m) for s in range(pp))
+    if name == "zb-h1":
+        return (min(pp, m),) * pp
+    if name == "interleaved-1f1b":
+        return _interleaved_inflight(pp, m, virtual_stages)
+    schedule = make_schedule(name, pp, num_microbatches, virtual_stages)
+    return simulate(schedule, lambda a: 1.0).peak_inflight
+
+
+@functools.lru_cache(maxsize=64)
+def interleaved_held(pp: int, m: int, v: int) -> tuple[np.ndarray, ...]:
+    """Per pipeline rank of interleaved 1F1B: the micro-batches each of its v chunks holds right
+    after each of its forwards (the moments its activations grow), one row per distinct moment,
+    columns chunk 0 .. v - 1; from the rank's action order as `_interleaved_inflight` scans it.
+    A rank's activations peak at the largest weighted row sum, which is less than the sum of its
+    chunks' own peaks: they do not peak together (chunk 0 peaks at the end of the warm-up, the last
+    chunk later). At the end of rank r's warm-up it holds (p - r - 1) * 2 + (v - 1) * p + 1
+    chunk-micro-batches, Megatron-LM's count (Narayanan et al. 2021, Sec. 2.2.2: the first stage
+    holds p (1 + (p - 1) / (p v)) micro-batches' worth of its layers)."""
+    total = m * v
+    k = np.arange(total)
+    fwd_chunk = (k % (pp * v)) // pp
+    fwd_count = np.zeros((v, total + 1), dtype=np.int64)
+    bwd_count = np.zeros((v, total + 1), dtype=np.int64)
+    np.cumsum(fwd_chunk[None, :] == np.arange(v)[:, None], axis=1, out=fwd_count[:, 1:])
+    np.cumsum((v - 1 - fwd_chunk)[None, :] == np.arange(v)[:, None], axis=1, out=bwd_count[:, 1:])
+    out = []
+    for r in range(pp):
+        warmup = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+        held = fwd_count[:, k + 1] - bwd_count[:, np.maximum(k - warmup, 0)]  # (v, moments)
+        out.append(np.unique(held.T, axis=0))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def interleaved_at_peak(pp: int, m: int, v: int) -> tuple[int, ...]:
+    """Per virtual stage of interleaved 1F1B: what it holds at the moment its rank holds the most
+    chunk-micro-batches (`interleaved_held`; ties: the most on the earliest chunk, which carries the
+    embedding). The cutting DP checks stages one at a time with these; the plan's memory is then
+    the exact peak over the moments (`rank_memories`)."""
+    out = [0] * (pp * v)
+    for r, rows in enumerate(interleaved_held(pp, m, v)):
+        row = max(rows.tolist(), key=lambda h: (sum(h), h))
+        for c in range(v):
+            out[c * pp + r] = int(row[c])
+    return tuple(out)
+
+
+def _interleaved_inflight(pp: int, m: int, v: int) -> tuple[int, ...]:
+    """Peak in flight per virtual stage of interleaved 1F1B, by a prefix scan of each rank's action
+    order (a rank's own order fixes when its forwards and backwards happen relative to each other,
+    so no timing is needed). The order is Megatron-LM's, as schedule/actions.py generates it:
+    (p - r - 1) * 2 + (v - 1) * p warm-up forwards, then one forward and one backward at a time,
+    micro-batches in groups of p through the chunks (backwards through them in reverse)."""
+    total = m * v
+    k = np.arange(total)
+    fwd_chunk = (k % (pp * v)) // pp  # the k-th forward's chunk; the k-th backward's is v - 1 - it
+    fwd_count = np.zeros((v, total + 1), dtype=np.int64)  # [c, i]: forwards of chunk c among the first i
+    bwd_count = np.zeros((v, total + 1), dtype=np.int64)
+    np.cumsum(fwd_chunk[None, :] == np.arange(v)[:, None], axis=1, out=fwd_count[:, 1:])
+    np.cumsum((v - 1 - fwd_chunk)[None, :] == np.arange(v)[:, None], axis=1, out=bwd_count[:, 1:])
+    peaks = [0] * (pp * v)
+    for r in range(pp):
+        warmup = min((pp - r - 1) * 2 + (v - 1) * pp, total)
+        # Right after forward i (the only moments a chunk's count grows), the backwards done are
+        # the first max(i - warmup, 0): in the steady phase forward warmup + j precedes backward j.
+        held = fwd_count[fwd_chunk, k + 1] - bwd_count[fwd_chunk, np.maximum(k - warmup, 0)]
+        peak = np.zeros(v, dtype=np.int64)
+        np.maximum.at(peak, fwd_chunk, held)
+        for c in range(v):
+            peaks[c * pp + r] = int(peak[c])
+    return tuple(peaks)
