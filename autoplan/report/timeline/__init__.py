@@ -14,8 +14,8 @@ trace (chrome://tracing, ui.perfetto.dev).
 
 The package's modules, one concept each: model.py (`Box`, `Timeline`), predicted.py and measured.py
 (the two ways a timeline is made), trace_match.py (which plan a trace was measured on), svg.py,
-png.py and chrome_trace.py (the three renderings, svg and png sharing _drawing.py) and write.py
-(a file by its suffix).
+png.py and chrome_trace.py (the three renderings; svg and png share _kinds.py and _drawing.py) and
+write.py (a file by its suffix).
 """
 
 from __future__ import annotations

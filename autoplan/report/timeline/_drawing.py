@@ -1,5 +1,5 @@
-"""What the SVG and the PNG rendering of a timeline share: colours and legend per kind, the title,
-the time axis's unit and ticks, and which label fits a box.
+"""What the SVG and the PNG rendering of a timeline share besides the kinds' look (_kinds.py): the
+title, the time axis's unit and ticks, and which label fits a box.
 
 A private module: both renderings (report/timeline/svg.py, report/timeline/png.py) draw the same
 picture from these, so the two stay alike.
@@ -13,25 +13,6 @@ from autoplan.plan import Plan
 from autoplan.report.timeline.model import Timeline
 from autoplan.report.timeline.trace_match import plan_summary
 from autoplan.schedule import Action
-
-# Compute kinds are tall boxes; communication and the step's tail are drawn thin.
-_COLORS = {
-    "F": "#4e79a7",
-    "B": "#59a14f",
-    "W": "#edc948",
-    "RECV_F": "#9c755f",
-    "RECV_B": "#b07aa1",
-    "SEND_F": "#9c755f",
-    "SEND_B": "#b07aa1",
-    "TIED": "#ff9da7",
-    "DP": "#e15759",
-    "OPT": "#f28e2b",
-}
-# Kinds in the legend of both renderings (SVG and PNG), in drawing order.
-_LEGEND = (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("RECV_F", "P2P act"), ("RECV_B", "P2P grad"),
-           ("TIED", "tied grads"), ("DP", "DP reduce"), ("OPT", "optimizer"))
-_OTHER_COLOR = "#bab0ac"
-_THIN_KINDS = frozenset({"RECV_F", "RECV_B", "SEND_F", "SEND_B"})
 
 
 def _title_lines(plan: Plan | None, timelines: Sequence[Timeline], max_chars: int) -> list[str]:

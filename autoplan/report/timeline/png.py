@@ -8,22 +8,14 @@ import os
 from collections.abc import Sequence
 
 from autoplan.plan import Plan
-from autoplan.report.timeline._drawing import (
-    _COLORS,
-    _LEGEND,
-    _OTHER_COLOR,
-    _THIN_KINDS,
-    _box_label,
-    _fmt_s,
-    _tick_labels,
-    _time_unit,
-    _title_lines,
-)
+from autoplan.report.timeline._drawing import _box_label, _fmt_s, _tick_labels, _time_unit, _title_lines
+from autoplan.report.timeline._kinds import _COLORS, _LEGEND, _OTHER_COLOR, _THIN_KINDS
 from autoplan.report.timeline.model import Timeline, TimelineError
 
 __all__ = ["PLOT_HINT", "to_png"]
 
 PLOT_HINT = "pip install autoplan[plot]"
+
 
 def _pyplot():
     try:

@@ -8,17 +8,8 @@ from collections.abc import Sequence
 from xml.sax.saxutils import escape, quoteattr
 
 from autoplan.plan import Plan
-from autoplan.report.timeline._drawing import (
-    _COLORS,
-    _LEGEND,
-    _OTHER_COLOR,
-    _THIN_KINDS,
-    _box_label,
-    _fmt_s,
-    _tick_labels,
-    _title,
-    _title_lines,
-)
+from autoplan.report.timeline._drawing import _box_label, _fmt_s, _tick_labels, _title, _title_lines
+from autoplan.report.timeline._kinds import _COLORS, _LEGEND, _OTHER_COLOR, _THIN_KINDS
 from autoplan.report.timeline.model import Timeline
 
 __all__ = ["to_svg"]
