@@ -17,7 +17,8 @@ from torch import nn
 import autoplan
 from autoplan.cli import main
 from autoplan.cluster import ClusterSpecError
-from autoplan.cluster.topology import Cluster, Link, NodeGroup
+from autoplan.cluster.links import Link
+from autoplan.cluster.topology import Cluster, NodeGroup
 from autoplan.plan import PlanError
 
 TINY = "gpt:num_layers=2,hidden_size=16,num_heads=2,vocab_size=32,max_seq_len=8"

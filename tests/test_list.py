@@ -11,8 +11,8 @@ import pytest
 from autoplan import models as zoo
 from autoplan.cli import main
 from autoplan.cluster.devices import GPUS, get_gpu
-from autoplan.cluster.topology import PRESETS as CLUSTER_PRESETS
-from autoplan.cluster.topology import parse_cluster
+from autoplan.cluster.spec import PRESETS as CLUSTER_PRESETS
+from autoplan.cluster.spec import parse_cluster
 
 
 def _rows(what: str, capsys) -> list[dict]:

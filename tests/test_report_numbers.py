@@ -13,6 +13,7 @@ import pytest
 import autoplan
 from autoplan.cli import main
 from autoplan.report import timeline
+from autoplan.report.timeline import _drawing
 from autoplan.report.sweep import SweepRow, plot_sweep
 
 SMALL = "gpt:num_layers=8,hidden_size=256,num_heads=4,vocab_size=1024,max_seq_len=256"
@@ -54,7 +55,7 @@ def test_timeline_svg_title_wraps_inside_the_picture(zb_plan):
 
 @pytest.mark.parametrize("span_s, unit", [(0.05, "ms"), (6.8, "s"), (0.0004, "us")])
 def test_one_time_unit_per_axis(span_s, unit):
-    ticks, labels, chosen = timeline._tick_labels(span_s)
+    ticks, labels, chosen = _drawing._tick_labels(span_s)
     assert chosen == unit
     assert labels[0] == "0" or float(labels[0]) == 0
     assert all(re.fullmatch(r"\d+(\.\d+)?", label) for label in labels)  # no unit mixed into a tick
@@ -76,7 +77,7 @@ def test_svg_axis_names_its_unit_once_and_labels_fit_their_boxes(zb_plan):
                 continue
             cx = float(label.get("x"))
             box = next(r for r in boxes if abs(float(r.get("x")) + float(r.get("width")) / 2 - cx) < 0.02)
-            text_w = timeline._text_width_px(label.text, 10)
+            text_w = _drawing._text_width_px(label.text, 10)
             assert text_w <= float(box.get("width")), (label.text, box.get("width"))
             # The label is the action or a shortening of it ("2W12" -> "W12" -> "12").
             assert box.get("data-action").endswith(label.text)

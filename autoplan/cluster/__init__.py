@@ -22,15 +22,10 @@ from autoplan.cluster.devices import (
     dtype_key,
     get_gpu,
 )
-from autoplan.cluster.topology import (
-    CURVE_OPS,
-    PRESETS,
-    Cluster,
-    Link,
-    NodeGroup,
-    default_links,
-    parse_cluster,
-)
+from autoplan.cluster.link_defaults import default_links
+from autoplan.cluster.links import CURVE_OPS, Link
+from autoplan.cluster.spec import PRESETS, parse_cluster
+from autoplan.cluster.topology import Cluster, NodeGroup
 
 __all__ = [
     "ALGORITHMS",

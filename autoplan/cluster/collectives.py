@@ -83,7 +83,8 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-from autoplan.cluster.topology import CURVE_OPS, Cluster, Link
+from autoplan.cluster.links import CURVE_OPS, Link
+from autoplan.cluster.topology import Cluster
 
 __all__ = [
     "ALGORITHMS",

@@ -29,6 +29,7 @@ __all__ = [
     "cpu_device",
     "dtype_key",
     "get_gpu",
+    "rank_device",
 ]
 
 
@@ -271,6 +272,10 @@ def cpu_device(num_ranks: int = 1) -> GPU:
         mem_bw_bytes_per_s=mem_bw,
         source=f"this machine: {cores} cores x {flops * num_ranks / cores / 1e9:g} GFLOP/s per core (estimate){share}",
     )
+
+def rank_device(gpu: GPU, gpus_per_node: int) -> GPU:
+    """`cpu` ranks on one machine share it: each gets 1/gpus_per_node of its cores and memory."""
+    return cpu_device(gpus_per_node) if gpu.name == "cpu" else gpu
 
 
 GPUS: dict[str, GPU] = {gpu.name: gpu for gpu in _TABLE}

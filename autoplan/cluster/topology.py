@@ -1,18 +1,17 @@
-"""Clusters: groups of identical nodes, two link classes, rank layout, and parsing of cluster specs.
+"""Clusters: groups of identical nodes joined by two link classes, the rank layout, and the mapping
+(YAML / JSON) form of a cluster.
 
 A `Cluster` is one or more `NodeGroup`s (N nodes of G GPUs of one type; every group has the same G)
-joined by two kinds of `Link`: `intra_node` (NVLink/NVSwitch, xGMI, PCIe, shared memory) between
-GPUs of one node, and `inter_node` (InfiniBand, RoCE, Ethernet) between nodes. Bandwidths are per
-GPU per direction, the way NVIDIA and nccl-tests quote them (one NIC rail per GPU on DGX systems).
+joined by two kinds of `Link` (cluster/links.py): `intra_node` (NVLink/NVSwitch, xGMI, PCIe, shared
+memory) between GPUs of one node, and `inter_node` (InfiniBand, RoCE, Ethernet) between nodes.
+Bandwidths are per GPU per direction, the way NVIDIA and nccl-tests quote them (one NIC rail per GPU
+on DGX systems).
 
 Ranks are numbered node-major, the torchrun convention: rank = node * gpus_per_node + local_rank,
 nodes numbered group after group.
 
-Spec forms accepted by `parse_cluster`:
-
-- a preset: "dgx-h100" (one node) or "4xdgx-h100" (four nodes); see `PRESETS`;
-- a compact string "NODESxGPUS_PER_NODExGPU": "128x8xA100-80GB", "2x8xH100", "1x4xcpu";
-- a path to a YAML file (*.yaml / *.yml)::
+The mapping form, which `Cluster.from_dict` reads and a YAML cluster file holds (see `parse_cluster`
+in cluster/spec.py for the other spec forms)::
 
     name: my-cluster            # optional
     groups:                     # or top-level nodes / gpus_per_node / gpu for a uniform cluster
@@ -25,7 +24,7 @@ Spec forms accepted by `parse_cluster`:
   an optional `kind` label ("NVLink", "IB", ...). `gpu` may be a mapping with the `GPU` fields
   (name, peak_flops, mem_bytes, mem_bw_bytes_per_s) for a device not in the table.
 
-`Cluster.from_dict` takes the same mapping, so a cluster round-trips through JSON with `to_dict`.
+`Cluster.from_dict` takes that mapping, so a cluster round-trips through JSON with `to_dict`.
 """
 
 from __future__ import annotations
@@ -33,149 +32,18 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-import os
-import re
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoplan._files import parse_yaml
-from autoplan.cluster.devices import GPU, GPUS, ClusterSpecError, cpu_device, get_gpu
+from autoplan.cluster.devices import GPU, GPUS, ClusterSpecError, get_gpu, rank_device
+from autoplan.cluster.link_defaults import default_links
+from autoplan.cluster.links import GB, MAX_LINK_GBPS, MAX_LINK_LATENCY_S, Link, is_int, is_number
 
 if TYPE_CHECKING:  # networkx costs 0.2-0.4 s to import and only `Cluster.graph` uses it (issue 29)
     import networkx as nx
 
-__all__ = [
-    "PRESETS",
-    "Cluster",
-    "ClusterSpecError",
-    "Link",
-    "NodeGroup",
-    "default_links",
-    "parse_cluster",
-]
-
-_GB = 1e9
-MAX_LINK_GBPS = 1e5
-"""No link is faster (NVLink 5: 900 GB/s per GPU per direction); a bigger figure is a typo."""
-MAX_LINK_LATENCY_S = 1.0
-"""No link is slower to start a message (InfiniBand and NVLink: microseconds; TCP across a WAN: tens
-of milliseconds); a bigger figure is a typo, usually microseconds written as seconds."""
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
-
-
-CURVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-"""Operations a `Link` may carry a measured bandwidth curve for (nccl-tests' `*_perf` binaries)."""
-
-Curve = tuple[tuple[float, float], ...]
-"""(message bytes, bus bandwidth bytes/s) points, strictly increasing in bytes (see `Link.curves`)."""
-
-
-def _curves_of(raw: Any) -> tuple[tuple[str, Curve], ...]:
-    """`Link.curves` as tuples of floats, or a ClusterSpecError naming the first wrong operation or
-    point (a YAML `[[null, 1]]` was a TypeError traceback from `float(None)`, issue 29)."""
-    if isinstance(raw, Mapping):
-        raw = tuple(raw.items())
-    if isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
-        raise ClusterSpecError(f"link curves must be ((operation, ((bytes, bytes_per_s), ...)), ...), got {raw!r}")
-    curves = []
-    for entry in raw:
-        if isinstance(entry, str | bytes) or not isinstance(entry, Sequence) or len(entry) != 2:
-            raise ClusterSpecError(f"link curves must be (operation, points) pairs, got {entry!r}")
-        op, points = entry
-        if op not in CURVE_OPS:
-            raise ClusterSpecError(f"link curve {op!r} is not one of {CURVE_OPS}")
-        if isinstance(points, str | bytes) or not isinstance(points, Sequence):
-            raise ClusterSpecError(f"link curve {op!r} must be a list of [bytes, bytes_per_s] points, got {points!r}")
-        if not points:
-            raise ClusterSpecError(f"link curve {op!r} has no points")
-        converted = []
-        for i, point in enumerate(points):
-            if (isinstance(point, str | bytes) or not isinstance(point, Sequence) or len(point) != 2
-                    or not all(_is_number(v) and 0 < v <= sys.float_info.max for v in point)):
-                raise ClusterSpecError(
-                    f"link curve {op!r}: point {i} must be [bytes, bytes_per_s], two finite numbers > 0, got "
-                    f"{list(point) if isinstance(point, Sequence) and not isinstance(point, str | bytes) else point!r}"
-                )
-            converted.append((float(point[0]), float(point[1])))
-        curves.append((op, tuple(converted)))
-    return tuple(curves)
-
-
-@dataclass(frozen=True)
-class Link:
-    """A class of connection between two GPUs: alpha-beta (time = latency_s + bytes / bw), or the
-    measured bandwidth curves in `curves` where it has them (cluster/collectives.py)."""
-
-    bw_bytes_per_s: float
-    """Bandwidth per GPU per direction, bytes/s."""
-    latency_s: float
-    """Per-message (per collective step) latency, seconds: the alpha of the alpha-beta model."""
-    kind: str = ""
-    """Label for reports, e.g. "NVLink", "IB", "PCIe"."""
-    curves: tuple[tuple[str, Curve], ...] = ()
-    """Measured bus bandwidth against message size, per operation in `CURVE_OPS`: ((op, ((bytes,
-    busbw_bytes_per_s), ...)), ...), points sorted by size, busbw as nccl-tests defines it (for p2p
-    the plain bandwidth). Empty: the alpha-beta figures above. See [Note: measured curves] in
-    cluster/collectives.py."""
-    _curve: dict[str, tuple[tuple[float, ...], ...]] = field(
-        init=False, repr=False, compare=False, hash=False
-    )
-
-    def __post_init__(self) -> None:
-        # Upper bounds: an infinite or 1e300 GB/s link (a typo in a YAML file) was priced as free.
-        if not _is_number(self.bw_bytes_per_s) or not 0 < self.bw_bytes_per_s <= MAX_LINK_GBPS * _GB:
-            raise ClusterSpecError(f"link bandwidth must be > 0 and at most {MAX_LINK_GBPS:g} GB/s "
-                                   f"({MAX_LINK_GBPS * _GB:g} bytes/s), got {self.bw_bytes_per_s!r} bytes/s")
-        if not _is_number(self.latency_s) or not 0 <= self.latency_s <= MAX_LINK_LATENCY_S:
-            raise ClusterSpecError(f"link latency must be >= 0 and at most {MAX_LINK_LATENCY_S:g} s, got "
-                                   f"{self.latency_s!r} s")
-        if not isinstance(self.kind, str):
-            raise ClusterSpecError(f"link kind must be a label string such as 'NVLink', got {self.kind!r}")
-        table: dict[str, tuple[tuple[float, ...], ...]] = {}
-        curves = _curves_of(self.curves)
-        for op, points in curves:
-            if op in table:
-                raise ClusterSpecError(f"link has two curves for {op!r}")
-            sizes = tuple(b for b, _ in points)
-            bws = tuple(bw for _, bw in points)
-            if any(a >= b for a, b in zip(sizes, sizes[1:])):
-                raise ClusterSpecError(
-                    f"link curve {op!r}: sizes must be strictly increasing, got {list(sizes)}"
-                )
-            table[op] = (sizes, bws, tuple(math.log(v) for v in sizes), tuple(math.log(v) for v in bws))
-        object.__setattr__(self, "curves", curves)
-        object.__setattr__(self, "_curve", table)
-
-    def curve(self, op: str) -> tuple[tuple[float, ...], ...] | None:
-        """(sizes, busbws, log sizes, log busbws) of `op`'s curve. A collective without its own
-        curve borrows another collective's (busbw is normalised to be comparable across them,
-        nccl-tests PERFORMANCE.md); None when there is none (alpha-beta)."""
-        found = self._curve.get(op)
-        if found is None and op != "p2p":
-            for other in ("all_reduce", "reduce_scatter", "all_gather"):
-                found = self._curve.get(other)
-                if found is not None:
-                    break
-        return found
-
-    def without_curves(self) -> Link:
-        """The same link with its alpha-beta figures only."""
-        return dataclasses.replace(self, curves=())
-
-    @property
-    def bw_gbps(self) -> float:
-        """Bandwidth in GB/s (1e9 bytes/s)."""
-        return self.bw_bytes_per_s / _GB
+__all__ = ["Cluster", "NodeGroup"]
 
 
 @dataclass(frozen=True)
@@ -190,9 +58,9 @@ class NodeGroup:
     """The device type of every GPU in the group."""
 
     def __post_init__(self) -> None:
-        if not _is_int(self.num_nodes) or self.num_nodes < 1:
+        if not is_int(self.num_nodes) or self.num_nodes < 1:
             raise ClusterSpecError(f"nodes must be a positive integer, got {self.num_nodes!r}")
-        if not _is_int(self.gpus_per_node) or self.gpus_per_node < 1:
+        if not is_int(self.gpus_per_node) or self.gpus_per_node < 1:
             raise ClusterSpecError(f"gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
         if not isinstance(self.gpu, GPU):
             raise ClusterSpecError(f"gpu must be a GPU (see autoplan.cluster.get_gpu), got {self.gpu!r}")
@@ -439,271 +307,8 @@ class Cluster:
 
 
 # --------------------------------------------------------------------------------------------------
-# Default links per GPU family.
-#
-# Bandwidths are the vendor's per-GPU figures halved to one direction. Latencies are estimates of
-# the per-step alpha of a ring collective: NCCL's own tuning model (src/graph/tuning.cc, hwLat /
-# baseLat tables) puts a ring step at a few microseconds over NVLink and ~5-15 us over the network,
-# consistent with the small-message all-reduce times nccl-tests reports. Override them in YAML.
+# The mapping (YAML / JSON) form, read by `Cluster.from_dict`
 # --------------------------------------------------------------------------------------------------
-
-_NVLINK_LATENCY_S = 3e-6  # estimate, see above
-_PCIE_LATENCY_S = 5e-6  # estimate: a PCIe hop through the host bridge
-_IB_LATENCY_S = 6e-6  # estimate: IB/RoCE verbs ~2 us one-way plus NCCL proxy overhead
-
-# Measured-style bus bandwidth curves of the A100 / H100 node links ([Note: measured curves] in
-# cluster/collectives.py): (bytes, busbw bytes/s) at 8 KiB, 1 MiB, 32 MiB and 1 GiB. How each point was
-# obtained:
-# - the large-size busbw is a published NCCL figure where one was found, else the datasheet rate times
-#   a stated efficiency ("assumed");
-# - the 8 KiB point is a small-message time (latency-bound; "assumed" figures say so), written as busbw
-#   for the group size the curve stands for (8 ranks in a node; 2 nodes x 1 rank across nodes);
-# - the 1 MiB and 32 MiB points are assumed: the alpha-beta line through those two anchors,
-#   t(N) = t_8KiB + factor * N / peak_busbw, as busbw.
-# `autoplan calibrate` on the machine (calibration JSON, `collectives`) replaces all of them.
-_KIB8, _MIB, _MIB32, _GIB = 8192, 2**20, 2**25, 2**30
-
-# A100 NVLink3/NVSwitch, 8 GPUs, NCCL ring (A100 has no NVLink SHARP). Peak busbw: assumed 0.8 x 300 GB/s
-# = 240 GB/s, the share of the NVLink line rate NCCL's protocol reaches per NVIDIA's NCCL maintainer
-# ("450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective NVLink
-# bandwidth of 370GB/s", H100; https://github.com/NVIDIA/nccl-tests/issues/212). 8 KiB: assumed 12 us
-# per all-reduce (a 2-GPU A100-SXM4 all_reduce_perf bottoms out at 10.1 us,
-# https://github.com/NVIDIA/nccl/issues/583; 8 ranks assumed a little slower), 6 us per all-gather /
-# reduce-scatter (one ring pass), 8 us per p2p message.
-_A100_NVLINK_COLL = ((_KIB8, 1.19e9), (_MIB, 93.4e9), (_MIB32, 229e9), (_GIB, 240e9))
-_A100_NVLINK_P2P = ((_KIB8, 1.02e9), (_MIB, 84.8e9), (_MIB32, 227e9), (_GIB, 240e9))
-# H100 NVLink4/NVSwitch, 8 GPUs. All-reduce runs NVLink SHARP (NVLS) by default: "On 8 GPUs, you should
-# reach a peak busBw of ~480GB/s (algbw ~275GB/s). You need to run on larger sizes though; 256M is too
-# small" (https://github.com/NVIDIA/nccl-tests/issues/212); 480 GB/s at 2-4 GB with NVLS and 365-370 GB/s
-# with ring (https://github.com/NVIDIA/nccl/issues/1455). Points: 4 GiB 480 GB/s (published), 1 GiB
-# 450 GB/s (assumed, below that peak). All-gather, reduce-scatter and p2p: 370 GB/s, the effective
-# NVLink bandwidth "you can observe as BusBw when running non-allreduce operations" (nccl-tests#212,
-# above). 8 KiB: assumed 12 us / 6 us / 8 us as for A100.
-_H100_NVLINK_AR = ((_KIB8, 1.19e9), (_MIB, 114e9), (_MIB32, 412e9), (_GIB, 450e9), (4 * _GIB, 480e9))
-_H100_NVLINK_AG_RS = ((_KIB8, 1.19e9), (_MIB, 108e9), (_MIB32, 344e9), (_GIB, 370e9))
-_H100_NVLINK_P2P = ((_KIB8, 1.02e9), (_MIB, 96.8e9), (_MIB32, 340e9), (_GIB, 370e9))
-# Inter-node, per GPU (one NIC rail; measured with one rank per node). NDR 400 Gb/s: "For NDR @ 400Gbps
-# you should see 46-48GB/s per NIC" (NVIDIA, https://github.com/NVIDIA/nccl-tests/issues/290) -> 47 GB/s.
-# HDR 200 Gb/s: assumed the same share of the 25 GB/s line rate (0.94) -> 23.5 GB/s. 8 KiB: assumed
-# 20 us per 2-node all-reduce (IB verbs ~2 us plus NCCL's proxy and two ring steps), 10 us per
-# all-gather / reduce-scatter and per p2p message.
-_HDR_COLL = ((_KIB8, 0.403e9), (_MIB, 16.2e9), (_MIB32, 23.2e9), (_GIB, 23.5e9))
-_HDR_P2P = ((_KIB8, 0.792e9), (_MIB, 19.2e9), (_MIB32, 23.3e9), (_GIB, 23.5e9))
-_NDR_COLL = ((_KIB8, 0.406e9), (_MIB, 24.8e9), (_MIB32, 45.7e9), (_GIB, 47e9))
-_NDR_P2P = ((_KIB8, 0.805e9), (_MIB, 32.5e9), (_MIB32, 46.4e9), (_GIB, 47e9))
-
-
-def _curves(coll: Curve, p2p: Curve, all_reduce: Curve | None = None) -> tuple[tuple[str, Curve], ...]:
-    return (("all_reduce", all_reduce or coll), ("all_gather", coll), ("reduce_scatter", coll), ("p2p", p2p))
-
-
-# NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional per GPU -> 300 GB/s per direction.
-# DGX A100 datasheet: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU -> 25 GB/s per GPU.
-_A100_LINKS = (
-    Link(300 * _GB, _NVLINK_LATENCY_S, "NVLink", _curves(_A100_NVLINK_COLL, _A100_NVLINK_P2P)),
-    Link(25 * _GB, _IB_LATENCY_S, "IB", _curves(_HDR_COLL, _HDR_P2P)),
-)
-# NVIDIA H100 datasheet: NVLink 900 GB/s bidirectional -> 450 GB/s per direction.
-# DGX H100 / H200 datasheets: 8x ConnectX-7 400 Gb/s NDR, one per GPU -> 50 GB/s per GPU.
-_H100_LINKS = (
-    Link(
-        450 * _GB,
-        _NVLINK_LATENCY_S,
-        "NVLink",
-        _curves(_H100_NVLINK_AG_RS, _H100_NVLINK_P2P, all_reduce=_H100_NVLINK_AR),
-    ),
-    Link(50 * _GB, _IB_LATENCY_S, "IB", _curves(_NDR_COLL, _NDR_P2P)),
-)
-# PCIe parts: PCIe Gen4 x16 32 GB/s / Gen5 x16 64 GB/s per direction (PCI-SIG PCIe 4.0 / 5.0 specs,
-# 16 GT/s and 32 GT/s x 16 lanes, 128b/130b). Inter-node: an estimate of one 100 Gb/s NIC rail per
-# GPU (12.5 GB/s); cloud instances often have less per GPU (AWS g5.48xlarge: 100 Gb/s for 8 GPUs,
-# i.e. 1.5625 GB/s per GPU), so override inter_node_bw_gbps for them.
-_PCIE4_LINKS = (Link(32 * _GB, _PCIE_LATENCY_S, "PCIe"), Link(12.5 * _GB, _IB_LATENCY_S, "Ethernet"))
-_PCIE5_LINKS = (Link(64 * _GB, _PCIE_LATENCY_S, "PCIe"), Link(12.5 * _GB, _IB_LATENCY_S, "Ethernet"))
-# NVIDIA V100 datasheet: NVLink 300 GB/s bidirectional -> 150 GB/s per direction.
-# DGX-1V: 4x EDR 100 Gb/s InfiniBand for 8 GPUs -> 6.25 GB/s per GPU.
-_V100_LINKS = (Link(150 * _GB, _NVLINK_LATENCY_S, "NVLink"), Link(6.25 * _GB, _IB_LATENCY_S, "IB"))
-# AMD MI300X data sheet: 7 Infinity Fabric links, 128 GB/s bidirectional each (64 GB/s per direction)
-# -> 448 GB/s per direction per GPU to its 7 peers in the fully connected 8-GPU platform (RCCL spreads
-# rings over all links). Inter-node: 8x 400 Gb/s NICs per platform (typical), 50 GB/s per GPU.
-_MI300X_LINKS = (Link(448 * _GB, _NVLINK_LATENCY_S, "xGMI"), Link(50 * _GB, _IB_LATENCY_S, "RoCE"))
-# AMD Instinct MI325X data sheet: the MI300X's platform (7 Infinity Fabric links of 128 GB/s
-# bidirectional to the 7 peers of the 8-GPU board), so the same links.
-_MI325X_LINKS = _MI300X_LINKS
-# NVIDIA Blackwell (DGX B200 and GB200 NVL72 datasheets, 2024): fifth-generation NVLink, 1.8 TB/s
-# bidirectional per GPU -> 900 GB/s per direction, to every GPU of the NVLink domain (8 on a DGX
-# B200's NVSwitch, 72 over a GB200 NVL72 rack's NVLink switch trays). Between domains: DGX B200 has 8x
-# ConnectX-7 400 Gb/s, one per GPU -> 50 GB/s per GPU; a GB200 NVL72 compute tray has one 400 Gb/s
-# ConnectX-7 per GPU as well (NVL72 reference architecture) -> 50 GB/s per GPU. No measured curves
-# yet: alpha-beta until `autoplan calibrate` is run on one.
-_BLACKWELL_LINKS = (Link(900 * _GB, _NVLINK_LATENCY_S, "NVLink"), Link(50 * _GB, _IB_LATENCY_S, "IB"))
-# cpu (estimates): gloo over loopback / shared memory ~5 GB/s with ~20 us per message; between
-# machines 10 Gb/s Ethernet = 1.25 GB/s with ~50 us TCP round-trip-scale latency.
-_CPU_LINKS = (Link(5 * _GB, 20e-6, "shm"), Link(1.25 * _GB, 50e-6, "Ethernet"))
-
-_DEFAULT_LINKS: dict[str, tuple[Link, Link]] = {
-    "A100-SXM4-40GB": _A100_LINKS,
-    "A100-SXM4-80GB": _A100_LINKS,
-    "H100-SXM-80GB": _H100_LINKS,
-    "H200-SXM-141GB": _H100_LINKS,
-    "H100-PCIe-80GB": _PCIE5_LINKS,
-    "L40S": _PCIE4_LINKS,
-    "A10G": _PCIE4_LINKS,
-    "V100-SXM2-32GB": _V100_LINKS,
-    "MI300X": _MI300X_LINKS,
-    "MI325X": _MI325X_LINKS,
-    "B200-SXM-180GB": _BLACKWELL_LINKS,
-    "GB200": _BLACKWELL_LINKS,
-    "cpu": _CPU_LINKS,
-}
-
-
-def default_links(gpus: GPU | Sequence[GPU]) -> tuple[Link, Link]:
-    """(intra_node, inter_node) defaults for a GPU type; for several types, the slowest of each.
-
-    An unknown device (custom GPU from YAML) gets PCIe Gen4 links.
-    """
-    if isinstance(gpus, GPU):
-        gpus = [gpus]
-    pairs = [_DEFAULT_LINKS.get(g.name, _PCIE4_LINKS) for g in gpus]
-    intra = min((p[0] for p in pairs), key=lambda link: (link.bw_bytes_per_s, -link.latency_s))
-    inter = min((p[1] for p in pairs), key=lambda link: (link.bw_bytes_per_s, -link.latency_s))
-    return intra, inter
-
-
-def _uniform(name: str, gpu: GPU | str, num_nodes: int, gpus_per_node: int) -> Cluster:
-    gpu = _device(gpu if isinstance(gpu, GPU) else get_gpu(gpu), gpus_per_node)
-    intra, inter = default_links(gpu)
-    return Cluster(name, (NodeGroup(num_nodes, gpus_per_node, gpu),), intra, inter)
-
-
-def _device(gpu: GPU, gpus_per_node: int) -> GPU:
-    """`cpu` ranks on one machine share it: each gets 1/gpus_per_node of its cores and memory."""
-    return cpu_device(gpus_per_node) if gpu.name == "cpu" else gpu
-
-
-def _preset(display: str, gpu: str, gpus_per_node: int) -> Callable[[int], Cluster]:
-    def make(num_nodes: int = 1) -> Cluster:
-        name = display if num_nodes == 1 else f"{num_nodes}x{display}"
-        return _uniform(name, gpu, num_nodes, gpus_per_node)
-
-    make.__doc__ = f"`num_nodes` x {display}: {gpus_per_node} x {gpu} per node, default links."
-    return make
-
-
-PRESETS: dict[str, Callable[[int], Cluster]] = {
-    # NVIDIA DGX A100 / H100 / H200 system datasheets: 8 GPUs on NVSwitch, one IB NIC per GPU.
-    "dgx-a100": _preset("dgx-a100", "A100-SXM4-80GB", 8),
-    "dgx-a100-40gb": _preset("dgx-a100-40gb", "A100-SXM4-40GB", 8),
-    "dgx-h100": _preset("dgx-h100", "H100-SXM-80GB", 8),
-    "dgx-h200": _preset("dgx-h200", "H200-SXM-141GB", 8),
-    # DGX-1 with V100: 8 GPUs in an NVLink hybrid cube mesh (modelled as uniform NVLink).
-    "dgx-v100": _preset("dgx-v100", "V100-SXM2-32GB", 8),
-    # NVIDIA DGX B200 datasheet: 8 B200 on NVSwitch, one 400 Gb/s NIC per GPU.
-    "dgx-b200": _preset("dgx-b200", "B200-SXM-180GB", 8),
-    # NVIDIA GB200 NVL72: one NVLink domain of 72 GPUs (18 compute trays of 2 Grace + 4 Blackwell),
-    # modelled as one "node" of 72 GPUs, since a node here is the domain the fast link spans. The
-    # launchers (`autoplan run`, the exports' torchrun lines) also read a node as one host, which an
-    # NVL72 rack is not: run them with 4 processes per tray.
-    "gb200-nvl72": _preset("gb200-nvl72", "GB200", 72),
-    # AMD Instinct MI300X / MI325X platforms: 8 GPUs, fully connected Infinity Fabric.
-    "mi300x-8": _preset("mi300x-8", "MI300X", 8),
-    "mi325x-8": _preset("mi325x-8", "MI325X", 8),
-    # AWS EC2 instances (per the EC2 instance-type pages): g5.48xlarge 8x A10G, g6e.48xlarge 8x L40S.
-    "g5-48xlarge": _preset("g5-48xlarge", "A10G", 8),
-    "g6e-48xlarge": _preset("g6e-48xlarge", "L40S", 8),
-    # This machine as one rank; "1x4xcpu" gives four ranks sharing it.
-    "cpu": _preset("cpu", "cpu", 1),
-    "laptop": _preset("laptop", "cpu", 1),
-}
-"""Named node types; each maps a node count to a `Cluster` ("dgx-h100" is 1 node, "4xdgx-h100" 4)."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Parsing
-# --------------------------------------------------------------------------------------------------
-
-_SPLIT = re.compile(r"\s*([^xX]*?)\s*[xX]\s*(.+?)\s*")
-_FORMS = "a preset (e.g. dgx-h100, 4xdgx-h100), 'NODESxGPUS_PER_NODExGPU' (e.g. 2x8xH100) or a .yaml file"
-
-
-def parse_cluster(
-    spec: str | os.PathLike[str] | Cluster,
-    *,
-    intra_node_bw_gbps: float | None = None,
-    inter_node_bw_gbps: float | None = None,
-) -> Cluster:
-    """Parse a preset name, a compact "NODESxGPUS_PER_NODExGPU" string or a YAML file path.
-
-    Bandwidth overrides are GB/s (1e9 bytes/s) per GPU per direction and replace the spec's (or its
-    defaults). A `Cluster` passes through (with the overrides applied).
-    """
-    if isinstance(spec, Cluster):
-        cluster = spec
-    elif isinstance(spec, os.PathLike) or (
-        isinstance(spec, str) and spec.strip().lower().endswith((".yaml", ".yml"))
-    ):
-        cluster = _load_yaml(Path(spec).expanduser())
-    elif isinstance(spec, str):
-        cluster = _parse_string(spec)
-    else:
-        raise ClusterSpecError(
-            f"cluster spec must be a string or path, got {type(spec).__name__}; use {_FORMS}"
-        )
-    if intra_node_bw_gbps is not None or inter_node_bw_gbps is not None:
-        cluster = cluster.with_bandwidth(intra_node_bw_gbps, inter_node_bw_gbps)
-    return cluster
-
-
-def _parse_string(spec: str) -> Cluster:
-    text = spec.strip()
-    if not text:
-        raise ClusterSpecError(f"cluster spec is empty; use {_FORMS}")
-    if text.lower() in PRESETS:
-        return PRESETS[text.lower()](1)
-    m = _SPLIT.fullmatch(text)
-    if m is None:
-        raise ClusterSpecError(f"cluster spec {spec!r} is not {_FORMS}; presets: {', '.join(PRESETS)}")
-    first, rest = m.group(1), m.group(2)
-    if rest.lower() in PRESETS:
-        return PRESETS[rest.lower()](_count(first, "nodes", spec))
-    m2 = _SPLIT.fullmatch(rest)
-    if m2 is None and not first.isdigit():
-        raise ClusterSpecError(f"cluster spec {spec!r} is not {_FORMS}; presets: {', '.join(PRESETS)}")
-    if m2 is None:
-        raise ClusterSpecError(
-            f"cluster spec {spec!r} has 2 fields; use NODESxGPUS_PER_NODExGPU (e.g. 1x{first}x{rest}) "
-            f"or NODESxPRESET with a preset in {', '.join(PRESETS)}"
-        )
-    num_nodes = _count(first, "nodes", spec)
-    gpus_per_node = _count(m2.group(1), "gpus_per_node", spec)
-    gpu_name = m2.group(2)
-    try:
-        gpu = get_gpu(gpu_name)
-    except ClusterSpecError as e:
-        raise ClusterSpecError(f"cluster spec {spec!r}: {e}") from None
-    return _uniform(text, gpu, num_nodes, gpus_per_node)
-
-
-def _count(text: str, what: str, spec: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise ClusterSpecError(f"cluster spec {spec!r}: {what} must be a positive integer, got {text!r}")
-    return int(text)
-
-
-def _load_yaml(path: Path) -> Cluster:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ClusterSpecError(
-            f"cannot read cluster file {str(path)!r}: {e.strerror or e}; check the path"
-        ) from None
-    data = parse_yaml(text, f"cluster file {str(path)!r}", ClusterSpecError)
-    cluster = _from_mapping(data, str(path))
-    if not cluster.name:
-        cluster = dataclasses.replace(cluster, name=path.stem)
-    return cluster
-
 
 _TOP_KEYS = {"name", "groups", "nodes", "gpus_per_node", "gpu", "intra_node", "inter_node"}
 _GROUP_KEYS = {"nodes", "gpus_per_node", "gpu"}
@@ -754,10 +359,10 @@ def _group(raw: Any, where: str) -> NodeGroup:
         if key not in raw:
             raise ClusterSpecError(f"{where}: missing field '{key}'")
     for key in ("nodes", "gpus_per_node"):
-        if not _is_int(raw[key]) or raw[key] < 1:
+        if not is_int(raw[key]) or raw[key] < 1:
             raise ClusterSpecError(f"{where}: {key} must be a positive integer, got {raw[key]!r}")
     gpu = _gpu(raw["gpu"], f"{where}: gpu")
-    return NodeGroup(raw["nodes"], raw["gpus_per_node"], _device(gpu, raw["gpus_per_node"]))
+    return NodeGroup(raw["nodes"], raw["gpus_per_node"], rank_device(gpu, raw["gpus_per_node"]))
 
 
 def _gpu(raw: Any, where: str) -> GPU:
@@ -777,7 +382,7 @@ def _gpu(raw: Any, where: str) -> GPU:
         fields["peak_flops"] = {k: _yaml_number(v) for k, v in raw["peak_flops"].items()}
         fields["mem_bw_bytes_per_s"] = _yaml_number(raw["mem_bw_bytes_per_s"])
         mem = _yaml_number(raw["mem_bytes"])
-        fields["mem_bytes"] = int(mem) if _is_number(mem) and float(mem).is_integer() else mem
+        fields["mem_bytes"] = int(mem) if is_number(mem) and float(mem).is_integer() else mem
         try:
             return GPU(**fields)
         except ClusterSpecError as e:
@@ -795,17 +400,17 @@ def _link(raw: Any, default: Link, where: str) -> Link:
         if a in raw and b in raw:
             raise ClusterSpecError(f"{where}: give {a} or {b}, not both")
     bw, latency = default.bw_bytes_per_s, default.latency_s
-    for key, scale in (("bw_gbps", _GB), ("bw_bytes_per_s", 1.0)):
+    for key, scale in (("bw_gbps", GB), ("bw_bytes_per_s", 1.0)):
         if key in raw:
             value = _yaml_number(raw[key])
-            if not _is_number(value) or not 0 < value <= MAX_LINK_GBPS * _GB / scale:
+            if not is_number(value) or not 0 < value <= MAX_LINK_GBPS * GB / scale:
                 raise ClusterSpecError(f"{where}: {key} must be a positive number of at most "
-                                       f"{MAX_LINK_GBPS * _GB / scale:g}, got {raw[key]!r}")
+                                       f"{MAX_LINK_GBPS * GB / scale:g}, got {raw[key]!r}")
             bw = value * scale
     for key, divisor in (("latency_us", 1e6), ("latency_s", 1.0)):
         if key in raw:
             value = _yaml_number(raw[key])
-            if not _is_number(value) or not 0 <= value <= MAX_LINK_LATENCY_S * divisor:
+            if not is_number(value) or not 0 <= value <= MAX_LINK_LATENCY_S * divisor:
                 raise ClusterSpecError(f"{where}: {key} must be a number >= 0 and at most "
                                        f"{MAX_LINK_LATENCY_S * divisor:g}, got {raw[key]!r}")
             latency = value / divisor
@@ -849,10 +454,8 @@ def _yaml_number(value: Any) -> Any:
     return value
 
 
-
-
 def _bw_arg(name: str, value: float) -> float:
-    if not _is_number(value) or not math.isfinite(value) or not 0 < value <= MAX_LINK_GBPS:
+    if not is_number(value) or not math.isfinite(value) or not 0 < value <= MAX_LINK_GBPS:
         raise ClusterSpecError(f"{name} must be a finite number of GB/s above 0 and at most {MAX_LINK_GBPS:g}, "
                                f"got {value!r}")
-    return float(value) * _GB
+    return float(value) * GB

@@ -1,5 +1,5 @@
 """`autoplan list models|clusters|gpus`: the built-in model presets, cluster presets and GPU types,
-read from the tables the planner itself uses (models/presets.py `PRESETS`, cluster/topology.py `PRESETS`,
+read from the tables the planner itself uses (models/presets.py `PRESETS`, cluster/spec.py `PRESETS`,
 cluster/devices.py `GPUS`), so the list cannot drift from what `--model` and `--cluster` accept.
 
 Rows are plain dicts (`model_rows`, `cluster_rows`, `gpu_rows`): `--json` prints them as they are,
@@ -90,7 +90,7 @@ def model_rows() -> list[dict[str, Any]]:
 
 def cluster_rows() -> list[dict[str, Any]]:
     """One row per cluster preset (one node of it; NxPRESET gives N)."""
-    from autoplan.cluster.topology import PRESETS
+    from autoplan.cluster.spec import PRESETS
 
     rows = []
     for name, make in PRESETS.items():

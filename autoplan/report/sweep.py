@@ -163,7 +163,7 @@ def plot_sweep(rows: Sequence[SweepRow], path: str | os.PathLike) -> None:
         return
     if suffix != ".png":
         raise ValueError(f"cannot plot to {str(path)!r}: use a .png or .svg file")
-    from autoplan.report.timeline import _pyplot
+    from autoplan.report.timeline.png import _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -217,7 +217,7 @@ def _sweep_svg(rows: Sequence[SweepRow]) -> str:
     from xml.sax.saxutils import escape
 
     from autoplan.report.tables import layout_label
-    from autoplan.report.timeline import _nice_step
+    from autoplan.report.timeline._drawing import _nice_step
 
     w, h, left, bottom, top, right = 720, 430, 90, 56, 52, 30
     peak = max(r.tokens_per_s for r in rows)

@@ -1,0 +1,97 @@
+"""What the SVG and the PNG rendering of a timeline share besides the kinds' look (_kinds.py): the
+title, the time axis's unit and ticks, and which label fits a box.
+
+A private module: both renderings (report/timeline/svg.py, report/timeline/png.py) draw the same
+picture from these, so the two stay alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autoplan.plan import Plan
+from autoplan.report.timeline.model import Timeline
+from autoplan.report.timeline.trace_match import plan_summary
+from autoplan.schedule import Action
+
+
+def _title_lines(plan: Plan | None, timelines: Sequence[Timeline], max_chars: int) -> list[str]:
+    """The picture's title, wrapped to `max_chars` a line: the plan, then each timeline's summary."""
+    import textwrap
+
+    lines = textwrap.wrap(plan_summary(plan), max_chars) if plan is not None else []
+    summaries = " | ".join(f"{t.label}: step {_fmt_s(t.step_time_s)}, bubble {t.bubble_fraction:.1%}"
+                           for t in timelines)
+    return lines + (textwrap.wrap(summaries, max_chars) if summaries else [])
+
+
+def _title(plan: Plan | None, timelines: Sequence[Timeline]) -> str:
+    return " | ".join(_title_lines(plan, timelines, 10**6))
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 1.0:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _time_unit(span_s: float) -> tuple[str, float]:
+    """One unit for a whole axis, chosen by its span: (name, units per second)."""
+    if span_s >= 1.0:
+        return "s", 1.0
+    if span_s >= 1e-3:
+        return "ms", 1e3
+    return "us", 1e6
+
+
+def _nice_step(span: float) -> float:
+    raw = span / 8 if span > 0 else 1.0
+    import math
+
+    mag = 10 ** math.floor(math.log10(raw))
+    for m in (1, 2, 5, 10):
+        if raw <= m * mag:
+            return m * mag
+    return 10 * mag
+
+
+def _tick_labels(span_s: float) -> tuple[list[float], list[str], str]:
+    """Tick positions (seconds) and their labels, every label in the one unit `_time_unit` picks,
+    with as many decimals as the tick spacing needs."""
+    import math
+
+    unit, per_s = _time_unit(span_s)
+    tick = _nice_step(span_s)
+    decimals = max(0, -math.floor(math.log10(tick * per_s) + 1e-9))
+    ticks, labels = [], []
+    k = 0
+    while k * tick <= span_s * (1 + 1e-9):
+        ticks.append(k * tick)
+        labels.append(f"{k * tick * per_s:.{decimals}f}")
+        k += 1
+    return ticks, labels, unit
+
+
+# Advance widths in em of DejaVu Sans (rsvg's and matplotlib's default sans-serif), rounded up;
+# other fonts of the sans-serif family are narrower, so a label that fits here fits there.
+_WIDE_EM = {"W": 1.0, "M": 0.87, "_": 0.5}
+
+
+def _text_width_px(text: str, font_px: float) -> float:
+    return font_px * sum(_WIDE_EM.get(ch, 0.7 if ch.isupper() else 0.64) for ch in text)
+
+
+def _box_label(action: str, width_px: float, font_px: float) -> str | None:
+    """The longest of "2W12", "W12", "12" (stage, kind, micro-batch) that fits a box `width_px`
+    wide with a little margin; None when none does (the box's tooltip still names it)."""
+    try:
+        a = Action.parse(action)
+        candidates = [action, f"{a.kind.value}{a.microbatch}", str(a.microbatch)]
+    except ValueError:
+        candidates = [action]
+    for label in candidates:
+        if _text_width_px(label, font_px) + 4 <= width_px:
+            return label
+    return None
