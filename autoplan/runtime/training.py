@@ -297,7 +297,7 @@ def _slowest(step_time_s: float, device: torch.device) -> float:
 def _write_trace(path: str, per_rank: list, plan: Plan) -> None:
     """Chrome trace (chrome://tracing, Perfetto): one row per rank, one box per action. Its
     "otherData" (the format's free-form object) names the plan, so `autoplan show --trace` can
-    refuse a trace measured on another one (report/timeline.py check_trace_matches)."""
+    refuse a trace measured on another one (report/timeline/trace_match.py check_trace_matches)."""
     t0 = min((e[1] for events in per_rank for e in events), default=0.0)
     trace = [{"name": name, "ph": "X", "pid": rank, "tid": 0, "ts": (start - t0) * 1e6,
               "dur": (end - start) * 1e6, "args": {"step": step}}

@@ -1,7 +1,7 @@
 """Timelines of a plan: what every pipeline rank does over one step, predicted or measured.
 
 The predicted timeline re-simulates the plan's schedule with the plan's own stage times
-(`StagePlan.fwd_time_s`, `bwd_time_s`), the way `search/evaluate.py` does when it makes the plan:
+(`StagePlan.fwd_time_s`, `bwd_time_s`), the way `search/assemble.py` does when it makes the plan:
 zb-h1 splits the backward into an input-gradient half B and a weight-gradient half W (Qi et al.
 2024, Sec. 2: T_B ~ T_W), P2P transfers delay the consumer without occupying either rank, and the
 exposed DP reduction plus the optimizer step run after each rank's last action. The measured
