@@ -51,3 +51,16 @@ def test_autoplan_run_trains_a_model_file_over_its_whole_vocabulary(tmp_path):
     plan = json.loads(out.read_text())
     (ids,), _ = parse_source(plan["model"]).batch(0, 0, plan["job"]["global_batch"], 32, (4, 32, 256), torch.float32)
     assert int(ids.max()) >= POSITIONS
+
+
+@pytest.mark.parametrize("spec", [
+    "gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=256,max_seq_len=64",
+    "hf:gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=256,n_positions=64",
+    "opt-file",
+])
+def test_every_sources_build_keeps_the_ties_it_had_on_meta(spec, tmp_path):
+    from autoplan.sources import tied_parameter_names
+
+    source = parse_source(write_model_file(tmp_path, spec) if spec.endswith("-file") else spec)
+    on_meta = tied_parameter_names(source.build("meta"))
+    assert on_meta and tied_parameter_names(parse_source(source.spec).build("cpu")) == on_meta
