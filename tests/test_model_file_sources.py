@@ -28,6 +28,23 @@ def test_ids_span_the_vocabulary_of_the_embedding_they_feed(model_name, tmp_path
     assert POSITIONS <= int(batch_ids.max()) < 256 and int(target.max()) < 256
 
 
+def test_ids_span_a_table_the_model_indexes_itself(tmp_path):
+    """`table[ids]` beside a smaller position `nn.Embedding`: the table bounds the ids."""
+    path = tmp_path / "own_lookup.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Model(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.table, self.pos, self.out = nn.Parameter(torch.randn(100, 8)), nn.Embedding(16, 8), nn.Linear(8, 100)\n\n"
+        "    def forward(self, ids):\n"
+        "        return self.out(self.table[ids] + self.pos(torch.arange(ids.shape[1])))\n\n\n"
+        "def build():\n"
+        "    return Model(), (torch.randint(0, 100, (2, 16)),)\n")
+    (ids,) = parse_source(f"{path}:build").example_inputs(8, 16, device="cpu")
+    assert 16 <= int(ids.max()) < 100
+
+
 @pytest.mark.parametrize("model_name", ["opt-file", "gemma2-file", "bart-file"])
 def test_a_model_files_tied_head_stays_tied_when_built(model_name, tmp_path):
     model = parse_source(write_model_file(tmp_path, model_name)).build("cpu")

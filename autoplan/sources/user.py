@@ -7,7 +7,7 @@ Together because both learn their inputs the same way: from the example inputs t
 An integer example input on meta (a file's `build()` runs under `torch.device("meta")`) has lost
 its values, so its range comes from the model: it is the vocabulary of the embedding table the
 input indexes, found by running the forward once on meta and following every integer tensor
-derived from each input (views, slices, shifts) to the `embedding` calls it reaches. Not the
+derived from each input (views, slices, shifts) to the lookups it reaches (`embedding`, `table[ids]`). Not the
 smallest `nn.Embedding` of the model: that is often a position table (OPT's and BART's learned
 positions), and ids drawn below it would leave most of the vocabulary untrained. A forward that
 stops on meta (a value it needs, `.item()`) keeps the lookups made before it stopped (the token
@@ -41,7 +41,7 @@ __all__ = ["FileSource", "ModuleSource"]
 
 
 class _IdsToEmbeddings(TorchFunctionMode):
-    """Follows integer tensors derived from the inputs to the `embedding` calls they index:
+    """Follows integer tensors derived from the inputs to the row lookups they index (`_lookup`):
     `vocab[k]` is the smallest table input `k` reaches ([Note: the vocabulary token ids are drawn from])."""
 
     def __init__(self, inputs: dict[int, Tensor]):
@@ -55,21 +55,34 @@ class _IdsToEmbeddings(TorchFunctionMode):
                                      if isinstance(x, Tensor) and id(x) in self._origin))
         out = func(*args, **kwargs)
         if origin:
-            if func in (F.embedding, torch.embedding):  # F.embedding(ids, weight); torch.embedding(weight, ids)
-                named = dict(zip(("input", "weight") if func is F.embedding else ("weight", "input"), args))
-                weight, ids = kwargs.get("weight", named.get("weight")), kwargs.get("input", named.get("input"))
-                if id(ids) in self._origin and isinstance(weight, Tensor):
-                    for k in self._origin[id(ids)][1]:
-                        self.vocab[k] = min(self.vocab.get(k, weight.shape[0]), weight.shape[0])
+            table, ids = _lookup(func, args, kwargs)
+            if (isinstance(table, Tensor) and table.dim() and isinstance(ids, Tensor) and id(ids) in self._origin
+                    and ids.dtype != torch.bool):  # (a boolean index is a mask, not ids)
+                for k in self._origin[id(ids)][1]:
+                    self.vocab[k] = min(self.vocab.get(k, table.shape[0]), table.shape[0])
             for t in pytree.tree_leaves(out):  # ids stay integers; what floats carry is no longer an id
                 if isinstance(t, Tensor) and not t.dtype.is_floating_point:
                     self._origin[id(t)] = (t, origin)
         return out
 
 
+def _lookup(func: Callable, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """(table, ids) of a row lookup: `F.embedding(ids, weight)`, `torch.embedding(weight, ids)` or
+    `table[ids]` (a model file's own lookup); (None, None) for any other call."""
+    if func is F.embedding:
+        named = dict(zip(("input", "weight"), args)) | kwargs
+        return named.get("weight"), named.get("input")
+    if func is torch.embedding:
+        named = dict(zip(("weight", "input"), args)) | kwargs
+        return named.get("weight"), named.get("input")
+    if func is Tensor.__getitem__ and len(args) == 2:
+        return args
+    return None, None
+
+
 def _vocabularies(module: nn.Module, examples: Sequence[Any]) -> dict[int, int]:
-    """Input index -> the vocabulary of the embedding that input indexes, for the integer inputs
-    on meta ([Note: the vocabulary token ids are drawn from]); empty when the forward cannot run."""
+    """Input index -> the vocabulary of the table that input indexes, for the integer inputs on
+    meta that reach one ([Note: the vocabulary token ids are drawn from])."""
     inputs = {k: t for k, t in enumerate(examples) if isinstance(t, Tensor) and t.device.type == "meta"
               and not t.dtype.is_floating_point and t.dtype != torch.bool}
     if not inputs:
