@@ -132,6 +132,8 @@ def _reference(spec: str, plan, inputs, target):
 
     source = parse_source(spec)
     torch.manual_seed(0)
+    # Built as the runtime builds its stages: every source's `build` initializes by name through
+    # the source's `init_weights` with the model's ties kept (sources/base.py's to_empty_keeping_ties).
     model = source.build("cpu")
     model.train()
     rows = plan.micro_batch_size
@@ -160,8 +162,11 @@ def _merged(results: dict, layout: str, key: str) -> dict:
 
 def _check_model(model_name: str, layouts: dict) -> None:
     spec, seq_len = MODELS[model_name]
+    _check_spec(spec, seq_len, layouts, {layout for (m, layout) in REFUSED if m == model_name and layout in layouts})
+
+
+def _check_spec(spec: str, seq_len: int | None, layouts: dict, expected_refused: set[str]) -> None:
     plans, refused = _plans(spec, seq_len, layouts)
-    expected_refused = {layout for (m, layout) in REFUSED if m == model_name and layout in layouts}
     assert set(refused) == expected_refused, f"refused: {refused}"
     for message in refused.values():
         assert "\n" not in message and "tp" in message, message
@@ -209,6 +214,38 @@ def _check_model(model_name: str, layouts: dict) -> None:
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_every_layout_matches_a_single_process_reference(model_name):
     _check_model(model_name, LAYOUTS)
+
+
+# transformers models inside a user's `file.py:build` (configs only, 256-token vocabularies, 64
+# positions): tied heads (a reference built untied was off by 4e-4 for Gemma2, 5e-3 for OPT), and
+# learned position tables smaller than the vocabulary (OPT, BART: tests/test_model_file_sources.py).
+_SIZES = "vocab_size=256, max_position_embeddings=64"
+MODEL_FILES = {
+    "opt-file": ("OPTConfig", "OPTForCausalLM", f"num_hidden_layers=2, hidden_size=64, num_attention_heads=4, "
+                 f"ffn_dim=128, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0, {_SIZES}"),
+    "gemma2-file": ("Gemma2Config", "Gemma2ForCausalLM", f"num_hidden_layers=2, hidden_size=64, num_attention_heads=4, "
+                    f"intermediate_size=128, num_key_value_heads=2, head_dim=16, {_SIZES}"),
+    "bart-file": ("BartConfig", "BartForConditionalGeneration", f"encoder_layers=1, decoder_layers=1, d_model=64, "
+                  f"encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_attention_heads=4, decoder_attention_heads=4, "
+                  f"dropout=0.0, attention_dropout=0.0, {_SIZES}"),
+}
+
+
+def write_model_file(directory: Path, name: str) -> str:
+    """`name`'s model file in `directory`, its example ids (2, 32) over the whole vocabulary: its spec."""
+    config, model, kwargs = MODEL_FILES[name]
+    path = directory / f"{name.replace('-', '_')}.py"
+    path.write_text(f"import torch\nfrom transformers import {config}, {model}\n\n\ndef build():\n"
+                    f"    return {model}({config}({kwargs})), (torch.randint(0, 256, (2, 32)),)\n")
+    return f"{path}:build"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model_name", ["opt-file", "gemma2-file"])
+def test_transformers_model_files_match_a_single_process_reference(model_name, tmp_path):
+    layouts = {name: LAYOUTS[name] for name in ("pp2-1f1b", "tp2")}
+    _check_spec(write_model_file(tmp_path, model_name), 32, layouts, set())
 
 
 @pytest.mark.multiproc

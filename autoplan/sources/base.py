@@ -29,7 +29,7 @@ from autoplan import models
 
 __all__ = [
     "InputTemplate", "ModelSource", "SourceError", "default_loss", "default_target", "first_tensor",
-    "parameters_on_meta", "tied_parameter_names", "token_batch",
+    "parameters_on_meta", "tied_parameter_names", "to_empty_keeping_ties", "token_batch",
 ]
 
 
@@ -167,6 +167,20 @@ def tied_parameter_names(model: nn.Module) -> dict[str, str]:
             aliases.setdefault(first[id(p)], first[id(p)])
         else:
             first[id(p)] = name
+    return aliases
+
+
+def to_empty_keeping_ties(module: nn.Module, device: torch.device | str) -> dict[str, str]:
+    """`module.to_empty(device=device)` with the parameters it shared shared again (`to_empty` gives
+    each name its own tensor, so a tied head would train apart from its embedding); returns
+    `tied_parameter_names` as it was before, for `init_weights`' aliases. The ties are read from
+    the module itself, so any model keeps the ones it had, with or without a `tie_weights()`."""
+    aliases = tied_parameter_names(module)
+    module.to_empty(device=device)
+    for name, first in aliases.items():
+        if name != first:
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, module.get_parameter(first))
     return aliases
 
 
