@@ -4,6 +4,9 @@
     hf:llama:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,vocab_size=256
                                 `transformers.AutoConfig.for_model(MODEL_TYPE)` with those fields
 
+The form decides which (`HFSource.from_spec`): a known model type before the first ':' is a config of
+that type and is never looked up as a path; fields are those the config class takes (`_takes_field`).
+
 The model is built from its config with the `AutoModelFor...` class its config names
 (`architectures`) or, without one, the first head its model type supports among seq2seq LM,
 masked LM, causal LM, image classification and sequence classification. Nothing is downloaded and
@@ -32,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import functools
 import hashlib
 import inspect
 import json
@@ -121,12 +125,19 @@ def _modeling_reads(config: Any) -> set[str]:
     a config class keeps any keyword it is given, and some fields that the model reads it never
     declares (Qwen3-MoE's `head_dim`, read with a fallback to hidden_size / num_attention_heads)."""
     try:
-        module = sys.modules[HFSource._pick_class(config).__module__]
-        source = inspect.getsource(module)
-    except (SourceError, KeyError, OSError, TypeError):
+        return _names_read_in(HFSource._pick_class(config).__module__)
+    except SourceError:
         return set()
-    return {*re.findall(r"\bconfig\.([A-Za-z]\w*)", source),
-            *re.findall(r"getattr\(\s*(?:self\.)?config\s*,\s*[\"']([A-Za-z]\w*)[\"']", source)}
+
+
+@functools.cache
+def _names_read_in(module_name: str) -> frozenset[str]:
+    try:
+        source = inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):
+        return frozenset()
+    return frozenset({*re.findall(r"\bconfig\.([A-Za-z]\w*)", source),
+                      *re.findall(r"getattr\(\s*(?:self\.)?config\s*,\s*[\"']([A-Za-z]\w*)[\"']", source)})
 
 
 def _takes_field(default: Any, key: str, value: Any) -> bool:
