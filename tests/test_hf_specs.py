@@ -28,6 +28,7 @@ _DECODER = "num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_val
 QWEN3_MOE_HEAD_DIM = f"hf:qwen3_moe:{_DECODER},moe_intermediate_size=32,num_experts=4,num_experts_per_tok=2,head_dim=32"
 LLAMA_ROPE_THETA = f"hf:llama:{_DECODER},rope_theta=5000.0"
 _LONG = "a" * 300
+FALCON = "hf:falcon:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,vocab_size=256"
 
 
 def _suggest(spec: str, out) -> int:
@@ -77,3 +78,13 @@ def test_a_field_the_config_consumes_reaches_the_built_model(tmp_path):
     assert model.config.rope_parameters["rope_theta"] == 5000.0
     head_dim = 64 // 4
     assert model.model.rotary_emb.inv_freq[1].item() == pytest.approx(5000.0 ** (-2 / head_dim))
+
+
+def test_a_model_with_lifted_tensor_constants_is_planned(tmp_path):
+    """Falcon's attention indexes with a list (`x[..., [-2], :]`), which torch.export lifts as a
+    tensor constant (`lifted_tensor_0`) that is neither a parameter nor a buffer: `suggest` ended in
+    `KeyError: 'transformer.h.0.self_attention.lifted_tensor_0'`. Its 2-rank run is checked against a
+    single process in tests/test_hf.py::test_two_ranks_match_a_single_process_build."""
+    plan = tmp_path / "p.json"
+    assert _suggest(FALCON, plan) == 0
+    assert json.loads(plan.read_text())["pp"] == 2

@@ -399,9 +399,14 @@ class HFSource(ModelSource):
             reference = self.reference_buffers()
             for name, buffer in buffers:
                 value = reference.get(name)
-                if value is None or value.shape != buffer.shape:
-                    raise SourceError(f"{self.name}: buffer '{name}' is not in the model transformers builds; "
-                                      "cannot initialize it")
+                if value is None:
+                    # Not the model's: a tensor the traced graph made from a literal of the forward
+                    # (export lifts Falcon's `x[..., [-2], :]` index as `lifted_tensor_0`); the stage
+                    # holds it with its traced value, which is the value.
+                    continue
+                if value.shape != buffer.shape:
+                    raise SourceError(f"{self.name}: buffer '{name}' has shape {tuple(buffer.shape)} but "
+                                      f"{tuple(value.shape)} in the model transformers builds; cannot initialize it")
                 buffer.copy_(value.to(buffer.dtype))
 
     # ---- inputs, loss, facts ----------------------------------------------------------------
