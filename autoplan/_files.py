@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MAX_FILE_BYTES", "MAX_NESTING", "check_output_file", "nesting_depth", "parse_json", "parse_yaml", "read_json", "read_text"]
+__all__ = [
+    "MAX_FILE_BYTES", "MAX_NESTING", "check_output_file", "nesting_depth", "parse_json", "parse_yaml", "path_kind",
+    "read_json", "read_text",
+]
 
 MAX_NESTING = 64
 """Deepest nesting of lists and mappings accepted in any file (a plan nests 4 levels, a suite 5)."""
@@ -60,13 +64,25 @@ def _too_deep(what: str) -> str:
     return f"{what} nests lists or mappings more than {MAX_NESTING} levels deep; no autoplan file does, fix the file"
 
 
+def path_kind(path: str | os.PathLike) -> str | None:
+    """'dir', 'file' (anything else that exists), or None when nothing is at `path`: also for a string that cannot name a file
+    (a component longer than the system allows, a NUL byte). `Path.exists()` raises OSError
+    (ENAMETOOLONG) on those, and a long model spec was once read as a path that way (issue 31)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    return "dir" if stat.S_ISDIR(mode) else "file"
+
+
 def read_text(path: str | os.PathLike, what: str, error: type[ValueError], create_hint: str) -> str:
     """The text of the file at `path`; `error(...)` naming `what` and the problem if it is missing, a
     directory, too large or not text."""
     path = Path(path)
-    if not path.exists():
+    kind = path_kind(path)
+    if kind is None:
         raise error(f"{what} {str(path)!r} does not exist; {create_hint}")
-    if path.is_dir():
+    if kind == "dir":
         raise error(f"{what} {str(path)!r} is a directory, not a file")
     try:
         if path.stat().st_size > MAX_FILE_BYTES:

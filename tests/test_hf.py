@@ -32,6 +32,7 @@ SPECS = {
     "t5": "hf:t5:num_layers=2,num_decoder_layers=2,d_model=64,d_kv=16,num_heads=4,d_ff=128,vocab_size=256",
     "mixtral": f"hf:mixtral:{_DECODER},num_local_experts=4,num_experts_per_tok=2",
 }
+FALCON = "hf:falcon:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,vocab_size=256"
 # Layer blocks (encoder and decoder stacks for T5) and the blocks around them.
 NUM_LAYERS = {"t5": 4}
 
@@ -217,7 +218,8 @@ def test_two_ranks_match_a_single_process_build():
     from tests._dist import run_ranks
 
     specs = [SPECS["llama"], SPECS["t5"] + ",dropout_rate=0.0",
-             SPECS["gpt2"] + ",resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0"]  # gpt2: a tied head
+             SPECS["gpt2"] + ",resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0",  # gpt2: a tied head
+             FALCON]  # falcon: tensors export lifts from the forward's literals, held by the stages
     cases = [(spec, autoplan.suggest(spec, "1x2xcpu", global_batch=4, seq_len=16, pp=2, dtype="fp32",
                                      schedule="1f1b", micro_batch_size=1)[0]) for spec in specs]
     # bf16 (the default): the graph traced in fp32 computes in bf16 ([Note: dtype-following graphs]).

@@ -9,6 +9,7 @@ else on fake cpu tensors ([Note: meta or fake]), with identical repeated layers 
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +65,14 @@ class _LazyFakes(dict):
             self.sources[name] = (p, True)
         for name, b in gm.named_buffers(remove_duplicate=False):
             self.sources[name] = (b, False)
+        # Tensors export lifted from the forward's literals (Falcon's attention indexes with a list,
+        # `x[..., [-2], :]`) are plain attributes of the graph, neither parameters nor buffers, and a
+        # block extracted from the graph holds them as buffers: they are sources like buffers.
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and node.target not in self.sources:
+                value = operator.attrgetter(node.target)(gm)
+                if isinstance(value, torch.Tensor):
+                    self.sources[node.target] = (value, False)
 
     def __missing__(self, name: str) -> torch.Tensor:
         if name in self.alias:

@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from autoplan._files import path_kind
 from autoplan.models.bounds import ModelSpecError
 from autoplan.models.config import GPTConfig, LlamaConfig, ModelConfig, MoEConfig
 from autoplan.models.presets import PRESETS
@@ -136,7 +137,7 @@ def _parse_file_spec(text: str) -> ModelSpec:
         raise ModelSpecError(
             f"malformed spec {text!r}; expected path/to/file.py:FUNCTION with FUNCTION a Python name"
         )
-    if not Path(path).is_file():
+    if path_kind(path) != "file":  # never Path.is_file(): it raises on a name too long to be a file
         raise ModelSpecError(f"model file {path!r} does not exist (spec {text!r}); check the path")
     return ModelSpec(
         text=text,

@@ -4,6 +4,9 @@
     hf:llama:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,vocab_size=256
                                 `transformers.AutoConfig.for_model(MODEL_TYPE)` with those fields
 
+The form decides which (`HFSource.from_spec`): a known model type before the first ':' is a config of
+that type and is never looked up as a path; fields are those the config class takes (`_takes_field`).
+
 The model is built from its config with the `AutoModelFor...` class its config names
 (`architectures`) or, without one, the first head its model type supports among seq2seq LM,
 masked LM, causal LM, image classification and sequence classification. Nothing is downloaded and
@@ -32,9 +35,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import functools
 import hashlib
 import inspect
 import json
+import re
+import sys
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -43,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoplan._files import read_json
+from autoplan._files import path_kind, read_json
 from autoplan.sources.base import (
     InputTemplate,
     ModelSource,
@@ -97,6 +103,57 @@ def _reason(exc: BaseException) -> str:
 def _did_you_mean(word: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(word, choices, n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    """`text` short enough for a one-line error."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _declared_fields(config: Any) -> set[str]:
+    """The fields a config declares: its values (`to_dict()`), its class's dataclass fields and
+    annotations, and the aliases of `attribute_map`."""
+    names = {*config.to_dict(), *getattr(config, "attribute_map", {})}
+    for klass in type(config).__mro__:
+        names.update(getattr(klass, "__dataclass_fields__", {}))
+        names.update(vars(klass).get("__annotations__", {}))
+    return {name for name in names if not name.startswith("_")}
+
+
+def _modeling_reads(config: Any) -> set[str]:
+    """The config fields the model's own code reads (`config.NAME`, `getattr(config, "NAME"...)`):
+    a config class keeps any keyword it is given, and some fields that the model reads it never
+    declares (Qwen3-MoE's `head_dim`, read with a fallback to hidden_size / num_attention_heads)."""
+    try:
+        return _names_read_in(HFSource._pick_class(config).__module__)
+    except SourceError:
+        return set()
+
+
+@functools.cache
+def _names_read_in(module_name: str) -> frozenset[str]:
+    try:
+        source = inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):
+        return frozenset()
+    return frozenset({*re.findall(r"\bconfig\.([A-Za-z]\w*)", source),
+                      *re.findall(r"getattr\(\s*(?:self\.)?config\s*,\s*[\"']([A-Za-z]\w*)[\"']", source)})
+
+
+def _takes_field(default: Any, key: str, value: Any) -> bool:
+    """Whether a config of `default`'s type takes `key`: a field it declares, one the model's code
+    reads, or one the class consumes into others when built with it (transformers 5 folds
+    `rope_theta` into `rope_parameters` and keeps no `rope_theta` attribute). Not `__init__`'s
+    signature: config classes take **kwargs, so a signature names few of the fields they take."""
+    if callable(getattr(default, key, None)):
+        return False  # a method, not a field
+    if key in _declared_fields(default) or key in _modeling_reads(default):
+        return True
+    try:
+        built = _transformers().AutoConfig.for_model(default.model_type, **{key: value})
+    except Exception:
+        return True  # the class looked at the value and refused it: the build reports why
+    return not hasattr(built, key)
 
 
 def _parse_value(key: str, raw: str, default: Any) -> Any:
@@ -197,22 +254,27 @@ class HFSource(ModelSource):
 
     @classmethod
     def from_spec(cls, text: str) -> HFSource:
-        """`hf:PATH` (a directory with config.json, or the file) or `hf:MODEL_TYPE:key=value,...`;
-        a path that exists wins over a model type of the same name. Values take the type of the
-        config field's default (bool, int, float, str; JSON for lists, dicts and unset fields)."""
+        """`hf:MODEL_TYPE[:key=value,...]` or `hf:PATH` (a directory with config.json, or the file).
+
+        The spec's form decides, before any filesystem call: a known model type before the first
+        ':' names a config of that type (a directory of the same name is `hf:./NAME`); anything else
+        is a path. A long `hf:deepseek_v3:...` spec was once stat()ed as a path and ended in
+        `OSError: File name too long` (issue 31). Values take the type of the config field's
+        default (bool, int, float, str; JSON for lists, dicts and unset fields)."""
         transformers = _transformers()
         text = text.strip()
         if not text.startswith("hf:") or not text[3:].strip():
             raise SourceError(f"'{text}' is not an hf: spec; write hf:PATH or hf:MODEL_TYPE:key=value,...")
         body = text[3:].strip()
         head, _, overrides = body.partition(":")
-        candidate = Path(body).expanduser()
-        types = sorted(transformers.CONFIG_MAPPING.keys())
-        if candidate.exists() or ("/" in head or "\\" in head or head.endswith(".json")):
-            return cls._from_path(text, candidate)
+        head = head.strip()
         if head not in transformers.CONFIG_MAPPING:
-            raise SourceError(f"hf: '{head}' is neither a model type nor an existing path{_did_you_mean(head, types)}; "
-                              f"write hf:MODEL_TYPE:key=value,... (e.g. hf:llama:num_hidden_layers=2) or hf:path/to/model")
+            if "/" in head or "\\" in head or head.endswith(".json") or path_kind(Path(body).expanduser()):
+                return cls._from_path(text, Path(body).expanduser())
+            types = sorted(transformers.CONFIG_MAPPING.keys())
+            raise SourceError(f"hf: '{_clip(head)}' is neither a model type nor an existing path"
+                              f"{_did_you_mean(head, types)}; write hf:MODEL_TYPE:key=value,... "
+                              f"(e.g. hf:llama:num_hidden_layers=2) or hf:path/to/model")
         with _quiet():
             default = transformers.AutoConfig.for_model(head)
             fields = cls._parse_overrides(head, overrides, default)
@@ -226,7 +288,6 @@ class HFSource(ModelSource):
     @staticmethod
     def _parse_overrides(model_type: str, text: str, default: Any) -> dict[str, Any]:
         fields: dict[str, Any] = {}
-        known = sorted({*default.to_dict(), *getattr(default, "attribute_map", {})})
         for item in (part.strip() for part in text.split(",")):
             if not item:
                 continue
@@ -235,18 +296,20 @@ class HFSource(ModelSource):
             if not eq or not key:
                 raise SourceError(f"hf: '{item}' in the {model_type} spec is not key=value; "
                                   f"write e.g. hf:{model_type}:num_hidden_layers=2")
-            if key not in known or callable(getattr(default, key, None)):
+            value = _parse_value(key, raw, getattr(default, key, None))
+            if not _takes_field(default, key, value):
+                known = sorted(_declared_fields(default) | _modeling_reads(default))
                 raise SourceError(f"hf: {model_type} configs have no field '{key}'{_did_you_mean(key, known)}; "
                                   f"see transformers' {type(default).__name__}")
-            fields[key] = _parse_value(key, raw, getattr(default, key, None))
+            fields[key] = value
         return fields
 
     @classmethod
     def _from_path(cls, spec: str, path: Path) -> HFSource:
         transformers = _transformers()
-        file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
-            raise SourceError(f"hf: {str(path)!r} holds no config.json; point hf: at a model directory or its config.json")
+        file = path / "config.json" if path_kind(path) == "dir" else path
+        if path_kind(file) != "file":
+            raise SourceError(f"hf: {_clip(str(path))!r} holds no config.json; point hf: at a model directory or its config.json")
         data = read_json(file, "hf: config", SourceError, "point hf: at a model directory or its config.json")
         model_type = data.pop("model_type", None) if isinstance(data, dict) else None
         if model_type not in transformers.CONFIG_MAPPING:
@@ -336,9 +399,14 @@ class HFSource(ModelSource):
             reference = self.reference_buffers()
             for name, buffer in buffers:
                 value = reference.get(name)
-                if value is None or value.shape != buffer.shape:
-                    raise SourceError(f"{self.name}: buffer '{name}' is not in the model transformers builds; "
-                                      "cannot initialize it")
+                if value is None:
+                    # Not the model's: a tensor the traced graph made from a literal of the forward
+                    # (export lifts Falcon's `x[..., [-2], :]` index as `lifted_tensor_0`); the stage
+                    # holds it with its traced value, which is the value.
+                    continue
+                if value.shape != buffer.shape:
+                    raise SourceError(f"{self.name}: buffer '{name}' has shape {tuple(buffer.shape)} but "
+                                      f"{tuple(value.shape)} in the model transformers builds; cannot initialize it")
                 buffer.copy_(value.to(buffer.dtype))
 
     # ---- inputs, loss, facts ----------------------------------------------------------------
