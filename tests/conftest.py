@@ -27,6 +27,11 @@ _move("the user-path matrix runs every layout on 4 ranks for each model source (
       "on more architectures",
       f"{_LAYOUTS}[zoo-gpt]", f"{_LAYOUTS}[hf-gpt2]", f"{_LAYOUTS}[hf-bert]", f"{_LAYOUTS}[hf-vit]",
       f"{_LAYOUTS}[hf-t5]", f"{_LAYOUTS}[hf-mixtral]")
+_FILES = "tests/test_user_paths.py::test_transformers_model_files_match_a_single_process_reference"
+_move("transformers models written as model files against a reference built as the runtime builds (about 30 s "
+      "each); kept: [opt-file], whose learned position table once bounded the token ids and whose tied head "
+      "came apart in `build`",
+      f"{_FILES}[gemma2-file]")
 _FSDP_RUN = "tests/test_runtime_fsdp.py::test_fsdp_plans_from_suggest_run_through_autoplan_run"
 _move("suggest -> `autoplan run` of each FSDP layout (41 s each); kept: [zero3-pp2] through the CLI, and HSDP "
       "and zero 2 with tp against the reference in test_zero3_and_hsdp_* of the same file",
