@@ -68,19 +68,15 @@ def _source_digest(paths: set[str]) -> str | None:
     return h.hexdigest()
 
 
-_GRAPH_CODE = ("profile.py", "fake_run.py", "block_cost.py", "timing.py", "profile_cache.py", "profile_extra.py",
-               "trace.py", "trace_errors.py", "grouping.py", "export_trace.py", "module_chain.py", "blocks.py")
-"""autoplan's own files in every analytic key: the profiler and the tracer, split over these modules."""
-
-
 def _code_files(traced: TracedModel) -> set[str] | None:
     """Source files whose code decides what the traced graph computes, besides torch itself (whose
-    version is in the key): autoplan's graph package (the profiler and the tracer, `_GRAPH_CODE`) and the
-    file of every module class and called function outside torch. None when some code has no file
+    version is in the key): every module of autoplan's graph package (the profiler, the tracer and
+    what they call) and the file of every module class and called function outside torch. None when some code has no file
     (defined in a REPL or generated): then the profile is not cached, since an edit could not be seen."""
     import sys
 
-    files = {str(Path(__file__).resolve().parent / name) for name in _GRAPH_CODE}
+    # The whole package, not a list of its files: a module split off the profiler later is covered too.
+    files = {str(path) for path in Path(__file__).resolve().parent.glob("*.py")}
     objects: list[Any] = [type(m) for m in {type(m): m for m in traced.gm.modules()}.values()]
     objects += [n.target for n in traced.gm.graph.nodes if n.op == "call_function"]
     for obj in objects:

@@ -55,7 +55,7 @@ from autoplan.sources.base import (
     ModelSource,
     SourceError,
     parameters_on_meta,
-    tied_parameter_names,
+    to_empty_keeping_ties,
 )
 
 __all__ = ["DEFAULT_SEQ_LEN", "HFSource"]
@@ -364,10 +364,8 @@ class HFSource(ModelSource):
                 raise SourceError(f"cannot build {self.name}: {_reason(exc)}; check its sizes") from None
         model.train()
         if torch.device(device).type != "meta":
-            model.to_empty(device=device)
-            model.tie_weights()  # `to_empty` unties shared parameters
-
-            self.init_weights(model, seed=0, aliases=tied_parameter_names(model))
+            aliases = to_empty_keeping_ties(model, device)  # `to_empty` unties shared parameters
+            self.init_weights(model, seed=0, aliases=aliases)
         return model
 
     def reference_buffers(self) -> dict[str, torch.Tensor]:
