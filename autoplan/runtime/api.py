@@ -101,8 +101,6 @@ def _check_fingerprint(model: nn.Module, plan: Plan) -> None:
                              f"model's fingerprint is {fingerprint}; re-plan with `autoplan suggest` for this model")
 
 
-
-
 def check_model(model: nn.Module, plan: Plan, example_inputs: Sequence[Any] | None = None, *,
                 source: ModelSource | None = None, traced=None, graph_inputs: Sequence[Any] | None = None
                 ) -> Mapping[str, str]:

@@ -393,13 +393,11 @@ def _sharding_refusal(cfg: ParallelConfig, pins: dict, profile: ModelProfile) ->
     return fsdp_refusal(profile, cfg.tp) or "FSDP (zero 2 / 3) needs more than one data-parallel rank"
 
 
-
 def _memory_rejection(cfg: ParallelConfig, bound_s: float, need_bytes: float | None, capacity_bytes: float,
                       what: str) -> Rejection:
     why = (f"{what} need {_gib(need_bytes)} per GPU, {_gib(need_bytes - capacity_bytes)} over its "
            f"{_gib(capacity_bytes)}" if need_bytes is not None else f"{what} fits {_gib(capacity_bytes)} per GPU")
     return Rejection("memory", cfg.describe(), why, bound_s, need_bytes, capacity_bytes, pins=config_pins(cfg))
-
 
 
 def _bound_rejection(cfg: ParallelConfig, bound_s: float, cutoff_s: float, top: int) -> Rejection:
@@ -429,8 +427,6 @@ def explain_memory(ctx: SearchContext, rejections: Rejections, pins: dict, sp_al
         if fixed is not None:
             rejection.fix, rejection.fix_pins = fixed
         kept[index] = (rank, order, key, (lambda r=rejection: r), cfg)
-
-
 
 
 def _split(plan: Plan) -> str:
