@@ -183,6 +183,11 @@ class Plan:
     """Expert parallelism: groups of ep consecutive dp replicas split each mixture-of-experts
     layer's experts ep ways and send tokens to them by all-to-all (runtime/experts.py). 1: every
     replica holds every expert."""
+    expert_tp: int = 1
+    """Expert tensor parallelism: how many ranks of a tp group split each expert's weights. 1 (the
+    only degree built, Megatron-LM's `--expert-tensor-parallel-size 1` as its published MoE runs use):
+    every expert is whole on the rank that holds it, and under attention tp > 1 each tp rank sends
+    its own 1 / tp of the tokens to the experts (runtime/experts.py)."""
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -398,6 +403,9 @@ def validate(plan: Plan) -> list[str]:
     elif plan.ep > 1 and plan.dp_replicate > 1:
         problems.append(f"ep = {plan.ep} cannot run with dp_replicate = {plan.dp_replicate} (HSDP); re-plan with "
                         "--dp-replicate 1 or --ep 1")
+    if plan.expert_tp != 1:
+        problems.append(f"expert_tp = {plan.expert_tp!r}: only expert tensor parallelism 1 is built (every expert "
+                        "whole on the rank that holds it); re-plan with expert_tp 1")
     if plan.tracer not in ("auto", "fx", "export", "modules"):
         problems.append(f"tracer {plan.tracer!r} is not one of auto, fx, export, modules")
     if plan.rank_order not in RANK_ORDERS:
