@@ -43,6 +43,24 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree: each group of ep consecutive dp replicas splits a layer's experts
     ep ways and exchanges tokens by all-to-all (folded over dp, as torchtitan and Megatron-LM do)."""
+    expert_tp: int = 1
+    """Expert tensor-parallel degree (`Plan.expert_tp`; only 1 is built): every expert whole on the
+    rank that holds it, and with tp > 1 and ep > 1 each tp rank sends only its 1/tp of the tokens to
+    the experts (Megatron-LM's `--expert-tensor-parallel-size 1`)."""
+
+    @property
+    def expert_token_split(self) -> int:
+        """How many ways the tokens that reach the experts are split over a replica's tp ranks
+        ([Note: experts on a GPU] in cost/time.py): tp with ep > 1 and expert tp 1, else 1 (without
+        ep every tp rank computes its experts on every token, as the runtime does)."""
+        return self.tp if self.ep > 1 and self.expert_tp == 1 else 1
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas that hold the same experts (the expert-data-parallel group): dp / ep. Expert
+        gradients are reduced, and with zero >= 1 expert optimizer state sharded, over it
+        (Megatron-Core MoE README, "expert data parallelism")."""
+        return self.dp // self.ep
 
     @property
     def num_gpus(self) -> int:

@@ -113,7 +113,7 @@ def _dtype_key(dtype: str) -> str:
 
 
 def scaled_op(op: Op, batch_factor: float, tp: int, sequence_parallel: bool,
-              ep: int = 1) -> tuple[tuple[float, ...], float, float]:
+              ep: int = 1, expert_split: int = 1) -> tuple[tuple[float, ...], float, float]:
     """(shape, flops, bytes) of `op` at `batch_factor` times the profile's batch on one of `tp`
     tensor-parallel ranks: the batch axis grows, the tp axis (or a memory op's bytes, unless they are
     hidden-shaped without sequence parallelism: Korthikanti et al. 2022, Sec. 4.2.2) shrinks.
@@ -124,8 +124,15 @@ def scaled_op(op: Op, batch_factor: float, tp: int, sequence_parallel: bool,
     them (GShard, arXiv:2006.16668, Sec. 3.2; runtime/experts.py: a rank computes (E/ep, ep * n, ...)
     in place of (E, n, ...)): the expert axis (a GEMM's first) divides by ep and its batch axis grows
     ep times, so the FLOPs and the per-batch bytes stay, and the weights' bytes (`fixed_bytes`: the
-    weights a GEMM reads, their gradients and the gradients' accumulation) divide by ep."""
+    weights a GEMM reads, their gradients and the gradients' accumulation) divide by ep.
+    `expert_split` (`ParallelConfig.expert_token_split`): the ways a replica's tp ranks split the
+    tokens that reach the experts under expert tp 1 (Megatron-Core MoE README, "MoE parallel
+    folding": with ETP 1 each tp rank dispatches its own 1/tp of the tokens, so no expert GEMM is
+    repeated on the tp ranks): an expert operator's tokens, and so its FLOPs and per-batch bytes,
+    divide by it, its weights' bytes do not."""
     shape = list(op.shape)
+    if op.tp == "expert":
+        batch_factor /= expert_split
     if op.batch_axis is not None and shape:
         shape[op.batch_axis] *= batch_factor
     split = 1.0
@@ -150,10 +157,10 @@ def scaled_op(op: Op, batch_factor: float, tp: int, sequence_parallel: bool,
 
 
 def op_time_s(op: Op, cal: Calibration, gpu: GPU, batch_factor: float, tp: int, sequence_parallel: bool,
-              ep: int = 1) -> float:
+              ep: int = 1, expert_split: int = 1) -> float:
     """Seconds of one call of `op` (multiply by `op.count` for the pass) on one of `tp` tensor-parallel
-    and `ep` expert-parallel ranks (`scaled_op`)."""
-    shape, flops, num_bytes = scaled_op(op, batch_factor, tp, sequence_parallel, ep)
+    and `ep` expert-parallel ranks, the experts' tokens split `expert_split` ways (`scaled_op`)."""
+    shape, flops, num_bytes = scaled_op(op, batch_factor, tp, sequence_parallel, ep, expert_split)
     if op.kind == "gemm":
         if len(shape) == 4:
             return gemm_time_s(cal, gpu, *shape, op.dtype, element_bytes=_element_bytes(op.dtype))

@@ -24,7 +24,8 @@ from autoplan.cost.config import ParallelConfig
 from autoplan.cost.ops import op_time_s
 from autoplan.graph.blocks import Block, ModelProfile
 
-__all__ = ["BlockTimes", "all_to_all_time_s", "block_times", "op_pass_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s",
+__all__ = ["BlockTimes", "all_to_all_time_s", "expert_exchange_times_s", "expert_group_ranks",
+           "expert_output_gather_times_s", "block_times", "op_pass_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s",
            "optimizer_time_s", "tied_sync_times_s", "tp_divisor", "tp_sharded"]
 
 # Blocks whose parameters and FLOPs Megatron tensor parallelism shards (Shoeybi et al. 2019, Sec. 3:
@@ -91,9 +92,10 @@ def cpu_sharing(profile: ModelProfile, gpu: GPU, cluster: Cluster) -> tuple[floa
 
 
 def op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, sp: bool,
-                   dtype: str, profile_dtype: str, ep: int = 1) -> tuple[float, float, float]:
+                   dtype: str, profile_dtype: str, ep: int = 1, expert_split: int = 1) -> tuple[float, float, float]:
     """(forward, backward, selective recompute) seconds of a block's operators at batch factor f on one
-    of tp tensor-parallel and ep expert-parallel ranks. Operators recorded in the profile's dtype run
+    of tp tensor-parallel and ep expert-parallel ranks, the experts' tokens split `expert_split` ways
+    over tp (cost/ops.py `scaled_op`). Operators recorded in the profile's dtype run
     in the job's. The third is what `recompute = selective` runs again under the calibration's stack
     (`Calibration.selective_recompute`): the attention core (Korthikanti et al. 2022, Sec. 5), or
     torchtitan's operator-level policy, which keeps every odd matmul's output and attention's and
@@ -103,7 +105,7 @@ def op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, s
     for op in block.ops:
         if op.dtype == profile_dtype and op.dtype != dtype:
             op = dataclasses.replace(op, dtype=dtype)
-        seconds = op.count * op_time_s(op, cal, gpu, f, tp, sp, ep)
+        seconds = op.count * op_time_s(op, cal, gpu, f, tp, sp, ep, expert_split)
         if op.phase == "fwd":
             fwd += seconds
             if op.kind == "attention":
@@ -169,7 +171,7 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             key = (b.fingerprint or i, op_tp)
             if key not in by_fingerprint:
                 by_fingerprint[key] = op_pass_times(b, cal, gpu, f, op_tp, cfg.sequence_parallel, dtype, profile.dtype,
-                                                    cfg.ep)
+                                                    cfg.ep, 1 if whole else cfg.expert_token_split)
             f_s, b_s, selective_s = by_fingerprint[key]
             divide = shard if whole else 1.0
             fwd[i] = f_s / divide
@@ -185,6 +187,10 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             fwd[i] = _flops_seconds(cal, gpu, dtype, fwd_flops, attn_fwd, "fwd")
             bwd[i] = _flops_seconds(cal, gpu, dtype, bwd_flops + recompute_flops, attn_bwd + attn_recompute, "bwd")
         hw[i] = fwd_flops + bwd_flops + recompute_flops
+        if cfg.expert_token_split > 1:
+            # The experts' FLOPs a tp rank leaves to its peers under expert tp 1 (`scaled_op`).
+            hw[i] -= _expert_flops(b, f, cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS) \
+                * (1 - 1 / cfg.expert_token_split)
         if cfg.tp > 1 and b.tp_comm_bytes:
             # Megatron: all-reduces in forward and as many in backward (Shoeybi et al. 2019, Fig. 3);
             # with sequence parallelism each is a reduce-scatter + all-gather of the same volume
@@ -200,9 +206,10 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
         tp_bwd += gather * np.array([2.0 if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 1.0
                                      for b in profile.blocks])
     if cfg.ep > 1:
-        exchange = expert_exchange_times_s(profile, cluster, cfg)
+        exchange = expert_exchange_times_s(profile, cluster, cfg) + expert_output_gather_times_s(profile, cluster, cfg)
         tp_fwd += exchange
-        # Backward sends the gradients of both exchanges back; full recompute repeats the forward's.
+        # Backward sends the gradients of both exchanges back (and reduce-scatters the gathered
+        # outputs' gradient); full recompute repeats the forward's.
         tp_bwd += exchange * np.array([2.0 if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 1.0
                                        for b in profile.blocks])
     return BlockTimes(fwd, bwd, tp_fwd, tp_bwd, hw)
@@ -210,14 +217,31 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
 
 # [Note: experts on a GPU]
 # autoplan's runtime splits a mixture-of-experts layer's experts over ep data-parallel replicas
-# (runtime/experts.py) and leaves them whole on each tensor-parallel rank (graph/sharding.py finds no
-# Megatron pattern in stacked expert weights; cost/memory.py `param_counts`), while tp shards the
-# layer's attention. The recorded operators of the experts say so (`tp = "expert"`, [Note: expert
-# operators] in graph/operators.py): `scaled_op` keeps them whole under tp and divides their weights'
-# bytes by ep. Such a layer is priced operator by operator at tp, not whole over an Amdahl share of
-# its parameters (`tp_divisor`): most expert parameters are idle for a given token (top-k of E), so
-# the parameter share (3% sharded for Qwen3-235B-A22B's layer) misstates the time share (about half
-# of the layer's FLOPs is attention, which tp divides).
+# (runtime/experts.py) and leaves each expert whole on the rank that holds it (expert tp 1;
+# graph/sharding.py finds no Megatron pattern in stacked expert weights; cost/memory.py
+# `param_counts`), while tp shards the layer's attention. The recorded operators of the experts say
+# so (`tp = "expert"`, [Note: expert operators] in graph/operators.py): `scaled_op` keeps them whole
+# under tp and divides their weights' bytes by ep. Such a layer is priced operator by operator at
+# tp, not whole over an Amdahl share of its parameters (`tp_divisor`): most expert parameters are
+# idle for a given token (top-k of E), so the parameter share (3% sharded for Qwen3-235B-A22B's
+# layer) misstates the time share (about half of the layer's FLOPs is attention, which tp divides).
+# With ep > 1 and tp > 1 each tp rank sends only its 1/tp of the tokens to the experts (Megatron-LM
+# `--expert-tensor-parallel-size 1`, the Megatron-Core MoE README's "MoE parallel folding"), so the
+# expert GEMMs, the all-to-all buffers and the experts' FLOPs all divide by tp
+# (`ParallelConfig.expert_token_split`), and without sequence parallelism a tp all-gather puts the
+# outputs back together (`expert_output_gather_times_s`). Capacity routing computes its capacity
+# (the profile's expert GEMMs are (experts, capacity, ...)); dropless routing computes the routed
+# tokens, whose count the profile records the same way (the traced groups' sizes).
+
+
+def _expert_flops(block: Block, f: float, recomputed: bool) -> float:
+    """FLOPs of a block's expert operators for one micro-batch at batch factor f, the forward twice
+    when it is recomputed."""
+    out = 0.0
+    for op in block.ops:
+        if op.tp == "expert":
+            out += op.count * op.flops * f * (2.0 if recomputed and op.phase == "fwd" else 1.0)
+    return out
 
 
 def _sharded_but_experts(profile: ModelProfile, index: int) -> bool:
@@ -292,18 +316,45 @@ def expert_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: Parall
     ep group is ep dp replicas of tp ranks each ([Note: rank layout] in plan.py): with tp > 1 it
     reaches across nodes as soon as tp * ep exceeds a node.
 
-    Every tp rank exchanges the whole micro-batch's tokens: autoplan's runtime (runtime/experts.py)
-    keeps the experts whole on each tp rank, whose MoE input is the whole hidden state, and runs one
-    ep group per tp index (`cfg.rank(0, d, t)`); Megatron-Core's dispatcher under sequence
-    parallelism sends 1/tp of them from each tp rank instead. The exchanges are not overlapped with
+    With tp > 1 the group is one per tp index (`cfg.rank(0, d, 0)`, tp apart) and, under expert tp 1,
+    each tp rank sends only its 1/tp of the tokens (`ParallelConfig.expert_token_split`; Megatron-Core
+    MoE README, "MoE parallel folding", ETP 1), so a rank's buffer is the block's dispatched bytes
+    over tp; without ep every tp rank keeps every token. The exchanges are not overlapped with
     compute (torchtitan and Megatron-LM's default dispatchers wait for them). Zero for blocks
     without experts."""
     experts = profile.extra.get("experts") or {}
     sent = np.asarray(experts.get("block_dispatch_bytes") or [0] * profile.num_blocks, dtype=float)
     if cfg.ep == 1 or not sent.any():
         return np.zeros(profile.num_blocks)
-    ranks = [cfg.rank(0, d, 0) for d in range(cfg.ep)]
-    return 2 * _priced_once(sent * _scale(profile, cfg), lambda n: all_to_all_time_s(cluster, ranks, n))
+    ranks = expert_group_ranks(cfg)
+    return 2 * _priced_once(sent * _scale(profile, cfg) / cfg.expert_token_split,
+                            lambda n: all_to_all_time_s(cluster, ranks, n))
+
+
+def expert_group_ranks(cfg: ParallelConfig) -> list[int]:
+    """The global ranks of the first expert-parallel group: ep consecutive dp replicas at tp index 0
+    of the first pipeline rank ([Note: rank layout] in plan.py). With tp > 1 they are tp apart, so
+    the group spans tp * ep ranks and leaves a node once that exceeds it."""
+    return [cfg.rank(0, d, 0) for d in range(cfg.ep)]
+
+
+def expert_output_gather_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> np.ndarray:
+    """Per block with experts, seconds of the tp all-gather that puts back together the expert
+    outputs the tp ranks computed for their 1/tp of the tokens (expert tp 1, `expert_token_split`),
+    in one pass of one micro-batch: the layer's hidden state (the bytes crossing the cut after the
+    block, or before it for the last block), over the tp group in the node (a ring all-gather,
+    Thakur et al. 2005; the backward reduce-scatters its gradient, Megatron-LM
+    `gather_from_sequence_parallel_region`, the same volume). None under sequence parallelism,
+    where the layer's tokens are already split over tp and stay so (Korthikanti et al. 2022, Sec.
+    4.2.2; Megatron-Core's MoE layer takes the sequence-parallel input as it is)."""
+    out = np.zeros(profile.num_blocks)
+    experts = (profile.extra.get("experts") or {}).get("block_dispatch_bytes") or []
+    if cfg.expert_token_split == 1 or cfg.sequence_parallel or not any(experts) or not profile.cuts:
+        return out
+    hidden = np.array([profile.cuts[min(i, len(profile.cuts) - 1)].num_bytes if i < len(experts) and experts[i]
+                       else 0.0 for i in range(profile.num_blocks)])
+    tp_ranks = list(range(cfg.tp))
+    return _priced_once(hidden * _scale(profile, cfg), lambda n: allgather_time_s(cluster, tp_ranks, n))
 
 
 def all_to_all_time_s(cluster: Cluster, ranks: list[int], num_bytes: float) -> float:
