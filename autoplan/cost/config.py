@@ -57,10 +57,18 @@ class ParallelConfig:
 
     @property
     def expert_dp(self) -> int:
-        """Replicas that hold the same experts (the expert-data-parallel group): dp / ep. Expert
-        gradients are reduced, and with zero >= 1 expert optimizer state sharded, over it
-        (Megatron-Core MoE README, "expert data parallelism")."""
-        return self.dp // self.ep
+        """Ranks that hold the same experts (the expert-data-parallel group), over which expert
+        gradients are reduced and, with zero 1, expert optimizer state is sharded: the dp / ep
+        replicas holding them, times the tp ranks when those split the experts' tokens
+        (`expert_token_split`: each computes a different part of the same experts' gradient).
+        Megatron-Core's expert-data-parallel size, tp * dp / (ep * expert tp) (Megatron-Core MoE
+        README, "MoE parallel folding")."""
+        return self.dp // self.ep * self.expert_token_split
+
+    def expert_dp_ranks(self, pp_index: int) -> list[int]:
+        """The global ranks of the first expert-data-parallel group of pipeline rank `pp_index`:
+        every ep-th dp replica, at every tp index that splits the experts' tokens."""
+        return [self.rank(pp_index, d, t) for d in range(0, self.dp, self.ep) for t in range(self.expert_token_split)]
 
     @property
     def num_gpus(self) -> int:

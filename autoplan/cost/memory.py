@@ -120,7 +120,7 @@ from autoplan.graph.blocks import Block, ModelProfile
 from autoplan.plan import MemoryBreakdown
 
 __all__ = ["ALLOWANCE_FIXED_BYTES", "ALLOWANCE_FRACTION", "BYTES_PER_PARAM", "MIN_BYTES_PER_PARAM",
-           "allowance_bytes", "block_act_bytes", "block_static_bytes", "expert_shard_surplus",
+           "allowance_bytes", "block_act_bytes", "block_static_bytes", "expert_shard_surplus", "surplus_bytes_per_param",
            "fsdp_transient_bytes", "fused_norm_surplus", "gathered_bytes_per_param", "head_backward_bytes",
            "held_params", "param_counts", "persistent_bytes_per_param", "rank_memory",
            "reduction_buffer_bytes", "stage_is_one_unit"]
@@ -255,14 +255,32 @@ def expert_params(profile: ModelProfile) -> list[int]:
 
 
 def expert_shard_surplus(profile: ModelProfile, cfg: ParallelConfig, ranges: Sequence[tuple[int, int]]) -> float:
-    """Parameters one GPU keeps sharded beyond its 1/dp_shard share under FSDP with expert
-    parallelism: a GPU's 1/ep of the experts is sharded over the dp / ep replicas holding the same
-    experts, not over dp (runtime/fsdp.py), so it keeps ep times the share of its experts. 0 without
-    ep or FSDP."""
-    if cfg.zero < 2 or cfg.ep == 1:
+    """Parameters one GPU keeps sharded beyond its 1/dp_shard (zero 1: 1/dp) share under ZeRO with
+    expert parallelism: a GPU's 1/ep of the experts is sharded over the ranks holding the same
+    experts, not over dp: under FSDP the dp / ep replicas (runtime/fsdp.py); with zero 1 the
+    expert-data-parallel group (`ParallelConfig.expert_dp`: Megatron-LM's distributed optimizer
+    builds a second optimizer over the expert parameters on that group, megatron/core/optimizer
+    `get_megatron_optimizer`). So it keeps dp / group times the share of its experts (negative when
+    the group is larger than dp). What of a parameter that sharding covers:
+    `surplus_bytes_per_param`. 0 without ep or ZeRO."""
+    if cfg.zero < 1 or cfg.ep == 1:
         return 0.0
     experts = expert_params(profile)
-    return sum(sum(experts[a:b]) for a, b in ranges) / cfg.ep * (cfg.ep - 1)
+    held = sum(sum(experts[a:b]) for a, b in ranges) / cfg.ep
+    shards, group = (cfg.dp, cfg.expert_dp) if cfg.zero == 1 else (cfg.dp_shard, cfg.dp_shard // cfg.ep)
+    return held * (shards / max(group, 1) - 1)
+
+
+def surplus_bytes_per_param(dtype: str, cfg: ParallelConfig) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) bytes per parameter of `expert_shard_surplus`: what
+    the ZeRO level shards of a parameter ([Note: bytes per parameter]): all of it under FSDP; with
+    zero 1 the optimizer state and, in bf16, the fp32 master (the working weight and the gradient
+    stay whole on every replica)."""
+    weights, grads, optim = persistent_bytes_per_param(dtype, cfg.zero, cfg.dp, cfg.dp_replicate, cfg.tp)
+    if cfg.zero == 1:
+        whole_weights = BYTES_PER_PARAM(dtype)[0] if _fp32(dtype) else 2.0
+        return weights - whole_weights, 0.0, optim
+    return weights, grads, optim
 
 
 def _tied_copies(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
@@ -298,9 +316,9 @@ def block_static_bytes(profile: ModelProfile, cfg: ParallelConfig, dtype: str) -
     if cfg.num_stages == 1:
         params = params - _tied_copies(profile, cfg)
     out = params * per_param
-    if cfg.zero >= 2 and cfg.ep > 1:
+    if cfg.zero >= 1 and cfg.ep > 1:
         out = out + np.array([expert_shard_surplus(profile, cfg, [(i, i + 1)]) for i in range(profile.num_blocks)]) \
-            * (weights + grads + optim)
+            * sum(surplus_bytes_per_param(dtype, cfg))
     return out
 
 
@@ -433,7 +451,8 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
     acts = block_act_bytes(profile, cfg, cpu) if acts is None else acts
     f = cfg.batch_share(profile.batch_size)
     num_params = held_params(profile, cfg, stage_ranges, params)
-    sharded_params = num_params + expert_shard_surplus(profile, cfg, stage_ranges)
+    surplus = expert_shard_surplus(profile, cfg, stage_ranges)
+    surplus_w, surplus_g, surplus_o = surplus_bytes_per_param(dtype, cfg)
     stage_acts = np.array([acts[a:b].sum() for a, b in stage_ranges])
     if held is not None:
         activations = float(np.max(np.asarray(held, dtype=float) @ stage_acts))
@@ -446,9 +465,9 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
     gathered = (num_params * _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp, one_unit)
                 + fsdp_transient_bytes(dtype, cfg.zero, cfg.pp, params[blocks], one_unit))
     return MemoryBreakdown(
-        weights_bytes=sharded_params * weights_b,
-        grads_bytes=sharded_params * grads_b,
-        optimizer_bytes=sharded_params * optim_b,
+        weights_bytes=num_params * weights_b + surplus * surplus_w,
+        grads_bytes=num_params * grads_b + surplus * surplus_g,
+        optimizer_bytes=num_params * optim_b + surplus * surplus_o,
         gathered_bytes=float(gathered),
         activations_bytes=float(activations),
         buffers_bytes=float(recv + _working_bytes(profile, cfg, blocks, acts, cpu)

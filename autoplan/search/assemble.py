@@ -14,7 +14,7 @@ import numpy as np
 
 from autoplan.cost.comm import dp_reduction_exposed_s
 from autoplan.cost.config import ParallelConfig
-from autoplan.cost.memory import BYTES_PER_PARAM, expert_shard_surplus, held_params, rank_memory
+from autoplan.cost.memory import BYTES_PER_PARAM, expert_params, expert_shard_surplus, held_params, rank_memory
 from autoplan.cost.sharing import simulate_shared_cores
 from autoplan.cost.time import (
     BlockTimes,
@@ -100,8 +100,20 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
             # cost/comm.py; PyTorch DDP, Li et al. 2020, Sec. 3.2.3): only what runs past it is exposed.
             dp_ranks = [cfg.rank(p, d, 0) for d in range(cfg.dp)]
             cal = ctx.calibration(pp_gpus[p])
-            exposed = dp_reduction_exposed_s(cluster, dp_ranks, rank_params * grad_b, bwd_s[mine[0]],
+            # With ep the experts' gradients are reduced over the ranks holding the same experts
+            # (`ParallelConfig.expert_dp`: the expert-data-parallel group, Megatron-Core MoE README;
+            # runtime/partitioned.py `reduce_expert_grads`), the rest over dp; each stream becomes
+            # ready over its share of the backward.
+            experts = sum(float(np.sum(expert_params(profile)[a:b])) for a, b in (ranges[k] for k in mine)) / cfg.ep \
+                if cfg.ep > 1 else 0.0
+            last_bwd = bwd_s[mine[0]]
+            dense_share = 1.0 - experts / rank_params if rank_params > 0 else 1.0
+            exposed = dp_reduction_exposed_s(cluster, dp_ranks, (rank_params - experts) * grad_b, last_bwd * dense_share,
                                              slowdown=cal.overlap_slowdown, overlap=cal.overlap_grad_reduce)
+            if experts > 0:
+                exposed += dp_reduction_exposed_s(cluster, cfg.expert_dp_ranks(p), experts * grad_b,
+                                                  last_bwd * (1.0 - dense_share), slowdown=cal.overlap_slowdown,
+                                                  overlap=cal.overlap_grad_reduce)
         shards = cfg.dp_shard if cfg.zero >= 2 else cfg.dp if cfg.zero == 1 else 1
         opt = optimizer_time_s(pp_gpus[p], (rank_params + expert_shard_surplus(profile, cfg, [ranges[k] for k in mine]))
                                / shards)
