@@ -16,7 +16,7 @@ from autoplan.cluster import get_gpu, p2p_time_s, parse_cluster
 from autoplan.cost.calibration import default_calibration
 from autoplan.cost.config import ParallelConfig
 from autoplan.cost.ops import op_time_s, scaled_op
-from autoplan.cost.time import all_to_all_time_s, block_times, expert_exchange_times_s, op_pass_times
+from autoplan.cost.time import all_to_all_time_s, block_times, expert_exchange_times_s, expert_group_ranks, op_pass_times
 from autoplan.graph.blocks import Op
 from autoplan.graph.operators import Call, OperatorRecorder, merge_batches
 
@@ -147,18 +147,49 @@ def test_the_exchange_takes_each_peer_over_its_own_link():
     assert all_to_all_time_s(cluster, [0], num_bytes) == 0.0
 
 
-def test_each_tp_rank_exchanges_the_whole_micro_batch(profile):
-    """autoplan's runtime keeps the experts whole on each tp rank, whose MoE input is the whole
-    hidden state: each tp rank's ep group exchanges every token (Megatron-Core's dispatcher under
-    sequence parallelism would send 1/tp of them)."""
+def test_each_tp_rank_exchanges_its_share_of_the_tokens(profile):
+    """Under expert tp 1 each tp rank sends only its 1/tp of the micro-batch's tokens to the experts
+    (Megatron-LM's ETP 1), over an ep group of ranks tp apart; without ep every tp rank keeps every
+    token (and exchanges nothing)."""
     cluster = parse_cluster("4x8xH100-80GB")
     base = dict(pp=1, dp=8, micro_batch_size=2, num_microbatches=1, zero=0, schedule="1f1b", recompute="none", ep=4)
     sent = np.asarray(profile.extra["experts"]["block_dispatch_bytes"], dtype=float) * 2 / profile.batch_size
     for tp in (1, 2, 4):
         cfg = ParallelConfig(tp=tp, **base)
-        ranks = [cfg.rank(0, d, 0) for d in range(4)]
-        expected = np.array([2 * all_to_all_time_s(cluster, ranks, s) if s else 0.0 for s in sent])
+        assert cfg.expert_token_split == tp
+        ranks = [tp * d for d in range(4)]
+        assert expert_group_ranks(cfg) == ranks
+        expected = np.array([2 * all_to_all_time_s(cluster, ranks, s / tp) if s else 0.0 for s in sent])
         assert expert_exchange_times_s(profile, cluster, cfg) == pytest.approx(expected)
+    assert ParallelConfig(tp=4, **{**base, "ep": 1}).expert_token_split == 1
+
+
+def test_scaled_op_splits_the_experts_tokens_over_tp_under_expert_tp_1():
+    gemm = Op(kind="gemm", phase="fwd", name="bmm", dtype="bfloat16", count=1, flops=2.0 * 8 * 32 * 64 * 16,
+              bytes=1000.0, fixed_bytes=8 * 16 * 64 * 2.0, shape=(8, 32, 64, 16), batch_axis=1, tp="expert")
+    shape, flops, num_bytes = scaled_op(gemm, 2.0, 2, False, ep=4, expert_split=2)
+    assert shape == (2, 128, 64, 16)  # experts / ep, each for half of the tokens the ep group sends
+    assert flops == gemm.flops
+    assert num_bytes == 1000.0 + gemm.fixed_bytes / 4  # the weights are read whole
+    dense = dataclasses.replace(gemm, tp="sharded", tp_axis=2)
+    assert scaled_op(dense, 2.0, 2, False, ep=4, expert_split=2) == scaled_op(dense, 2.0, 2, False, ep=4)
+
+
+def test_an_ep_by_tp_plan_computes_no_expert_twice_through_suggest():
+    """Through `suggest`: at a fixed global batch, tp 2 x dp 4 gives each GPU the tokens of tp 1 x
+    dp 8, and with expert tp 1 the experts' share too, so the compute per GPU is about the same
+    (tp divides the attention and the experts alike; what is left is the smaller GEMMs' efficiency and
+    the unsharded norms) and each rank's all-to-all carries the same bytes. Before expert tp 1 was
+    priced, every tp rank computed and exchanged every token: 1.67x the compute, 2x the exchange."""
+    spec = ("moe:num_layers=2,hidden_size=4096,num_heads=32,num_kv_heads=8,ffn_hidden_size=4096,vocab_size=512,"
+            "max_seq_len=2048,num_experts=8,experts_per_token=2")
+    common = dict(global_batch=64, seq_len=2048, pp=1, micro_batch_size=4, zero=0, schedule="1f1b",
+                  recompute="none", ep=2, top=1)
+    one, two = (autoplan.suggest(spec, "1x8xH100-80GB", tp=tp, dp=8 // tp, **common)[0] for tp in (1, 2))
+    assert (one.tp, one.ep, two.tp, two.ep, two.expert_tp) == (1, 2, 2, 2, 1)
+    compute = two.predicted.breakdown["compute_s"] / one.predicted.breakdown["compute_s"]
+    assert 1.0 < compute < 1.25
+    assert two.predicted.breakdown["ep_comm_s"] == pytest.approx(one.predicted.breakdown["ep_comm_s"], rel=0.1)
 
 
 def _compute(ep: int, **pins) -> float:
