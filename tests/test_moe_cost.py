@@ -15,8 +15,9 @@ import autoplan
 from autoplan.cluster import get_gpu, p2p_time_s, parse_cluster
 from autoplan.cost.calibration import default_calibration
 from autoplan.cost.config import ParallelConfig
+from autoplan.cost.experts import all_to_all_time_s, expert_exchange_times_s, expert_group_ranks
 from autoplan.cost.ops import op_time_s, scaled_op
-from autoplan.cost.time import all_to_all_time_s, block_times, expert_exchange_times_s, expert_group_ranks, op_pass_times
+from autoplan.cost.time import block_times, op_pass_times
 from autoplan.graph.blocks import Op
 from autoplan.graph.operators import Call, OperatorRecorder, merge_batches
 
@@ -180,7 +181,8 @@ def test_an_ep_by_tp_plan_computes_no_expert_twice_through_suggest():
     dp 8, and with expert tp 1 the experts' share too, so the compute per GPU is about the same
     (tp divides the attention and the experts alike; what is left is the smaller GEMMs' efficiency and
     the unsharded norms) and each rank's all-to-all carries the same bytes. Before expert tp 1 was
-    priced, every tp rank computed and exchanged every token: 1.67x the compute, 2x the exchange."""
+    priced, every tp rank computed and exchanged every token: 1.67x the compute, 2x the exchange
+    (1.4x now, with the outputs' all-gather)."""
     spec = ("moe:num_layers=2,hidden_size=4096,num_heads=32,num_kv_heads=8,ffn_hidden_size=4096,vocab_size=512,"
             "max_seq_len=2048,num_experts=8,experts_per_token=2")
     common = dict(global_batch=64, seq_len=2048, pp=1, micro_batch_size=4, zero=0, schedule="1f1b",
@@ -189,7 +191,9 @@ def test_an_ep_by_tp_plan_computes_no_expert_twice_through_suggest():
     assert (one.tp, one.ep, two.tp, two.ep, two.expert_tp) == (1, 2, 2, 2, 1)
     compute = two.predicted.breakdown["compute_s"] / one.predicted.breakdown["compute_s"]
     assert 1.0 < compute < 1.25
-    assert two.predicted.breakdown["ep_comm_s"] == pytest.approx(one.predicted.breakdown["ep_comm_s"], rel=0.1)
+    # The same all-to-all bytes per rank (`test_each_tp_rank_exchanges_its_share_of_the_tokens`) plus
+    # the tp all-gather of the experts' outputs over NVLink.
+    assert two.predicted.breakdown["ep_comm_s"] < 1.6 * one.predicted.breakdown["ep_comm_s"]
 
 
 def _compute(ep: int, **pins) -> float:

@@ -71,7 +71,7 @@ import numpy as np
 from autoplan.cluster import Cluster, allgather_time_s, allreduce_time_s, reduce_scatter_time_s
 
 __all__ = ["DDP_BUCKET_BYTES", "FSDP_GRAD_BYTES_PER_PARAM", "dp_reduction_exposed_s", "fsdp_groups",
-           "fsdp_unit_times_s", "prefetch_exposed_s"]
+           "fsdp_unit_times_s", "prefetch_exposed_s", "priced_once"]
 
 DDP_BUCKET_BYTES = 25 * 2**20
 """PyTorch DDP's default bucket size, `bucket_cap_mb=25` (Li et al. 2020, Sec. 3.2.3)."""
@@ -170,3 +170,16 @@ def prefetch_exposed_s(compute_s: np.ndarray, ahead_s: np.ndarray | None = None,
         exposed += float(behind[-1])
     return (exposed + float(np.maximum(load - compute, 0.0).sum())
             + slowdown * float(np.minimum(load, compute).sum()))
+
+
+def priced_once(num_bytes: np.ndarray, price) -> np.ndarray:
+    """`price(n)` for every positive entry of `num_bytes` (0 elsewhere), each distinct size priced once
+    (a transformer's layers all move the same bytes)."""
+    priced: dict[float, float] = {}
+    out = np.zeros(len(num_bytes))
+    for i, n in enumerate(num_bytes):
+        if n > 0:
+            if n not in priced:
+                priced[n] = price(float(n))
+            out[i] = priced[n]
+    return out

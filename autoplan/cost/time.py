@@ -20,12 +20,17 @@ import numpy as np
 from autoplan.cluster import GPU, Cluster, allgather_time_s, allreduce_time_s, p2p_time_s
 from autoplan.cluster.devices import dtype_key
 from autoplan.cost.calibration import Calibration, default_calibration
+from autoplan.cost.comm import priced_once
 from autoplan.cost.config import ParallelConfig
+from autoplan.cost.experts import (
+    expert_comm_times_s,
+    expert_flops,
+    sharded_but_experts,
+)
 from autoplan.cost.ops import op_time_s
 from autoplan.graph.blocks import Block, ModelProfile
 
-__all__ = ["BlockTimes", "all_to_all_time_s", "expert_exchange_times_s", "expert_group_ranks",
-           "expert_output_gather_times_s", "block_times", "op_pass_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s",
+__all__ = ["BlockTimes", "block_times", "op_pass_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s",
            "optimizer_time_s", "tied_sync_times_s", "tp_divisor", "tp_sharded"]
 
 # Blocks whose parameters and FLOPs Megatron tensor parallelism shards (Shoeybi et al. 2019, Sec. 3:
@@ -164,9 +169,9 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
         elif b.ops:
             # Operator by operator (cost/ops.py). A block tensor parallelism shards only in part
             # (tp_divisor < tp) is priced whole and divided by its Amdahl share, unless what it leaves
-            # whole is its experts, whose operators say so ([Note: experts on a GPU]).
+            # whole is its experts, whose operators say so (cost/experts.py [Note: experts on a GPU]).
             whole = (cfg.tp > 1 and tp_sharded(b.kind) and shard < cfg.tp * 0.99
-                     and not _sharded_but_experts(profile, i))
+                     and not sharded_but_experts(profile, i))
             op_tp = 1 if whole or not tp_sharded(b.kind) else cfg.tp
             key = (b.fingerprint or i, op_tp)
             if key not in by_fingerprint:
@@ -189,7 +194,7 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
         hw[i] = fwd_flops + bwd_flops + recompute_flops
         if cfg.expert_token_split > 1:
             # The experts' FLOPs a tp rank leaves to its peers under expert tp 1 (`scaled_op`).
-            hw[i] -= _expert_flops(b, f, cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS) \
+            hw[i] -= expert_flops(b, f, cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS) \
                 * (1 - 1 / cfg.expert_token_split)
         if cfg.tp > 1 and b.tp_comm_bytes:
             # Megatron: all-reduces in forward and as many in backward (Shoeybi et al. 2019, Fig. 3);
@@ -206,56 +211,13 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
         tp_bwd += gather * np.array([2.0 if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 1.0
                                      for b in profile.blocks])
     if cfg.ep > 1:
-        exchange = expert_exchange_times_s(profile, cluster, cfg) + expert_output_gather_times_s(profile, cluster, cfg)
+        exchange = expert_comm_times_s(profile, cluster, cfg)
         tp_fwd += exchange
-        # Backward sends the gradients of both exchanges back (and reduce-scatters the gathered
-        # outputs' gradient); full recompute repeats the forward's.
+        # Backward sends the gradients of both exchanges back (and gathers the tokens' gradients
+        # over tp); full recompute repeats the forward's.
         tp_bwd += exchange * np.array([2.0 if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 1.0
                                        for b in profile.blocks])
     return BlockTimes(fwd, bwd, tp_fwd, tp_bwd, hw)
-
-
-# [Note: experts on a GPU]
-# autoplan's runtime splits a mixture-of-experts layer's experts over ep data-parallel replicas
-# (runtime/experts.py) and leaves each expert whole on the rank that holds it (expert tp 1;
-# graph/sharding.py finds no Megatron pattern in stacked expert weights; cost/memory.py
-# `param_counts`), while tp shards the layer's attention. The recorded operators of the experts say
-# so (`tp = "expert"`, [Note: expert operators] in graph/operators.py): `scaled_op` keeps them whole
-# under tp and divides their weights' bytes by ep. Such a layer is priced operator by operator at
-# tp, not whole over an Amdahl share of its parameters (`tp_divisor`): most expert parameters are
-# idle for a given token (top-k of E), so the parameter share (3% sharded for Qwen3-235B-A22B's
-# layer) misstates the time share (about half of the layer's FLOPs is attention, which tp divides).
-# With ep > 1 and tp > 1 each tp rank sends only its 1/tp of the tokens to the experts (Megatron-LM
-# `--expert-tensor-parallel-size 1`, the Megatron-Core MoE README's "MoE parallel folding"), so the
-# expert GEMMs, the all-to-all buffers and the experts' FLOPs all divide by tp
-# (`ParallelConfig.expert_token_split`), and without sequence parallelism a tp all-gather puts the
-# outputs back together (`expert_output_gather_times_s`). Capacity routing computes its capacity
-# (the profile's expert GEMMs are (experts, capacity, ...)); dropless routing computes the routed
-# tokens, whose count the profile records the same way (the traced groups' sizes).
-
-
-def _expert_flops(block: Block, f: float, recomputed: bool) -> float:
-    """FLOPs of a block's expert operators for one micro-batch at batch factor f, the forward twice
-    when it is recomputed."""
-    out = 0.0
-    for op in block.ops:
-        if op.tp == "expert":
-            out += op.count * op.flops * f * (2.0 if recomputed and op.phase == "fwd" else 1.0)
-    return out
-
-
-def _sharded_but_experts(profile: ModelProfile, index: int) -> bool:
-    """Whether block `index` has expert operators and tp shards all of its parameters but its
-    experts' (the layout's sharded share over the parameters outside the experts, at least 95%: the router and the norms stay whole)."""
-    block = profile.blocks[index]
-    if not any(op.tp == "expert" for op in block.ops):
-        return False
-    experts = (profile.extra.get("experts") or {}).get("block_params") or []
-    shares = (profile.extra.get("tensor_parallel") or {}).get("block_sharded_share")
-    if index >= len(experts) or not shares or index >= len(shares) or not block.num_params:
-        return False
-    rest = block.num_params - experts[index]
-    return rest > 0 and shares[index] * block.num_params >= 0.95 * rest
 
 
 def gathered_kv_bytes(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
@@ -287,93 +249,7 @@ def kv_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelCo
     `allgather_time_s`). Not overlapped with compute (Llama 3 notes the all-gather is exposed but
     small beside long-context attention). The cp group is cp consecutive dp ranks."""
     ranks = [cfg.rank(0, d, 0) for d in range(cfg.cp)]
-    return _priced_once(gathered_kv_bytes(profile, cfg), lambda n: allgather_time_s(cluster, ranks, n))
-
-
-def _priced_once(num_bytes: np.ndarray, price) -> np.ndarray:
-    """`price(n)` for every positive entry of `num_bytes` (0 elsewhere), each distinct size priced once
-    (a transformer's layers all move the same bytes)."""
-    priced: dict[float, float] = {}
-    out = np.zeros(len(num_bytes))
-    for i, n in enumerate(num_bytes):
-        if n > 0:
-            if n not in priced:
-                priced[n] = price(float(n))
-            out[i] = priced[n]
-    return out
-
-
-def expert_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> np.ndarray:
-    """Per block, seconds of expert parallelism's two all-to-alls in one pass of one micro-batch:
-    dispatch (tokens to the ranks holding their experts) and combine (results back), each of the
-    bytes the block's experts receive (`extra["experts"]`). In an all-to-all over n ranks each
-    rank sends 1/n of its buffer to each peer (Thakur et al. 2005, Sec. 2; GShard,
-    arXiv:2006.16668, Sec. 3.2, prices MoE dispatch the same way), all pairs at once (NCCL's
-    all-to-all is one group of sends and receives): a rank's peers in its node take theirs over
-    NVLink while those in other nodes take theirs over its network rail, so a rank's time is the
-    slower of (peers in its node) / n of its buffer as one NVLink message and (peers elsewhere) / n
-    as one network message (one latency per peer), and the exchange waits for its slowest rank. The
-    ep group is ep dp replicas of tp ranks each ([Note: rank layout] in plan.py): with tp > 1 it
-    reaches across nodes as soon as tp * ep exceeds a node.
-
-    With tp > 1 the group is one per tp index (`cfg.rank(0, d, 0)`, tp apart) and, under expert tp 1,
-    each tp rank sends only its 1/tp of the tokens (`ParallelConfig.expert_token_split`; Megatron-Core
-    MoE README, "MoE parallel folding", ETP 1), so a rank's buffer is the block's dispatched bytes
-    over tp; without ep every tp rank keeps every token. The exchanges are not overlapped with
-    compute (torchtitan and Megatron-LM's default dispatchers wait for them). Zero for blocks
-    without experts."""
-    experts = profile.extra.get("experts") or {}
-    sent = np.asarray(experts.get("block_dispatch_bytes") or [0] * profile.num_blocks, dtype=float)
-    if cfg.ep == 1 or not sent.any():
-        return np.zeros(profile.num_blocks)
-    ranks = expert_group_ranks(cfg)
-    return 2 * _priced_once(sent * _scale(profile, cfg) / cfg.expert_token_split,
-                            lambda n: all_to_all_time_s(cluster, ranks, n))
-
-
-def expert_group_ranks(cfg: ParallelConfig) -> list[int]:
-    """The global ranks of the first expert-parallel group: ep consecutive dp replicas at tp index 0
-    of the first pipeline rank ([Note: rank layout] in plan.py). With tp > 1 they are tp apart, so
-    the group spans tp * ep ranks and leaves a node once that exceeds it."""
-    return [cfg.rank(0, d, 0) for d in range(cfg.ep)]
-
-
-def expert_output_gather_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> np.ndarray:
-    """Per block with experts, seconds of the tp all-gather that puts back together the expert
-    outputs the tp ranks computed for their 1/tp of the tokens (expert tp 1, `expert_token_split`),
-    in one pass of one micro-batch: the layer's hidden state (the bytes crossing the cut after the
-    block, or before it for the last block), over the tp group in the node (a ring all-gather,
-    Thakur et al. 2005; the backward reduce-scatters its gradient, Megatron-LM
-    `gather_from_sequence_parallel_region`, the same volume). None under sequence parallelism,
-    where the layer's tokens are already split over tp and stay so (Korthikanti et al. 2022, Sec.
-    4.2.2; Megatron-Core's MoE layer takes the sequence-parallel input as it is)."""
-    out = np.zeros(profile.num_blocks)
-    experts = (profile.extra.get("experts") or {}).get("block_dispatch_bytes") or []
-    if cfg.expert_token_split == 1 or cfg.sequence_parallel or not any(experts) or not profile.cuts:
-        return out
-    hidden = np.array([profile.cuts[min(i, len(profile.cuts) - 1)].num_bytes if i < len(experts) and experts[i]
-                       else 0.0 for i in range(profile.num_blocks)])
-    tp_ranks = list(range(cfg.tp))
-    return _priced_once(hidden * _scale(profile, cfg), lambda n: allgather_time_s(cluster, tp_ranks, n))
-
-
-def all_to_all_time_s(cluster: Cluster, ranks: list[int], num_bytes: float) -> float:
-    """One all-to-all over `ranks`, each rank sending 1/n of its `num_bytes` buffer to each of the
-    n - 1 others, every pair at once: the slowest rank's slower link class, its messages on one link
-    priced as one (`p2p_time_s`, measured curves included) plus a latency per further peer (see
-    `expert_exchange_times_s`)."""
-    n = len(ranks)
-    worst = 0.0
-    for r in ranks:
-        node = r // cluster.gpus_per_node
-        near = [q for q in ranks if q != r and q // cluster.gpus_per_node == node]
-        far = [q for q in ranks if q // cluster.gpus_per_node != node]
-        for peers in (near, far):
-            if peers:
-                link = cluster.link(r, peers[0])
-                seconds = p2p_time_s(cluster, r, peers[0], num_bytes * len(peers) / n) + (len(peers) - 1) * link.latency_s
-                worst = max(worst, seconds)
-    return worst
+    return priced_once(gathered_kv_bytes(profile, cfg), lambda n: allgather_time_s(cluster, ranks, n))
 
 
 def cut_transfer_time_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig, cut_index: int,

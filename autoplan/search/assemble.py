@@ -14,13 +14,19 @@ import numpy as np
 
 from autoplan.cost.comm import dp_reduction_exposed_s
 from autoplan.cost.config import ParallelConfig
-from autoplan.cost.memory import BYTES_PER_PARAM, expert_params, expert_shard_surplus, held_params, rank_memory
+from autoplan.cost.experts import expert_comm_times_s
+from autoplan.cost.memory import (
+    BYTES_PER_PARAM,
+    expert_params,
+    expert_shard_surplus,
+    held_params,
+    rank_memory,
+)
 from autoplan.cost.sharing import simulate_shared_cores
 from autoplan.cost.time import (
     BlockTimes,
     cpu_sharing,
     cut_transfer_time_s,
-    expert_exchange_times_s,
     kv_exchange_times_s,
     optimizer_time_s,
     tied_sync_times_s,
@@ -181,8 +187,8 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
     tp_total = sum(float((stage_times[k].tp_fwd_s + stage_times[k].tp_bwd_s)[ranges[k][0]:ranges[k][1]].sum())
                    for k in range(num_stages)) * cfg.num_microbatches / cfg.pp
     ep_total = 0.0
-    if cfg.ep > 1:  # the experts' all-to-alls, folded into the tp arrays by `block_times`
-        exchange = expert_exchange_times_s(profile, ctx.cluster, cfg)
+    if cfg.ep > 1:  # the experts' all-to-alls (and tp all-gather), folded into the tp arrays by `block_times`
+        exchange = expert_comm_times_s(profile, ctx.cluster, cfg)
         passes = [1.0 + (2.0 if cfg.recompute == "full" else 1.0)] * num_stages
         ep_total = sum(float(exchange[a:b].sum()) * passes[k] for k, (a, b) in enumerate(ranges)) \
             * cfg.num_microbatches / cfg.pp
