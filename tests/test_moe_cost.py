@@ -214,3 +214,15 @@ def test_expert_weight_traffic_divides_by_ep_through_suggest():
     assert (times[2] - times[4]) / (times[4] - times[8]) == pytest.approx(2.0, rel=0.05)
     # Most of the layer's time is the experts' weights: ep 8 saves 7/8 of them.
     assert times[8] < 0.6 * times[1]
+
+
+def test_suggest_says_the_expert_layout_and_the_links_its_all_to_all_crosses(profile):
+    """`suggest`'s note on expert parallelism (what `--explain` and the CLI print): expert tp 1 with the
+    tokens split over tp, the ep group's ranks (tp apart) and the links they cross: at tp 2 x ep 8 on
+    nodes of 8 the group spans two nodes, 3 peers over NVLink and 4 over the network per rank."""
+    plan = autoplan.suggest(SPEC, "2x8xH100-80GB", global_batch=64, seq_len=1024, tp=2, ep=8, pp=1, zero=0,
+                            top=1)[0]
+    (note,) = [n for n in plan.notes if n.startswith("ep 8")]
+    assert "for 1/2 of the tokens of 8 replicas" in note
+    assert ("expert tp 1, tokens split over tp 2: all-to-all over ranks 0, 2, ..., 14 (2 nodes: 3 peers over NVLink, "
+            "4 over the network); expert gradients over 2 ranks holding the same experts") in note

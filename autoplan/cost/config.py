@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.plan import layout_rank
+from autoplan.plan import Plan, layout_rank
 
 __all__ = ["ParallelConfig"]
 
@@ -69,6 +69,15 @@ class ParallelConfig:
         """The global ranks of the first expert-data-parallel group of pipeline rank `pp_index`:
         every ep-th dp replica, at every tp index that splits the experts' tokens."""
         return [self.rank(pp_index, d, t) for d in range(0, self.dp, self.ep) for t in range(self.expert_token_split)]
+
+    @classmethod
+    def of_plan(cls, plan: Plan) -> ParallelConfig:
+        """The point of the search space a plan was made at."""
+        return cls(tp=plan.tp, pp=plan.pp, dp=plan.dp, micro_batch_size=plan.micro_batch_size,
+                   num_microbatches=plan.num_microbatches, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
+                   recompute=plan.recompute, zero=plan.zero, dp_replicate=plan.dp_replicate,
+                   sequence_parallel=plan.sequence_parallel, rank_order=plan.rank_order, cp=plan.cp, ep=plan.ep,
+                   expert_tp=plan.expert_tp)
 
     @property
     def num_gpus(self) -> int:

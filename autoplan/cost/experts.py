@@ -169,8 +169,9 @@ class ExpertLinks:
     """Ranks holding the same experts (`ParallelConfig.expert_dp`)."""
 
     def describe(self) -> str:
-        """One line: `ep 8 (expert tp 1, tokens split over tp 2): all-to-all over ranks 0, 2, ..., 14
-        (2 nodes: 3 peers over NVLink, 4 over the network)`."""
+        """One line: `expert tp 1, tokens split over tp 2: all-to-all over ranks 0, 2, ..., 14 (2 nodes:
+        3 peers over NVLink, 4 over the network); expert gradients over 4 ranks holding the same
+        experts`."""
         ranks = self.group_ranks
         shown = ", ".join(map(str, ranks)) if len(ranks) <= 4 else f"{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}"
         split = f", tokens split over tp {self.token_split}" if self.token_split > 1 else ""
@@ -178,7 +179,7 @@ class ExpertLinks:
         if self.network_peers:
             links.append(f"{self.network_peers} over the network")
         where = f"{self.nodes} node{'s' if self.nodes > 1 else ''}"
-        return (f"ep {self.ep} (expert tp {self.expert_tp}{split}): all-to-all over ranks {shown} ({where}: "
+        return (f"expert tp {self.expert_tp}{split}: all-to-all over ranks {shown} ({where}: "
                 f"{', '.join(links)}); expert gradients over {self.expert_dp} rank{'s' if self.expert_dp > 1 else ''} "
                 "holding the same experts")
 

@@ -62,6 +62,7 @@ import numpy as np
 from autoplan.cluster import Cluster
 from autoplan.cost.calibration import Calibrations
 from autoplan.cost.config import ParallelConfig
+from autoplan.cost.experts import expert_links
 from autoplan.cost.memory import allowance_bytes, block_static_bytes
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import RECOMPUTE, Job, Plan
@@ -537,11 +538,16 @@ def _expert_note(ctx: SearchContext, chosen: Plan, best_by_ep: dict[bool, Plan],
     experts = ctx.profile.extra["experts"]
     if chosen.ep > 1:
         exchange = chosen.predicted.breakdown.get("ep_comm_s", 0.0)
+        cfg = ParallelConfig.of_plan(chosen)
+        share = f"1/{cfg.expert_token_split} of " if cfg.expert_token_split > 1 else ""
         parts = [f"ep {chosen.ep}{' (pinned)' if 'ep' in pins else ''}: each GPU computes 1/{chosen.ep} of the "
-                 f"{experts['num_experts']} experts of its layers for the tokens of {chosen.ep} replicas, "
-                 f"for {_fmt_ms(exchange)} of all-to-all per step ({exchange / chosen.predicted.step_time_s:.0%})"]
+                 f"{experts['num_experts']} experts of its layers for {share}the tokens of {chosen.ep} replicas, "
+                 f"for {_fmt_ms(exchange)} of expert communication per step "
+                 f"({exchange / chosen.predicted.step_time_s:.0%})", expert_links(ctx.cluster, cfg).describe()]
         if chosen.zero >= 2:
             parts.append(f"FSDP shards those experts over the {chosen.dp // chosen.ep} replicas holding the same ones")
+        elif chosen.zero == 1:
+            parts.append(f"zero 1 shards their optimizer state over the {cfg.expert_dp} ranks holding the same ones")
         else:
             total = sum(experts["block_params"]) * (1 - 1 / chosen.ep) / chosen.pp
             parts.append(f"about {total / 1e9:.2f}B fewer parameters per GPU than without ep (zero 0)")
