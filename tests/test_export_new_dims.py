@@ -1,7 +1,8 @@
 """Context and expert parallelism in the exports: torchtitan and Megatron-LM state cp (their own
 context-parallel degree, data parallelism counted without it); DeepSpeed's config cannot and refuses;
-mixture-of-experts plans are refused where the target has no such model, ep listed as a difference
-where it exports any model. The `export` tests parse the torchtitan file with torchtitan itself."""
+Megatron-LM writes the zoo's mixture of experts and the expert layout (ep, expert tp 1, the
+all-to-all dispatcher); torchtitan, which has no such model, refuses it; DeepSpeed lists ep as a
+difference. The `export` tests parse the files with torchtitan and megatron-core themselves."""
 
 from __future__ import annotations
 
@@ -69,19 +70,91 @@ def moe_plan():
 
 
 def test_moe_plans():
+    """torchtitan refuses the zoo's mixture of experts (it has no such model definition) and names the
+    targets that write it; Megatron-LM writes it (its MoE layer), DeepSpeed with ep as a difference."""
     plan = moe_plan()
-    for target in ("torchtitan", "megatron"):
-        with pytest.raises(ExportError) as refused:
-            export_plan(plan, target, allow_approx=True)
-        # issue 29: each refusal once advised the other, which refuses a mixture of experts too
-        message = str(refused.value)
-        assert "(a mixture of experts)" in message and "\n" not in message
-        assert "--to deepspeed --allow-approx (it differs: ep 2:" in message
-        assert "--to megatron" not in message and "--to torchtitan" not in message
+    with pytest.raises(ExportError) as refused:
+        export_plan(plan, "torchtitan", allow_approx=True)
+    message = str(refused.value)
+    assert "(a mixture of experts)" in message and "\n" not in message
+    assert "--to megatron" in message and "--to torchtitan" not in message
     export = export_plan(plan, "deepspeed", allow_approx=True)
     assert any(d.startswith("ep 2: DeepSpeed splits experts only inside its own deepspeed.moe") for d in
                export.differences)
     assert "(ep 2)" in export.text
+
+
+@functools.cache
+def moe_tp_plan():
+    """tp 2 x ep 8 on 2 nodes of 8 H100s: the plan's ep group (8 dp replicas at one tp index) spans both
+    nodes, Megatron's folded one (8 consecutive ranks) one."""
+    return autoplan.suggest(MOE.replace("num_experts=4", "num_experts=8"), "2x8xH100-80GB", global_batch=64,
+                            seq_len=32, tp=2, ep=8, pp=1, micro_batch_size=1, zero=0, top=1)[0]
+
+
+def test_megatron_writes_the_expert_layout_and_the_experts(tmp_path):
+    """Megatron-LM's flags (read back by bash, parsed with the recorded core_v0.16.1 flags): ep and
+    expert tp 1, the all-to-all dispatcher, the experts and their router as the zoo builds them,
+    capacity routing as a capacity factor; the fold of Megatron's expert groups named as a difference."""
+    plan = moe_tp_plan()
+    assert (plan.tp, plan.dp, plan.ep, plan.expert_tp) == (2, 8, 8, 1)
+    export = export_plan(plan, "megatron", allow_approx=True)
+    ns = parse_megatron(_sourced_args(export.text, tmp_path))
+    assert (ns.expert_model_parallel_size, ns.expert_tensor_parallel_size) == (8, 1)
+    assert (ns.num_experts, ns.moe_ffn_hidden_size, ns.moe_router_topk) == (8, 96, 2)
+    assert ns.moe_token_dispatcher_type == "alltoall" and ns.moe_grouped_gemm
+    assert not ns.moe_router_pre_softmax  # top-k then softmax over the k: the zoo's renormalised top-k
+    assert (ns.moe_router_load_balancing_type, ns.moe_aux_loss_coeff) == (["aux_loss"], [0.01])
+    assert (ns.moe_expert_capacity_factor, ns.moe_token_drop_policy, ns.moe_pad_expert_input_to_capacity) == (
+        1.25, "position", True)
+    assert ns.num_experts % ns.expert_model_parallel_size == 0  # validate_args "moe"
+    (folded,) = [d for d in export.differences if d.startswith("expert groups")]
+    assert "1 node), the plan from 8 dp replicas at one tp index (2 ranks apart, 2 nodes)" in folded
+
+
+def test_megatron_writes_zero1_with_ep_as_the_distributed_optimizer_and_fsdp_with_ep_as_it_too(tmp_path):
+    """ZeRO-1 with ep is Megatron's distributed optimizer (it shards expert state over the expert-data-
+    parallel group, as the plan prices); FSDP2 refuses expert parallelism (validate_args), so a zero 3
+    plan with ep is written as the distributed optimizer and says so."""
+    for zero, fsdp in ((1, False), (3, True)):
+        plan = dataclasses.replace(moe_tp_plan(), zero=zero)
+        export = export_plan(plan, "megatron", allow_approx=True)
+        ns = parse_megatron(_sourced_args(export.text, tmp_path))
+        assert ns.use_distributed_optimizer and not ns.use_torch_fsdp2
+        assert any("expert parallelism" in d for d in export.differences) == fsdp
+
+
+def test_megatron_leaves_the_capacity_out_for_dropless_routing():
+    """Dropless routing computes every routed token: no capacity factor (None: nothing dropped)."""
+    from autoplan.report.export.common import MoEShape
+    from autoplan.report.export.megatron_moe import moe_model_args
+
+    plan = moe_tp_plan()
+    dropless = MoEShape(8, 2, 96, 0, 1.0, True, 0.001, True)
+    flags = [flag for flag, _ in moe_model_args(plan, dropless, [])]
+    assert "--moe-expert-capacity-factor" not in flags and "--moe-pad-expert-input-to-capacity" not in flags
+    assert ("--moe-token-dispatcher-type", "alltoall") in moe_model_args(plan, dropless, [])
+    capacity = dataclasses.replace(dropless, dropless=False)
+    assert ("--moe-expert-capacity-factor", "1.0") in moe_model_args(plan, capacity, [])
+
+
+@pytest.mark.export
+def test_megatron_core_builds_the_moe_config(tmp_path):
+    """megatron-core's own TransformerConfig takes the exported MoE fields (its __post_init__ checks
+    the capacity factor against the load balancing, the padding against the capacity, top-k against
+    the experts), copied by name as core_transformer_config_from_args does (num_experts is its
+    num_moe_experts; validate_args turns one-element lists into values)."""
+    pytest.importorskip("megatron.core")
+    from test_export_megatron import _transformer_config
+
+    ns = parse_megatron(_sourced_args(export_plan(moe_tp_plan(), "megatron", allow_approx=True).text, tmp_path))
+    ns.num_moe_experts = ns.num_experts
+    ns.moe_router_load_balancing_type = ns.moe_router_load_balancing_type[0]
+    ns.moe_aux_loss_coeff = ns.moe_aux_loss_coeff[0]
+    config = _transformer_config(ns)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (8, 2, 96)
+    assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (8, 1)
+    assert config.moe_token_dispatcher_type == "alltoall" and config.moe_expert_capacity_factor == 1.25
 
 
 @pytest.mark.export
@@ -128,15 +201,15 @@ def test_a_refusal_names_only_targets_that_write_the_plan(make):
 
 
 def test_the_cli_refuses_a_moe_plan_naming_the_target_that_writes_it(tmp_path, capsys):
-    """The user's path: `autoplan export moe.json --to megatron` exits 2 with one line that names
-    DeepSpeed (the target that writes a mixture of experts), and that export then succeeds."""
+    """The user's path: `autoplan export moe.json --to torchtitan` exits 2 with one line that names
+    Megatron-LM (a target that writes a mixture of experts), and that export then succeeds."""
     from autoplan.cli import main
 
     path = tmp_path / "moe.json"
     moe_plan().save(path)
-    assert main(["export", str(path), "--to", "megatron", "--out", str(tmp_path / "m.sh")]) == 2
+    assert main(["export", str(path), "--to", "torchtitan", "--out", str(tmp_path / "t.py")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("autoplan: error: Megatron-LM's pretrain_gpt.py builds only")
-    assert "--to deepspeed --allow-approx" in err[0] and not (tmp_path / "m.sh").exists()
-    assert main(["export", str(path), "--to", "deepspeed", "--allow-approx", "--out", str(tmp_path / "d.json")]) == 0
-    assert (tmp_path / "d.json").exists()
+    assert len(err) == 1 and err[0].startswith("autoplan: error: torchtitan has no model for")
+    assert "--to megatron" in err[0] and not (tmp_path / "t.py").exists()
+    assert main(["export", str(path), "--to", "megatron", "--allow-approx", "--out", str(tmp_path / "m.sh")]) == 0
+    assert "--expert-model-parallel-size 2" in (tmp_path / "m.sh").read_text()

@@ -18,11 +18,13 @@ from autoplan.plan import Plan
 __all__ = [
     "Export",
     "ExportError",
+    "MoEShape",
     "TargetRefusal",
     "TransformerShape",
     "plan_summary",
     "model_kind",
     "model_shape",
+    "moe_shape",
     "stage_blocks",
     "stage_layer_counts",
     "stage_layer_ranges",
@@ -178,6 +180,50 @@ def model_shape(plan: Plan) -> TransformerShape | None:
     return TransformerShape("gpt", config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
                             config.ffn_hidden_size, config.vocab_size, config.max_seq_len, config.tie_embeddings,
                             config.norm_eps, preset=preset)
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The mixture-of-experts part of a zoo `moe` model (models/moe.py), beside its Llama decoder's
+    TransformerShape: what a target's MoE layer needs to build the same experts and routing."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_ffn_hidden_size: int
+    """Width of one expert (and of each shared expert)."""
+    num_shared_experts: int
+    capacity_factor: float
+    dropless: bool
+    """Every routed token computed (no capacity, no drops); else capacity routing."""
+    aux_loss_coef: float
+    normalize_top_k: bool
+    """The chosen experts' probabilities rescaled to sum to 1 (softmax, top-k, renormalise)."""
+
+
+def moe_shape(plan: Plan) -> tuple[TransformerShape, MoEShape] | None:
+    """The plan's model as a Llama decoder shape and its experts, for a zoo `moe` spec or preset;
+    None for anything else (`model_shape` covers the dense models)."""
+    from autoplan import models as zoo
+
+    try:
+        spec = zoo.parse_model_spec(plan.model)
+    except zoo.ModelSpecError:
+        return None
+    config = spec.config
+    if not isinstance(config, zoo.MoEConfig):
+        return None
+    shape = TransformerShape("llama", config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+                             config.ffn_hidden_size, config.vocab_size, config.max_seq_len, config.tie_embeddings,
+                             config.norm_eps, rope_theta=config.rope_theta,
+                             preset=spec.name if spec.name in zoo.PRESETS else None,
+                             head_size=config.head_size if config.head_size and config.head_size * config.num_heads
+                             != config.hidden_size else None)
+    # `routing` ("capacity" or "dropless") is read where the model config has it (issue 31).
+    experts = MoEShape(config.num_experts, config.experts_per_token, config.ffn_hidden_size,
+                       config.num_shared_experts, config.capacity_factor,
+                       getattr(config, "routing", "capacity") == "dropless", config.router_aux_loss_coef,
+                       config.normalize_top_k)
+    return shape, experts
 
 
 def _hf_shape(text: str) -> TransformerShape | None:

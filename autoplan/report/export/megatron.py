@@ -30,10 +30,12 @@ from autoplan.report.export.common import (
     TransformerShape,
     model_kind,
     model_shape,
+    moe_shape,
     plan_summary,
     stage_layer_counts,
     stage_lines,
 )
+from autoplan.report.export.megatron_moe import expert_layout_args, moe_model_args
 
 __all__ = ["MEGATRON_VERSION", "pipeline_layout", "write"]
 
@@ -67,19 +69,23 @@ def pipeline_layout(plan: Plan) -> str:
 
 def write(plan: Plan, *, filename: str | None = None) -> Export:
     """The plan as a bash file of Megatron-LM arguments; see the module docstring."""
-    shape = model_shape(plan)
+    shape, moe = model_shape(plan), None
+    if shape is None and (found := moe_shape(plan)) is not None:
+        shape, moe = found
     if shape is None:
         # export_plan completes the message with the targets that do write this plan.
         raise TargetRefusal(
-            f"Megatron-LM's pretrain_gpt.py builds only GPT and Llama-like dense decoders, and autoplan cannot "
-            f"read {plan.model!r} as one ({model_kind(plan)})")
+            f"Megatron-LM's pretrain_gpt.py builds only GPT and Llama-like decoders (dense, or with the zoo's "
+            f"experts), and autoplan cannot read {plan.model!r} as one ({model_kind(plan)})")
     differences: list[str] = []
     notes: list[str] = []
     sections = [
         ("model (the plan's model, as megatron-core's GPTModel builds it)", _model_args(plan, shape, differences)),
+        *([("mixture of experts (megatron-core MoELayer)", moe_model_args(plan, moe, differences))] if moe else []),
         ("vocabulary (tokenizer.py build_tokenizer: --padded-vocab-size is the model's vocabulary)",
          _vocab_args(plan, shape, differences)),
-        ("parallelism and pipeline stages", _parallel_args(plan, differences)),
+        ("parallelism and pipeline stages", _parallel_args(plan, differences)
+         + (expert_layout_args(plan, differences) if moe else [])),
         ("activation recompute", _recompute_args(plan)),
         ("data-parallel sharding", _sharding_args(plan, shape, differences)),
         ("batch and precision", _batch_args(plan, differences)),
@@ -250,6 +256,8 @@ def _sharding_args(plan: Plan, shape: TransformerShape, differences: list[str]) 
     blockers = []
     if plan.pp > 1:
         blockers.append("pipeline parallelism")
+    if plan.ep > 1:
+        blockers.append("expert parallelism")
     if shape.tie_embeddings:
         blockers.append("tied embeddings (it requires --untie-embeddings-and-output-weights)")
     if plan.job.dtype in ("float16", "fp16"):
