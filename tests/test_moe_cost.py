@@ -226,3 +226,12 @@ def test_suggest_says_the_expert_layout_and_the_links_its_all_to_all_crosses(pro
     assert "for 1/2 of the tokens of 8 replicas" in note
     assert ("expert tp 1, tokens split over tp 2: all-to-all over ranks 0, 2, ..., 14 (2 nodes: 3 peers over NVLink, "
             "4 over the network); expert gradients over 2 ranks holding the same experts") in note
+
+
+def test_a_pinned_zero_1_still_searches_expert_parallelism(profile):
+    """ZeRO-1 shards the experts' optimizer state over the ranks holding them (issue 31), so pinning
+    `--zero 1` no longer takes ep out of the search; pinned HSDP still does."""
+    from autoplan.search.configs import _expert_degrees
+
+    assert _expert_degrees(profile, 8, {"zero": 1}) == [1, 2, 4, 8]
+    assert _expert_degrees(profile, 8, {"dp_replicate": 2}) == [1]

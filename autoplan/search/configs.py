@@ -191,10 +191,12 @@ def ep_refusal(profile: ModelProfile, ep: int) -> str | None:
 
 def _expert_degrees(profile: ModelProfile, dp: int, pins: dict) -> list[int]:
     """Expert-parallel degrees a base configuration tries: the pin, else every divisor of dp that
-    divides the experts (1 for a model without experts, or when zero 1 or HSDP is pinned)."""
+    divides the experts (1 for a model without experts, or when HSDP is pinned). A pinned zero 1
+    keeps them: the distributed optimizer shards the experts' state over the replicas holding them
+    (cost/memory.py `expert_shard_surplus`); `_shardings` says which ZeRO levels run with ep."""
     if pins.get("ep"):
         return [pins["ep"]] if dp % pins["ep"] == 0 else []
-    if not profile.extra.get("experts") or pins.get("zero") == 1 or (pins.get("dp_replicate") or 1) > 1:
+    if not profile.extra.get("experts") or (pins.get("dp_replicate") or 1) > 1:
         return [1]
     return [e for e in _divisors(dp) if ep_refusal(profile, e) is None]
 
