@@ -397,9 +397,6 @@ def validate(plan: Plan) -> list[str]:
     if not isinstance(plan.ep, int) or isinstance(plan.ep, bool) or plan.ep < 1 or plan.dp % plan.ep:
         problems.append(f"ep = {plan.ep!r} must be a positive integer dividing dp = {plan.dp} (experts are split "
                         "over data-parallel replicas)")
-    elif plan.ep > 1 and plan.zero == 1:
-        problems.append(f"ep = {plan.ep} cannot run with zero 1 (its optimizer, runtime/optimizer.py, shards over all "
-                        "dp replicas, whose experts differ); re-plan with --zero 0, 2 or 3, or --ep 1")
     elif plan.ep > 1 and plan.dp_replicate > 1:
         problems.append(f"ep = {plan.ep} cannot run with dp_replicate = {plan.dp_replicate} (HSDP); re-plan with "
                         "--dp-replicate 1 or --ep 1")
