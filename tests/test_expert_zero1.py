@@ -63,7 +63,7 @@ def _rank_job(rank: int, world_size: int, plans: dict) -> dict:
         total = {kind: sum(p.numel() for p in pm.parameters() if (id(p) in experts) == kind) for kind in (True, False)}
         out[name] = dict(losses=losses, grads=grads, params=params, held=held, total=total,
                          optimizer=type(optimizer).__name__, ep_index=pm.layout.ep_index,
-                         tp_index=pm.layout.tp_index)
+                         where=(pm.layout.pp_index, pm.layout.tp_index))
     return out
 
 
@@ -135,8 +135,8 @@ def _check(plans: dict) -> None:
         # replicas holding the same experts (one rank: all of its experts' state).
         for r in results.values():
             assert r[name]["optimizer"] == "ZeroOneOptimizer", name
-        for tp_index in range(plan.tp):  # each tp rank's dp group
-            ranks = [r[name] for r in results.values() if r[name]["tp_index"] == tp_index]
+        for where in {r[name]["where"] for r in results.values()}:  # each (pp, tp) coordinate's dp group
+            ranks = [r[name] for r in results.values() if r[name]["where"] == where]
             dense = [r["held"][False] for r in ranks]
             assert sum(dense) == ranks[0]["total"][False] and all(dense), (name, dense)
             for index in range(plan.ep if plan.ep > 1 else 0):
@@ -158,8 +158,10 @@ def test_zero_1_with_ep_2_matches_a_single_process_and_splits_the_expert_state_o
 @pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_zero_1_with_ep_4_and_with_tp_2_match_a_single_process():
-    """ep = dp (each rank owns its experts' whole state) and ep 2 x tp 2 (each tp rank's dp group)."""
-    _check({"ep4-zero1": _plan(tp=1, pp=1, dp=4, ep=4, zero=1), "ep2-tp2-zero1": _plan(tp=2, pp=1, dp=2, ep=2, zero=1)})
+    """ep = dp (each rank owns its experts' whole state), ep 2 x tp 2 (each tp rank's dp group) and
+    ep 2 x pp 2 (each pipeline rank's experts)."""
+    _check({"ep4-zero1": _plan(tp=1, pp=1, dp=4, ep=4, zero=1), "ep2-tp2-zero1": _plan(tp=2, pp=1, dp=2, ep=2, zero=1),
+            "ep2-pp2-zero1": _plan(tp=1, pp=2, dp=2, ep=2, zero=1)})
 
 
 @pytest.mark.multiproc
