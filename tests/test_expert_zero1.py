@@ -164,21 +164,27 @@ def test_zero_1_with_ep_4_and_with_tp_2_match_a_single_process():
             "ep2-pp2-zero1": _plan(tp=1, pp=2, dp=2, ep=2, zero=1)})
 
 
-@pytest.mark.multiproc
-@pytest.mark.extended
-@pytest.mark.timeout(200)
-def test_suggest_then_run_ep_2_zero_1_prints_the_single_process_losses(tmp_path):
+def suggest_and_run(tmp_path, *pins: str) -> dict:
+    """`autoplan suggest ... --out`, then `autoplan run --nproc 4`: the plan, after checking that the
+    printed losses are those of one process."""
     plan_file = tmp_path / "plan.json"
     result = subprocess.run([sys.executable, "-m", "autoplan", "suggest", "--model", SPEC, "--cluster", "1x4xcpu",
                              "--global-batch", str(GLOBAL_BATCH), "--seq-len", str(SEQ), "--dtype", "fp32",
-                             "--micro-batch-size", str(MICRO_BATCH), "--dp", "4", "--ep", "2", "--zero", "1",
-                             "--out", str(plan_file)], capture_output=True, text=True, timeout=120)
+                             "--micro-batch-size", str(MICRO_BATCH), *pins, "--out", str(plan_file)],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    plan = json.loads(plan_file.read_text())
-    assert (plan["ep"], plan["zero"], plan["dp"]) == (2, 1, 4)
-    run = subprocess.run([sys.executable, "-m", "autoplan", "run", str(plan_file), "--nproc", "4", "--steps", str(STEPS),
-                          ], capture_output=True, text=True, timeout=150)
+    run = subprocess.run([sys.executable, "-m", "autoplan", "run", str(plan_file), "--nproc", "4", "--steps", str(STEPS)],
+                         capture_output=True, text=True, timeout=150)
     assert run.returncode == 0, run.stderr[-3000:]
     printed = [float(line.split()[3]) for line in run.stdout.splitlines() if line.startswith("step ")]
     losses, _, _ = _reference(autoplan.Plan.load(plan_file))
     assert printed == pytest.approx(losses, abs=2e-4), (printed, losses)
+    return json.loads(plan_file.read_text())
+
+
+@pytest.mark.multiproc
+@pytest.mark.extended
+@pytest.mark.timeout(200)
+def test_suggest_then_run_ep_2_zero_1_prints_the_single_process_losses(tmp_path):
+    plan = suggest_and_run(tmp_path, "--dp", "4", "--ep", "2", "--zero", "1")
+    assert (plan["ep"], plan["zero"], plan["dp"]) == (2, 1, 4)

@@ -6,14 +6,8 @@ steps), and through `autoplan suggest --sequence-parallel --out` / `autoplan run
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
-from test_expert_zero1 import GLOBAL_BATCH, MICRO_BATCH, SEQ, SPEC, STEPS, _check, _plan, _reference
-
-import autoplan
+from test_expert_zero1 import _check, _plan, suggest_and_run
 
 
 def _sp_plan(**pins):
@@ -41,16 +35,5 @@ def test_moe_sequence_parallelism_with_ep_2_and_across_a_pipeline_cut_matches_a_
 @pytest.mark.extended
 @pytest.mark.timeout(200)
 def test_suggest_then_run_moe_with_sequence_parallelism_prints_the_single_process_losses(tmp_path):
-    plan_file = tmp_path / "plan.json"
-    result = subprocess.run([sys.executable, "-m", "autoplan", "suggest", "--model", SPEC, "--cluster", "1x4xcpu",
-                             "--global-batch", str(GLOBAL_BATCH), "--seq-len", str(SEQ), "--dtype", "fp32",
-                             "--micro-batch-size", str(MICRO_BATCH), "--tp", "2", "--dp", "2", "--ep", "1",
-                             "--sequence-parallel", "--out", str(plan_file)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert json.loads(plan_file.read_text())["sequence_parallel"] is True
-    run = subprocess.run([sys.executable, "-m", "autoplan", "run", str(plan_file), "--nproc", "4", "--steps", str(STEPS)],
-                         capture_output=True, text=True, timeout=150)
-    assert run.returncode == 0, run.stderr[-3000:]
-    printed = [float(line.split()[3]) for line in run.stdout.splitlines() if line.startswith("step ")]
-    losses, _, _ = _reference(autoplan.Plan.load(plan_file))
-    assert printed == pytest.approx(losses, abs=2e-4), (printed, losses)
+    plan = suggest_and_run(tmp_path, "--tp", "2", "--dp", "2", "--ep", "1", "--sequence-parallel")
+    assert plan["sequence_parallel"] is True and plan["tp"] == 2
