@@ -385,7 +385,8 @@ def validate(plan: Plan) -> list[str]:
         problems.append(f"seq_len {plan.job.seq_len} is not divisible by 2 * cp = {2 * plan.cp} (each rank holds two "
                         "chunks of every sequence)")
     if plan.cp > 1 and plan.ep > 1:
-        problems.append(f"cp {plan.cp} with ep {plan.ep} is not supported (experts route whole sequences)")
+        problems.append(f"cp {plan.cp} with ep {plan.ep} is not supported (experts route whole sequences); re-plan "
+                        "with --cp 1 or --ep 1")
     if plan.recompute not in RECOMPUTE:
         problems.append(f"recompute {plan.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if plan.zero not in (0, 1, 2, 3):
@@ -397,9 +398,6 @@ def validate(plan: Plan) -> list[str]:
     if not isinstance(plan.ep, int) or isinstance(plan.ep, bool) or plan.ep < 1 or plan.dp % plan.ep:
         problems.append(f"ep = {plan.ep!r} must be a positive integer dividing dp = {plan.dp} (experts are split "
                         "over data-parallel replicas)")
-    elif plan.ep > 1 and plan.zero == 1:
-        problems.append(f"ep = {plan.ep} cannot run with zero 1 (its optimizer, runtime/optimizer.py, shards over all "
-                        "dp replicas, whose experts differ); re-plan with --zero 0, 2 or 3, or --ep 1")
     elif plan.ep > 1 and plan.dp_replicate > 1:
         problems.append(f"ep = {plan.ep} cannot run with dp_replicate = {plan.dp_replicate} (HSDP); re-plan with "
                         "--dp-replicate 1 or --ep 1")

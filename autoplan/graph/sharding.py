@@ -345,19 +345,20 @@ def _vocab_parallel(flow: Flow, styles: dict[str, str], divides: dict) -> None:
 
 
 def _sp_layers(model: nn.Module, layout: TensorParallelLayout) -> list[str]:
-    """Layers whose direct children are feature norms (LayerNorm / RMSNorm) and the sharded
-    attention and MLP modules, with nothing replicated inside: [Note: sequence parallelism] in
-    runtime/tensor_parallel.py lays those out."""
+    """Layers whose direct children are feature norms (LayerNorm / RMSNorm), a sharded attention,
+    and other units (a sharded MLP, or a block the layout shards only inside or not at all, as a
+    mixture-of-experts block): [Note: sequence parallelism] in runtime/tensor_parallel.py lays those
+    out (`sp_children`)."""
     out = []
-    by_parent = {g.parent: g for g in layout.groups}
+    kind_of = {g.parent: g.kind for g in layout.groups}
     for path, layer in model.named_modules():
-        children = dict(layer.named_children())
         prefix = f"{path}." if path else ""
-        units = [name for name in children if prefix + name in by_parent]
-        kinds = {by_parent[prefix + n].kind for n in units}
-        norms = [name for name, c in children.items() if isinstance(c, (nn.LayerNorm, nn.RMSNorm))]
-        inside = [p for p in layout.replicated if p.startswith(prefix)]
-        if kinds == {"attention", "mlp"} and len(norms) >= 2 and not inside:
+        norms, sharded, whole = sp_children(layer, layout, path)
+        kinds = sorted(kind_of[prefix + n] for n in sharded)
+        # One self-attention: a second one (cross-attention) takes another input than the layer's
+        # stream. A sharded linear called by the layer itself (not by a unit) has no unit to gather.
+        if (len(norms) >= 2 and kinds.count("attention") == 1 and set(kinds) <= {"attention", "mlp"}
+                and len(sharded) + len(whole) >= 2 and not any(prefix + n in layout.styles for n in whole)):
             out.append(path)
     return out
 
@@ -398,10 +399,19 @@ def traced_layout(traced, graph_inputs: Sequence[Any] | Mapping[str, Any]) -> Te
     return for_graph(layout, traced) if layout else layout
 
 
-def sp_children(layer: nn.Module, layout: TensorParallelLayout, path: str) -> tuple[list[str], list[str]]:
-    """(norm children, sharded attention / MLP children) of a sequence-parallel layer."""
+def sp_children(layer: nn.Module, layout: TensorParallelLayout, path: str) -> tuple[list[str], list[str], list[str]]:
+    """(norm children, sharded attention / MLP children, children computed whole) of a
+    sequence-parallel layer. A child computed whole is one with parameters that is neither a norm
+    nor a sharded attention / MLP: a block the layout shards only inside (a mixture-of-experts block
+    whose shared experts are an MLP group) or not at all (its router and experts)."""
     prefix = f"{path}." if path else ""
     parents = {g.parent for g in layout.groups}
-    units = [name for name, _ in layer.named_children() if prefix + name in parents]
-    norms = [name for name, c in layer.named_children() if isinstance(c, (nn.LayerNorm, nn.RMSNorm))]
-    return norms, units
+    norms, sharded, whole = [], [], []
+    for name, child in layer.named_children():
+        if isinstance(child, (nn.LayerNorm, nn.RMSNorm)):
+            norms.append(name)
+        elif prefix + name in parents:
+            sharded.append(name)
+        elif any(True for _ in child.parameters()):
+            whole.append(name)
+    return norms, sharded, whole

@@ -44,7 +44,8 @@ class TensorParallelLayout(Mapping):
     count over the model's layers, the first module that has it): tp must divide each gcd. KV heads
     are not replicated, so tp must divide them too."""
     layers: tuple[str, ...] = ()
-    """Transformer layers sequence parallelism lays out (norms and sharded attention + MLP children)."""
+    """Transformer layers sequence parallelism lays out (norms, a sharded attention, sharded MLPs and
+    units computed whole, as an MoE block: graph/sharding.py `sp_children`)."""
     replicated: dict[str, str] = field(default_factory=dict)
     """Attention modules left whole on every tp rank -> why."""
     note: str = ""

@@ -61,7 +61,8 @@ class ParallelLayout:
     """The cp consecutive dp ranks (same pp and tp index) that split each sequence, or None (cp 1)."""
     expert_dp_group: dist.ProcessGroup | None = None
     """The dp replicas holding the same experts (dp_index % ep equal), over which expert gradients
-    are summed; None when there is one (ep = dp) or ep is 1."""
+    are summed and ZeRO-1 splits the experts' optimizer state (optimizer.py); None when there is one
+    (ep = dp) or ep is 1."""
     expert_fsdp_mesh: object | None = None
     """With ep > 1 and zero >= 2: the 1-D mesh of those same replicas ("edp"), over which FSDP
     shards the experts (fsdp.py); None otherwise."""

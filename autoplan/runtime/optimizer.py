@@ -37,7 +37,16 @@ has this one, for every zero = 1 plan with a dp group:
   the memory model counts (cost/memory.py [Note: bytes per parameter]).
 - cp ranks are dp ranks here (runtime/mesh.py: the dp group spans them; they hold the same
   parameters and, after the all-reduce, the same gradients), so the state is sharded over them too.
-  Expert parallelism is refused with zero 1 (plan.py): its dp ranks hold different experts.
+- Expert parallelism (ep > 1): the dp ranks of an ep group hold different experts, so an expert's
+  state cannot be owned by a rank that does not hold it. The expert parameters (runtime/experts.py,
+  `PartitionedModel.expert_params`) are sharded over the expert-data-parallel group instead (the
+  dp / ep replicas holding the same experts, `ParallelLayout.expert_dp_group`; none when ep = dp:
+  each rank then owns its experts), the dense parameters over the whole dp group as above. This is
+  Megatron-LM's layout: `get_megatron_optimizer` (megatron/core/optimizer/__init__.py) builds one
+  distributed optimizer over the dense parameters with the data-parallel group and a second over
+  the expert parameters with `parallel_state.get_expert_data_parallel_group()`, chained. Here they
+  are two shards of one optimizer (`_Shard`), so the user still steps one object. The gradients
+  are reduced as without ZeRO (`reduce_expert_grads`): every rank holds its experts' mean gradient.
 
 The state lives in `optim` (torch's own optimizer over the owned parameters): `checkpoint.
 local_optimizer` finds it there. This optimizer's `param_groups` list every parameter with the full
@@ -73,28 +82,63 @@ def assign_owners(sizes: list[int], num_ranks: int) -> list[int]:
     return owners
 
 
+class _Shard:
+    """One group's share of the parameters: who owns each, and the broadcast of the updated values."""
+
+    def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup | None):
+        self.group = group
+        """The ranks that hold these parameters and split their state; None: this rank alone."""
+        self.group_rank = dist.get_rank(group) if group is not None else 0
+        self.num_ranks = dist.get_world_size(group) if group is not None else 1
+        owners = assign_owners([p.numel() for p in params], self.num_ranks)  # DTensor: the global size
+        self.owned: list[list[torch.Tensor]] = [[] for _ in range(self.num_ranks)]
+        """Rank in `group` -> the parameters it steps and keeps state for."""
+        for p, r in zip(params, owners):
+            self.owned[r].append(p)
+
+    def broadcast(self, working: Mapping[int, torch.Tensor]) -> None:
+        """Every owner's updated values (a master's working copy where it has one) to the other
+        ranks of the group: one flat buffer per owner and (dtype, device)."""
+        if self.group is None:
+            return
+        for owner, params in enumerate(self.owned):
+            by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+            for p in params:
+                t = _local(working.get(id(p), p))
+                by_kind.setdefault((t.dtype, t.device), []).append(t)
+            src = dist.get_global_rank(self.group, owner)
+            for (dtype, device), tensors in by_kind.items():
+                if owner == self.group_rank:
+                    buffer = torch.cat([t.reshape(-1) for t in tensors])
+                else:
+                    buffer = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+                dist.broadcast(buffer, src=src, group=self.group)
+                if owner != self.group_rank:
+                    for t, chunk in zip(tensors, buffer.split([t.numel() for t in tensors])):
+                        t.copy_(chunk.view_as(t))
+
+
 class ZeroOneOptimizer(torch.optim.Optimizer):
     """`optimizer_class` over this rank's share of `params`, sharded over `group` ([Note: ZeRO-1
-    optimizer]). Collective: every rank of `group` builds it with the same parameters (by size and
-    order) and calls `step` together."""
+    optimizer]); the parameters in `experts` (ep > 1) over `expert_group` instead (None: this
+    rank alone holds them). Collective: every rank of `group` builds it with the same parameters
+    (by size and order, experts apart) and calls `step` together."""
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], *,
-                 group: dist.ProcessGroup, working: Mapping[int, torch.Tensor] | None = None, **defaults: Any):
+                 group: dist.ProcessGroup, working: Mapping[int, torch.Tensor] | None = None,
+                 experts: Iterable[torch.Tensor] = (), expert_group: dist.ProcessGroup | None = None,
+                 **defaults: Any):
         super().__init__(params, defaults)
         self.working = dict(working or {})
         """id(fp32 master) -> its bf16 working parameter (a bf16 plan): owners write and broadcast those."""
-        self.group = group
-        self.group_rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
         flat = [p for g in self.param_groups for p in g["params"]]
-        owners = assign_owners([p.numel() for p in flat], self.num_ranks)  # DTensor: the global size
-        self.owner_of: dict[int, int] = {id(p): r for p, r in zip(flat, owners)}
-        """id(parameter) -> rank in `group` that steps it and holds its state."""
-        self._owned: list[list[torch.Tensor]] = [[] for _ in range(self.num_ranks)]
-        for p, r in zip(flat, owners):
-            self._owned[r].append(p)
+        expert_ids = {id(p) for p in experts}
+        self._shards = [_Shard([p for p in flat if id(p) not in expert_ids], group)]
+        if expert_ids:
+            self._shards.append(_Shard([p for p in flat if id(p) in expert_ids], expert_group))
+        mine = {id(p) for p in self.owned_parameters()}
         inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
-                         "params": [p for p in g["params"] if self.owner_of[id(p)] == self.group_rank]}
+                         "params": [p for p in g["params"] if id(p) in mine]}
                         for g in self.param_groups]
         self.optim = optimizer_class(inner_groups, **defaults)
         """torch's optimizer over the parameters this rank owns: it holds their state."""
@@ -106,7 +150,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
 
     def owned_parameters(self) -> list[torch.Tensor]:
         """The parameters this rank steps and keeps state for."""
-        return list(self._owned[self.group_rank])
+        return [p for shard in self._shards for p in shard.owned[shard.group_rank]]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -119,31 +163,13 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     inner[k] = v
         self.optim.step()
-        for p in self._owned[self.group_rank]:  # the stepped masters into their working copies
+        for p in self.owned_parameters():  # the stepped masters into their working copies
             working = self.working.get(id(p))
             if working is not None:
                 _local(working).copy_(_local(p))
-        self._broadcast_owned()
+        for shard in self._shards:
+            shard.broadcast(self.working)
         return loss
-
-    def _broadcast_owned(self) -> None:
-        """Every owner's updated values (a master's working copy where it has one) to the other
-        ranks of the group: one flat buffer per owner and (dtype, device)."""
-        for owner, params in enumerate(self._owned):
-            by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-            for p in params:
-                t = _local(self.working.get(id(p), p))
-                by_kind.setdefault((t.dtype, t.device), []).append(t)
-            src = dist.get_global_rank(self.group, owner)
-            for (dtype, device), tensors in by_kind.items():
-                if owner == self.group_rank:
-                    buffer = torch.cat([t.reshape(-1) for t in tensors])
-                else:
-                    buffer = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
-                dist.broadcast(buffer, src=src, group=self.group)
-                if owner != self.group_rank:
-                    for t, chunk in zip(tensors, buffer.split([t.numel() for t in tensors])):
-                        t.copy_(chunk.view_as(t))
 
     def state_dict(self) -> dict[str, Any]:
         raise RuntimeError(_NO_STATE_DICT)

@@ -187,15 +187,17 @@ class PartitionedModel:
         shards included), steps those and broadcasts them to the other dp ranks. In a bf16 plan the
         fp32 masters are sharded too (Megatron-LM's distributed optimizer): each rank keeps the
         values of the masters it owns only (`holds_values`), and owners broadcast the bf16 working
-        copies. zero >= 2: the parameters are FSDP shards (fsdp.py), so a plain optimizer over them
-        holds and steps only this rank's shard."""
+        copies. Under expert parallelism the experts' state is split over the replicas holding the
+        same experts (optimizer.py). zero >= 2: the parameters are FSDP shards (fsdp.py), so a plain
+        optimizer over them holds and steps only this rank's shard."""
         if self.plan.zero != 1 or self.layout.dp_group is None:
             return optimizer_class(self._param_groups(), **kwargs)
         from autoplan.runtime.optimizer import ZeroOneOptimizer
 
         working = self.precision.working_of if self.precision is not None else None
         optimizer = ZeroOneOptimizer(self._param_groups(), optimizer_class, group=self.layout.dp_group,
-                                     working=working, **kwargs)
+                                     working=working, experts=self.expert_params,
+                                     expert_group=self.layout.expert_dp_group, **kwargs)
         if self.precision is not None:  # the other dp ranks' masters: no fp32 values here
             self.precision.release_masters({id(p) for p in optimizer.owned_parameters()})
         return optimizer

@@ -177,6 +177,11 @@ def shard_module(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh, *,
                 continue
             if head.weight is embedding.weight:
                 tied.append((head, embedding))
+    # Under sequence parallelism the output projections of a layer's sharded attention and MLP
+    # reduce-scatter to the sequence slice; one inside a unit computed whole (an MoE block's shared
+    # experts) all-reduces as under plain tp ([Note: sequence parallelism]).
+    layers = set(model_layers)
+    scatter = {g.rowwise for g in getattr(tp_plan, "groups", ()) if g.parent.rpartition(".")[0] in layers}
     done = []
     for path, style in tp_plan.items():
         try:
@@ -189,7 +194,7 @@ def shard_module(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh, *,
             parallel = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         elif style == "vocab-head":  # columns of the logits, gathered for the (replicated) loss
             parallel = ColwiseParallel(output_layouts=Replicate())
-        elif sequence_parallel:  # reduce-scatter along the sequence instead of all-reduce
+        elif sequence_parallel and path in scatter:  # reduce-scatter along the sequence instead of all-reduce
             parallel = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
         else:
             parallel = RowwiseParallel()
@@ -215,12 +220,22 @@ def _apply_sequence_parallel(module: nn.Module, tp_mesh, model_layers: Sequence[
       attention and MLP take the whole sequence (`PrepareModuleInput`: an all-gather, a
       reduce-scatter in backward), and their row-parallel projections reduce-scatter back to
       Shard(1) (`RowwiseParallel(output_layouts=Shard(1))`), where plain tp all-reduces.
+    - A unit of the layer the layout does not shard as a whole (a mixture-of-experts block: its
+      router and experts replicated, its shared experts an MLP group inside) takes the whole
+      sequence too, computes as under plain tp (its inner row-parallel projections all-reduce, so
+      its output is the same on every tp rank) and keeps this rank's slice of its output
+      (`PrepareModuleOutput` Replicate -> Shard(1): a local slice, an all-gather in backward).
+      Megatron-LM instead routes each tp rank's own tokens under sequence parallelism; here the
+      block sees what it sees under plain tp, so its routing (capacity and load-balancing loss per
+      sequence, [Note: static dispatch] in models/moe.py) is the single process's, and how the
+      experts' work is split over tp is the dispatch's concern (runtime/experts.py).
     - The model's first layer takes the whole sequence (the embedding output, replicated) and keeps
       its slice; its last layer gathers the sequence back for the final norm and the head, which
       stay replicated.
 
     The layers are those `graph/sharding.py` lists (`TensorParallelLayout.layers`): their direct
-    children are the norms (LayerNorm / RMSNorm) and the sharded attention and MLP modules.
+    children are the norms (LayerNorm / RMSNorm), the sharded attention and MLP modules and the
+    units computed whole (`sp_children`).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -236,10 +251,15 @@ def _apply_sequence_parallel(module: nn.Module, tp_mesh, model_layers: Sequence[
             layer = module.get_submodule(path)
         except AttributeError:
             continue
-        norms, units = sp_children(layer, layout, path)
+        norms, units, whole = sp_children(layer, layout, path)
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                     use_local_output=True)
-        parallelize_module(layer, tp_mesh, {**{n: SequenceParallel() for n in norms}, **{u: gather for u in units}})
+        keep_slice = PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+                                         use_local_output=False)
+        parallelize_module(layer, tp_mesh, {**{n: SequenceParallel() for n in norms},
+                                            **{u: gather for u in [*units, *whole]}})
+        for name in whole:
+            parallelize_module(layer.get_submodule(name), tp_mesh, keep_slice)
         parallelize_module(layer, tp_mesh, PrepareModuleInput(
             input_layouts=(Replicate() if path == first else Shard(1),), desired_input_layouts=(Shard(1),)))
         parallelize_module(layer, tp_mesh, PrepareModuleOutput(

@@ -131,9 +131,6 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
         refusal = ep_refusal(profile, ep)
         if refusal is not None:
             raise PlanningError(f"--ep {ep} {refusal}")
-        if zero == 1:
-            raise PlanningError(f"--ep {ep} cannot run with --zero 1 (its optimizer shards over all dp replicas, "
-                                f"whose experts differ); use --zero 0, 2 or 3, or --ep 1")
         if replicate is not None and replicate > 1:
             raise PlanningError(f"--ep {ep} cannot run with --dp-replicate {replicate} (HSDP); use --dp-replicate 1 "
                                 "or --ep 1")
@@ -341,11 +338,11 @@ def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
     ([Note: sharded data parallelism in the search]): ZeRO-1 (zero 0 with dp = 1), then zero 2 and
     zero 3, each over all of dp and as HSDP; no FSDP where `fsdp_refusal` says the model cannot."""
     zero, replicate = pins.get("zero"), pins.get("dp_replicate")
-    if cfg.ep > 1:  # the runtime runs expert parallelism with zero 0, 2 or 3, without HSDP (runtime/fsdp.py)
-        if replicate not in (None, 1) or zero == 1:
+    if cfg.ep > 1:  # the runtime runs expert parallelism without HSDP (runtime/fsdp.py); zero 1 when pinned
+        if replicate not in (None, 1):
             return []
         if zero is not None:
-            return [(zero, 1)] if zero == 0 or fsdp_allowed(cfg, profile) else []
+            return [(zero, 1)] if zero < 2 or fsdp_allowed(cfg, profile) else []
         return [(0, 1)] + ([(2, 1), (3, 1)] if fsdp_allowed(cfg, profile) else [])
     if zero is not None and zero < 2:
         return [(zero, 1)]

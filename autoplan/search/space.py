@@ -559,8 +559,8 @@ def _expert_note(ctx: SearchContext, chosen: Plan, best_by_ep: dict[bool, Plan],
         return (f"ep 1: the best plan with expert parallelism ({_split(other)}, ep {other.ep}, {_sharding(other)}) is "
                 f"{other.predicted.step_time_s / chosen.predicted.step_time_s - 1:.0%} slower")
     why = "pinned" if pins.get("ep") == 1 else (
-        "the pinned zero 1 or HSDP excludes it (the runtime runs ep with zero 0, 2 or 3, without HSDP)"
-        if pins.get("zero") == 1 or (pins.get("dp_replicate") or 1) > 1 else
+        "the pinned HSDP excludes it (the runtime runs ep without HSDP)"
+        if (pins.get("dp_replicate") or 1) > 1 else
         "no plan with ep > 1 fit or came within the search's step-time cutoff")
     return f"ep 1: {why}"
 
