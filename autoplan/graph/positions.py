@@ -21,10 +21,20 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["POSITIONS_ATTRIBUTE", "holding_positions", "sequence_positions"]
+__all__ = ["POSITIONS_ATTRIBUTE", "holding_positions", "positions_refusal_of", "sequence_positions"]
 
 POSITIONS_ATTRIBUTE = "positions_from_context"
 """Class attribute by which a model says its position-dependent code reads `sequence_positions()`."""
+
+def positions_refusal_of(model: torch.nn.Module) -> str | None:
+    """Why `model` alone (no model source to feed it positions) cannot be told its tokens' positions,
+    or None when it reads `sequence_positions()`."""
+    if getattr(type(model), POSITIONS_ATTRIBUTE, False):
+        return None
+    return (f"{type(model).__name__} cannot be told its tokens' positions: give its forward a position_ids "
+            "argument (int64, batch x sequence) used for its position embeddings, or read autoplan's "
+            "sequence_positions()")
+
 
 # Process-wide, not thread-local: on CUDA the autograd engine runs backward passes, and the
 # forwards that recomputation replays inside them, on its own device threads, which must see

@@ -16,7 +16,6 @@ from torch import nn
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.experts import expert_modules
 from autoplan.graph.fake_run import nbytes
-from autoplan.graph.positions import POSITIONS_ATTRIBUTE
 from autoplan.graph.trace import TracedModel
 
 __all__ = ["context_parallel_support", "experts_summary", "recording_expert_inputs", "tensor_parallel_summary"]
@@ -96,17 +95,17 @@ def _named_modules_under(gm: nn.Module, path: str) -> list[tuple[str, nn.Module]
     return [(f"{path}.{name}" if name else path, m) for name, m in module.named_modules()]
 
 
-def context_parallel_support(model: nn.Module, profile: ModelProfile) -> dict[str, Any]:
+def context_parallel_support(profile: ModelProfile, positions_refusal: str | None) -> dict[str, Any]:
     """Whether the runtime can split this model's sequences over ranks (runtime/context.py), and
-    why not: the model must read its positions from `sequence_positions()` (graph/positions.py),
-    compute attention with `scaled_dot_product_attention` (which the runtime intercepts; the
-    profile lists it as a fused attention operator), and hold no per-sequence state across tokens
-    other than attention (a mixture of experts' per-sequence capacity and balance loss)."""
-    if not getattr(type(model), POSITIONS_ATTRIBUTE, False):
-        why = (f"{type(model).__name__} does not read token positions from autoplan's sequence_positions() "
-               "(graph/positions.py; the zoo's llama does)")
+    why not: the model must be told its tokens' positions (`positions_refusal`, the model source's
+    verdict: `ModelSource.context_parallel_refusal`), compute attention with
+    `scaled_dot_product_attention` (which the runtime routes through the cp group; the profile lists
+    it as a fused attention operator), and hold no per-sequence state across tokens other than
+    attention (a mixture of experts' per-sequence capacity and balance loss)."""
+    if positions_refusal is not None:
+        why = positions_refusal
     elif not any(op.kind == "attention" for b in profile.blocks for op in b.ops):
-        why = "it calls no scaled_dot_product_attention, the attention context parallelism intercepts"
+        why = "it calls no scaled_dot_product_attention, the attention context parallelism splits"
     elif profile.extra.get("experts"):
         why = "its experts take a capacity and a balance loss per whole sequence"
     else:

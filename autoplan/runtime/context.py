@@ -29,15 +29,17 @@ cp mesh) is the gradient of the mean over all tokens.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
+from torch.nn.attention.bias import causal_lower_right
 
 from autoplan.graph.experts import expert_modules
-from autoplan.graph.positions import POSITIONS_ATTRIBUTE
 from autoplan.runtime.errors import PartitionError
 
 if TYPE_CHECKING:
@@ -45,9 +47,10 @@ if TYPE_CHECKING:
     from autoplan.plan import Plan
     from autoplan.runtime.mesh import ParallelLayout
     from autoplan.runtime.split import StageBuild
+    from autoplan.sources import ModelSource, OutputTemplate
 
 __all__ = ["ContextParallelAttention", "apply_context_parallel", "chunk_positions", "refuse_context_parallel",
-           "shard_sequence"]
+           "route_attention", "shard_sequence", "whole_sequence_output"]
 
 _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -68,6 +71,12 @@ def shard_sequence(value: torch.Tensor, positions: torch.Tensor, seq_len: int) -
     return value
 
 
+def _chunks(seq_len: int, cp: int, index: int) -> list[tuple[int, int, int]]:
+    """(row of the local tokens, position in the sequence, size) of each chunk rank `index` holds."""
+    size = seq_len // (2 * cp)
+    return [(0, index * size, size), (size, (2 * cp - 1 - index) * size, size)]
+
+
 class ContextParallelAttention:
     """See the module docstring. `seq_len` is the whole sequence; the local tokens are
     `chunk_positions(seq_len, cp, index)`."""
@@ -76,9 +85,9 @@ class ContextParallelAttention:
         super().__init__()
         self.group, self.cp, self.seq_len = group, cp, seq_len
         self.positions = chunk_positions(seq_len, cp, index)
+        self.chunks = _chunks(seq_len, cp, index)
         gathered = torch.cat([chunk_positions(seq_len, cp, i) for i in range(cp)])  # all-gather order
         self.order = torch.argsort(gathered)  # sequence position -> its row in the gathered tensor
-        self._masks: dict[torch.device, torch.Tensor] = {}
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
@@ -86,17 +95,12 @@ class ContextParallelAttention:
         gathered = wait_tensor(all_gather_tensor_autograd(x.transpose(0, -2).contiguous(), 0, self.group))
         return gathered.index_select(0, self.order.to(x.device)).transpose(0, -2)
 
-    def _causal_mask(self, device: torch.device) -> torch.Tensor:
-        if device not in self._masks:
-            keys = torch.arange(self.seq_len, device=device)
-            self._masks[device] = keys.unsqueeze(0) <= self.positions.to(device).unsqueeze(1)
-        return self._masks[device]
-
     def __enter__(self) -> ContextParallelAttention:
         # `torch.nn.functional.scaled_dot_product_attention` is replaced for the step, not
         # intercepted by a TorchFunctionMode: a mode is switched off while its handler runs, and the
         # backward (autograd.backward / grad reach the mode too) recomputes checkpointed layers
-        # there, whose attention must gather again. Models call it as `F.scaled_dot_product_attention`.
+        # there, whose attention must gather again. Models call it as `F.scaled_dot_product_attention`;
+        # traced graphs that call the kernel itself are routed to the name (`route_attention`).
         self._original = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = self._attention
         return self
@@ -117,20 +121,76 @@ class ContextParallelAttention:
                                f"{'with an explicit mask ' if options['attn_mask'] is not None else ''}on a rank "
                                f"holding {local} tokens of {self.seq_len}; only self-attention over the sequence, "
                                "causal or not, can be split; plan this model with --cp 1")
-        k, v = self._gather(k), self._gather(v)
-        mask = self._causal_mask(q.device) if options["is_causal"] else None
-        return self._original(q, k, v, attn_mask=mask, dropout_p=options["dropout_p"], scale=options["scale"],
-                              enable_gqa=options["enable_gqa"])
+        # The name back for the call: a CausalBias mask answers only calls of the kernel by that name.
+        F.scaled_dot_product_attention = self._original
+        try:
+            return self._attend(q, self._gather(k), self._gather(v), options)
+        finally:
+            F.scaled_dot_product_attention = self._attention
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict):
+        """The local queries against the whole sequence's keys: causal, one call per local chunk
+        over the keys it sees (the sequence up to its end), bottom-right aligned (see the module
+        docstring); not causal, one call over all keys."""
+        common = dict(dropout_p=options["dropout_p"], scale=options["scale"], enable_gqa=options["enable_gqa"])
+        if not options["is_causal"]:
+            return self._original(q, k, v, **common)
+        out = []
+        for row, start, size in self.chunks:
+            keys = start + size
+            mask = causal_lower_right(size, keys) if keys > size else None
+            out.append(self._original(q[..., row:row + size, :], k[..., :keys, :], v[..., :keys, :], attn_mask=mask,
+                                      is_causal=mask is None, **common))
+        return torch.cat(out, dim=-2)
 
 
-def refuse_context_parallel(model: nn.Module, traced: TracedModel, plan: Plan) -> None:
-    """Refuse (one line, before any process group) a cp > 1 plan for a model that does not read its
-    tokens' positions from `sequence_positions()`, or that has experts."""
-    if plan.cp > 1 and not getattr(type(model), POSITIONS_ATTRIBUTE, False):
-        raise PartitionError(f"the plan has cp {plan.cp} but {type(model).__name__} does not read token positions "
-                             "from autoplan's sequence_positions() (graph/positions.py); re-plan it with "
-                             "`autoplan suggest` (cp 1)")
-    if plan.cp > 1 and expert_modules(traced.gm):
+_SDPA_TARGETS = (torch.ops.aten.scaled_dot_product_attention.default, torch._C._nn.scaled_dot_product_attention,
+                 F.scaled_dot_product_attention)
+
+
+def _sdpa_by_name(*args, **kwargs):
+    """`scaled_dot_product_attention` looked up when called, so the step's cp attention answers."""
+    return F.scaled_dot_product_attention(*args, **kwargs)
+
+
+def route_attention(modules: Iterable[nn.Module]) -> int:
+    """Point every attention call of these stages' traced graphs (torch.export's
+    `aten.scaled_dot_product_attention`, fx's `torch._C._nn.scaled_dot_product_attention`) at the
+    name `F.scaled_dot_product_attention`, which the cp attention replaces for each step; modules
+    the graph calls whole (fx leaves) call the name already. Returns the calls routed."""
+    routed = 0
+    for module in modules:
+        for gm in module.modules():
+            if not isinstance(gm, fx.GraphModule):
+                continue
+            nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _SDPA_TARGETS]
+            for node in nodes:
+                node.target = _sdpa_by_name
+            if nodes:
+                gm.recompile()
+                routed += len(nodes)
+    return routed
+
+
+def whole_sequence_output(template: OutputTemplate | None, plan: Plan) -> OutputTemplate | None:
+    """The output template of a graph traced at a rank's share of the sequence (runtime/api.py traces
+    so under cp), at the whole sequence: what a training batch's target follows, before the runtime
+    cuts it like the inputs."""
+    local = plan.job.seq_len // plan.cp
+    if plan.cp == 1 or template is None or len(template.shape) < 2 or template.shape[1] != local:
+        return template
+    return dataclasses.replace(template, shape=(template.shape[0], plan.job.seq_len, *template.shape[2:]))
+
+
+def refuse_context_parallel(source: ModelSource, model: nn.Module, traced: TracedModel, plan: Plan) -> None:
+    """Refuse (one line, before any process group) a cp > 1 plan for a model its source cannot tell
+    its tokens' positions (`ModelSource.context_parallel_refusal`), or that has experts."""
+    if plan.cp <= 1:
+        return
+    why = source.context_parallel_refusal(model)
+    if why is not None:
+        raise PartitionError(f"the plan has cp {plan.cp} but {why}; re-plan it with `autoplan suggest` (cp 1)")
+    if expert_modules(traced.gm):
         raise PartitionError(f"the plan has cp {plan.cp} but the model has experts, whose capacity and balance loss "
                              "are per whole sequence; re-plan it with `autoplan suggest` (cp 1)")
 
@@ -139,4 +199,5 @@ def apply_context_parallel(build: StageBuild, plan: Plan, layout: ParallelLayout
     """The context-parallel step: the attention that gathers keys and values over the cp group,
     entered around every step (`PartitionedModel.step`); the stages themselves are unchanged."""
     if plan.cp > 1:
+        route_attention(build.modules.values())
         build.context = ContextParallelAttention(layout.cp_group, plan.cp, layout.cp_index, plan.job.seq_len)
