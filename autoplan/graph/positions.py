@@ -4,10 +4,12 @@ Under context parallelism (runtime/context.py) each rank of a cp group holds a s
 sequence: 2 * cp chunks, rank i holding chunks i and 2 * cp - 1 - i, so that causal attention costs
 each rank the same (the load balancing of Llama 3, arXiv:2407.21783 Sec. 3.3.2, and torchtitan's
 context parallelism). Token-wise layers need nothing; what depends on a token's place in the
-sequence must ask for it: a model whose position-dependent code reads `sequence_positions()` (the
-zoo's rotary embedding does) says so with a class attribute `positions_from_context = True`, and
-only such models are offered context parallelism. Attention itself is handled by the runtime,
-which intercepts `scaled_dot_product_attention`.
+sequence must be told it. A model source can feed positions through an input (`position_ids`,
+sources/base.py `ModelSource.context_parallel_refusal`: transformers models, model files); a model
+can instead read `sequence_positions()` (the zoo's rotary embedding does) and say so with a class
+attribute `positions_from_context = True`. Models told neither way are not offered context
+parallelism. Attention itself is handled by the runtime, which routes
+`scaled_dot_product_attention` through the cp group.
 
 This is torch's `context_parallel(buffers=..., buffer_seq_dims=...)` contract (the caller names the
 position tables to shard) turned around: the model asks, so a stage needs no list of buffers.

@@ -3,24 +3,36 @@
 Each of the cp ranks holds 2 of the sequence's 2 * cp equal chunks, rank i chunks i and
 2 * cp - 1 - i, so that under a causal mask every rank has the same attention work (Llama 3,
 arXiv:2407.21783 Sec. 3.3.2; torchtitan's load-balanced context parallelism). Everything token-wise
-(embeddings, norms, MLPs, the loss) runs on the local tokens unchanged; the model reads its tokens'
-positions from `sequence_positions()` (graph/positions.py). Attention is what needs the whole
-sequence: while the stages run (forward, and backward with its recomputation),
-`ContextParallelAttention` replaces each `scaled_dot_product_attention(q, k, v)` by
+(embeddings, norms, MLPs, the loss) runs on the local tokens unchanged, in a graph traced at the
+local length (runtime/api.py). What a model must offer is a contract of its source
+(`ModelSource.context_parallel_refusal`): it is told its tokens' positions, through a
+`position_ids` input the source feeds `arange(seq_len)` and the runtime cuts like the token ids
+(transformers models, model files whose forward takes `position_ids`; sources/hf_context.py), or by
+reading `sequence_positions()` (graph/positions.py: the zoo). Attention is what needs the whole
+sequence: `route_attention` points the traced graphs' `scaled_dot_product_attention` calls
+(torch.export's aten op, fx's kernel) at the name `F.scaled_dot_product_attention`, and while the
+stages run (forward, and backward with its recomputation) `ContextParallelAttention` replaces that
+name by
 
 - an all-gather of k and v over the cp group (torch's autograd all-gather, whose backward
   reduce-scatters their gradients: every rank's queries contribute to every key's gradient),
 - the gathered chunks put back in sequence order, and
-- attention of the local queries against all keys, with the causal mask written out from the
-  queries' and keys' positions (a key at position j is visible to a query at position i iff j <= i).
+- causal attention one call per local chunk, over the keys it sees (the sequence up to the
+  chunk's end), with the causal mask aligned to the bottom right
+  (`torch.nn.attention.bias.causal_lower_right`: query t of a chunk of L ending at key S sees keys
+  up to S - L + t); the sequence's first chunk is plain `is_causal`. No (S/cp x S) mask is written
+  out: on CPU the bias materializes an (L x keys) mask per chunk inside the call (half the old
+  mask, benchmarks/cp_attention_cpu.py), on CUDA it dispatches to the flash / efficient kernel
+  without one. Non-causal attention is one call over all keys.
 
 This is Llama 3's all-gather context parallelism (the paper chose it over ring attention for its
 flexibility with masks and its simplicity; the all-gather is exposed but small beside attention
-at long context). torch's own `context_parallel` (torch.distributed.tensor.experimental) is not
-used: it shards the model's buffers and dispatches attention to ring kernels built on the CUDA
-flash / efficient SDPA, which gloo on CPU cannot run, so the numerics tests could not cover it
-(docs/status.md). Grouped-query models gather their key/value heads before the kernel repeats
-them (`enable_gqa`), as Llama 3 does.
+at long context); the CUDA path is this same all-gather with the efficient kernel per chunk. Ring
+attention (torch's `context_parallel`, torch.distributed.tensor.experimental, which shards the
+model's buffers and rotates keys and values through ring kernels built on the CUDA flash /
+efficient SDPA) is not built: gloo on CPU cannot run it, so the numerics tests could not cover it.
+Grouped-query models gather their key/value heads before the kernel repeats them (`enable_gqa`),
+as Llama 3 does.
 
 Gradients: each rank's loss is the mean over its own tokens, and every rank of a cp group holds as
 many tokens, so the gradient average over all dp ranks (cp folded in, as torchtitan's dp_shard x
@@ -37,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from autoplan.graph.experts import expert_modules
 from autoplan.runtime.errors import PartitionError
@@ -121,7 +133,7 @@ class ContextParallelAttention:
                                f"{'with an explicit mask ' if options['attn_mask'] is not None else ''}on a rank "
                                f"holding {local} tokens of {self.seq_len}; only self-attention over the sequence, "
                                "causal or not, can be split; plan this model with --cp 1")
-        # The name back for the call: a CausalBias mask answers only calls of the kernel by that name.
+        # The name back for the call: CausalBias calls the kernel by it.
         F.scaled_dot_product_attention = self._original
         try:
             return self._attend(q, self._gather(k), self._gather(v), options)
@@ -138,9 +150,17 @@ class ContextParallelAttention:
         out = []
         for row, start, size in self.chunks:
             keys = start + size
-            mask = causal_lower_right(size, keys) if keys > size else None
-            out.append(self._original(q[..., row:row + size, :], k[..., :keys, :], v[..., :keys, :], attn_mask=mask,
-                                      is_causal=mask is None, **common))
+            args = (q[..., row:row + size, :], k[..., :keys, :], v[..., :keys, :])
+            if keys == size:  # the sequence's first chunk: plain causal attention
+                out.append(self._original(*args, is_causal=True, **common))
+                continue
+            # CausalBias's own dispatch, not the kernel called with the bias: the bias answers only
+            # calls by the name `F.scaled_dot_product_attention`, which is ours during the step, and
+            # a recomputation in the backward (recompute.py checkpoints the kernel) would call the
+            # kernel with the bias as a plain mask.
+            mask = causal_lower_right(size, keys)
+            out.append(CausalBias._dispatch(*args, mask, common["dropout_p"], False, common["scale"],
+                                            common["enable_gqa"]))
         return torch.cat(out, dim=-2)
 
 
