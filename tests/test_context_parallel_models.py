@@ -1,6 +1,6 @@
-"""Context parallelism for models that are not the zoo's: transformers causal LMs (position ids and
-their attention interface, sources/hf_context.py) and a model file whose forward takes
-`position_ids`. Plans from `autoplan suggest --cp 2 ... --out p.json`, run by
+"""Context parallelism beyond the zoo's llama: transformers causal LMs (position ids and their
+attention interface, sources/hf_context.py), a model file whose forward takes `position_ids`, and the
+zoo's mixture of experts (its load-balancing loss counted over the whole sequence). Plans from `autoplan suggest --cp 2 ... --out p.json`, run by
 `autoplan.partition(spec, "p.json").step` on 4 gloo ranks (and one through `autoplan run`),
 against a single-process reference of the whole model: loss and every gradient."""
 
@@ -27,6 +27,10 @@ MODELS = {
     "hf-qwen2": f"hf:qwen2:{_HF}",
     "hf-mistral": f"hf:mistral:{_HF}",  # its 4096-token window never bites within 64 positions
     "sdpa-file": f"{ROOT / 'tests/user_models/sdpa_positions.py'}:build",
+    # The zoo's mixture of experts with a capacity that drops nothing (num_experts / experts_per_token),
+    # its load-balancing loss on, and a shared expert.
+    "zoo-moe": "moe:num_layers=2,hidden_size=32,num_heads=4,num_kv_heads=2,ffn_hidden_size=48,vocab_size=128,"
+               "max_seq_len=64,num_experts=4,experts_per_token=2,num_shared_experts=1,capacity_factor=2",
 }
 LAYOUTS = {"cp2": ["--cp", "2", "--dp", "4", "--pp", "1"], "cp2-pp2": ["--cp", "2", "--dp", "2", "--pp", "2"]}
 SEQ_LEN = 32
@@ -35,7 +39,8 @@ SEQ_LEN = 32
 def _suggest(spec: str, layout: str, out: Path) -> Path:
     result = run_main("suggest", "--model", spec, "--cluster", "1x4xcpu", "--global-batch", str(GLOBAL_BATCH),
                       "--seq-len", str(SEQ_LEN), "--micro-batch-size", str(MICRO_BATCH), "--dtype", "fp32",
-                      "--tp", "1", *LAYOUTS[layout], "--out", str(out))
+                      "--tp", "1", *LAYOUTS[layout], *(["--ep", "1"] if spec.startswith("moe") else []),
+                      "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert json.loads(out.read_text())["cp"] == 2
     return out
@@ -62,8 +67,8 @@ def _check(cases: dict, tmp_path: Path) -> None:
     for name, (spec, path) in planned.items():
         plan = autoplan.Plan.load(path)
         inputs, target = results[0][name]["batch"]
-        assert any(isinstance(x, torch.Tensor) and x.shape == (GLOBAL_BATCH, SEQ_LEN) and
-                   torch.equal(x[0], torch.arange(SEQ_LEN)) for x in inputs), f"{name}: no position ids fed"
+        assert spec.startswith("moe") or any(isinstance(x, torch.Tensor) and x.shape == (GLOBAL_BATCH, SEQ_LEN) and
+                   torch.equal(x[0], torch.arange(SEQ_LEN)) for x in inputs), f"{name}: no position ids fed"  # the zoo reads them
         model, ref_loss, ref_grads = _reference(spec, plan, inputs, target)
         losses = [r[name]["loss"] for r in results.values() if r[name]["loss"] is not None]
         assert losses and all(loss == pytest.approx(ref_loss, rel=1e-5) for loss in losses), (name, losses, ref_loss)
@@ -79,8 +84,9 @@ def _check(cases: dict, tmp_path: Path) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-def test_transformers_llama_and_a_model_file_at_cp2_match_a_single_process(tmp_path):
-    _check({"hf-llama-cp2-pp2": ("hf-llama", "cp2-pp2"), "sdpa-file-cp2": ("sdpa-file", "cp2")}, tmp_path)
+def test_transformers_llama_a_model_file_and_the_zoo_moe_at_cp2_match_a_single_process(tmp_path):
+    _check({"hf-llama-cp2-pp2": ("hf-llama", "cp2-pp2"), "sdpa-file-cp2": ("sdpa-file", "cp2"),
+            "zoo-moe-cp2": ("zoo-moe", "cp2")}, tmp_path)
 
 
 @pytest.mark.multiproc
@@ -137,6 +143,9 @@ def test_the_cp_attention_of_a_transformers_model_is_its_own():
     (f"{ROOT / 'tests/user_models/sdpa_positions.py'}:build_without_positions",
      "ArangeModel cannot be told its tokens' positions: give its forward a position_ids argument"),
     (f"hf:gemma2:{_HF},head_dim=8", "Gemma2ForCausalLM soft-caps its attention logits"),
+    (MODELS["zoo-moe"].replace("capacity_factor=2", "capacity_factor=1.25"),
+     "its experts drop tokens over a capacity counted per sequence (capacity_factor 1.25 < num_experts / "
+     "experts_per_token = 2), which a rank holding part of each sequence counts differently; set capacity_factor=2"),
 ])
 def test_cp_is_refused_in_one_line_for_a_model_that_cannot_be_told_its_positions(model, words):
     result = run_main("suggest", "--model", model, "--cluster", "1x4xcpu", "--global-batch", "8", "--seq-len", "32",

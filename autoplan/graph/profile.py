@@ -400,7 +400,7 @@ def profile_module(model: nn.Module, traced: TracedModel, graph_inputs: Sequence
                              info=merged, **options)
     if positions_refusal == "":
         positions_refusal = positions_refusal_of(model)
-    extra = {**profile.extra, "context_parallel": context_parallel_support(profile, positions_refusal)}
+    extra = {**profile.extra, "context_parallel": context_parallel_support(model, profile, positions_refusal)}
     return dataclasses.replace(profile, extra=extra)
 
 

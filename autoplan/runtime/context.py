@@ -52,6 +52,7 @@ from torch import fx, nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from autoplan.graph.experts import expert_modules
+from autoplan.graph.positions import sequence_split_refusal
 from autoplan.runtime.errors import PartitionError
 
 if TYPE_CHECKING:
@@ -204,15 +205,16 @@ def whole_sequence_output(template: OutputTemplate | None, plan: Plan) -> Output
 
 def refuse_context_parallel(source: ModelSource, model: nn.Module, traced: TracedModel, plan: Plan) -> None:
     """Refuse (one line, before any process group) a cp > 1 plan for a model its source cannot tell
-    its tokens' positions (`ModelSource.context_parallel_refusal`), or that has experts."""
+    its tokens' positions (`ModelSource.context_parallel_refusal`), or whose modules keep sequences
+    whole (graph/positions.py `sequence_split_refusal`: experts routed by capacity)."""
     if plan.cp <= 1:
         return
     why = source.context_parallel_refusal(model)
     if why is not None:
         raise PartitionError(f"the plan has cp {plan.cp} but {why}; re-plan it with `autoplan suggest` (cp 1)")
-    if expert_modules(traced.gm):
-        raise PartitionError(f"the plan has cp {plan.cp} but the model has experts, whose capacity and balance loss "
-                             "are per whole sequence; re-plan it with `autoplan suggest` (cp 1)")
+    why = sequence_split_refusal(model, bool(expert_modules(traced.gm)))
+    if why is not None:
+        raise PartitionError(f"the plan has cp {plan.cp} but {why}; re-plan it with `autoplan suggest` (cp 1)")
 
 
 def apply_context_parallel(build: StageBuild, plan: Plan, layout: ParallelLayout) -> None:
