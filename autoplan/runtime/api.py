@@ -175,7 +175,9 @@ def _with_batch(value: Any, batch: int | None, size: int) -> Any:
 #   allocated (each drawn as its slice of the full model's values); after it on real weights, once
 #   the dp replicas hold dp rank 0's weights, so every tp rank slices the same tensors
 #   (tensor_parallel.py). Sequence parallelism cuts the stage specs here too.
-# - context parallel: no stage changes, only the attention entered around each step (context.py).
+# - context parallel: the stages' attention calls routed to the name that the cp attention replaces
+#   around each step (context.py); the model was traced at a rank's share of the sequence
+#   (`_source_on_meta`), the shapes torch.export bakes in.
 # - expert parallel, on initialized weights: the experts are found before they are sliced
 #   (experts.py).
 # - precision, after every step that replaces parameters: the fp32 masters are the final

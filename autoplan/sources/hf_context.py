@@ -14,7 +14,7 @@ models say both through what they already take:
   the runtime cuts it to the rank's tokens like the token ids (partitioned.py `shard_sequence`), so
   rotary (or learned) position embeddings see the positions the tokens have in the whole sequence.
 - attention: the model is built with the attention implementation `autoplan_causal`, registered
-  in transformers' `AttentionInterface` as transformers' own SDPA forward. It has no entry in the
+  in transformers' `AttentionInterface`: transformers' own SDPA forward without a mask. It has no entry in the
   mask interface (`AttentionMaskInterface`), so `create_causal_mask` returns None
   (masking_utils `_preprocess_mask_arguments`: "custom attention without equivalent mask
   creation"), and the SDPA forward then calls `scaled_dot_product_attention(..., is_causal=True)`
@@ -41,16 +41,28 @@ ATTENTION = "autoplan_causal"
 """The attention implementation a model offering cp is built with (see the note)."""
 
 
-def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any):
-    """transformers' SDPA attention, refusing what its mask-free call would drop."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
+               scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any):
+    """transformers' SDPA attention (integrations/sdpa_attention.py) without a mask, refusing what a
+    mask-free call would drop. Grouped-query keys and values are repeated to the query heads, as
+    transformers does when it passes a mask: without one it would call the kernel with
+    `enable_gqa`, which the tensor-parallel analysis (graph/data_flow.py) does not follow, so
+    attention would be left unsharded under tp. Under cp this gathers the repeated heads (num_rep
+    times the bytes of Llama 3's gather, which gathers before the repeat)."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
 
     window = kwargs.get("sliding_window")
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or (
             window is not None and window < key.shape[-2]):
         raise RuntimeError(f"{type(module).__name__}: attention with a sliding window, soft-capping or sinks "
                            f"cannot run as {ATTENTION}; plan this model with --cp 1")
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if query.shape[1] != key.shape[1]:
+        rep = query.shape[1] // key.shape[1]
+        key, value = repeat_kv(key, rep), repeat_kv(value, rep)
+    causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=causal)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def use_context_attention(config: Any) -> None:
@@ -62,6 +74,13 @@ def use_context_attention(config: Any) -> None:
     config._attn_implementation = ATTENTION
 
 
+def _is_causal_lm(config: Any, model_class: type) -> bool:
+    from transformers.models.auto import modeling_auto
+
+    names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, ())
+    return model_class.__name__ in ((names,) if isinstance(names, str) else tuple(names))
+
+
 def context_parallel_refusal(config: Any, model_class: type) -> str | None:
     """Why the model cannot be split over a cp group (one line naming the fix), or None."""
     name = model_class.__name__
@@ -69,6 +88,8 @@ def context_parallel_refusal(config: Any, model_class: type) -> str | None:
         return f"{name} takes no token sequence"
     if getattr(config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder, whose cross-attention context parallelism does not split"
+    if not _is_causal_lm(config, model_class):
+        return f"{name} is not a causal language model (context parallelism here splits causal self-attention)"
     if "position_ids" not in inspect.signature(model_class.forward).parameters:
         return f"{name}.forward takes no position_ids, so it cannot be told its tokens' positions"
     if not getattr(model_class, "_supports_attention_backend", False):
