@@ -49,7 +49,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.distributed.tensor import DTensor
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from autoplan.graph.experts import expert_modules
@@ -129,8 +128,6 @@ class ContextParallelAttention:
         options = dict(zip(_SDPA_ARGS, (None, 0.0, False, None, False), strict=True))
         options.update(zip(_SDPA_ARGS, args[3:], strict=False))
         options.update(kwargs)
-        if isinstance(q, DTensor):  # a stage run in DTensor (tensor parallelism on an inlined graph)
-            return self._attention_of_shards(q, k, v, options)
         local = self.positions.numel()
         if options["attn_mask"] is not None or q.shape[-2] != local or k.shape[-2] != local:
             raise RuntimeError(f"context parallelism: attention over {q.shape[-2]} queries and {k.shape[-2]} keys "
@@ -143,16 +140,6 @@ class ContextParallelAttention:
             return self._attend(q, self._gather(k), self._gather(v), options)
         finally:
             F.scaled_dot_product_attention = self._attention
-
-    def _attention_of_shards(self, q: DTensor, k: DTensor, v: DTensor, options: dict) -> DTensor:
-        """Attention is per head: over heads sharded alike (tensor parallelism's Shard on the head
-        dim) or replicated, each tp rank attends with its own heads, and the result is laid out as q."""
-        if not all(isinstance(x, DTensor) and x.placements == q.placements for x in (k, v)) or any(
-                p.is_partial() for p in q.placements):
-            raise RuntimeError(f"context parallelism: attention over queries laid out as {q.placements} and keys "
-                               f"or values laid out otherwise; plan this model with --cp 1")
-        out = self._attention(q.to_local(), k.to_local(), v.to_local(), **options)
-        return DTensor.from_local(out, q.device_mesh, q.placements)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict):
         """The local queries against the whole sequence's keys: causal, one call per local chunk
