@@ -31,8 +31,9 @@ at long context); the CUDA path is this same all-gather with the efficient kerne
 attention (torch's `context_parallel`, torch.distributed.tensor.experimental, which shards the
 model's buffers and rotates keys and values through ring kernels built on the CUDA flash /
 efficient SDPA) is not built: gloo on CPU cannot run it, so the numerics tests could not cover it.
-Grouped-query models gather their key/value heads before the kernel repeats them (`enable_gqa`),
-as Llama 3 does.
+The CUDA path has not run in these tests (no GPU). The zoo's grouped-query models gather their
+key/value heads before the kernel repeats them (`enable_gqa`), as Llama 3 does; transformers models
+gather the heads their attention repeated (sources/hf_context.py says why).
 
 Gradients: each rank's loss is the mean over its own tokens, and every rank of a cp group holds as
 many tokens, so the gradient average over all dp ranks (cp folded in, as torchtitan's dp_shard x
