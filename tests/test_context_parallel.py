@@ -100,7 +100,7 @@ def test_suggest_with_cp_then_autoplan_run(tmp_path):
 @pytest.mark.parametrize(("model", "args", "words"), [
     (SPEC, ["--cp", "3"], "--cp 3 does not divide the sequence of 32 tokens into 2 * 3 equal chunks"),
     ("gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=256,max_seq_len=64", ["--cp", "2"],
-     "--cp 2 needs a model context parallelism can split: GPTModel does not read token positions"),
+     "--cp 2 needs a model context parallelism can split: GPTModel cannot be told its tokens' positions"),
     (SPEC, ["--cp", "2", "--dp", "1"], "must divide --dp 1"),
 ])
 def test_suggest_refuses_bad_cp_pins_in_one_line(model, args, words, capsys):

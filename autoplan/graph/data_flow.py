@@ -69,16 +69,20 @@ class FlowMode(TorchDispatchMode):
                 shape = out.shape if isinstance(out, torch.Tensor) else None
                 self.first_op[fresh] = (func, tuple(t.shape), tuple(shape) if shape is not None else None,
                                         tuple(a for a in args[1:] if not isinstance(a, torch.Tensor)))
+        # Position ids given as an input reach q and k through rotary embeddings: the attention
+        # weights depend on them, but what the attention passes on is v's, so INPUT stops at the
+        # scores (as positions the model makes with `arange` carry no tag at all).
         if func in _ATTENTION_KERNELS:
             q, k = args[0], args[1]
             if tags_of(q) - {NORM, ATTN, INPUT} and tags_of(k) - {NORM, ATTN, INPUT}:
-                self.head_dim.setdefault(frozenset((tags_of(q) | tags_of(k)) - {NORM}), int(q.shape[-1]))
-                tags = tags | {ATTN}
+                self.head_dim.setdefault(frozenset((tags_of(q) | tags_of(k)) - {NORM, INPUT}), int(q.shape[-1]))
+                tags = (tags - ({INPUT} - tags_of(args[2]))) | {ATTN}
         elif func in _BATCHED_MATMULS:
             a, b = args[-2], args[-1]
             if tags_of(a) - {NORM, ATTN, INPUT} and tags_of(b) - {NORM, ATTN, INPUT}:
                 if ATTN not in tags:  # q k^T (the weights times v comes after): its inner dim is the head size
-                    self.head_dim.setdefault(frozenset(tags - {NORM}), int(a.shape[-1]))
+                    self.head_dim.setdefault(frozenset(tags - {NORM, INPUT}), int(a.shape[-1]))
+                    tags = tags - {INPUT}
                 tags = tags | {ATTN}
         elif func in _FEATURE_NORMS and inputs and _is_last_dim_reduction(func, args):
             tags = tags | {NORM}
@@ -266,11 +270,15 @@ def _structure(module: nn.Module, args: Any, kwargs: Any) -> tuple | None:
 
 
 def constants_device(gm: torch.fx.GraphModule) -> torch.device | None:
-    """The device a graph's factory calls name (torch.export records the one it traced on)."""
+    """The device a graph's factory calls and moves name (torch.export records the one it traced on):
+    `arange(..., device=cpu)`, or `aten.to.device(x, cpu)`, the only one in a transformers model
+    given its position ids (the rotary table moved to the ids' device)."""
     for n in gm.graph.nodes:
-        device = n.kwargs.get("device") if n.op == "call_function" else None
-        if isinstance(device, (str, torch.device)) and torch.device(device).type != "meta":
-            return torch.device(device)
+        if n.op != "call_function":
+            continue
+        for device in (n.kwargs.get("device"), *(a for a in n.args if isinstance(a, torch.device))):
+            if isinstance(device, (str, torch.device)) and torch.device(device).type != "meta":
+                return torch.device(device)
     return None
 
 

@@ -4,10 +4,12 @@ Under context parallelism (runtime/context.py) each rank of a cp group holds a s
 sequence: 2 * cp chunks, rank i holding chunks i and 2 * cp - 1 - i, so that causal attention costs
 each rank the same (the load balancing of Llama 3, arXiv:2407.21783 Sec. 3.3.2, and torchtitan's
 context parallelism). Token-wise layers need nothing; what depends on a token's place in the
-sequence must ask for it: a model whose position-dependent code reads `sequence_positions()` (the
-zoo's rotary embedding does) says so with a class attribute `positions_from_context = True`, and
-only such models are offered context parallelism. Attention itself is handled by the runtime,
-which intercepts `scaled_dot_product_attention`.
+sequence must be told it. A model source can feed positions through an input (`position_ids`,
+sources/base.py `ModelSource.context_parallel_refusal`: transformers models, model files); a model
+can instead read `sequence_positions()` (the zoo's rotary embedding does) and say so with a class
+attribute `positions_from_context = True`. Models told neither way are not offered context
+parallelism. Attention itself is handled by the runtime, which routes
+`scaled_dot_product_attention` through the cp group.
 
 This is torch's `context_parallel(buffers=..., buffer_seq_dims=...)` contract (the caller names the
 position tables to shard) turned around: the model asks, so a stage needs no list of buffers.
@@ -18,13 +20,42 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["POSITIONS_ATTRIBUTE", "holding_positions", "sequence_positions"]
+__all__ = ["POSITIONS_ATTRIBUTE", "SPLIT_REFUSAL_METHOD", "holding_positions", "positions_refusal_of", "sequence_positions",
+           "sequence_split_refusal", "sum_over_sequence"]
 
 POSITIONS_ATTRIBUTE = "positions_from_context"
 """Class attribute by which a model says its position-dependent code reads `sequence_positions()`."""
+
+SPLIT_REFUSAL_METHOD = "sequence_split_refusal"
+"""A method of a module whose computation spans its sequence beyond attention (a router's capacity and
+load-balancing loss): `module.sequence_split_refusal()` says why its sequences cannot be split over
+a cp group (one line naming the fix), or None when they can (it sums what it counts over the
+sequence with `sum_over_sequence`)."""
+
+
+def sequence_split_refusal(model: torch.nn.Module, has_experts: bool) -> str | None:
+    """Why `model`'s modules keep its sequences whole, or None: each module's own verdict
+    (`SPLIT_REFUSAL_METHOD`); a model with experts (`has_experts`, graph/experts.py) whose modules
+    give none routes and balances over whole sequences as far as anyone knows."""
+    verdicts = [getattr(m, SPLIT_REFUSAL_METHOD)() for m in model.modules() if hasattr(m, SPLIT_REFUSAL_METHOD)]
+    if has_experts and not verdicts:
+        return "its experts take a capacity and a balance loss per whole sequence"
+    return next((v for v in verdicts if v is not None), None)
+
+
+def positions_refusal_of(model: torch.nn.Module) -> str | None:
+    """Why `model` alone (no model source to feed it positions) cannot be told its tokens' positions,
+    or None when it reads `sequence_positions()`."""
+    if getattr(type(model), POSITIONS_ATTRIBUTE, False):
+        return None
+    return (f"{type(model).__name__} cannot be told its tokens' positions: give its forward a position_ids "
+            "argument (int64, batch x sequence) used for its position embeddings, or read autoplan's "
+            "sequence_positions()")
+
 
 # Process-wide, not thread-local: on CUDA the autograd engine runs backward passes, and the
 # forwards that recomputation replays inside them, on its own device threads, which must see
@@ -38,12 +69,28 @@ def sequence_positions() -> torch.Tensor | None:
     return getattr(_state, "positions", None)
 
 
+def sum_over_sequence(value: torch.Tensor) -> torch.Tensor:
+    """`value`, a count over this process's tokens of each sequence, summed over the processes that
+    hold the rest of it (the cp group; not differentiated): `value` itself when it holds whole
+    sequences. Megatron-LM sums a router's tokens per expert over its tp x cp group before the
+    load-balancing loss the same way (megatron/core/transformer/moe/router.py, TopKRouter)."""
+    group = getattr(_state, "group", None)
+    if group is None:
+        return value
+    import torch.distributed as dist
+
+    total = value.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total
+
+
 @contextlib.contextmanager
-def holding_positions(positions: torch.Tensor | None) -> Iterator[None]:
-    """Code inside this block computes on the tokens at `positions` of each sequence."""
-    previous = sequence_positions()
-    _state.positions = positions
+def holding_positions(positions: torch.Tensor | None, group: Any = None) -> Iterator[None]:
+    """Code inside this block computes on the tokens at `positions` of each sequence; `group` (a
+    process group) holds the rest of each sequence."""
+    previous = sequence_positions(), getattr(_state, "group", None)
+    _state.positions, _state.group = positions, group
     try:
         yield
     finally:
-        _state.positions = previous
+        _state.positions, _state.group = previous

@@ -52,6 +52,7 @@ from autoplan.graph.block_cost import (
 from autoplan.graph.blocks import Block, ModelProfile
 from autoplan.graph.fake_run import FakeRun, ProfileError, dtype_name, fake_like, nbytes, run_fake, tensors_in
 from autoplan.graph.operators import UnpricedOperator, merge_batches
+from autoplan.graph.positions import positions_refusal_of
 from autoplan.graph.profile_cache import analytic_key, profile_cache_dir, read_cached, timed_key, write_cached
 from autoplan.graph.profile_extra import (
     context_parallel_support,
@@ -384,17 +385,22 @@ def profile_traced(
 
 
 def profile_module(model: nn.Module, traced: TracedModel, graph_inputs: Sequence[Any], *, model_name: str,
-                   info: dict[str, int | None] | None = None, **options: Any) -> ModelProfile:
+                   info: dict[str, int | None] | None = None, positions_refusal: str | None = "",
+                   **options: Any) -> ModelProfile:
     """`profile_traced` for `traced`, the graph of `model`, run on `graph_inputs`: with the model's
     config numbers (`config_info`, each overridden by `info` where that is set), its fingerprint, and
-    whether context parallelism can split its sequences (`extra["context_parallel"]`). `options` are
+    whether context parallelism can split its sequences (`extra["context_parallel"]`: the source's
+    `positions_refusal`, None when it tells the model its positions; by default whether the model
+    reads `sequence_positions()`, graph/positions.py). `options` are
     `profile_traced`'s (dtype, device, batch_size, seq_len, warmup, repeats, cache_dir, progress). The
     one path from a built model to its profile, for `profile_model` and `autoplan.api.profile_with_graph`."""
     merged = config_info(model)
     merged.update({k: v for k, v in (info or {}).items() if v is not None})
     profile = profile_traced(traced, graph_inputs, model_name=model_name, fingerprint=model_fingerprint(model),
                              info=merged, **options)
-    extra = {**profile.extra, "context_parallel": context_parallel_support(model, profile)}
+    if positions_refusal == "":
+        positions_refusal = positions_refusal_of(model)
+    extra = {**profile.extra, "context_parallel": context_parallel_support(model, profile, positions_refusal)}
     return dataclasses.replace(profile, extra=extra)
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.experts import expert_modules
 from autoplan.graph.fake_run import nbytes
-from autoplan.graph.positions import POSITIONS_ATTRIBUTE
+from autoplan.graph.positions import sequence_split_refusal
 from autoplan.graph.trace import TracedModel
 
 __all__ = ["context_parallel_support", "experts_summary", "recording_expert_inputs", "tensor_parallel_summary"]
@@ -96,19 +96,21 @@ def _named_modules_under(gm: nn.Module, path: str) -> list[tuple[str, nn.Module]
     return [(f"{path}.{name}" if name else path, m) for name, m in module.named_modules()]
 
 
-def context_parallel_support(model: nn.Module, profile: ModelProfile) -> dict[str, Any]:
+def context_parallel_support(model: nn.Module, profile: ModelProfile, positions_refusal: str | None) -> dict[str, Any]:
     """Whether the runtime can split this model's sequences over ranks (runtime/context.py), and
-    why not: the model must read its positions from `sequence_positions()` (graph/positions.py),
-    compute attention with `scaled_dot_product_attention` (which the runtime intercepts; the
-    profile lists it as a fused attention operator), and hold no per-sequence state across tokens
-    other than attention (a mixture of experts' per-sequence capacity and balance loss)."""
-    if not getattr(type(model), POSITIONS_ATTRIBUTE, False):
-        why = (f"{type(model).__name__} does not read token positions from autoplan's sequence_positions() "
-               "(graph/positions.py; the zoo's llama does)")
+    why not: the model must be told its tokens' positions (`positions_refusal`, the model source's
+    verdict: `ModelSource.context_parallel_refusal`), compute attention with
+    `scaled_dot_product_attention` (which the runtime routes through the cp group; the profile lists
+    it as a fused attention operator), and hold no per-sequence state across tokens other than
+    attention unless it sums it over the sequence (graph/positions.py `sequence_split_refusal`: a
+    mixture of experts' capacity and balance loss)."""
+    split = sequence_split_refusal(model, bool(profile.extra.get("experts")))
+    if positions_refusal is not None:
+        why = positions_refusal
     elif not any(op.kind == "attention" for b in profile.blocks for op in b.ops):
-        why = "it calls no scaled_dot_product_attention, the attention context parallelism intercepts"
-    elif profile.extra.get("experts"):
-        why = "its experts take a capacity and a balance loss per whole sequence"
+        why = "it calls no scaled_dot_product_attention, the attention context parallelism splits"
+    elif split is not None:
+        why = split
     else:
         return {"allowed": True, "note": ""}
     return {"allowed": False, "note": why}

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoplan.graph.aux_loss import attach_aux_loss
+from autoplan.graph.positions import sum_over_sequence
 from autoplan.models.common import INIT_STD, _embedding
 from autoplan.models.config import MoEConfig
 from autoplan.models.llama import LlamaAttention, LlamaMLP, LlamaModel
@@ -103,10 +104,29 @@ class MoEFeedForward(nn.Module):
             # Switch Transformer's load-balancing loss (arXiv:2101.03961 Eq. 4-6), per sequence:
             # E * sum_e f_e * P_e with f_e the share of the sequence's picks routed to e (not
             # differentiable) and P_e its mean router probability; averaged over sequences.
-            share = picks.float().mean(dim=1)
+            # Under context parallelism f_e counts the picks of the whole sequence: summed over the
+            # ranks holding its other chunks (graph/positions.py, as Megatron-LM's TopKRouter sums
+            # tokens_per_expert over tp x cp); P_e stays this rank's, and the mean of the ranks'
+            # losses (the dp average, cp folded in) is the whole sequence's.
+            counts = picks.float().sum(dim=1)  # (b, E) and the picks made, summed in one collective
+            counts = sum_over_sequence(torch.cat([counts, counts.new_full((b, 1), picks.shape[1])], dim=1))
+            share = counts[:, :-1] / counts[:, -1:]
             balance = E * (share * probs.mean(dim=1)).sum(dim=1).mean()
             out = attach_aux_loss(out, self.aux_loss_coef * balance)
         return out
+
+
+    def sequence_split_refusal(self) -> str | None:
+        """Why this layer's sequences cannot be split over a cp group (graph/positions.py), or None:
+        an expert's capacity is counted over the tokens a rank holds, so it drops other tokens than
+        a whole sequence would, unless it can take them all (no token is ever dropped). The
+        load-balancing loss sums its counts over the sequence (`forward`)."""
+        whole = self.num_experts / self.top_k
+        if self.capacity_factor < whole:
+            return (f"its experts drop tokens over a capacity counted per sequence (capacity_factor "
+                    f"{self.capacity_factor:g} < num_experts / experts_per_token = {whole:g}), which a rank holding "
+                    f"part of each sequence counts differently; set capacity_factor={whole:g} (drops nothing)")
+        return None
 
 
 class MoELayer(nn.Module):

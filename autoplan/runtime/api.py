@@ -34,7 +34,7 @@ from torch import nn
 from autoplan._checks import require, require_int, require_strings
 from autoplan.graph.profile import model_fingerprint
 from autoplan.plan import Plan, PlanError, validate
-from autoplan.runtime.context import apply_context_parallel, refuse_context_parallel
+from autoplan.runtime.context import apply_context_parallel, refuse_context_parallel, whole_sequence_output
 from autoplan.runtime.data_parallel import apply_data_parallel
 from autoplan.runtime.errors import PartitionError
 from autoplan.runtime.executor import build_executor
@@ -175,7 +175,9 @@ def _with_batch(value: Any, batch: int | None, size: int) -> Any:
 #   allocated (each drawn as its slice of the full model's values); after it on real weights, once
 #   the dp replicas hold dp rank 0's weights, so every tp rank slices the same tensors
 #   (tensor_parallel.py). Sequence parallelism cuts the stage specs here too.
-# - context parallel: no stage changes, only the attention entered around each step (context.py).
+# - context parallel: the stages' attention calls routed to the name that the cp attention replaces
+#   around each step (context.py); the model was traced at a rank's share of the sequence
+#   (`_source_on_meta`), the shapes torch.export bakes in.
 # - expert parallel, on initialized weights: the experts are found before they are sliced
 #   (experts.py).
 # - precision, after every step that replaces parameters: the fp32 masters are the final
@@ -232,7 +234,7 @@ def partition(
                                plan.sequence_parallel)
     refuse_fused_qkv(tp_plan, plan)
     specs = stage_specs(traced, graph_inputs, plan, model, device)
-    refuse_context_parallel(model, traced, plan)
+    refuse_context_parallel(source, model, traced, plan)
     refuse_expert_parallel(traced, plan)
 
     init_distributed(timeout, world_size=plan.num_gpus)
@@ -256,7 +258,7 @@ def partition(
                             input_names=traced.input_names, aliases=aliases, device=device,
                             batch_size_of_example=batch_size_of(graph_inputs), precision=build.precision,
                             compute_dtype=build.compute_dtype, source=source, expert_params=build.expert_params,
-                            context=build.context, output_template=output_template)
+                            context=build.context, output_template=whole_sequence_output(output_template, plan))
 
 
 def _check_plan_for(model: nn.Module, plan: Plan) -> None:
@@ -283,7 +285,7 @@ def _source_on_meta(model: nn.Module | str | ModelSource, plan: Plan, example_in
                     loss_fn: Callable[..., torch.Tensor] | None):
     """The model's source, the model built from it on meta, the loss (`loss_fn`, else the source's)
     and the example inputs (the source's at the micro-batch size and the plan's sequence length,
-    unless given for that length)."""
+    unless given for that length; under cp, the length of a rank's share)."""
     try:
         source = as_source(model, example_inputs, loss_fn)
     except ValueError as exc:
@@ -291,6 +293,10 @@ def _source_on_meta(model: nn.Module | str | ModelSource, plan: Plan, example_in
     model = source.build("meta")
     loss_fn = loss_fn or source.loss_fn
     seq_len = plan.job.seq_len if source.default_seq_len is not None else None
+    if seq_len is not None and plan.cp > 1:
+        # Traced at this rank's share of each sequence: the shapes torch.export bakes into a graph
+        # are those the stages run at (runtime/context.py).
+        seq_len //= plan.cp
     if example_inputs is None or (seq_len is not None and seq_len != source.default_seq_len):
         example_inputs = source.example_inputs(plan.micro_batch_size, seq_len, device="meta")
     return source, model, loss_fn, example_inputs

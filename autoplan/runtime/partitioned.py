@@ -281,7 +281,7 @@ class PartitionedModel:
         start_step(self._fsdp_roots, self.plan.pp)
         with recording_aux_losses() as aux_losses:
             if self.context is not None:  # this rank's chunks of every sequence (runtime/context.py)
-                with holding_positions(self.context.positions), self.context:
+                with holding_positions(self.context.positions, self.context.group), self.context:
                     loss = self.executor.run(microbatches)
             else:
                 loss = self.executor.run(microbatches)

@@ -191,8 +191,6 @@ def stage_specs(traced: TracedModel, graph_inputs: Sequence[Any], plan: Plan, mo
             shape = list(value.shape)
             if value.dim() > 0 and shape[0] == batch:
                 shape[0] = plan.micro_batch_size
-            if plan.cp > 1 and value.dim() > 1 and shape[1] == plan.job.seq_len:  # this rank's share of it
-                shape[1] = plan.job.seq_len // plan.cp
             value = torch.empty(shape, dtype=value.dtype, device=prop_device)
         fake_inputs[name] = value
     values = propagate_values(traced, fake_inputs)

@@ -349,8 +349,10 @@ def _local_attention(q, k, v, attn_mask=None, *args, **kwargs):
     else on the whole (replicated) tensors; the result is a DTensor of that placement."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    # The kernel by its name, looked up when called: context parallelism replaces it for the step
+    # (runtime/context.py).
     if not isinstance(q, DTensor):
-        return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, attn_mask, *args, **kwargs)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask, *args, **kwargs)
     mesh = q.device_mesh
     n = mesh.size()
     heads_split = q.dim() == 4 and q.shape[1] % n == 0 and k.shape[1] % n == 0
@@ -368,8 +370,8 @@ def _local_attention(q, k, v, attn_mask=None, *args, **kwargs):
             t = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
         return t.redistribute(mesh, placements if per_head else [Replicate()]).to_local()
 
-    out = torch.ops.aten.scaled_dot_product_attention.default(local(q), local(k), local(v), local(attn_mask),
-                                                              *args, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(local(q), local(k), local(v), local(attn_mask), *args,
+                                                          **kwargs)
     return DTensor.from_local(out, mesh, placements, run_check=False)
 
 

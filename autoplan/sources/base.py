@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoplan import models
+from autoplan.graph.positions import positions_refusal_of
 
 __all__ = [
     "InputTemplate", "ModelSource", "SourceError", "default_loss", "default_target", "first_tensor",
@@ -101,7 +102,9 @@ class InputTemplate:
 
     `batch_dim` / `seq_dim` are the dimensions that follow the batch and the sequence (None when
     the input has none); integer inputs are drawn in [low, high) (token ids below the vocabulary),
-    float inputs from a standard normal; a non-tensor is passed as it is."""
+    float inputs from a standard normal; a non-tensor is passed as it is. `positions`: the input
+    holds each token's position in its sequence (`arange` along `seq_dim`), the `position_ids` by
+    which context parallelism tells a model where its tokens are (runtime/context.py)."""
 
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None
@@ -110,6 +113,7 @@ class InputTemplate:
     batch_dim: int | None = 0
     seq_dim: int | None = None
     constant: Any = None
+    positions: bool = False
 
     def make(self, batch_size: int, seq_len: int | None, *, device: torch.device | str = "meta",
              generator: torch.Generator | None = None) -> Any:
@@ -125,6 +129,10 @@ class InputTemplate:
             return torch.empty(shape, dtype=self.dtype, device=device)
         if self.dtype == torch.bool:
             return torch.ones(shape, dtype=torch.bool, device=device)
+        if self.positions:
+            view = [1] * len(shape)
+            view[self.seq_dim] = shape[self.seq_dim]
+            return torch.arange(shape[self.seq_dim], device=device).to(self.dtype).view(view).expand(shape).clone()
         if self.dtype.is_floating_point:
             return torch.randn(shape, generator=generator).to(device=device, dtype=self.dtype)
         return torch.randint(self.low, self.high, shape, generator=generator).to(device=device, dtype=self.dtype)
@@ -232,6 +240,17 @@ class ModelSource(ABC):
     def file_digest(self) -> str | None:
         """sha256 of the file the model comes from, when it comes from one."""
         return None
+
+    def context_parallel_refusal(self, model: nn.Module) -> str | None:
+        """Why context parallelism cannot split this source's sequences (one line naming the fix), or
+        None when it can: the model must be told its tokens' positions, by an input the source feeds
+        them through (an `InputTemplate` with `positions`: a forward argument named `position_ids`)
+        or by reading `sequence_positions()` (graph/positions.py). Its attention must be
+        `scaled_dot_product_attention`, which the runtime routes through the cp group; the profile
+        checks that on the graph (graph/profile_extra.py)."""
+        if any(t.positions for t in self.input_templates()):
+            return None
+        return positions_refusal_of(model)
 
     def check_seq_len(self, seq_len: int | None) -> None:
         """Refuse (one line) a sequence length the model cannot take."""

@@ -57,6 +57,7 @@ from autoplan.sources.base import (
     parameters_on_meta,
     to_empty_keeping_ties,
 )
+from autoplan.sources.hf_context import context_parallel_refusal, use_context_attention
 
 __all__ = ["DEFAULT_SEQ_LEN", "HFSource"]
 
@@ -248,6 +249,7 @@ class HFSource(ModelSource):
         self.name = (path.parent.name if path.name == "config.json" else path.name) if path is not None else body
         _check_sizes(config, f"hf: the {config.model_type} config" + (f" {str(path)!r}" if path is not None else ""))
         self._model_class = self._pick_class(config)
+        self._cp_refusal = context_parallel_refusal(config, self._model_class)
         self._reference: nn.Module | None = None
 
     # ---- specs ------------------------------------------------------------------------------
@@ -353,7 +355,13 @@ class HFSource(ModelSource):
         config = copy.deepcopy(self._config)
         if hasattr(config, "use_cache"):
             config.use_cache = False
+        if self._cp_refusal is None:  # [Note: transformers under context parallelism]
+            use_context_attention(config)
         return config
+
+    def context_parallel_refusal(self, model: nn.Module) -> str | None:
+        """[Note: transformers under context parallelism] (hf_context.py)."""
+        return self._cp_refusal
 
     def build(self, device: torch.device | str = "meta") -> nn.Module:
         """The model on meta, or materialized on `device` by `init_weights` (seed 0)."""
@@ -435,6 +443,9 @@ class HFSource(ModelSource):
             wanted = {main: ids}
             if getattr(self._config, "is_encoder_decoder", False):
                 wanted["decoder_input_ids"] = ids
+            if self._cp_refusal is None:  # the positions context parallelism cuts with the ids
+                wanted["position_ids"] = InputTemplate((1, self.default_seq_len), torch.int64, batch_dim=0, seq_dim=1,
+                                                       positions=True)
         else:
             raise SourceError(f"{self.name}: {self._model_class.__name__} takes '{main}' first, which autoplan "
                               "cannot make inputs for; wrap the model in a file.py:function source")

@@ -17,6 +17,7 @@ lookup comes first); an input that reached no embedding falls back to the smalle
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -102,8 +103,14 @@ def _templates_from_examples(examples: Sequence[Any], module: nn.Module) -> tupl
     features)) is the sequence, and so is dim 1 of every other input of that length (masks,
     positions, embeddings); integer inputs keep their value range, or, on meta, are drawn below the
     vocabulary of the embedding they index ([Note: the vocabulary token ids are drawn from]).
-    Images (4-D) have no sequence."""
+    Images (4-D) have no sequence. An integer input that the forward takes as `position_ids` holds
+    positions (`InputTemplate.positions`): `arange` along the sequence, which context parallelism
+    cuts to a rank's tokens (runtime/context.py), as transformers models take them."""
     vocabularies = _vocabularies(module, examples)
+    try:
+        names = [p for p in inspect.signature(module.forward).parameters if p != "self"]
+    except (TypeError, ValueError):
+        names = []
     vocab = _smallest_vocabulary(module)
     tensors = [t for t in examples if isinstance(t, Tensor)]
     batch = next((t.shape[0] for t in tensors if t.dim() > 0), None)
@@ -124,7 +131,9 @@ def _templates_from_examples(examples: Sequence[Any], module: nn.Module) -> tupl
                 low, high = int(value.min()), int(value.max()) + 1
             elif vocabularies.get(k, vocab) is not None:
                 high = vocabularies.get(k, vocab)
-        out.append(InputTemplate(tuple(value.shape), value.dtype, low, high, batch_dim, seq_dim))
+        positions = (k < len(names) and names[k] == "position_ids" and seq_dim is not None
+                     and not value.dtype.is_floating_point and value.dtype != torch.bool)
+        out.append(InputTemplate(tuple(value.shape), value.dtype, low, high, batch_dim, seq_dim, positions=positions))
     return tuple(out)
 
 

@@ -1,0 +1,106 @@
+"""What a transformers model offers context parallelism: its position ids, and the attention it is
+traced with.
+
+Apart from hf.py (building models from configs) because it is one contract, context parallelism's
+(runtime/context.py), and reaches into transformers' attention registry, which nothing else uses.
+
+[Note: transformers under context parallelism]
+Under cp each rank holds 2 of the 2 * cp chunks of every sequence (runtime/context.py), so a model
+must compute with its tokens' true positions and attend to keys it does not hold. transformers
+models say both through what they already take:
+
+- positions: every causal LM's forward takes `position_ids`; the source traces the model with a
+  `position_ids` input of value `arange(seq_len)` (an `InputTemplate` with `positions=True`), and
+  the runtime cuts it to the rank's tokens like the token ids (partitioned.py `shard_sequence`), so
+  rotary (or learned) position embeddings see the positions the tokens have in the whole sequence.
+- attention: the model is built with the attention implementation `autoplan_causal`, registered
+  in transformers' `AttentionInterface`: transformers' own SDPA forward without a mask. It has no entry in the
+  mask interface (`AttentionMaskInterface`), so `create_causal_mask` returns None
+  (masking_utils `_preprocess_mask_arguments`: "custom attention without equivalent mask
+  creation"), and the SDPA forward then calls `scaled_dot_product_attention(..., is_causal=True)`
+  with no mask. Without it, a traced model carries the (S x S) mask transformers writes out from
+  the local length and the position ids (a packed-sequence mask once the local positions jump),
+  which is wrong for a rank's chunks. The runtime routes the traced graph's SDPA through its
+  gathered, chunked attention (runtime/context.py).
+
+The implementation is used for every plan of a model that offers cp (cp 1 too), so `suggest` and
+`run` trace the same graph; it is exact only where the mask is the plain causal (or full) mask, so
+a model whose attention has a sliding window shorter than its position limit, logit soft-capping,
+or which is an encoder-decoder, is not offered it (`context_parallel_refusal`) and keeps
+transformers' own attention.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+__all__ = ["ATTENTION", "context_parallel_refusal", "use_context_attention"]
+
+ATTENTION = "autoplan_causal"
+"""The attention implementation a model offering cp is built with (see the note)."""
+
+
+def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
+               scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any):
+    """transformers' SDPA attention (integrations/sdpa_attention.py) without a mask, refusing what a
+    mask-free call would drop. Grouped-query keys and values are repeated to the query heads, as
+    transformers does when it passes a mask: without one it would call the kernel with
+    `enable_gqa`, which the tensor-parallel analysis (graph/data_flow.py) does not follow, so
+    attention would be left unsharded under tp. Under cp this gathers the repeated heads (num_rep
+    times the bytes of Llama 3's gather, which gathers before the repeat)."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    window = kwargs.get("sliding_window")
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or (
+            window is not None and window < key.shape[-2]):
+        raise RuntimeError(f"{type(module).__name__}: attention with a sliding window, soft-capping or sinks "
+                           f"cannot run as {ATTENTION}; plan this model with --cp 1")
+    if query.shape[1] != key.shape[1]:
+        rep = query.shape[1] // key.shape[1]
+        key, value = repeat_kv(key, rep), repeat_kv(value, rep)
+    causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_context_attention(config: Any) -> None:
+    """Build `config`'s model with the `autoplan_causal` attention (registered on first use)."""
+    from transformers import AttentionInterface
+
+    if ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION, _attention)
+    config._attn_implementation = ATTENTION
+
+
+def _is_causal_lm(config: Any, model_class: type) -> bool:
+    from transformers.models.auto import modeling_auto
+
+    names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, ())
+    return model_class.__name__ in ((names,) if isinstance(names, str) else tuple(names))
+
+
+def context_parallel_refusal(config: Any, model_class: type) -> str | None:
+    """Why the model cannot be split over a cp group (one line naming the fix), or None."""
+    name = model_class.__name__
+    if getattr(model_class, "main_input_name", "input_ids") != "input_ids":
+        return f"{name} takes no token sequence"
+    if getattr(config, "is_encoder_decoder", False):
+        return f"{name} is an encoder-decoder, whose cross-attention context parallelism does not split"
+    if not _is_causal_lm(config, model_class):
+        return f"{name} is not a causal language model (context parallelism here splits causal self-attention)"
+    if "position_ids" not in inspect.signature(model_class.forward).parameters:
+        return f"{name}.forward takes no position_ids, so it cannot be told its tokens' positions"
+    if not getattr(model_class, "_supports_attention_backend", False):
+        return f"{name} does not compute attention through transformers' AttentionInterface"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return f"{name} soft-caps its attention logits, which SDPA does not"
+    window, limit = getattr(config, "sliding_window", None), getattr(config, "max_position_embeddings", None)
+    types = getattr(config, "layer_types", None)
+    if (isinstance(window, int) and (limit is None or window < limit)
+            and getattr(config, "use_sliding_window", True) is not False
+            and (types is None or any("sliding" in str(t) for t in types))):
+        return (f"{name} attends over a sliding window of {window} tokens; set sliding_window={limit or 'null'} "
+                f"(no shorter than max_position_embeddings) or plan it with --cp 1")
+    return None

@@ -1,0 +1,159 @@
+"""Context parallelism beyond the zoo's llama: transformers causal LMs (position ids and their
+attention interface, sources/hf_context.py), a model file whose forward takes `position_ids`, and the
+zoo's mixture of experts (its load-balancing loss counted over the whole sequence). Plans from `autoplan suggest --cp 2 ... --out p.json`, run by
+`autoplan.partition(spec, "p.json").step` on 4 gloo ranks (and one through `autoplan run`),
+against a single-process reference of the whole model: loss and every gradient."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _cli import run_main
+from _dist import run_ranks
+from test_user_paths import GLOBAL_BATCH, MICRO_BATCH, _full, _reference
+
+import autoplan
+
+ROOT = Path(__file__).resolve().parent.parent
+_HF = "num_hidden_layers=2,hidden_size=32,num_attention_heads=4,num_key_value_heads=2,intermediate_size=64," \
+      "vocab_size=128,max_position_embeddings=64"
+MODELS = {
+    "hf-llama": f"hf:llama:{_HF}",
+    "hf-qwen2": f"hf:qwen2:{_HF}",
+    "hf-mistral": f"hf:mistral:{_HF}",  # its 4096-token window never bites within 64 positions
+    "sdpa-file": f"{ROOT / 'tests/user_models/sdpa_positions.py'}:build",
+    # The zoo's mixture of experts with a capacity that drops nothing (num_experts / experts_per_token),
+    # its load-balancing loss on, and a shared expert.
+    "zoo-moe": "moe:num_layers=2,hidden_size=32,num_heads=4,num_kv_heads=2,ffn_hidden_size=48,vocab_size=128,"
+               "max_seq_len=64,num_experts=4,experts_per_token=2,num_shared_experts=1,capacity_factor=2",
+}
+LAYOUTS = {"cp2": ["--tp", "1", "--cp", "2", "--dp", "4", "--pp", "1"],
+           "cp2-pp2": ["--tp", "1", "--cp", "2", "--dp", "2", "--pp", "2"],
+           "cp2-tp2": ["--tp", "2", "--cp", "2", "--dp", "2", "--pp", "1"]}  # tp over an inlined (export) graph
+SEQ_LEN = 32
+
+
+def _suggest(spec: str, layout: str, out: Path) -> Path:
+    result = run_main("suggest", "--model", spec, "--cluster", "1x4xcpu", "--global-batch", str(GLOBAL_BATCH),
+                      "--seq-len", str(SEQ_LEN), "--micro-batch-size", str(MICRO_BATCH), "--dtype", "fp32",
+                      *LAYOUTS[layout], *(["--ep", "1"] if spec.startswith("moe") else []),
+                      "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["cp"] == 2
+    return out
+
+
+def _rank_job(rank: int, world_size: int, cases: dict) -> dict:
+    out = {}
+    for name, (spec, path) in cases.items():
+        pm = autoplan.partition(spec, path, device="cpu")
+        plan, template = pm.plan, pm.output_template
+        inputs, target = pm.source.batch(0, 0, plan.job.global_batch, plan.job.seq_len, template.shape, template.dtype)
+        loss = pm.step(*inputs, target=target)
+        grads = {n: _full(p.grad) for n, p in pm.named_parameters() if p.grad is not None}
+        out[name] = dict(loss=None if loss is None else float(loss),
+                         grads={} if pm.layout.dp_index or pm.layout.tp_index else grads,
+                         batch=(inputs, target) if rank == 0 else None)
+    return out
+
+
+def _check(cases: dict, tmp_path: Path) -> None:
+    """`cases`: name -> (model, layout); each planned by the CLI, run on 4 ranks, checked."""
+    planned = {name: (MODELS[model], str(_suggest(MODELS[model], layout, tmp_path / f"{name}.json")))
+               for name, (model, layout) in cases.items()}
+    results = run_ranks(_rank_job, 4, planned, timeout_s=500, pg_timeout_s=120)
+    for name, (spec, path) in planned.items():
+        plan = autoplan.Plan.load(path)
+        inputs, target = results[0][name]["batch"]
+        assert spec.startswith("moe") or any(isinstance(x, torch.Tensor) and x.shape == (GLOBAL_BATCH, SEQ_LEN) and
+                   torch.equal(x[0], torch.arange(SEQ_LEN)) for x in inputs), f"{name}: no position ids fed"  # the zoo reads them
+        model, ref_loss, ref_grads = _reference(spec, plan, inputs, target)
+        losses = [r[name]["loss"] for r in results.values() if r[name]["loss"] is not None]
+        rtol = 1e-4 if plan.tp > 1 else 1e-5
+        assert losses and all(loss == pytest.approx(ref_loss, rel=rtol) for loss in losses), (name, losses, ref_loss)
+        grads = {}
+        for r in results.values():
+            grads.update(r[name]["grads"])
+        assert set(grads) == {n for n in ref_grads if n in grads} and len(grads) >= len(dict(model.named_parameters()))
+        scale = max(float(g.abs().max()) for g in ref_grads.values())
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=rtol, atol=rtol * scale,
+                                       msg=lambda m, n=n, name=name: f"{name}: {n}: {m}")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_transformers_llama_a_model_file_and_the_zoo_moe_at_cp2_match_a_single_process(tmp_path):
+    _check({"hf-llama-cp2-pp2": ("hf-llama", "cp2-pp2"), "sdpa-file-cp2": ("sdpa-file", "cp2"),
+            "zoo-moe-cp2": ("zoo-moe", "cp2")}, tmp_path)
+
+
+@pytest.mark.multiproc
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+def test_transformers_models_at_cp2_and_cp2_pp2_match_a_single_process(tmp_path):
+    cases = {f"{model}-{layout}": (model, layout) for model in ("hf-llama", "hf-qwen2", "hf-mistral")
+             for layout in ("cp2", "cp2-pp2") if (model, layout) != ("hf-llama", "cp2-pp2")}
+    cases["hf-llama-cp2-tp2"] = ("hf-llama", "cp2-tp2")
+    _check(cases, tmp_path)
+
+
+@pytest.mark.multiproc
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+def test_transformers_llama_at_cp2_through_autoplan_run(tmp_path):
+    path = _suggest(MODELS["hf-llama"], "cp2-pp2", tmp_path / "p.json")
+    run = subprocess.run([sys.executable, "-m", "autoplan", "run", str(path), "--steps", "2"], capture_output=True,
+                         text=True, timeout=280)
+    assert run.returncode == 0 and "step 1" in run.stdout, run.stderr[-2000:]
+
+
+def test_the_model_source_says_whether_it_offers_cp():
+    """The source tells the model its positions (a `position_ids` input it feeds), or says why not."""
+    from autoplan.sources import parse_source
+
+    for spec in (MODELS["hf-llama"], MODELS["sdpa-file"]):
+        source = parse_source(spec)
+        assert source.context_parallel_refusal(source.build("meta")) is None, spec
+        assert any(t.positions for t in source.input_templates()), spec
+    gemma2 = parse_source(f"hf:gemma2:{_HF},head_dim=8")
+    assert "soft-caps its attention logits" in gemma2.context_parallel_refusal(gemma2.build("meta"))
+    window = parse_source(f"hf:mistral:{_HF},sliding_window=16")
+    assert "sliding window of 16 tokens" in window.context_parallel_refusal(window.build("meta"))
+
+
+def test_the_cp_attention_of_a_transformers_model_is_its_own():
+    """The attention a model offering cp is built with (no mask, `is_causal`) computes what
+    transformers' own SDPA attention does."""
+    import transformers
+
+    from autoplan.sources import parse_source
+
+    source = parse_source(MODELS["hf-llama"])
+    model = source.build("cpu")
+    config = source.config
+    config._attn_implementation = "sdpa"
+    own = transformers.LlamaForCausalLM(config)
+    own.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (2, SEQ_LEN))
+    torch.testing.assert_close(model(ids).logits, own(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("model", "words"), [
+    (f"{ROOT / 'tests/user_models/sdpa_positions.py'}:build_without_positions",
+     "ArangeModel cannot be told its tokens' positions: give its forward a position_ids argument"),
+    (f"hf:gemma2:{_HF},head_dim=8", "Gemma2ForCausalLM soft-caps its attention logits"),
+    (MODELS["zoo-moe"].replace("capacity_factor=2", "capacity_factor=1.25"),
+     "its experts drop tokens over a capacity counted per sequence (capacity_factor 1.25 < num_experts / "
+     "experts_per_token = 2), which a rank holding part of each sequence counts differently; set capacity_factor=2"),
+])
+def test_cp_is_refused_in_one_line_for_a_model_that_cannot_be_told_its_positions(model, words):
+    result = run_main("suggest", "--model", model, "--cluster", "1x4xcpu", "--global-batch", "8", "--seq-len", "32",
+                      "--cp", "2")
+    assert result.returncode == 2 and words in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
