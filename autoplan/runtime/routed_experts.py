@@ -124,8 +124,9 @@ class RoutedDispatch:
         from torch.distributed.tensor import DTensor, Replicate
 
         mesh = tokens.device_mesh if isinstance(tokens, DTensor) else None
-        if mesh is not None:  # a stage of an inlined graph under tp: whole local tensors in, Replicate out
-            tokens, indices, weights = (x.to_local() if isinstance(x, DTensor) else x for x in (tokens, indices, weights))
+        if mesh is not None:  # a stage of an inlined graph under tp: whole tensors in (a row-parallel
+            # linear's output may still be partial sums), Replicate out
+            tokens, indices, weights = (x.full_tensor() if isinstance(x, DTensor) else x for x in (tokens, indices, weights))
         if self.tp > 1:
             if tokens.shape[0] % self.tp:
                 raise RuntimeError(f"expert parallelism: tp {self.tp} does not divide the {tokens.shape[0]} tokens "
