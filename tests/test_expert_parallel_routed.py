@@ -9,9 +9,9 @@ are exact up to rounding."""
 from __future__ import annotations
 
 import pytest
-import torch
 from _dist import run_ranks
-from test_user_paths import GLOBAL_BATCH, MICRO_BATCH, _full, _reference
+from test_expert_parallel import check_against_reference, step_and_collect
+from test_user_paths import GLOBAL_BATCH, MICRO_BATCH
 
 import autoplan
 from autoplan.cli import main
@@ -46,24 +46,7 @@ def _suggest(spec: str, pins: list[str], out) -> None:
 
 
 def _rank_job(rank: int, world_size: int, spec: str, plan_files: dict) -> dict:
-    out = {}
-    for name, path in plan_files.items():
-        pm = autoplan.partition(spec, path, device="cpu")
-        plan, template = pm.plan, pm.output_template
-        inputs, target = pm.source.batch(0, 0, plan.job.global_batch, plan.job.seq_len, template.shape, template.dtype)
-        loss = pm.step(*inputs, target=target)
-        experts = {id(p) for p in pm.expert_params}
-        grads, slices = {}, {}
-        whole = [(n, p, _full(p.grad)) for n, p in pm.named_parameters()]  # collective for tp shards
-        if pm.layout.tp_index == 0 and pm.layout.dp_index < plan.ep:  # one ep group holds every expert once
-            for n, p, g in whole:
-                if id(p) in experts:
-                    slices[n] = (pm.layout.ep_index, g)
-                elif pm.layout.dp_index == 0:
-                    grads[n] = g
-        out[name] = dict(loss=None if loss is None else float(loss), grads=grads, slices=slices,
-                         batch=(inputs, target) if rank == 0 else None)
-    return out
+    return {name: step_and_collect(autoplan.partition(spec, path, device="cpu"), rank) for name, path in plan_files.items()}
 
 
 def _check(model: str, layouts: list[str], tmp_path) -> None:
@@ -73,29 +56,10 @@ def _check(model: str, layouts: list[str], tmp_path) -> None:
         files[name] = tmp_path / f"{name}.json"
         _suggest(spec, LAYOUTS[name], files[name])
     results = run_ranks(_rank_job, 4, spec, {n: str(f) for n, f in files.items()}, timeout_s=500, pg_timeout_s=120)
-    inputs, target = results[0][layouts[0]]["batch"]
     for name, path in files.items():
         plan = autoplan.Plan.load(path)
         assert plan.ep == 2 and plan.expert_tp == 1, (name, plan.ep)
-        _, ref_loss, ref_grads = _reference(spec, plan, inputs, target)
-        losses = [r[name]["loss"] for r in results.values() if r[name]["loss"] is not None]
-        assert losses and all(loss == pytest.approx(ref_loss, rel=1e-5) for loss in losses), (name, losses, ref_loss)
-        grads = {}
-        pieces: dict[str, dict[int, torch.Tensor]] = {}
-        for r in results.values():
-            grads.update(r[name]["grads"])
-            for n, (index, g) in r[name]["slices"].items():
-                pieces.setdefault(n, {})[index] = g
-        assert pieces, f"{name}: no expert parameters were split"
-        for n, parts in pieces.items():
-            assert sorted(parts) == [0, 1], (name, n, sorted(parts))
-            grads[n] = torch.cat([parts[0], parts[1]])
-        assert set(grads) == set(ref_grads), (name, set(ref_grads) ^ set(grads))
-        rtol = 1e-4 if plan.tp > 1 else 1e-5
-        scale = max(float(g.abs().max()) for g in ref_grads.values())
-        for n, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[n], rtol=rtol, atol=rtol * scale,
-                                       msg=lambda m, n=n, name=name: f"{model} {name}: {n}: {m}")
+        check_against_reference(spec, f"{name}", plan, results)
 
 
 @pytest.mark.multiproc
