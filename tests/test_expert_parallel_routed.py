@@ -9,6 +9,7 @@ are exact up to rounding."""
 from __future__ import annotations
 
 import pytest
+import torch
 from _dist import run_ranks
 from test_expert_parallel import check_against_reference, step_and_collect
 from test_user_paths import GLOBAL_BATCH, MICRO_BATCH
@@ -102,3 +103,48 @@ def test_dropless_routing_plans_and_counts_every_token():
     assert one.blocks[1].fwd_flops < two.blocks[1].fwd_flops
     plan = autoplan.suggest(dropless, "1x4xcpu", global_batch=8, seq_len=SEQ_LEN, ep=2, top=1)[0]
     assert plan.ep == 2
+
+
+class _Experts(torch.nn.Module):
+    """Routed experts by the contract's facts: `num_experts`, stacked weights, (tokens, indices, weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = 4
+        self.w = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, tokens, indices, weights):
+        return (torch.einsum("th,tkhg->tkg", tokens, self.w[indices]) * weights.unsqueeze(-1)).sum(1)
+
+
+class _MoE(torch.nn.Module):
+    """A router and its experts, run once or (`twice`) twice per forward: then no one exchange of
+    tokens serves them."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__()
+        self.router, self.experts, self.twice = torch.nn.Linear(8, 4), _Experts(), twice
+
+    def forward(self, x):
+        weights, indices = self.router(x).softmax(-1).topk(2, -1)
+        out = self.experts(x, indices, weights)
+        return self.experts(out, indices, weights) if self.twice else out
+
+
+@pytest.mark.parametrize(("tracer", "twice", "words"), [
+    ("export", True, "'experts' is called 2 times"),
+    ("fx", False, "the graph inlines 'experts' without the shapes of its inputs (fx); keep it whole with --leaf-modules"),
+])
+def test_experts_the_graph_does_not_call_once_are_refused_in_one_line(tracer, twice, words):
+    """Before any process group (runtime/experts.py `refuse_expert_parallel`), one line saying why."""
+    from types import SimpleNamespace
+
+    from autoplan.graph.trace import trace_model
+    from autoplan.runtime.errors import PartitionError
+    from autoplan.runtime.experts import refuse_expert_parallel
+
+    model = _MoE(twice)
+    traced = trace_model(model, (torch.randn(6, 8),), tracer=tracer)
+    with pytest.raises(PartitionError) as info:
+        refuse_expert_parallel(model, traced, SimpleNamespace(ep=2))
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)

@@ -105,8 +105,11 @@ class InlinedCall:
     """Every node the call computes, in graph order (the parameters' get_attr nodes excluded)."""
 
 
-def _module_paths(node: fx.Node) -> list[str]:
-    return [entry[0] for entry in (node.meta.get("nn_module_stack") or {}).values()]
+def _module_calls(node: fx.Node, path: str) -> set[str]:
+    """The keys of `node`'s module-stack entries for the module at `path` (a node inside one of
+    its children has that entry too): one key per call of the module (torch.export names a second
+    call `...@1`)."""
+    return {key for key, entry in (node.meta.get("nn_module_stack") or {}).items() if entry[0] == path}
 
 
 def inlined_call(gm: fx.GraphModule, path: str) -> InlinedCall | str | None:
@@ -114,16 +117,17 @@ def inlined_call(gm: fx.GraphModule, path: str) -> InlinedCall | str | None:
     (torch.export); None where no node of the graph runs inside it (a graph that calls it as a
     module, or does not call it); a one-line reason where its nodes do not form one call of three
     inputs and one output."""
-    inside = path + "."
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"
-             and any(p == path or p.startswith(inside) for p in _module_paths(n))]
+    calls = {n: _module_calls(n, path) for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
+    nodes = [n for n, keys in calls.items() if keys]
     if not nodes:
         return None
+    times = len(set().union(*calls.values()))
+    if times > 1:
+        return f"'{path}' is called {times} times (expert parallelism exchanges the tokens of one call per module)"
     members = set(nodes)
-    own = (path + ".", )
 
     def external(arg: fx.Node) -> bool:
-        return arg not in members and not (arg.op == "get_attr" and str(arg.target).startswith(own))
+        return arg not in members and not (arg.op == "get_attr" and str(arg.target).startswith(path + "."))
 
     inputs: list[fx.Node] = []
     for node in nodes:
@@ -132,6 +136,9 @@ def inlined_call(gm: fx.GraphModule, path: str) -> InlinedCall | str | None:
                 inputs.append(arg)
     outputs = [n for n in nodes if any(user not in members for user in n.users)]
     vals = [a.meta.get("val") for a in inputs]
+    if any(v is None for v in vals):  # fx records no shapes
+        return (f"the graph inlines '{path}' without the shapes of its inputs (fx); keep it whole with "
+                f"--leaf-modules {path}")
     if len(inputs) != 3 or len(outputs) != 1 or not all(isinstance(v, torch.Tensor) for v in vals):
         return (f"'{path}' is called with {len(inputs)} tensors and gives {len(outputs)} "
                 "(routed experts take tokens, expert indices and weights and give one tensor)")

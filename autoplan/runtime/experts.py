@@ -239,12 +239,12 @@ def apply_expert_parallel(build: StageBuild, plan: Plan, layout: ParallelLayout)
     """The expert-parallel step (ep > 1): each rank keeps its 1/ep of the experts of both contracts
     (`shard_experts`, `shard_routed_experts`). The grouped-experts modules are found before slicing:
     a slice no longer has num_experts experts (graph/experts.py); FSDP shards them apart (fsdp.py).
-    Under tp (without FSDP, which reduces the experts' gradients over the expert replicas alone)
-    each tp rank sends its 1/tp of the tokens ([Note: expert tp 1] in routed_experts.py), and the
+    Under tp with expert tp 1 (`Plan.expert_tp`; without FSDP, which reduces the experts' gradients
+    over the expert replicas alone) each tp rank sends its 1/tp of the tokens ([Note: expert tp 1] in routed_experts.py), and the
     expert gradients are summed over tp too (`ParallelLayout.expert_dp_group`)."""
     if plan.ep == 1:
         return
-    split = plan.tp > 1 and plan.zero < 2
+    split = plan.tp > 1 and plan.expert_tp == 1 and plan.zero < 2
     tp = (layout.tp_mesh.get_group(), layout.tp_index, plan.tp) if split else ()
     model = getattr(build, "model", None)
     build.experts_of = {i: list(expert_modules(module).values()) for i, module in build.modules.items()}
