@@ -125,13 +125,26 @@ def shard_experts(modules: Iterable[nn.Module], group: dist.ProcessGroup, ep_ind
     return kept
 
 
+class _ModuleCall:
+    """A graph node's target that calls a module: the routed experts an inlined graph calls again
+    (`_call_as_module`). A function node, not `call_module`: FSDP makes every module a graph calls
+    whole a unit over dp (fsdp.py `unit_paths`), where the experts are units over their own replicas."""
+
+    def __init__(self, module: nn.Module, path: str):
+        self.module = module
+        self.__name__ = "experts_" + path.replace(".", "_")
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.module(*args)
+
+
 def _call_as_module(gm: fx.GraphModule, path: str, call: InlinedCall) -> None:
     """Replace the inlined nodes of a routed-experts call by one call of the module at `path`
     (named as the call's output was, so what refers to it by name still finds it)."""
     graph = gm.graph
     name = call.output.name
     with graph.inserting_after(call.output):
-        node = graph.call_module(path, (call.tokens, call.indices, call.weights))
+        node = graph.call_function(_ModuleCall(gm.get_submodule(path), path), (call.tokens, call.indices, call.weights))
     node.meta = dict(call.output.meta)
     call.output.replace_all_uses_with(node)
     for old in reversed(call.nodes):
