@@ -27,25 +27,52 @@ LAYOUTS = {
 }
 
 
+def step_and_collect(pm, rank: int) -> dict:
+    """One step of `pm` on the source's batch: the loss, and the gradients one ep group holds (the
+    experts' slices by ep index, the rest from dp rank 0), whole (collective for tp shards)."""
+    plan, template = pm.plan, pm.output_template
+    inputs, target = pm.source.batch(0, 0, plan.job.global_batch, plan.job.seq_len, template.shape, template.dtype)
+    loss = pm.step(*inputs, target=target)
+    experts = {id(p) for p in pm.expert_params}
+    grads, slices = {}, {}
+    whole = [(n, p, _full(p.grad)) for n, p in pm.named_parameters()]  # collective for tp shards
+    if pm.layout.tp_index == 0 and pm.layout.dp_index < plan.ep:  # one ep group holds every expert once
+        for n, p, g in whole:
+            if id(p) in experts:
+                slices[n] = (pm.layout.ep_index, g)
+            elif pm.layout.dp_index == 0:
+                grads[n] = g
+    return dict(loss=None if loss is None else float(loss), grads=grads, slices=slices,
+                batch=(inputs, target) if rank == 0 else None)
+
+
+def check_against_reference(spec: str, name: str, plan, results: dict) -> None:
+    """The loss and every gradient of layout `name` (`step_and_collect` on every rank) against a
+    single process (tests/test_user_paths.py `_reference`), the experts' slices put back together."""
+    inputs, target = results[0][name]["batch"]
+    model, ref_loss, ref_grads = _reference(spec, plan, inputs, target)
+    losses = [r[name]["loss"] for r in results.values() if r[name]["loss"] is not None]
+    assert losses and all(loss == pytest.approx(ref_loss, rel=1e-5) for loss in losses), (name, losses, ref_loss)
+    grads = {}
+    for r in results.values():
+        grads.update(r[name]["grads"])
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for r in results.values():
+        for n, (index, g) in r[name]["slices"].items():
+            pieces.setdefault(n, {})[index] = g
+    assert pieces, f"{name}: no expert parameters were split"
+    for n, parts in pieces.items():
+        assert sorted(parts) == list(range(plan.ep)), (name, n, sorted(parts))
+        grads[n] = torch.cat([parts[i] for i in range(plan.ep)])
+    assert set(grads) == set(ref_grads), (name, set(ref_grads) ^ set(grads))
+    rtol = 1e-4 if plan.tp > 1 else 1e-5
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], rtol=rtol, atol=rtol * scale, msg=lambda m, n=n, name=name: f"{name}: {n}: {m}")
+
+
 def _rank_job(rank: int, world_size: int, plans: dict) -> dict:
-    out = {}
-    for name, plan in plans.items():
-        pm = autoplan.partition(SPEC, plan, device="cpu")
-        template = pm.output_template
-        inputs, target = pm.source.batch(0, 0, plan.job.global_batch, plan.job.seq_len, template.shape, template.dtype)
-        loss = pm.step(*inputs, target=target)
-        experts = {id(p) for p in pm.expert_params}
-        grads, slices = {}, {}
-        whole = [(n, p, _full(p.grad)) for n, p in pm.named_parameters()]  # collective for tp shards
-        if pm.layout.tp_index == 0 and pm.layout.dp_index < plan.ep:  # one ep group holds every expert once
-            for n, p, g in whole:
-                if id(p) in experts:
-                    slices[n] = (pm.layout.ep_index, g)
-                elif pm.layout.dp_index == 0:
-                    grads[n] = g
-        out[name] = dict(loss=None if loss is None else float(loss), grads=grads, slices=slices,
-                         batch=(inputs, target) if rank == 0 else None)
-    return out
+    return {name: step_and_collect(autoplan.partition(SPEC, plan, device="cpu"), rank) for name, plan in plans.items()}
 
 
 @pytest.mark.multiproc
@@ -56,24 +83,5 @@ def test_expert_parallel_matches_a_single_process_reference():
     for name, plan in plans.items():
         assert (plan.ep, plan.zero) == (LAYOUTS[name]["ep"], LAYOUTS[name].get("zero", 0)), name
     results = run_ranks(_rank_job, 4, plans, timeout_s=500, pg_timeout_s=120)
-    inputs, target = results[0][next(iter(plans))]["batch"]
     for name, plan in plans.items():
-        model, ref_loss, ref_grads = _reference(SPEC, plan, inputs, target)
-        losses = [r[name]["loss"] for r in results.values() if r[name]["loss"] is not None]
-        assert losses and all(loss == pytest.approx(ref_loss, rel=1e-5) for loss in losses), (name, losses, ref_loss)
-        grads = {}
-        for r in results.values():
-            grads.update(r[name]["grads"])
-        pieces: dict[str, dict[int, torch.Tensor]] = {}
-        for r in results.values():
-            for n, (index, g) in r[name]["slices"].items():
-                pieces.setdefault(n, {})[index] = g
-        assert pieces, f"{name}: no expert parameters were split"
-        for n, parts in pieces.items():
-            assert sorted(parts) == list(range(plan.ep)), (name, n, sorted(parts))
-            grads[n] = torch.cat([parts[i] for i in range(plan.ep)])
-        assert set(grads) == set(ref_grads), (name, set(ref_grads) ^ set(grads))
-        rtol = 1e-4 if plan.tp > 1 else 1e-5
-        scale = max(float(g.abs().max()) for g in ref_grads.values())
-        for n, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[n], rtol=rtol, atol=rtol * scale, msg=lambda m, n=n, name=name: f"{name}: {n}: {m}")
+        check_against_reference(SPEC, name, plan, results)

@@ -95,16 +95,6 @@ def test_profile_records_experts_and_their_dispatch_bytes():
     assert experts["block_params"][0] == 0 and experts["block_dispatch_bytes"][0] == 0
 
 
-def test_hf_mixtral_is_not_offered_expert_parallelism():
-    """transformers' MixtralExperts stacks its experts but routes inside (ungrouped tokens): the
-    profile records no experts and `--ep 2` is refused in one line, before any process."""
-    spec = ("hf:mixtral:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
-            "intermediate_size=128,vocab_size=256,max_position_embeddings=64,num_local_experts=4,num_experts_per_tok=2")
-    assert "experts" not in autoplan.profile(spec, seq_len=32).extra
-    with pytest.raises(ValueError, match="--ep 2 needs a mixture-of-experts model"):
-        autoplan.suggest(spec, "1x4xcpu", global_batch=8, seq_len=32, ep=2)
-
-
 def test_expert_parallelism_halves_the_experts_memory_and_adds_all_to_all():
     common = dict(global_batch=8, seq_len=32, dtype="fp32", tp=1, pp=1, dp=4, micro_batch_size=2, zero=0,
                   schedule="1f1b", recompute="none")

@@ -11,10 +11,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from autoplan.graph.blocks import ModelProfile
-from autoplan.graph.experts import expert_modules
+from autoplan.graph.experts import expert_modules, inlined_expert_calls, routed_expert_modules
 from autoplan.graph.fake_run import nbytes
 from autoplan.graph.positions import sequence_split_refusal
 from autoplan.graph.trace import TracedModel
@@ -43,11 +44,12 @@ def tensor_parallel_summary(traced: TracedModel, example_inputs: Sequence[Any]) 
 
 @contextlib.contextmanager
 def recording_expert_inputs(gm: nn.Module) -> Iterator[dict[str, int]]:
-    """Bytes of the token groups each grouped-experts module (graph/experts.py) receives in the
-    forward run: what expert parallelism's all-to-all sends, per profile batch. Only a call with
-    one tensor of leading dimension num_experts counts (tokens grouped by expert); a module with
-    stacked expert weights that takes ungrouped tokens (transformers' MixtralExperts, which
-    routes inside) records nothing and is not offered expert parallelism."""
+    """Bytes of the rows each experts module (graph/experts.py) receives in the forward run: what
+    expert parallelism's all-to-all sends, per profile batch. Grouped experts: a call with one
+    tensor of leading dimension num_experts (tokens grouped by expert). Routed experts: the T * k
+    (token, expert) copies of their (T, H) tokens, from a hook where the graph calls the module and,
+    where it inlines it (torch.export), from the call's first node that reads the tokens (its target
+    wrapped while the run lasts; the fx interpreter reads it per node)."""
     recorded: dict[str, int] = {}
     handles = []
     for path, module in expert_modules(gm).items():
@@ -56,36 +58,67 @@ def recording_expert_inputs(gm: nn.Module) -> Iterator[dict[str, int]]:
             if len(tensors) == 1 and tensors[0].dim() >= 2 and tensors[0].shape[0] == module.num_experts:
                 recorded[path] = recorded.get(path, 0) + nbytes(tensors[0])
         handles.append(module.register_forward_pre_hook(record))
+    for path, module in routed_expert_modules(gm).items():
+        def record_routed(module, args, path=path):
+            if len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]):
+                recorded[path] = recorded.get(path, 0) + nbytes(args[0]) * args[1].shape[-1]
+        handles.append(module.register_forward_pre_hook(record_routed))
+    wrapped = []
+    if isinstance(gm, fx.GraphModule):
+        for path, (_, call) in inlined_expert_calls(gm).items():
+            reader = next(n for n in call.nodes if call.tokens in n.args)
+            wrapped.append((reader, reader.target))
+            reader.target = _RecordingTarget(reader.target, reader.args.index(call.tokens),
+                                             int(call.indices.meta["val"].shape[-1]), path, recorded)
     try:
         yield recorded
     finally:
         for handle in handles:
             handle.remove()
+        for node, target in wrapped:
+            node.target = target
+
+
+class _RecordingTarget:
+    """A graph node's target that records the bytes of k copies of one of its arguments."""
+
+    def __init__(self, target, position: int, k: int, path: str, recorded: dict[str, int]):
+        self.target, self.position, self.k, self.path, self.recorded = target, position, k, path, recorded
+        self.__name__ = getattr(target, "__name__", "target")
+
+    def __call__(self, *args, **kwargs):
+        tokens = args[self.position]
+        if isinstance(tokens, torch.Tensor):
+            self.recorded[self.path] = self.recorded.get(self.path, 0) + nbytes(tokens) * self.k
+        return self.target(*args, **kwargs)
 
 
 def experts_summary(traced: TracedModel, dispatched: dict[str, int], fingerprints: Sequence[str]) -> dict[str, Any]:
-    """`extra["experts"]` for a model whose grouped experts take tokens grouped by expert (else
-    nothing): per block, the parameters its experts hold and the bytes of tokens they receive per
-    profile batch (sent by one all-to-all to dispatch and one to combine, forward and backward:
-    cost/time.py), and the smallest expert count (what the expert-parallel degree must divide).
-    The fake run computes a repeated block once, so its copies (same fingerprint) are counted as
-    the one that ran."""
-    found = expert_modules(traced.gm)
-    grouped_types = {type(found[name]) for name in dispatched if name in found}
-    found = {name: m for name, m in found.items() if type(m) in grouped_types}
-    if not found:
+    """`extra["experts"]` for a model whose experts expert parallelism can split (else nothing):
+    grouped experts that took tokens grouped by expert, and routed experts (graph/experts.py). Per
+    block, the parameters its experts hold and the bytes of rows they receive per profile batch
+    (sent by one all-to-all to dispatch and one to combine, forward and backward: cost/time.py),
+    and the smallest expert count (what the expert-parallel degree must divide). The fake run
+    computes a repeated block once, so its copies (same fingerprint) are counted as the one that ran."""
+    grouped = expert_modules(traced.gm)
+    grouped_types = {type(grouped[name]) for name in dispatched if name in grouped}
+    counts = {name: m.num_experts for name, m in grouped.items() if type(m) in grouped_types}
+    counts.update({name: m.num_experts for name, m in routed_expert_modules(traced.gm).items()})
+    if isinstance(traced.gm, fx.GraphModule):
+        counts.update({name: count for name, (count, _) in inlined_expert_calls(traced.gm).items()})
+    if not counts:
         return {}
-    params, sent, counts = [], [], set()
+    params, sent, used = [], [], set()
     for paths in traced.block_modules or [[] for _ in traced.block_names]:
-        inside = {name: m for path in paths for name, m in _named_modules_under(traced.gm, path) if name in found}
+        inside = {name: m for path in paths for name, m in _named_modules_under(traced.gm, path) if name in counts}
         params.append(sum(p.numel() for m in inside.values() for p in m.parameters(recurse=False)))
         sent.append(sum(dispatched.get(name, 0) for name in inside))
-        counts.update(m.num_experts for m in inside.values())
+        used.update(counts[name] for name in inside)
     if not any(params):
         return {}
     by_fingerprint = {fp: n for fp, n in zip(fingerprints, sent) if n}
     sent = [n or by_fingerprint.get(fp, 0) for fp, n in zip(fingerprints, sent)]
-    return {"experts": {"num_experts": min(counts), "block_params": params, "block_dispatch_bytes": sent}}
+    return {"experts": {"num_experts": min(used), "block_params": params, "block_dispatch_bytes": sent}}
 
 
 def _named_modules_under(gm: nn.Module, path: str) -> list[tuple[str, nn.Module]]:

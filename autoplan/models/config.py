@@ -155,6 +155,11 @@ class MoEConfig(LlamaConfig):
     """Weight of the load-balancing loss (Switch Transformer Eq. 4: alpha = 0.01); 0 disables it."""
     normalize_top_k: bool = True
     """Rescale the chosen experts' router probabilities to sum to 1 (Mixtral, Qwen3-MoE)."""
+    dropless: bool = False
+    """Route every token to all of its experts, whatever their load (torchtitan's and Megatron-LM's
+    default): a grouped GEMM over variable token counts (models/moe.py `RoutedExperts`). False keeps
+    capacity routing ([Note: static dispatch]), whose fixed shapes the cost model prices;
+    `capacity_factor` is then unused."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

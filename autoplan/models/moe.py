@@ -1,5 +1,6 @@
 """The mixture-of-experts Llama: experts reached through buffers of fixed shape ([Note: static
-dispatch]), with a load-balancing loss attached through graph/aux_loss.py.
+dispatch]) or, with `dropless`, every token routed to all of its experts ([Note: dropless
+routing]), with a load-balancing loss attached through graph/aux_loss.py.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoplan.graph.aux_loss import attach_aux_loss
+from autoplan.graph.grouped_mm import grouped_mm
 from autoplan.graph.positions import sum_over_sequence
 from autoplan.models.common import INIT_STD, _embedding
 from autoplan.models.config import MoEConfig
 from autoplan.models.llama import LlamaAttention, LlamaMLP, LlamaModel
 
-__all__ = ["GroupedExperts", "MoEFeedForward", "MoELayer", "MoEModel", "expert_capacity"]
+__all__ = ["GroupedExperts", "MoEFeedForward", "MoELayer", "MoEModel", "RoutedExperts", "expert_capacity"]
 
 # ---------------------------------------------------------------------------------------------
 # Mixture of experts
@@ -32,6 +34,18 @@ __all__ = ["GroupedExperts", "MoEFeedForward", "MoELayer", "MoEModel", "expert_c
 # (DeepSeek-V3's sequence-wise balance loss, arXiv:2412.19437 Eq. 17-20, with Switch's weighting),
 # independent of how the batch is split into micro-batches and data-parallel shards, so a
 # pipelined run reproduces a single-process one exactly.
+#
+# [Note: dropless routing]
+# With `dropless` (MoEConfig) every token reaches its k experts whatever their load, torchtitan's
+# and Megatron-LM's default (torchtitan's `TokenChoiceTopKRouter` and `GroupedExperts` with
+# `torch._grouped_mm`; Megatron-LM's `--moe-token-dispatcher-type alltoall` without
+# `--moe-expert-capacity-factor`). The router's choice goes to `RoutedExperts`, which takes the
+# tokens with their expert indices and weights (graph/experts.py's routed experts, the contract of
+# transformers' MixtralExperts), sorts the (token, expert) copies by expert and runs one grouped GEMM
+# over the variable counts (graph/grouped_mm.py: torch._grouped_mm runs only on CUDA in bf16 in torch
+# 2.13, so a loop over the experts on the CPU, with fixed output shapes for fake runs). Expert
+# parallelism sends the copies with variable all-to-all splits (runtime/routed_experts.py). The
+# balance loss is the same per-sequence loss as capacity routing's.
 
 
 def expert_capacity(seq_len: int, experts_per_token: int, num_experts: int, capacity_factor: float) -> int:
@@ -62,18 +76,38 @@ class GroupedExperts(nn.Module):
         return torch.bmm(F.silu(torch.bmm(tokens, self.w1)) * torch.bmm(tokens, self.w3), self.w2)
 
 
+class RoutedExperts(GroupedExperts):
+    """GroupedExperts' weights, applied to tokens with the router's choice ([Note: dropless
+    routing]): forward(tokens (T, h), expert indices (T, k), weights (T, k)) -> (T, h), each
+    token's weighted sum over its k experts."""
+
+    def forward(self, tokens: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+        k = indices.shape[1]
+        flat = indices.reshape(-1)
+        order = flat.argsort(stable=True)  # the (token, k) copies grouped by expert
+        source = order // k
+        rows = tokens.index_select(0, source)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        counts = counts.scatter_add(0, flat, torch.ones_like(flat))  # a fixed shape, unlike bincount
+        offs = counts.cumsum(0)
+        done = grouped_mm(F.silu(grouped_mm(rows, self.w1, offs)) * grouped_mm(rows, self.w3, offs), self.w2, offs)
+        done = done * weights.reshape(-1).index_select(0, order).to(done.dtype).unsqueeze(1)
+        return tokens.new_zeros(tokens.shape).index_add(0, source, done)
+
+
 class MoEFeedForward(nn.Module):
     """Top-k routing (Shazeer et al. 2017, arXiv:1701.06538) to GroupedExperts, plus shared experts;
-    see [Note: static dispatch]."""
+    see [Note: static dispatch], and [Note: dropless routing] for RoutedExperts."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         h, f = config.hidden_size, config.ffn_hidden_size
         self.num_experts, self.top_k = config.num_experts, config.experts_per_token
         self.capacity_factor, self.aux_loss_coef = config.capacity_factor, config.router_aux_loss_coef
-        self.normalize_top_k = config.normalize_top_k
+        self.normalize_top_k, self.dropless = config.normalize_top_k, config.dropless
         self.router = nn.Linear(h, config.num_experts, bias=False)
-        self.experts = GroupedExperts(config.num_experts, h, f, config.num_layers)
+        experts = RoutedExperts if config.dropless else GroupedExperts
+        self.experts = experts(config.num_experts, h, f, config.num_layers)
         self.shared_experts = None
         if config.num_shared_experts:
             shared = dataclasses.replace(config, ffn_hidden_size=f * config.num_shared_experts)
@@ -89,6 +123,9 @@ class MoEFeedForward(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         chosen = chosen.flatten(1)  # (b, s*k), token-major
         picks = torch.zeros(b, s * k, E, dtype=torch.int32, device=x.device).scatter_(2, chosen.unsqueeze(2), 1)
+        if self.dropless:
+            out = self.experts(x.reshape(b * s, h), chosen.view(b * s, k), weights.reshape(b * s, k))
+            return self._finish(x, out.view(b, s, h), picks, probs)
         place = ((picks.cumsum(1) - 1) * picks).sum(2)  # each pick's place in its expert's queue
         slot = torch.where(place < capacity, chosen * capacity + place, E * capacity)  # dropped -> spare slot
         index = slot.unsqueeze(2).expand(b, s * k, h)
@@ -98,6 +135,10 @@ class MoEFeedForward(nn.Module):
         done = self.experts(grouped).reshape(E, b, capacity, h).transpose(0, 1).reshape(b, E * capacity, h)
         done = torch.cat([done, done.new_zeros(b, 1, h)], dim=1).gather(1, index)  # the spare slot gives 0
         out = (done.view(b, s, k, h) * weights.to(done.dtype).unsqueeze(3)).sum(dim=2)
+        return self._finish(x, out, picks, probs)
+
+    def _finish(self, x: Tensor, out: Tensor, picks: Tensor, probs: Tensor) -> Tensor:
+        """The shared experts and the load-balancing loss; `picks` (b, s*k, E) one-hot, token-major."""
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.aux_loss_coef:
@@ -111,16 +152,17 @@ class MoEFeedForward(nn.Module):
             counts = picks.float().sum(dim=1)  # (b, E) and the picks made, summed in one collective
             counts = sum_over_sequence(torch.cat([counts, counts.new_full((b, 1), picks.shape[1])], dim=1))
             share = counts[:, :-1] / counts[:, -1:]
-            balance = E * (share * probs.mean(dim=1)).sum(dim=1).mean()
+            balance = self.num_experts * (share * probs.mean(dim=1)).sum(dim=1).mean()
             out = attach_aux_loss(out, self.aux_loss_coef * balance)
         return out
-
 
     def sequence_split_refusal(self) -> str | None:
         """Why this layer's sequences cannot be split over a cp group (graph/positions.py), or None:
         an expert's capacity is counted over the tokens a rank holds, so it drops other tokens than
         a whole sequence would, unless it can take them all (no token is ever dropped). The
         load-balancing loss sums its counts over the sequence (`forward`)."""
+        if self.dropless:  # every token reaches its experts, however the sequence is split
+            return None
         whole = self.num_experts / self.top_k
         if self.capacity_factor < whole:
             return (f"its experts drop tokens over a capacity counted per sequence (capacity_factor "

@@ -235,13 +235,14 @@ def partition(
     refuse_fused_qkv(tp_plan, plan)
     specs = stage_specs(traced, graph_inputs, plan, model, device)
     refuse_context_parallel(source, model, traced, plan)
-    refuse_expert_parallel(traced, plan)
+    refuse_expert_parallel(model, traced, plan)
 
     init_distributed(timeout, world_size=plan.num_gpus)
     modules, aliases = build_stage_modules(traced, specs), tied_parameter_names(model)
     layout = build_mesh(plan, modules, aliases, device, timeout)
     # The steps, in the order of [Note: the order of partition's steps].
-    build = split_stages(modules, plan, layout, traced=traced, specs=specs, tp_plan=tp_plan, aliases=aliases)
+    build = split_stages(modules, plan, layout, traced=traced, specs=specs, tp_plan=tp_plan, aliases=aliases,
+                         model=model)
     if build.on_meta:
         apply_tensor_parallel(build, plan, layout)
     materialize(build, plan, layout, device=device, seed=seed, init=source.init_weights)

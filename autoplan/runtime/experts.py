@@ -1,43 +1,50 @@
 """Expert parallelism: the experts of each mixture-of-experts layer split over ep data-parallel
-replicas, tokens sent to them and back by all-to-all.
+replicas, tokens sent to them and back by all-to-all. Both expert contracts of graph/experts.py:
 
-A grouped-experts module (graph/experts.py: stacked expert weights with the expert first, taking
-tokens grouped by expert, (num_experts, tokens, ...)) keeps on each rank of an ep group the
-experts [i * E/ep, (i + 1) * E/ep) of its ep index i. Around its forward:
+- grouped experts (stacked expert weights with the expert first, taking tokens grouped by expert,
+  (num_experts, tokens, ...)) keep on each rank of an ep group the experts [i * E/ep, (i + 1) * E/ep)
+  of its ep index i. Around their forward: dispatch (a forward pre-hook) splits the (E, n, ...)
+  token groups along the expert dimension into ep equal parts, part j to rank j
+  (`all_to_all_single`, one call, equal splits because the zoo's capacity routing gives every
+  expert the same capacity, [Note: static dispatch] in models/moe.py); rank i receives, from each of
+  the ep ranks, the tokens for its own E/ep experts and runs them as (E/ep, ep * n, ...); combine (a
+  forward hook) returns each token group to the rank it came from, which continues with
+  (E, n, ...) as if it held every expert. GShard's layout (Lepikhin et al. 2020, arXiv:2006.16668,
+  Sec. 3.2) and torchtitan's `ExpertParallel` style with equal splits.
+- routed experts (forward(tokens, expert indices, weights): transformers' Mixtral, Qwen2/3-MoE,
+  DeepSeek-V3 experts, the zoo's dropless routing) keep the same slice and exchange each
+  (token, expert) copy in variable numbers ([Note: dropless dispatch] in routed_experts.py). Where
+  the traced graph inlines the module (torch.export), its nodes are replaced by one call of the
+  module, rebuilt from the model's own class (`StageBuild.model`) over the stage's parameters.
 
-- dispatch (a forward pre-hook): the (E, n, ...) token groups are split along the expert dimension
-  into ep equal parts, part j to rank j (`all_to_all_single`, one call, equal splits because the
-  zoo's dispatch gives every expert the same capacity, [Note: static dispatch] in models/moe.py);
-  rank i receives, from each of the ep ranks, the tokens for its own E/ep experts and runs them as
-  (E/ep, ep * n, ...);
-- combine (a forward hook): the inverse all-to-all returns each token group to the rank it came
-  from, which continues with (E, n, ...) as if it held every expert.
+Under attention tp > 1 each tp rank sends 1/tp of the tokens to the experts and gathers the
+outputs over tp ([Note: expert tp 1] in routed_experts.py), for both contracts.
 
-This is the layout of GShard (Lepikhin et al. 2020, arXiv:2006.16668, Sec. 3.2) and of
-torchtitan's `ExpertParallel` style (torchtitan/distributed/expert_parallel.py), with equal splits
-in place of torchtitan's token-count exchange. torch's autograd all-to-all
-(`torch.distributed.nn.functional.all_to_all_single`) carries gradients back the same way.
-
-Gradients: a rank's expert weights see the tokens of every rank of its ep group, so after
-backward they hold the sum over that group of the per-replica gradients; `reduce_expert_grads`
-sums them over the replicas holding the same experts (the expert-data-parallel group) and divides
-by dp, which gives the mean over all dp replicas, as the dp all-reduce gives the other parameters.
-The ep group is ep consecutive dp replicas (inside a node when tp * ep GPUs fit one).
+Gradients: a rank's expert weights see the tokens of every rank of its ep group (and, under tp, only
+its tp rank's share of them), so after backward they hold the sum over that group of the
+per-replica gradients; `reduce_expert_grads` sums them over the ranks holding the same experts
+(`ParallelLayout.expert_dp_group`: the expert-data-parallel replicas, and under tp every tp rank of
+them) and divides by dp, which gives the mean over all dp replicas, as the dp all-reduce gives the
+other parameters. The ep group is ep consecutive dp replicas (inside a node when tp * ep GPUs fit
+one).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 
-from autoplan.graph.experts import expert_modules
+from autoplan.graph.experts import InlinedCall, expert_modules, inlined_call, routed_expert_modules
 from autoplan.runtime.data_parallel import all_reduce_grads
 from autoplan.runtime.errors import PartitionError
+from autoplan.runtime.routed_experts import GatherRows, RoutedDispatch, TakeRows, exchange
 
 if TYPE_CHECKING:
     from autoplan.graph.trace import TracedModel
@@ -48,54 +55,152 @@ if TYPE_CHECKING:
 __all__ = ["apply_expert_parallel", "reduce_expert_grads", "refuse_expert_parallel", "shard_experts"]
 
 
-def _exchange(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """All-to-all of equal parts along dim 0, with autograd (the backward is the inverse exchange)."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-
-    return wait_tensor(all_to_all_single_autograd(x.contiguous(), None, None, group))
-
-
-def _dispatch(group: dist.ProcessGroup, ep: int, num_experts: int, path: str, module: nn.Module, args: tuple):
+def _dispatch(group: dist.ProcessGroup, ep: int, num_experts: int, path: str, tp: tuple, module: nn.Module,
+              args: tuple):
     tokens = args[0] if args else None
     if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2 or tokens.shape[0] != num_experts:
         got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise RuntimeError(f"expert parallelism: '{path}' must take tokens grouped by expert, shape "
                            f"({num_experts}, tokens, ...), got {got}; plan this model with --ep 1")
+    if tp:  # this tp rank's share of every expert's tokens ([Note: expert tp 1] in routed_experts.py)
+        tp_group, tp_index, size = tp
+        if tokens.shape[1] % size:
+            raise RuntimeError(f"expert parallelism: tp {size} does not divide the {tokens.shape[1]} token slots of "
+                               f"each expert of '{path}'; re-plan with another micro-batch size or tp")
+        tokens = TakeRows.apply(tokens, tp_group, tp_index, size, 1)
     local = num_experts // ep
-    received = _exchange(tokens, group)  # (ep * local, n, ...): part j came from rank j
+    received = exchange(tokens, group)  # (ep * local, n, ...): part j came from rank j
     rest = tuple(received.shape[1:])
     mine = received.reshape(ep, local, *rest).transpose(0, 1).reshape(local, ep * rest[0], *rest[1:])
     return (mine, *args[1:])
 
 
-def _combine(group: dist.ProcessGroup, ep: int, num_experts: int, module: nn.Module, args: tuple,
+def _combine(group: dist.ProcessGroup, ep: int, num_experts: int, tp: tuple, module: nn.Module, args: tuple,
              output: torch.Tensor) -> torch.Tensor:
     local = num_experts // ep
     rest = tuple(output.shape[2:])
     parts = output.reshape(local, ep, -1, *rest).transpose(0, 1).reshape(num_experts, -1, *rest)
-    return _exchange(parts, group)  # (E, n, ...): this rank's tokens, back from every expert
+    back = exchange(parts, group)  # (E, n, ...): this rank's tokens, back from every expert
+    return GatherRows.apply(back, tp[0], tp[1], tp[2], 1) if tp else back
 
 
-def shard_experts(modules: Iterable[nn.Module], group: dist.ProcessGroup, ep_index: int, ep: int) -> list[nn.Parameter]:
+def _slice_parameters(module: nn.Module, ep_index: int, local: int) -> list[nn.Parameter]:
+    """Replace every own parameter of `module` by its experts [ep_index * local, (ep_index + 1) *
+    local) (a DTensor's, of an inlined graph's stage under tp, as a DTensor of the same placement)."""
+    from torch.distributed.tensor import DTensor
+
+    kept = []
+    for name, param in list(module.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            piece = param.to_local().detach()[ep_index * local:(ep_index + 1) * local].clone()
+            piece = DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False)
+        else:
+            piece = param.detach()[ep_index * local:(ep_index + 1) * local].clone()
+        replacement = nn.Parameter(piece, requires_grad=param.requires_grad)
+        setattr(module, name, replacement)
+        kept.append(replacement)
+    return kept
+
+
+def _check_divides(count: int, ep: int, path: str) -> None:
+    if count % ep:
+        raise ValueError(f"expert parallelism: ep {ep} does not divide the {count} experts of '{path}'; "
+                         "re-plan with an ep that divides them")
+
+
+def shard_experts(modules: Iterable[nn.Module], group: dist.ProcessGroup, ep_index: int, ep: int,
+                  tp: tuple = ()) -> list[nn.Parameter]:
     """Keep this rank's 1/ep of the experts of every grouped-experts module in `modules` (whole,
-    initialized parameters; the slices replace them) and exchange tokens around their forward.
+    initialized parameters; the slices replace them) and exchange tokens around their forward;
+    `tp` = (tp group, tp index, tp) splits the tokens over tp first ([Note: expert tp 1]).
     Returns the new expert parameters (for `reduce_expert_grads`)."""
     kept: list[nn.Parameter] = []
     for module in modules:
         for path, experts in expert_modules(module).items():
             count = experts.num_experts
-            if count % ep:
-                raise ValueError(f"expert parallelism: ep {ep} does not divide the {count} experts of '{path}'; "
-                                 "re-plan with an ep that divides them")
-            local = count // ep
-            for name, param in list(experts.named_parameters(recurse=False)):
-                piece = param.detach()[ep_index * local:(ep_index + 1) * local].clone()
-                replacement = nn.Parameter(piece, requires_grad=param.requires_grad)
-                setattr(experts, name, replacement)
-                kept.append(replacement)
-            experts.register_forward_pre_hook(functools.partial(_dispatch, group, ep, count, path))
-            experts.register_forward_hook(functools.partial(_combine, group, ep, count))
+            _check_divides(count, ep, path)
+            kept += _slice_parameters(experts, ep_index, count // ep)
+            experts.register_forward_pre_hook(functools.partial(_dispatch, group, ep, count, path, tp))
+            experts.register_forward_hook(functools.partial(_combine, group, ep, count, tp))
     return kept
+
+
+class _ModuleCall:
+    """A graph node's target that calls a module: the routed experts an inlined graph calls again
+    (`_call_as_module`). A function node, not `call_module`: FSDP makes every module a graph calls
+    whole a unit over dp (fsdp.py `unit_paths`), where the experts are units over their own replicas."""
+
+    def __init__(self, module: nn.Module, path: str):
+        self.module = module
+        self.__name__ = "experts_" + path.replace(".", "_")
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.module(*args)
+
+
+def _call_as_module(gm: fx.GraphModule, path: str, call: InlinedCall) -> None:
+    """Replace the inlined nodes of a routed-experts call by one call of the module at `path`
+    (named as the call's output was, so what refers to it by name still finds it)."""
+    graph = gm.graph
+    name = call.output.name
+    with graph.inserting_after(call.output):
+        node = graph.call_function(_ModuleCall(gm.get_submodule(path), path), (call.tokens, call.indices, call.weights))
+    node.meta = dict(call.output.meta)
+    call.output.replace_all_uses_with(node)
+    for old in reversed(call.nodes):
+        graph.erase_node(old)
+    for old in [n for n in graph.nodes if n.op == "get_attr" and str(n.target).startswith(path + ".") and not n.users]:
+        graph.erase_node(old)
+    node._rename(name)
+    graph.lint()
+    gm.recompile()
+
+
+def _routed_module(stage: nn.Module, path: str, model: nn.Module | None) -> nn.Module:
+    """The routed-experts module at `path` of `stage`, as a module of its own class: the stage's
+    own where it kept it (a graph that calls it), else the model's class (copied) over the stage's
+    parameters and buffers, put at `path` (a graph traced by torch.export keeps only its tensors)."""
+    held = stage.get_submodule(path)
+    if routed_expert_modules(held).get("") is held:
+        return held
+    if model is None:
+        raise PartitionError(f"expert parallelism: the stage inlines the experts '{path}' and the model's modules are "
+                             "not at hand to run them; partition a model source or module")
+    module = copy.deepcopy(model.get_submodule(path))
+    for name, tensor in [*held.named_parameters(), *held.named_buffers()]:
+        owner, _, leaf = name.rpartition(".")
+        target = module.get_submodule(owner)
+        (target._parameters if isinstance(tensor, nn.Parameter) else target._buffers)[leaf] = tensor
+    parent, _, leaf = path.rpartition(".")
+    setattr(stage.get_submodule(parent), leaf, module)
+    return module
+
+
+def shard_routed_experts(stage: nn.Module, model: nn.Module | None, group: dist.ProcessGroup, ep_index: int, ep: int,
+                         tp: tuple = ()) -> tuple[list[nn.Module], list[nn.Parameter]]:
+    """Keep this rank's 1/ep of the experts of every routed-experts module `stage` runs (graph/
+    experts.py; found on the model, as the stage may have inlined them) and run them through
+    `RoutedDispatch`. Returns the modules and their new parameters."""
+    found = routed_expert_modules(model) if model is not None else routed_expert_modules(stage)
+    modules, kept = [], []
+    for path, original in found.items():
+        try:
+            stage.get_submodule(path)
+        except AttributeError:
+            continue  # on another stage
+        count = original.num_experts
+        _check_divides(count, ep, path)
+        call = inlined_call(stage, path) if isinstance(stage, fx.GraphModule) else None
+        module = _routed_module(stage, path, model)
+        if isinstance(call, InlinedCall):
+            _call_as_module(stage, path, call)
+        kept += _slice_parameters(module, ep_index, count // ep)
+        module.num_experts = count // ep  # the local experts, indexed 0 .. E/ep - 1
+        tp_group, tp_index, size = tp or (None, 0, 1)
+        module.forward = RoutedDispatch(module, module.forward, count, ep, group, tp=size, tp_group=tp_group,
+                                        tp_index=tp_index, path=path)
+        modules.append(module)
+    return modules, kept
 
 
 def reduce_expert_grads(params: Iterable[nn.Parameter], expert_dp_group: dist.ProcessGroup | None, dp: int) -> None:
@@ -109,18 +214,57 @@ def reduce_expert_grads(params: Iterable[nn.Parameter], expert_dp_group: dist.Pr
         p.grad.div_(dp)
 
 
-def refuse_expert_parallel(traced: TracedModel, plan: Plan) -> None:
-    """Refuse (one line, before any process group) an ep > 1 plan for a model without grouped experts."""
-    if plan.ep > 1 and not expert_modules(traced.gm):
-        raise PartitionError(f"the plan has ep {plan.ep} but the model has no grouped experts (graph/experts.py) to "
-                             "split; re-plan it with `autoplan suggest` (ep 1)")
+def refuse_expert_parallel(model: nn.Module, traced: TracedModel, plan: Plan) -> None:
+    """Refuse (one line, before any process group) an ep > 1 plan for a model without experts of
+    either contract (graph/experts.py), or whose routed experts the traced graph does not call as
+    one call of (tokens, expert indices, weights)."""
+    if plan.ep == 1:
+        return
+    routed = routed_expert_modules(model)
+    if not expert_modules(traced.gm) and not routed:
+        raise PartitionError(f"the plan has ep {plan.ep} but the model has no experts (graph/experts.py: grouped, or "
+                             "routed by (tokens, expert indices, weights)) to split; re-plan it with `autoplan "
+                             "suggest` (ep 1)")
+    for path, module in routed.items():
+        call = inlined_call(traced.gm, path)
+        if isinstance(call, str):
+            raise PartitionError(f"the plan has ep {plan.ep} but {call}; re-plan it with `autoplan suggest` (ep 1)")
+        if module.num_experts % plan.ep:
+            raise PartitionError(f"the plan has ep {plan.ep}, which does not divide the {module.num_experts} experts "
+                                 f"of '{path}'; re-plan it with `autoplan suggest`")
+
+
+def _expert_grad_group(plan: Plan, layout: ParallelLayout) -> dist.ProcessGroup | None:
+    """The ranks holding the same experts as this one under expert tp 1: the dp replicas with its
+    ep index, and every tp rank of each (they saw different tokens). Collective: every rank makes
+    every group."""
+    mine = None
+    for p in range(plan.pp):
+        for e in range(plan.ep):
+            ranks = [plan.rank(p, d, t) for d in range(e, plan.dp, plan.ep) for t in range(plan.tp)]
+            group = dist.new_group(ranks)
+            if layout.rank in ranks:
+                mine = group
+    return mine
 
 
 def apply_expert_parallel(build: StageBuild, plan: Plan, layout: ParallelLayout) -> None:
-    """The expert-parallel step (ep > 1): each rank keeps its 1/ep of the experts (`shard_experts`).
-    The grouped-experts modules are found before slicing: a slice no longer has num_experts experts
-    (graph/experts.py); FSDP shards them apart (fsdp.py)."""
+    """The expert-parallel step (ep > 1): each rank keeps its 1/ep of the experts of both contracts
+    (`shard_experts`, `shard_routed_experts`). The grouped-experts modules are found before slicing:
+    a slice no longer has num_experts experts (graph/experts.py); FSDP shards them apart (fsdp.py).
+    Under tp with expert tp 1 (`Plan.expert_tp`; without FSDP, which reduces the experts' gradients
+    over the expert replicas alone) each tp rank sends its 1/tp of the tokens ([Note: expert tp 1] in routed_experts.py), and the
+    expert gradients are summed over tp too (`ParallelLayout.expert_dp_group`)."""
     if plan.ep == 1:
         return
+    split = plan.tp > 1 and plan.expert_tp == 1 and plan.zero < 2
+    tp = (layout.tp_mesh.get_group(), layout.tp_index, plan.tp) if split else ()
+    model = getattr(build, "model", None)
     build.experts_of = {i: list(expert_modules(module).values()) for i, module in build.modules.items()}
-    build.expert_params = shard_experts(list(build.modules.values()), layout.ep_group, layout.ep_index, plan.ep)
+    build.expert_params = shard_experts(list(build.modules.values()), layout.ep_group, layout.ep_index, plan.ep, tp)
+    for i, stage in build.modules.items():
+        modules, params = shard_routed_experts(stage, model, layout.ep_group, layout.ep_index, plan.ep, tp)
+        build.experts_of[i] += modules
+        build.expert_params += params
+    if split:
+        layout.expert_dp_group = _expert_grad_group(plan, layout)

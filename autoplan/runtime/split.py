@@ -104,6 +104,9 @@ class StageBuild:
     """Stage index -> its grouped-experts modules (ep > 1), found before they are sliced."""
     context: Any = None
     """context.ContextParallelAttention for cp > 1, else None."""
+    model: nn.Module | None = None
+    """The whole model as the source built it: the classes of the modules a graph traced by
+    torch.export inlines (experts.py runs routed experts through them)."""
     stages: dict[int, Any] = field(default_factory=dict)
     """executor.Stage by stage index: the modules with their runners (made by recompute.py's step)."""
 
@@ -249,13 +252,14 @@ def materialize_stages(modules: Sequence[nn.Module], device: torch.device, *, se
 
 
 def split_stages(modules: Mapping[int, nn.Module], plan: Plan, layout: ParallelLayout, *, traced: TracedModel,
-                 specs: Sequence[StageSpec], tp_plan: Mapping[str, str], aliases: Mapping[str, str]) -> StageBuild:
+                 specs: Sequence[StageSpec], tp_plan: Mapping[str, str], aliases: Mapping[str, str],
+                 model: nn.Module | None = None) -> StageBuild:
     """The split step: this rank's stages of every stage's module (`build_stage_modules`), those
     the plan puts on its pipeline index, as they were built (on meta, or with real weights)."""
     mine = {s.index: modules[s.index] for s in plan.stages if s.pp_rank == layout.pp_index}
     on_meta = any(p.device.type == "meta" for m in mine.values() for p in m.parameters())
     return StageBuild(traced=traced, specs=list(specs), modules=mine, tp_plan=tp_plan, aliases=dict(aliases),
-                      on_meta=on_meta)
+                      on_meta=on_meta, model=model)
 
 
 def materialize(build: StageBuild, plan: Plan, layout: ParallelLayout, *, device: torch.device, seed: int,
