@@ -51,9 +51,11 @@ class ParallelConfig:
     @property
     def expert_token_split(self) -> int:
         """How many ways the tokens that reach the experts are split over a replica's tp ranks
-        ([Note: experts on a GPU] in cost/time.py): tp with ep > 1 and expert tp 1, else 1 (without
-        ep every tp rank computes its experts on every token, as the runtime does)."""
-        return self.tp if self.ep > 1 and self.expert_tp == 1 else 1
+        ([Note: experts on a GPU] in cost/time.py): tp with ep > 1, expert tp 1 and zero 0 / 1, else 1,
+        as the runtime does (runtime/experts.py): without ep, and under FSDP (whose expert units
+        reduce their gradients over the replicas holding the same experts, not over tp), every tp
+        rank computes its experts on every token."""
+        return self.tp if self.ep > 1 and self.expert_tp == 1 and self.zero < 2 else 1
 
     @property
     def expert_dp(self) -> int:

@@ -150,7 +150,7 @@ class MoEFeedForward(nn.Module):
             # tokens_per_expert over tp x cp); P_e stays this rank's, and the mean of the ranks'
             # losses (the dp average, cp folded in) is the whole sequence's.
             counts = picks.float().sum(dim=1)  # (b, E) and the picks made, summed in one collective
-            counts = sum_over_sequence(torch.cat([counts, counts.new_full((b, 1), picks.shape[1])], dim=1))
+            counts = sum_over_sequence(torch.cat([counts, counts.new_full((picks.shape[0], 1), picks.shape[1])], dim=1))
             share = counts[:, :-1] / counts[:, -1:]
             balance = self.num_experts * (share * probs.mean(dim=1)).sum(dim=1).mean()
             out = attach_aux_loss(out, self.aux_loss_coef * balance)
