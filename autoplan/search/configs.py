@@ -338,12 +338,14 @@ def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
     ([Note: sharded data parallelism in the search]): ZeRO-1 (zero 0 with dp = 1), then zero 2 and
     zero 3, each over all of dp and as HSDP; no FSDP where `fsdp_refusal` says the model cannot."""
     zero, replicate = pins.get("zero"), pins.get("dp_replicate")
-    if cfg.ep > 1:  # the runtime runs expert parallelism without HSDP (runtime/fsdp.py); zero 1 when pinned
+    if cfg.ep > 1:  # the runtime runs expert parallelism without HSDP (runtime/fsdp.py)
         if replicate not in (None, 1):
             return []
         if zero is not None:
             return [(zero, 1)] if zero < 2 or fsdp_allowed(cfg, profile) else []
-        return [(0, 1)] + ([(2, 1), (3, 1)] if fsdp_allowed(cfg, profile) else [])
+        # ZeRO-1 shards the experts' optimizer state over their expert-data-parallel group
+        # (runtime/optimizer.py), as Megatron-LM's distributed optimizer does
+        return [(1 if cfg.dp > 1 else 0, 1)] + ([(2, 1), (3, 1)] if fsdp_allowed(cfg, profile) else [])
     if zero is not None and zero < 2:
         return [(zero, 1)]
     out = []
