@@ -67,12 +67,12 @@ def _rank_job(rank: int, world_size: int, plans: dict) -> dict:
     return out
 
 
-def _reference(plan) -> tuple[list[float], dict, dict]:
+def _reference(plan, spec: str = SPEC, vocab: int = 64) -> tuple[list[float], dict, dict]:
     """AdamW on one process over the plan's micro-batches: each step's loss (with the load-balancing
     term), the first step's gradients and the parameters after the last step."""
     from autoplan.sources import parse_source
 
-    source = parse_source(SPEC)
+    source = parse_source(spec)
     torch.manual_seed(0)
     model = source.build("cpu")
     model.train()
@@ -80,7 +80,8 @@ def _reference(plan) -> tuple[list[float], dict, dict]:
     chunks = GLOBAL_BATCH // MICRO_BATCH
     losses, grads = [], {}
     for step in range(STEPS):
-        (ids,), target = source.batch(0, step, GLOBAL_BATCH, SEQ, (GLOBAL_BATCH, SEQ, 64), torch.float32)
+        # the token ids first (a transformers source also feeds position ids, arange here: no cp)
+        (ids, *_), target = source.batch(0, step, GLOBAL_BATCH, SEQ, (GLOBAL_BATCH, SEQ, vocab), torch.float32)
         total = 0.0
         for k in range(chunks):
             rows = slice(k * MICRO_BATCH, (k + 1) * MICRO_BATCH)
@@ -164,11 +165,11 @@ def test_zero_1_with_ep_4_and_with_tp_2_match_a_single_process():
             "ep2-pp2-zero1": _plan(tp=1, pp=2, dp=2, ep=2, zero=1)})
 
 
-def suggest_and_run(tmp_path, *pins: str) -> dict:
+def suggest_and_run(tmp_path, *pins: str, spec: str = SPEC, vocab: int = 64) -> dict:
     """`autoplan suggest ... --out`, then `autoplan run --nproc 4`: the plan, after checking that the
     printed losses are those of one process."""
     plan_file = tmp_path / "plan.json"
-    result = subprocess.run([sys.executable, "-m", "autoplan", "suggest", "--model", SPEC, "--cluster", "1x4xcpu",
+    result = subprocess.run([sys.executable, "-m", "autoplan", "suggest", "--model", spec, "--cluster", "1x4xcpu",
                              "--global-batch", str(GLOBAL_BATCH), "--seq-len", str(SEQ), "--dtype", "fp32",
                              "--micro-batch-size", str(MICRO_BATCH), *pins, "--out", str(plan_file)],
                             capture_output=True, text=True, timeout=120)
@@ -177,7 +178,7 @@ def suggest_and_run(tmp_path, *pins: str) -> dict:
                          capture_output=True, text=True, timeout=150)
     assert run.returncode == 0, run.stderr[-3000:]
     printed = [float(line.split()[3]) for line in run.stdout.splitlines() if line.startswith("step ")]
-    losses, _, _ = _reference(autoplan.Plan.load(plan_file))
+    losses, _, _ = _reference(autoplan.Plan.load(plan_file), spec, vocab)
     assert printed == pytest.approx(losses, abs=2e-4), (printed, losses)
     return json.loads(plan_file.read_text())
 
@@ -187,4 +188,17 @@ def suggest_and_run(tmp_path, *pins: str) -> dict:
 @pytest.mark.timeout(200)
 def test_suggest_then_run_ep_2_zero_1_prints_the_single_process_losses(tmp_path):
     plan = suggest_and_run(tmp_path, "--dp", "4", "--ep", "2", "--zero", "1")
+    assert (plan["ep"], plan["zero"], plan["dp"]) == (2, 1, 4)
+
+
+@pytest.mark.multiproc
+@pytest.mark.extended
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["hf-mixtral", "hf-qwen2-moe", "hf-deepseek-v3"])
+def test_suggest_then_run_transformers_moe_at_ep_2_zero_1_prints_the_single_process_losses(model, tmp_path):
+    """Transformers' routed experts under the distributed optimizer: two AdamW steps through
+    `autoplan run` print the losses of one process."""
+    from test_expert_parallel_routed import MODELS
+
+    plan = suggest_and_run(tmp_path, "--dp", "4", "--ep", "2", "--zero", "1", spec=MODELS[model], vocab=128)
     assert (plan["ep"], plan["zero"], plan["dp"]) == (2, 1, 4)
