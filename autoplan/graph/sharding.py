@@ -146,7 +146,7 @@ def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any
     finally:
         for h in handles:
             h.remove()
-    flow.head_dim, flow.first_op = mode.head_dim, mode.first_op
+    flow.head_dim, flow.first_op, flow.uses, flow.norms = mode.head_dim, mode.first_op, mode.uses, mode.norms
     flow.order = list(dict.fromkeys(flow.order))
     flow.consumers = {p: set() for p in flow.widths}
     for path, src in flow.sources.items():
@@ -208,46 +208,41 @@ def find_layout(model: nn.Module, example_inputs: Sequence[Any] | None = None) -
         if isinstance(m, nn.MultiheadAttention):
             replicated[path] = ("nn.MultiheadAttention projects q, k and v in one functional call, which has no "
                                 "linear module to shard")
+    parts: dict[str, int] = {}
+    skipped: dict[str, str] = {}  # attention module -> why its pair was not sharded
     for b in flow.order:
         src = flow.sources.get(b, frozenset())
         feeders = sorted(s for s in src if s in flow.widths)
-        if not feeders or NORM in src or len(feeders) != len(src - {ATTN}):
-            continue  # fed by something else too (a residual, an input, a normalization)
+        if not feeders or len(feeders) != len(src - {ATTN, NORM}):
+            continue  # fed by something else too (a residual, an input)
         if any(flow.consumers[a] != {b} for a in feeders):
             continue
         b_in, b_out = flow.widths[b]
         if any(flow.widths[a][0] != b_out for a in feeders) or any(a in styles for a in feeders):
             continue  # not hidden -> ... -> hidden
         parent = _common_parent([*feeders, b])
-        if ATTN in src:
-            head_dim = next((d for k, d in flow.head_dim.items() if k <= set(feeders)), None)
-            if not head_dim or any(flow.widths[a][1] % head_dim for a in feeders):
-                continue
-            heads = [flow.widths[a][1] // head_dim for a in feeders]
-            fused_style = "colwise"
-            if len(feeders) == 1:  # fused q/k/v
-                if heads[0] % 3:
-                    continue
-                if not _per_head(flow.first_op.get(feeders[0]), heads[0] // 3):
-                    if not _qkv_blocks(flow.first_op.get(feeders[0]), flow.widths[feeders[0]][1]):
-                        replicated[parent] = (f"its fused q/k/v projection '{feeders[0]}' is reshaped in a way "
-                                              "autoplan cannot shard by heads")
-                        continue
-                    fused_style = "colwise-qkv"  # [q | k | v]: each third sharded ([Note: fused q/k/v])
-                counts = (("num_heads", heads[0] // 3),)
-            else:
-                q = b_in // head_dim
-                kv = min(heads)
-                counts = (("num_heads", q),) + ((("num_kv_heads", kv),) if kv != q else ())
-            kind = "attention"
-        else:
-            if any(flow.widths[a][1] != b_in for a in feeders):
-                continue
-            kind, counts, fused_style = "mlp", (("ffn_hidden_size", b_in),), "colwise"
-        groups.append(ShardGroup(kind, tuple(feeders), b, counts, parent))
+        found = _attention_pair(flow, feeders, b_in, src) if ATTN in src else _mlp_pair(flow, feeders, b_in, src)
+        if isinstance(found, str):
+            if ATTN in src:
+                skipped.setdefault(parent, found)
+            continue
+        kind, counts, fused_parts, norm = found
+        groups.append(ShardGroup(kind, tuple(feeders), b, counts, parent, norm))
         for a in feeders:
-            styles[a] = fused_style if kind == "attention" else "colwise"
+            styles[a] = "colwise-qkv" if fused_parts else "colwise"  # [Note: fused projections]
+            if fused_parts:
+                parts[a] = fused_parts
         styles[b] = "rowwise"
+    # An attention whose projections were not paired stays whole on every tp rank: say so, and why.
+    for key in flow.head_dim:
+        linears = sorted(t for t in key if t in flow.widths)
+        if linears and not any(t in styles for t in linears):
+            parent = _common_parent(linears) if len(linears) > 1 else linears[0].rpartition(".")[0]
+            if not any(parent == r or parent.startswith(r + ".") for r in replicated):
+                replicated[parent] = skipped.get(parent) or next(
+                    (why for p, why in skipped.items() if p.startswith(parent + ".") or parent.startswith(p + ".")),
+                    f"its projections {', '.join(repr(t) for t in linears)} are not a column- and row-parallel "
+                    "pair autoplan can shard by heads")
 
     if not groups:
         reason = (f"none of its {len(widths)} linear layers feeds another through element-wise or attention "
@@ -261,7 +256,7 @@ def find_layout(model: nn.Module, example_inputs: Sequence[Any] | None = None) -
     sharded = sum(p.numel() for p in {id(p): p for path in styles
                                       for p in model.get_submodule(path).parameters(recurse=False)}.values())
     layout = TensorParallelLayout(styles=styles, groups=tuple(groups), divides=divides, replicated=replicated,
-                                  sharded_params=sharded, total_params=total,
+                                  sharded_params=sharded, total_params=total, parts=parts,
                                   transposed=frozenset(p for p in styles if p in flow.transposed),
                                   tied=_tied_names(model, styles))
     layout.layers = tuple(_sp_layers(model, layout))
@@ -294,37 +289,135 @@ def _divides(groups: Sequence[ShardGroup], previous: Mapping[str, tuple[int, str
     return divides
 
 
-def _qkv_blocks(first_op, width: int) -> bool:
-    """Whether a fused q/k/v output laid out [q | k | v] is first split into its three blocks, or
-    reshaped into (3, ...) (`_per_head` is False)."""
-    if first_op is None:
-        return False
-    func, in_shape, out_shape, extra = first_op
-    last = len(in_shape) - 1
-    if func is torch.ops.aten.split.Tensor and extra:
-        dim = extra[1] if len(extra) > 1 else 0
-        return extra[0] * 3 == width and dim % len(in_shape) == last
-    if func is torch.ops.aten.split_with_sizes.default and extra:
-        dim = extra[1] if len(extra) > 1 else 0
-        return list(extra[0]) == [width // 3] * 3 and dim % len(in_shape) == last
-    if func in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default):
-        return (out_shape is not None and len(out_shape) > last and tuple(out_shape[:last]) == tuple(in_shape[:last])
-                and out_shape[last] == 3)
-    return False
+Pair = tuple[str, tuple[tuple[str, int], ...], int, str]
+"""A column- and row-parallel pair found: (kind, counts, parts of a fused projection or 0, norm)."""
 
 
-def _per_head(first_op, num_heads: int) -> bool:
-    """Whether a fused q/k/v output is laid out per head: its first use reshapes the features into
-    (heads, ...) (Megatron-LM's and the zoo's layout), not into (3, heads, ...) nor splits them."""
+def _attention_pair(flow: Flow, feeders: Sequence[str], b_in: int, src: frozenset) -> Pair | str:
+    """Column-parallel `feeders` of a row-parallel linear of width `b_in` through attention, or why
+    not (one phrase): separate q, k and v projections, or one fused projection laid out per head
+    (or per key/value group) or in equal blocks ([Note: fused projections])."""
+    head_dim = next((d for k, d in flow.head_dim.items() if k <= set(feeders)), None)
+    if not head_dim or any(flow.widths[a][1] % head_dim for a in feeders):
+        return "its projections' widths are not whole heads"
+    norm = ""
+    if NORM in src:  # q/k norms: per head (Qwen3), or over the projection's whole width (OLMo2)
+        normed = set().union(*(w for k, w in flow.norms.items() if k & set(feeders)))
+        if normed == {head_dim}:
+            norm = "head"
+        elif normed and normed <= {flow.widths[a][1] for a in feeders}:
+            norm = "full"
+        else:
+            return "a normalization between its projections and its output projection spans several heads"
+    q = b_in // head_dim
+    if len(feeders) > 1:
+        kv = min(flow.widths[a][1] // head_dim for a in feeders)
+        return "attention", (("num_heads", q),) + ((("num_kv_heads", kv),) if kv != q else ()), 0, norm
+    fused, width = feeders[0], flow.widths[feeders[0]][1]
+    groups = _groups(flow.first_op.get(fused), width, head_dim, q)
+    if groups:  # per head or per key/value group: a contiguous shard holds whole groups
+        return "attention", (("num_heads", q),) + ((("num_kv_heads", groups),) if groups != q else ()), 0, norm
+    sizes = _parts(flow.uses.get(fused, ()), width)
+    if sizes is None:
+        first = flow.first_op.get(fused)
+        shape = f" to {tuple(first[2][len(first[1]) - 1:])}" if first and first[2] else ""
+        return (f"its fused q/k/v projection '{fused}' is reshaped{shape}, not into groups of whole query, key and "
+                "value heads (multi-query: key/value heads every query head shares), so autoplan cannot shard it "
+                "by heads")
+    if len(set(sizes)) != 1 or sizes[0] % head_dim:
+        return (f"its fused q/k/v projection '{fused}' is cut into unequal parts {sizes} (grouped-query heads): "
+                "a strided shard holds equal parts only")
+    return "attention", (("num_heads", sizes[0] // head_dim),), len(sizes), norm
+
+
+def _mlp_pair(flow: Flow, feeders: Sequence[str], b_in: int, src: frozenset) -> Pair | str:
+    """Column-parallel `feeders` of a row-parallel linear of width `b_in` through element-wise ops
+    (up/gate -> down), a fused gate/up projection cut into equal parts included, or why not."""
+    if NORM in src:
+        return "a normalization over the features between them needs the whole width"
+    counts = (("ffn_hidden_size", b_in),)
+    if all(flow.widths[a][1] == b_in for a in feeders):
+        return "mlp", counts, 0, ""
+    if len(feeders) == 1:
+        sizes = _parts(flow.uses.get(feeders[0], ()), flow.widths[feeders[0]][1])
+        if sizes and len(sizes) > 1 and set(sizes) == {b_in}:
+            return "mlp", counts, len(sizes), ""
+    return "its projections' widths do not match"
+
+
+# [Note: fused projections]
+# A fused projection computes several column-parallel outputs in one linear (q, k and v; gate and
+# up). How its output is cut decides how it shards:
+# - reshaped at once into (groups, ...) where each group holds whole heads of q, k and v (Megatron-
+#   LM's per-head layout, Falcon's `view(b, s, heads, 3, head_dim)` and, with key/value groups,
+#   `new_decoder_architecture`'s `view(b, s, kv_heads, heads / kv_heads + 2, head_dim)`): a
+#   contiguous shard of the output features holds whole groups, so it is a plain column-parallel
+#   linear (`_groups`);
+# - cut along its features into equal parts by `split` / `chunk` / slices, or reshaped into
+#   (3, heads, ...) ([q | k | v]: GPT-2's `c_attn`, Phi-3's `qkv_proj` and `gate_up_proj`): each
+#   part is sharded on its own, rank r holding [q_r | k_r | v_r] (the "colwise-qkv" style; the
+#   number of parts in `TensorParallelLayout.parts`), as Megatron-LM's fused QKV holds each rank's
+#   heads of all three (Shoeybi et al. 2019, Sec. 3; megatron/core/transformer/attention.py).
+#   DTensor's `_StridedShard(dim, split_factor=parts)` is that placement (runtime/
+#   tensor_parallel_graph.py [Note: fused q/k/v]); the split on each rank yields its own parts.
+# - parts of unequal sizes ([q | k | v] with fewer key/value heads than query heads: Phi-3 with
+#   grouped-query attention) have no such placement: the attention stays replicated and the layout
+#   says so (`TensorParallelLayout.replicated`), as it does for a reshape into single heads shared
+#   by all queries (Falcon's multi-query layout, one key/value head).
+
+
+def _parts(uses: Sequence[Any], width: int) -> tuple[int, ...] | None:
+    """The sizes of the blocks a fused projection's output (`width` features) is cut into along its
+    last dim: by `split`, `split_with_sizes`, `chunk`, slices covering it, or a reshape into
+    (3, ...); None when it is not cut so."""
+    aten = torch.ops.aten
+    slices = []
+    for func, in_shape, out_shape, extra in uses:
+        last = len(in_shape) - 1
+
+        def on_last(dim: int) -> bool:
+            return dim % len(in_shape) == last
+
+        if func in (aten.split.Tensor, aten.chunk.default) and extra and on_last(extra[1] if len(extra) > 1 else 0):
+            size = extra[0] if func is aten.split.Tensor else -(-width // extra[0])
+            return (size,) * (width // size) + ((width % size,) if width % size else ())
+        if func is aten.split_with_sizes.default and extra and on_last(extra[1] if len(extra) > 1 else 0):
+            return tuple(extra[0])
+        if func is aten.slice.Tensor:
+            dim, start, end, step = (*extra, None, None, None, None)[:4]
+            if on_last(dim or 0) and step in (None, 1):
+                slices.append((start or 0, width if end is None else min(end, width)))
+        elif (func in _VIEWS and not slices and out_shape is not None and len(out_shape) > last + 1
+              and tuple(out_shape[:last]) == tuple(in_shape[:last]) and out_shape[last] == 3):
+            return (width // 3,) * 3
+    slices.sort()
+    if not slices or slices[0][0] != 0 or slices[-1][1] != width:
+        return None
+    if any(a[1] != b[0] for a, b in zip(slices, slices[1:])):
+        return None
+    return tuple(end - start for start, end in slices)
+
+
+def _groups(first_op, width: int, head_dim: int, num_heads: int) -> int:
+    """The number of groups when a fused q/k/v output is first reshaped into (groups, ...) each of
+    whole query heads and their key and value heads (per head: Megatron-LM's and the zoo's layout;
+    per key/value group: Falcon's `new_decoder_architecture`), else 0."""
     if first_op is None:
-        return False
+        return 0
     func, in_shape, out_shape, _ = first_op
-    if func not in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default):
-        return False
+    if func not in _VIEWS:
+        return 0
     lead = len(in_shape) - 1
-    if out_shape is None or len(out_shape) <= lead or tuple(out_shape[:lead]) != tuple(in_shape[:lead]):
-        return False
-    return out_shape[lead] == num_heads
+    if out_shape is None or len(out_shape) <= lead + 1 or tuple(out_shape[:lead]) != tuple(in_shape[:lead]):
+        return 0
+    groups = out_shape[lead]
+    if groups < 1 or width % groups or num_heads % groups:
+        return 0
+    per_group = width // groups  # its query heads, one key head and one value head
+    return groups if per_group == (num_heads // groups + 2) * head_dim else 0
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
 
 
 def _vocab_parallel(flow: Flow, styles: dict[str, str], divides: dict) -> None:
@@ -373,20 +466,27 @@ def for_graph(layout: TensorParallelLayout, traced) -> TensorParallelLayout:
     vocab = [p for p, style in layout.styles.items() if style.startswith("vocab-")]
     if not (all(whole(g.parent) for g in layout.groups) and all(p in called for p in vocab)):
         return dataclasses.replace(layout, inlined=True, layers=())
-    blocked = [g for g in layout.groups if any(layout.styles[c] == "colwise-qkv" for c in g.colwise)]
-    if not blocked:
+    # Module hooks run the attention's own code: its reshapes want whole [q | k | v] blocks, and a
+    # norm over a projection's whole width would see this rank's part only.
+    why = {}
+    for g in layout.groups:
+        if any(layout.styles[c] == "colwise-qkv" for c in g.colwise):
+            why[g] = (f"its fused projection '{g.colwise[0]}' is cut into parts and the graph calls the "
+                      f"{g.kind} whole: module hooks cannot shard each part")
+        elif g.norm == "full":
+            why[g] = ("it normalizes q / k over the whole projection width and the graph calls the attention "
+                      "whole: module hooks would normalize this rank's part only")
+    if not why:
         return dataclasses.replace(layout, inlined=False)
-    # Module hooks run the attention's own code, whose reshapes want whole [q | k | v] blocks.
-    styles = {p: s for p, s in layout.styles.items() if not any(p in (*g.colwise, g.rowwise) for g in blocked)}
-    groups = tuple(g for g in layout.groups if g not in blocked)
-    replicated = {**layout.replicated, **{g.parent: f"its fused q/k/v projection '{g.colwise[0]}' is laid out [q | k | v] "
-                                          "and the graph calls the attention whole: module hooks cannot split it by heads"
-                                          for g in blocked}}
+    styles = {p: s for p, s in layout.styles.items() if not any(p in (*g.colwise, g.rowwise) for g in why)}
+    groups = tuple(g for g in layout.groups if g not in why)
+    replicated = {**layout.replicated, **{g.parent: reason for g, reason in why.items()}}
     if not groups:
         return TensorParallelLayout(note=next(iter(replicated.values())), replicated=replicated,
                                     total_params=layout.total_params)
     return dataclasses.replace(layout, styles=styles, groups=groups, replicated=replicated, inlined=False,
-                               divides=_divides(groups, layout.divides), layers=())
+                               divides=_divides(groups, layout.divides), layers=(),
+                               parts={p: n for p, n in layout.parts.items() if p in styles})
 
 
 def traced_layout(traced, graph_inputs: Sequence[Any] | Mapping[str, Any]) -> TensorParallelLayout:
