@@ -19,8 +19,8 @@ from autoplan.cluster import Cluster, parse_cluster, with_collective_curves
 from autoplan.cost.calibration import Calibrations
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.profile import Progress, profile_module
-from autoplan.graph.trace import TracedModel, trace_model
 from autoplan.graph.tp_layout import replicated_note
+from autoplan.graph.trace import TracedModel, trace_model
 from autoplan.plan import MAX_JOB_SIZE, Job, Plan
 from autoplan.search._gc import gc_paused
 from autoplan.search.space import SearchResult, search_plans

@@ -11,24 +11,27 @@ computed from since the last linear (a `TorchDispatchMode` carries the sets thro
 a linear's output starts a new set):
 
 - a linear B whose input comes from linears P (and from nothing else: no residual, no other input),
-  where every linear of P feeds B only, and nothing on the way normalizes over the features (a
-  LayerNorm between P and B would need the whole width), is a row-parallel B with column-parallel P;
+  where every linear of P feeds B only, is a row-parallel B with column-parallel P; in an MLP
+  nothing on the way may normalize over the features (a LayerNorm between P and B would need the
+  whole width); in attention a q/k norm may: over each head (Qwen3's, after the per-head view) it
+  shards with the heads as it is, over a projection's whole width (OLMo2's) its statistics need
+  every rank's heads, which DTensor all-reduces on an inlined graph (`ShardGroup.norm`);
 - it is attention when two activations met in a batched matmul (q k^T, then the weights times v)
   or an attention kernel on the way: the head size is the last dim of q there, and each
   column-parallel width / head size is that projection's head count (q: heads, k and v: KV heads).
   Otherwise it is an MLP (up/gate -> down), whose width tp must divide;
-- a fused q/k/v projection (one column-parallel linear, three heads' worth per head) is sharded only
-  when its output is first reshaped into (heads, ...) (the per-head layout of Megatron-LM and of
-  autoplan's zoo); one first split along its features, or reshaped into (3, heads, ...), is laid
-  out [q | k | v] (GPT-2's `c_attn`), where a contiguous column shard would not hold whole heads,
-  so that attention stays replicated;
+- a fused projection (q/k/v, gate/up: one column-parallel linear) is sharded per head or key/value
+  group, or part by part, as [Note: fused projections] says; an attention it cannot shard stays
+  replicated and the layout lists it (`replicated`), as every attention whose projections pair
+  with no row-parallel output;
 - the token embedding and the LM head are vocabulary-parallel when the head is a linear whose output
   is the model's output, of width `num_embeddings` of an `nn.Embedding` of the hidden width (or
   tied to it);
 - `nn.MultiheadAttention` computes its fused in-projection in one functional call (no module to
   shard): it stays replicated, and the layout says so.
 
-Linear layers are `nn.Linear` and Hugging Face's `Conv1D` (GPT-2; its weight is (in, out)). Head
+Linear layers are `nn.Linear`, Hugging Face's `Conv1D` (GPT-2; its weight is (in, out)) and, in an
+inlined graph, `x @ W.T` of a 2-D parameter (Falcon's `FalconLinear`). Head
 and KV-head counts come from the shapes that flow, so a model needs no attribute naming them.
 
 The profile (what `suggest` searches) and `partition` both take a model's layout from its traced
@@ -65,6 +68,7 @@ from autoplan.graph.data_flow import (
     tags_of,
 )
 from autoplan.graph.tp_layout import ShardGroup, TensorParallelLayout
+from autoplan.graph.tp_pairs import attention_pair, mlp_pair
 
 __all__ = ["default_inputs", "find_layout", "for_graph", "is_transposed_linear", "linear_widths", "sp_children",
            "traced_layout"]
@@ -221,7 +225,7 @@ def find_layout(model: nn.Module, example_inputs: Sequence[Any] | None = None) -
         if any(flow.widths[a][0] != b_out for a in feeders) or any(a in styles for a in feeders):
             continue  # not hidden -> ... -> hidden
         parent = _common_parent([*feeders, b])
-        found = _attention_pair(flow, feeders, b_in, src) if ATTN in src else _mlp_pair(flow, feeders, b_in, src)
+        found = attention_pair(flow, feeders, b_in, src) if ATTN in src else mlp_pair(flow, feeders, b_in, src)
         if isinstance(found, str):
             if ATTN in src:
                 skipped.setdefault(parent, found)
@@ -289,137 +293,6 @@ def _divides(groups: Sequence[ShardGroup], previous: Mapping[str, tuple[int, str
     return divides
 
 
-Pair = tuple[str, tuple[tuple[str, int], ...], int, str]
-"""A column- and row-parallel pair found: (kind, counts, parts of a fused projection or 0, norm)."""
-
-
-def _attention_pair(flow: Flow, feeders: Sequence[str], b_in: int, src: frozenset) -> Pair | str:
-    """Column-parallel `feeders` of a row-parallel linear of width `b_in` through attention, or why
-    not (one phrase): separate q, k and v projections, or one fused projection laid out per head
-    (or per key/value group) or in equal blocks ([Note: fused projections])."""
-    head_dim = next((d for k, d in flow.head_dim.items() if k <= set(feeders)), None)
-    if not head_dim or any(flow.widths[a][1] % head_dim for a in feeders):
-        return "its projections' widths are not whole heads"
-    norm = ""
-    if NORM in src:  # q/k norms: per head (Qwen3), or over the projection's whole width (OLMo2)
-        normed = set().union(*(w for k, w in flow.norms.items() if k & set(feeders)))
-        if normed == {head_dim}:
-            norm = "head"
-        elif normed and normed <= {flow.widths[a][1] for a in feeders}:
-            norm = "full"
-        else:
-            return "a normalization between its projections and its output projection spans several heads"
-    q = b_in // head_dim
-    if len(feeders) > 1:
-        kv = min(flow.widths[a][1] // head_dim for a in feeders)
-        return "attention", (("num_heads", q),) + ((("num_kv_heads", kv),) if kv != q else ()), 0, norm
-    fused, width = feeders[0], flow.widths[feeders[0]][1]
-    groups = _groups(flow.first_op.get(fused), width, head_dim, q)
-    if groups:  # per head or per key/value group: a contiguous shard holds whole groups
-        return "attention", (("num_heads", q),) + ((("num_kv_heads", groups),) if groups != q else ()), 0, norm
-    sizes = _parts(flow.uses.get(fused, ()), width)
-    if sizes is None:
-        first = flow.first_op.get(fused)
-        shape = f" to {tuple(first[2][len(first[1]) - 1:])}" if first and first[2] else ""
-        return (f"its fused q/k/v projection '{fused}' is reshaped{shape}, not into groups of whole query, key and "
-                "value heads (multi-query: key/value heads every query head shares), so autoplan cannot shard it "
-                "by heads")
-    if len(set(sizes)) != 1 or sizes[0] % head_dim:
-        return (f"its fused q/k/v projection '{fused}' is cut into unequal parts {sizes} (grouped-query heads): "
-                "a strided shard holds equal parts only")
-    return "attention", (("num_heads", sizes[0] // head_dim),), len(sizes), norm
-
-
-def _mlp_pair(flow: Flow, feeders: Sequence[str], b_in: int, src: frozenset) -> Pair | str:
-    """Column-parallel `feeders` of a row-parallel linear of width `b_in` through element-wise ops
-    (up/gate -> down), a fused gate/up projection cut into equal parts included, or why not."""
-    if NORM in src:
-        return "a normalization over the features between them needs the whole width"
-    counts = (("ffn_hidden_size", b_in),)
-    if all(flow.widths[a][1] == b_in for a in feeders):
-        return "mlp", counts, 0, ""
-    if len(feeders) == 1:
-        sizes = _parts(flow.uses.get(feeders[0], ()), flow.widths[feeders[0]][1])
-        if sizes and len(sizes) > 1 and set(sizes) == {b_in}:
-            return "mlp", counts, len(sizes), ""
-    return "its projections' widths do not match"
-
-
-# [Note: fused projections]
-# A fused projection computes several column-parallel outputs in one linear (q, k and v; gate and
-# up). How its output is cut decides how it shards:
-# - reshaped at once into (groups, ...) where each group holds whole heads of q, k and v (Megatron-
-#   LM's per-head layout, Falcon's `view(b, s, heads, 3, head_dim)` and, with key/value groups,
-#   `new_decoder_architecture`'s `view(b, s, kv_heads, heads / kv_heads + 2, head_dim)`): a
-#   contiguous shard of the output features holds whole groups, so it is a plain column-parallel
-#   linear (`_groups`);
-# - cut along its features into equal parts by `split` / `chunk` / slices, or reshaped into
-#   (3, heads, ...) ([q | k | v]: GPT-2's `c_attn`, Phi-3's `qkv_proj` and `gate_up_proj`): each
-#   part is sharded on its own, rank r holding [q_r | k_r | v_r] (the "colwise-qkv" style; the
-#   number of parts in `TensorParallelLayout.parts`), as Megatron-LM's fused QKV holds each rank's
-#   heads of all three (Shoeybi et al. 2019, Sec. 3; megatron/core/transformer/attention.py).
-#   DTensor's `_StridedShard(dim, split_factor=parts)` is that placement (runtime/
-#   tensor_parallel_graph.py [Note: fused q/k/v]); the split on each rank yields its own parts.
-# - parts of unequal sizes ([q | k | v] with fewer key/value heads than query heads: Phi-3 with
-#   grouped-query attention) have no such placement: the attention stays replicated and the layout
-#   says so (`TensorParallelLayout.replicated`), as it does for a reshape into single heads shared
-#   by all queries (Falcon's multi-query layout, one key/value head).
-
-
-def _parts(uses: Sequence[Any], width: int) -> tuple[int, ...] | None:
-    """The sizes of the blocks a fused projection's output (`width` features) is cut into along its
-    last dim: by `split`, `split_with_sizes`, `chunk`, slices covering it, or a reshape into
-    (3, ...); None when it is not cut so."""
-    aten = torch.ops.aten
-    slices = []
-    for func, in_shape, out_shape, extra in uses:
-        last = len(in_shape) - 1
-
-        def on_last(dim: int) -> bool:
-            return dim % len(in_shape) == last
-
-        if func in (aten.split.Tensor, aten.chunk.default) and extra and on_last(extra[1] if len(extra) > 1 else 0):
-            size = extra[0] if func is aten.split.Tensor else -(-width // extra[0])
-            return (size,) * (width // size) + ((width % size,) if width % size else ())
-        if func is aten.split_with_sizes.default and extra and on_last(extra[1] if len(extra) > 1 else 0):
-            return tuple(extra[0])
-        if func is aten.slice.Tensor:
-            dim, start, end, step = (*extra, None, None, None, None)[:4]
-            if on_last(dim or 0) and step in (None, 1):
-                slices.append((start or 0, width if end is None else min(end, width)))
-        elif (func in _VIEWS and not slices and out_shape is not None and len(out_shape) > last + 1
-              and tuple(out_shape[:last]) == tuple(in_shape[:last]) and out_shape[last] == 3):
-            return (width // 3,) * 3
-    slices.sort()
-    if not slices or slices[0][0] != 0 or slices[-1][1] != width:
-        return None
-    if any(a[1] != b[0] for a, b in zip(slices, slices[1:])):
-        return None
-    return tuple(end - start for start, end in slices)
-
-
-def _groups(first_op, width: int, head_dim: int, num_heads: int) -> int:
-    """The number of groups when a fused q/k/v output is first reshaped into (groups, ...) each of
-    whole query heads and their key and value heads (per head: Megatron-LM's and the zoo's layout;
-    per key/value group: Falcon's `new_decoder_architecture`), else 0."""
-    if first_op is None:
-        return 0
-    func, in_shape, out_shape, _ = first_op
-    if func not in _VIEWS:
-        return 0
-    lead = len(in_shape) - 1
-    if out_shape is None or len(out_shape) <= lead + 1 or tuple(out_shape[:lead]) != tuple(in_shape[:lead]):
-        return 0
-    groups = out_shape[lead]
-    if groups < 1 or width % groups or num_heads % groups:
-        return 0
-    per_group = width // groups  # its query heads, one key head and one value head
-    return groups if per_group == (num_heads // groups + 2) * head_dim else 0
-
-
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
-
-
 def _vocab_parallel(flow: Flow, styles: dict[str, str], divides: dict) -> None:
     """Mark the token embedding and LM head vocabulary-parallel (see the module note)."""
     heads = [p for p in flow.order if flow.consumers.get(p) == {OUTPUT} and p not in styles]
@@ -471,7 +344,8 @@ def for_graph(layout: TensorParallelLayout, traced) -> TensorParallelLayout:
     why = {}
     for g in layout.groups:
         if any(layout.styles[c] == "colwise-qkv" for c in g.colwise):
-            why[g] = (f"its fused projection '{g.colwise[0]}' is cut into parts and the graph calls the "
+            what = "q/k/v" if g.kind == "attention" else "gate/up"
+            why[g] = (f"its fused {what} projection '{g.colwise[0]}' is cut into parts and the graph calls the "
                       f"{g.kind} whole: module hooks cannot shard each part")
         elif g.norm == "full":
             why[g] = ("it normalizes q / k over the whole projection width and the graph calls the attention "
