@@ -33,6 +33,8 @@ SHARDED = {
     "phi3": f"hf:phi3:{_DECODER},pad_token_id=0",
     # Falcon-40B's layout: q, k and v fused per key/value group (`new_decoder_architecture`).
     "falcon": f"{_FALCON},new_decoder_architecture=True,num_kv_heads=2",
+    # Falcon's multi-head layout: q, k and v fused per head (`view(b, s, heads, 3, head_dim)`).
+    "falcon-mha": f"{_FALCON},multi_query=False",
     # RMSNorm over each head's q and k (head_dim) after the per-head view.
     "qwen3": f"hf:qwen3:{_DECODER},num_key_value_heads=2,head_dim=16",
     # RMSNorm over the whole q and k projections: its statistics need every tp rank's heads.
@@ -65,6 +67,7 @@ def test_attention_is_sharded(name):
 @pytest.mark.parametrize("name", [
     "phi3",
     pytest.param("falcon", marks=pytest.mark.extended),
+    pytest.param("falcon-mha", marks=pytest.mark.extended),
     pytest.param("qwen3", marks=pytest.mark.extended),
     pytest.param("olmo2", marks=pytest.mark.extended),
     # the attention left whole on every tp rank (listed), the MLP sharded
@@ -112,7 +115,7 @@ def _local_weights(rank, world_size, spec, plan):
     return out
 
 
-@pytest.mark.parametrize("name", list(REPLICATED))
+@pytest.mark.parametrize("name", ["falcon-mqa", pytest.param("phi3-gqa", marks=pytest.mark.extended)])
 def test_an_attention_left_whole_is_listed_shown_and_priced(name, tmp_path):
     """A model whose attention tp cannot shard still runs its MLP tensor-parallel: the attention is
     in the layout's `replicated` list, `autoplan suggest` says so, and the plan prices its
