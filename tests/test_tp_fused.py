@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -143,3 +144,23 @@ def test_an_attention_left_whole_is_listed_shown_and_priced(name, tmp_path):
     predicted = plan["stages"][0]["memory"]["weights_bytes"]
     assert predicted == pytest.approx(4 * (sharded / 2 + params - sharded), rel=0.02), (predicted, sharded, params)
     assert predicted > 4 * params / 2 * 1.1
+
+
+QK_NORM_FILE = str(Path(__file__).resolve().parent / "user_models" / "qk_norm.py")
+
+
+@pytest.mark.multiproc
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("build", ["build_head", "build_full"])
+def test_qk_norms_under_module_hooks(build):
+    """A model file traced with fx (attention called whole: tp by module hooks): a per-head q/k norm
+    shards with the heads; one over the whole projection would see this rank's part only, so that
+    attention is listed as replicated and the MLP alone is sharded. Both match the reference."""
+    spec = f"{QK_NORM_FILE}:{build}"
+    layout = _layout(spec)
+    if build == "build_head":
+        assert layout["replicated"] == {} and layout["divides"]["num_heads"] == 4, layout
+    else:
+        assert sorted(layout["replicated"]) == ["layers.0.attn", "layers.1.attn"], layout
+    _check_spec(spec, 32, {k: LAYOUTS[k] for k in ("tp2", "tp2-pp2")}, set())

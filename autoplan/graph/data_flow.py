@@ -48,9 +48,13 @@ def tags_of(t: Any) -> frozenset:
 class FlowMode(TorchDispatchMode):
     """Carries `_ap_tags` (linear paths, `NORM`, `ATTN`) from every op's inputs to its outputs."""
 
-    def __init__(self, params: set[int]):
+    def __init__(self, params: set[int], param_names: dict[int, str] | None = None):
         super().__init__()
         self.params = params
+        self.param_names = param_names or {}
+        self.param_inputs: dict[str, frozenset] = {}
+        """Parameter name -> the linears whose outputs reached the ops that read it (a per-head
+        norm's weight: the q or k projection's)."""
         self.head_dim: dict[frozenset, int] = {}
         """Linears an attention matmul read from -> head size."""
         self.first_op: dict[str, Any] = {}
@@ -68,6 +72,10 @@ class FlowMode(TorchDispatchMode):
         flat, _ = tree_flatten((args, kwargs))
         inputs = [t for t in flat if isinstance(t, torch.Tensor) and id(t) not in self.params]
         tags = frozenset().union(*(tags_of(t) for t in inputs))
+        for t in flat:
+            name = self.param_names.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if name is not None:
+                self.param_inputs[name] = self.param_inputs.get(name, frozenset()) | (tags - _MARKS)
         for t in inputs:
             fresh = getattr(t, "_ap_fresh", None)
             if (fresh is not None and func in _VIEWS and isinstance(out, torch.Tensor) and out.dim() and t.dim()
@@ -134,6 +142,7 @@ class Flow:
     order: list[str]
     uses: dict[str, list[Any]] = field(default_factory=dict)
     norms: dict[frozenset, set[int]] = field(default_factory=dict)
+    param_inputs: dict[str, frozenset] = field(default_factory=dict)
 
 
 _GRAPH_LINEARS = {torch.ops.aten.linear.default: False, torch.nn.functional.linear: False,
@@ -212,6 +221,9 @@ class FlowInterpreter(torch.fx.Interpreter):
         for tags, widths in list(mode.norms.items()):
             if any(isinstance(t, str) and t.startswith(second + ".") for t in tags):
                 mode.norms.setdefault(rename_set(tags), set()).update(widths)
+        for name, tags in list(mode.param_inputs.items()):
+            if name.startswith(second + "."):
+                mode.param_inputs.setdefault(rename(name), rename_set(tags))
         runs.append((target, None, len(flow.order) - (template[3] - template[2]), len(flow.order)))
 
         def fresh(value: Any) -> Any:

@@ -117,7 +117,7 @@ def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any
         handles.append(m.register_forward_hook(lambda module, args, out, path=path: post(path, out)))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FlowMode(params)
+    mode = FlowMode(params, {id(p): name for name, p in model.named_parameters()})
     param = next(iter(model.parameters()), None)
     graph_device = constants_device(model) if isinstance(model, torch.fx.GraphModule) else None
     device = graph_device or (param.device if param is not None else torch.device("cpu"))
@@ -151,6 +151,7 @@ def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any
         for h in handles:
             h.remove()
     flow.head_dim, flow.first_op, flow.uses, flow.norms = mode.head_dim, mode.first_op, mode.uses, mode.norms
+    flow.param_inputs = mode.param_inputs
     flow.order = list(dict.fromkeys(flow.order))
     flow.consumers = {p: set() for p in flow.widths}
     for path, src in flow.sources.items():
@@ -259,8 +260,13 @@ def find_layout(model: nn.Module, example_inputs: Sequence[Any] | None = None) -
     _vocab_parallel(flow, styles, divides)
     sharded = sum(p.numel() for p in {id(p): p for path in styles
                                       for p in model.get_submodule(path).parameters(recurse=False)}.values())
+    # Parameters read only on a sharded attention's heads (a per-head norm's weight): each tp rank's
+    # gradient is of its own heads.
+    inside = [set(g.colwise) for g in groups if g.kind == "attention" and g.norm]
+    head_params = tuple(name for name, tags in flow.param_inputs.items()
+                        if tags and name.rpartition(".")[0] not in styles and any(tags <= cols for cols in inside))
     layout = TensorParallelLayout(styles=styles, groups=tuple(groups), divides=divides, replicated=replicated,
-                                  sharded_params=sharded, total_params=total, parts=parts,
+                                  sharded_params=sharded, total_params=total, parts=parts, head_params=head_params,
                                   transposed=frozenset(p for p in styles if p in flow.transposed),
                                   tied=_tied_names(model, styles))
     layout.layers = tuple(_sp_layers(model, layout))
@@ -360,7 +366,9 @@ def for_graph(layout: TensorParallelLayout, traced) -> TensorParallelLayout:
                                     total_params=layout.total_params)
     return dataclasses.replace(layout, styles=styles, groups=groups, replicated=replicated, inlined=False,
                                divides=_divides(groups, layout.divides), layers=(),
-                               parts={p: n for p, n in layout.parts.items() if p in styles})
+                               parts={p: n for p, n in layout.parts.items() if p in styles},
+                               head_params=tuple(p for p in layout.head_params
+                                                 if not any(p.startswith(g.parent + ".") for g in why)))
 
 
 def traced_layout(traced, graph_inputs: Sequence[Any] | Mapping[str, Any]) -> TensorParallelLayout:

@@ -61,6 +61,10 @@ class TensorParallelLayout(Mapping):
     """A fused projection styled "colwise-qkv" -> the number of equal parts its output is cut into
     (3 for q, k and v; 2 for gate and up): each part is sharded on its own ([Note: fused projections]
     in graph/sharding.py)."""
+    head_params: tuple[str, ...] = ()
+    """Parameters that only a sharded attention's heads read (the weight of a per-head q/k norm):
+    left whole on every tp rank, each rank's gradient covers its own heads, so under module hooks
+    the runtime sums it over tp (DTensor does so on an inlined graph)."""
     transposed: frozenset[str] = frozenset()
     """Sharded linears whose weight is stored (in, out) (transformers' `Conv1D`)."""
     tied: dict[str, str] = field(default_factory=dict)

@@ -196,11 +196,33 @@ def shard_module(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh, *,
         parallel.src_data_rank = None  # every rank builds the same weights: take the local slice, no scatter
         parallelize_module(target, tp_mesh, parallel)
         done.append(path)
+    _sum_head_grads(module, tp_plan, tp_mesh)
     if sequence_parallel:
         _apply_sequence_parallel(module, tp_mesh, model_layers, tp_plan)
     for head, embedding in tied:  # both shard the vocabulary rows (Shard(0)): one DTensor serves both
         head.weight = embedding.weight
     return done
+
+
+def _sum_head_grads(module: nn.Module, layout: Mapping[str, str], tp_mesh) -> None:
+    """Under module hooks, a module only a sharded attention's heads run (a per-head q/k norm:
+    `TensorParallelLayout.head_params`) normalizes this rank's heads with a weight every tp rank
+    holds whole, so each rank's gradient of it covers its own heads. Its weight becomes a Replicate
+    DTensor and its input this rank's rows of a Shard(0) DTensor (torch's `SequenceParallel` over
+    dim 0: the ranks hold different rows of one normalization); DTensor sums the weight's gradient
+    over tp, as it does for sequence-parallel norms."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    owners = {name.rpartition(".")[0] for name in getattr(layout, "head_params", ())}
+    if owners:  # a constant the norm makes (its eps as a tensor) is replicated, as in DTensorStage
+        DTensor._op_dispatcher._allow_implicit_replication = True
+    for path in sorted(owners):
+        try:
+            owner = module.get_submodule(path)
+        except AttributeError:
+            continue
+        parallelize_module(owner, tp_mesh, SequenceParallel(sequence_dim=0, use_local_output=True))
 
 
 def _apply_sequence_parallel(module: nn.Module, tp_mesh, model_layers: Sequence[str],
