@@ -84,12 +84,14 @@ def test_tp_matches_a_single_process_reference(name):
 @pytest.mark.multiproc
 @pytest.mark.extended
 @pytest.mark.timeout(300)
-def test_fused_projection_shards_block_by_block():
+def test_fused_projection_shards_block_by_block_and_every_layer_attends_its_own_heads():
     """Phi-3's fused `qkv_proj` holds 1/tp of each of q, k and v on each rank ([q_r | k_r | v_r]),
     and `gate_up_proj` 1/tp of each of gate and up: the local weight is 1/tp of the rows, and its
-    full tensor is the model's own."""
+    full tensor is the model's own. Every layer's attention runs on this rank's heads (2 of 4): the
+    row-parallel outputs are all-reduced where Megatron-LM all-reduces them, so no later layer
+    computes its projections whole as partial sums."""
     import torch
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from tests._dist import run_ranks
@@ -97,23 +99,41 @@ def test_fused_projection_shards_block_by_block():
     plan = autoplan.suggest(SHARDED["phi3"], "1x2xcpu", global_batch=2, seq_len=16, tp=2, pp=1, dp=1,
                             dtype="fp32", micro_batch_size=1)[0]
     results = run_ranks(_local_weights, 2, SHARDED["phi3"], plan, timeout_s=300)
-    for rank, weights in results.items():
+    for rank, (weights, attended) in results.items():
         for name, parts in (("model.layers.0.self_attn.qkv_proj.weight", 3), ("model.layers.0.mlp.gate_up_proj.weight", 2)):
             local, full, placement = weights[name]
             assert local.shape[0] * 2 == full.shape[0]
             assert isinstance(placement, _StridedShard) and placement.split_factor == parts
             blocks = full.chunk(parts)
             torch.testing.assert_close(local, torch.cat([b.chunk(2)[rank] for b in blocks]))
-    assert DTensor  # the names above are DTensors on every rank
+        assert len(attended) == 2 * plan.num_microbatches, attended  # 2 layers per micro-batch
+        assert all(placements == (Shard(1),) and local_heads == 2 for placements, local_heads in attended), attended
 
 
 def _local_weights(rank, world_size, spec, plan):
-    pm = autoplan.partition(spec, plan, device="cpu")
-    out = {}
+    import autoplan.runtime.tensor_parallel_graph as graph_tp
+
+    attended = []
+    attention = graph_tp._local_attention
+
+    def spy(q, *args, **kwargs):  # placement and local heads of q as each layer's attention gets it
+        attended.append((tuple(q.placements), q.to_local().shape[1]))
+        return attention(q, *args, **kwargs)
+
+    graph_tp._local_attention = spy  # before partition rewrites the graph's attention calls
+    try:
+        pm = autoplan.partition(spec, plan, device="cpu")
+        template = pm.output_template
+        inputs, target = pm.source.batch(0, 0, plan.job.global_batch, plan.job.seq_len, template.shape,
+                                         template.dtype)
+        pm.step(*inputs, target=target)
+    finally:
+        graph_tp._local_attention = attention
+    weights = {}
     for name, p in pm.named_parameters():
         if name.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
-            out[name] = (p.to_local().detach().clone(), p.full_tensor().detach().clone(), p.placements[0])
-    return out
+            weights[name] = (p.to_local().detach().clone(), p.full_tensor().detach().clone(), p.placements[0])
+    return weights, attended
 
 
 @pytest.mark.parametrize("name", ["falcon-mqa", pytest.param("phi3-gqa", marks=pytest.mark.extended)])

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from autoplan.graph.data_flow import transposed_weight
 from autoplan.graph.sharding import is_transposed_linear
 
 __all__ = ["DTensorStage", "shard_inlined_graph"]
@@ -61,6 +62,7 @@ def shard_inlined_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh, s
     modules = sorted(module.named_modules(remove_duplicate=False), key=lambda item: item[0] not in layout)
     tied = getattr(layout, "tied", {})
     vocab_tables: set[int] = set()  # the token table under any of its names (a T5 stage reads lm_head.weight)
+    row_weights: set[int] = set()
     for path, owner in modules:
         module_style = layout.get(path)
         for name, p in list(owner.named_parameters(recurse=False)):
@@ -94,6 +96,8 @@ def shard_inlined_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh, s
             owner._parameters[name] = converted[id(p)][1]
             if style in ("vocab-embedding", "vocab-head") and key == "weight":  # a lookup may read a tied head's
                 vocab_tables.add(id(converted[id(p)][1]))
+            if style == "rowwise" and key == "weight":
+                row_weights.add(id(converted[id(p)][1]))
         for name, b in list(owner.named_buffers(recurse=False)):
             if b is not None and not isinstance(b, DTensor):
                 owner._buffers[name] = DTensor.from_local(b, tp_mesh, [Replicate()], run_check=False)
@@ -103,7 +107,7 @@ def shard_inlined_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh, s
                      if style == "vocab-embedding" and _has_submodule(module, p)}
     for gm in module.modules():
         if isinstance(gm, torch.fx.GraphModule):
-            _rewrite_for_dtensor(gm, vocab_tables)
+            _rewrite_for_dtensor(gm, vocab_tables, row_weights)
     return done
 
 
@@ -115,7 +119,7 @@ def _has_submodule(module: nn.Module, path: str) -> bool:
     return True
 
 
-def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int]) -> None:
+def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int], row_weights: set[int]) -> None:
     """The graph rewrites of [Note: tensor parallelism on an inlined graph]."""
     import torch.nn.functional as F  # noqa: N812
 
@@ -129,10 +133,14 @@ def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int]) -> No
             node.target = _CONTIGUOUS_FIRST[node.target]
         elif node.target in (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention):
             node.target = _local_attention
-        elif node.target in _FUSED_QKV_OPS:
-            weight = node.args[2] if node.target is aten.addmm.default else node.args[1]
-            if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and _is_strided(_get_attr(gm, weight.target)):
+        elif node.target in _FUSED_QKV_OPS or node.target is aten.matmul.default:
+            weight = (transposed_weight(node.args[1]) if node.target is aten.matmul.default
+                      else node.args[2] if node.target is aten.addmm.default else node.args[1])
+            value = _get_attr(gm, weight.target) if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" else None
+            if value is not None and _is_strided(value) and node.target in _FUSED_QKV_OPS:
                 node.target = _FUSED_QKV_OPS[node.target]
+            elif value is not None and id(value) in row_weights:
+                node.target = _RowParallel(node.target)
         elif node.target in _PARTS:
             node.target = _PARTS[node.target]
         elif node.target is aten.lift_fresh_copy.default:  # a constant of the forward (Falcon's index [-2])
@@ -145,6 +153,25 @@ def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int]) -> No
                 node.target = _VOCAB_EMBEDDING[node.target]  # same node (its block and name stay): no new node
     gm.graph.lint()
     gm.recompile()
+
+
+class _RowParallel:
+    """A row-parallel linear whose partial sums are all-reduced at once (Megatron-LM's g operator,
+    Shoeybi et al. 2019, Fig. 3): left to DTensor, a Partial output would flow on through the
+    residual add and the next norm's scaling (both linear in it) into the next layer's q, k and v
+    projections, which would then all-gather their weights and compute every head on every rank."""
+
+    def __init__(self, op):
+        self.op = op
+        self.__name__ = f"row_parallel_{getattr(op, '__name__', 'linear')}"
+
+    def __call__(self, *args, **kwargs):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        out = self.op(*args, **kwargs)
+        if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
+            out = out.redistribute(out.device_mesh, [Replicate()] * out.device_mesh.ndim)
+        return out
 
 
 def _lift_fresh_copy(x):
