@@ -31,9 +31,12 @@ __all__ = ["DTensorStage", "shard_inlined_graph"]
 # Replicate DTensors and its outputs leave as whole local tensors (`dtensor_stage`). DTensor's
 # sharding propagation follows the graph with global shapes, so the baked reshapes split a sharded
 # feature dim into (heads, head_dim) with the heads sharded, and inserts the collectives Megatron
-# places by hand: the partial sums of a row-parallel linear are all-reduced where the residual
-# needs them, and the gradients of the replicated inputs of column-parallel linears in backward.
-# The graph is rewritten in five places where DTensor would fail or be slow: a custom operator
+# places by hand: the gradients of the replicated inputs of column-parallel linears in backward,
+# and the all-reduce of a row-parallel linear's partial sums, which the rewrite places right after
+# the linear (`_RowParallel`: left to DTensor, the partial sums would flow on into the next layer's
+# projections, computed whole). The graph is rewritten where DTensor would fail or be slow: a fused
+# projection's linear and the split, chunk or slices that cut it ([Note: fused q/k/v]); a constant
+# the forward lifts (`_lift_fresh_copy`, no sharding rule); a custom operator
 # DTensor has no rule for (Mixtral's `transformers.grouped_mm_fallback`) runs replicated on whole
 # local tensors (`_ReplicatedOp`); size checks (`_assert_tensor_metadata`, no sharding rule) are
 # dropped; reshapes and views of a DTensor whose local shard is not contiguous copy it first
