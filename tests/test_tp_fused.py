@@ -63,22 +63,26 @@ def test_attention_is_sharded(name):
     assert all(share > 0.99 for share in layout["block_sharded_share"][1:3]), layout
 
 
+BOTH = ("tp2", "tp2-pp2")
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", [
-    "phi3",
-    pytest.param("falcon", marks=pytest.mark.extended),
-    pytest.param("falcon-mha", marks=pytest.mark.extended),
-    pytest.param("qwen3", marks=pytest.mark.extended),
-    pytest.param("olmo2", marks=pytest.mark.extended),
+@pytest.mark.parametrize(("name", "layouts"), [
+    pytest.param("phi3", ("tp2-pp2",), id="phi3-tp2-pp2"),  # the default tier's: fused q/k/v and gate/up, a cut
+    pytest.param("phi3", ("tp2",), marks=pytest.mark.extended, id="phi3-tp2"),
+    pytest.param("falcon", BOTH, marks=pytest.mark.extended, id="falcon"),
+    pytest.param("falcon-mha", BOTH, marks=pytest.mark.extended, id="falcon-mha"),
+    pytest.param("qwen3", BOTH, marks=pytest.mark.extended, id="qwen3"),
+    pytest.param("olmo2", BOTH, marks=pytest.mark.extended, id="olmo2"),
     # the attention left whole on every tp rank (listed), the MLP sharded
-    pytest.param("falcon-mqa", marks=pytest.mark.extended),
-    pytest.param("phi3-gqa", marks=pytest.mark.extended),
+    pytest.param("falcon-mqa", BOTH, marks=pytest.mark.extended, id="falcon-mqa"),
+    pytest.param("phi3-gqa", BOTH, marks=pytest.mark.extended, id="phi3-gqa"),
 ])
-def test_tp_matches_a_single_process_reference(name):
+def test_tp_matches_a_single_process_reference(name, layouts):
     """tp 2 (x dp 2) and tp 2 x pp 2 on 4 gloo ranks: the loss and every gradient of the reference."""
     spec = SHARDED[name] if name in SHARDED else REPLICATED[name][0]
-    _check_spec(spec, 32, {k: LAYOUTS[k] for k in ("tp2", "tp2-pp2")}, set())
+    _check_spec(spec, 32, {k: LAYOUTS[k] for k in layouts}, set())
 
 
 @pytest.mark.multiproc
@@ -183,4 +187,4 @@ def test_qk_norms_under_module_hooks(build):
         assert layout["replicated"] == {} and layout["divides"]["num_heads"] == 4, layout
     else:
         assert sorted(layout["replicated"]) == ["layers.0.attn", "layers.1.attn"], layout
-    _check_spec(spec, 32, {k: LAYOUTS[k] for k in ("tp2", "tp2-pp2")}, set())
+    _check_spec(spec, 32, {k: LAYOUTS[k] for k in BOTH}, set())
