@@ -4,6 +4,8 @@ OLMo2's). Traced with fx, its layers called whole: tensor parallelism runs by mo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
@@ -52,10 +54,8 @@ class Model(nn.Module):
         self.head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, ids):
-        x = self.emb(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
+        hidden = functools.reduce(lambda x, layer: layer(x), self.layers, self.emb(ids))
+        return self.head(self.norm(hidden))
 
 
 
