@@ -19,6 +19,7 @@ from autoplan.cluster import Cluster, parse_cluster, with_collective_curves
 from autoplan.cost.calibration import Calibrations
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.profile import Progress, profile_module
+from autoplan.graph.tp_layout import replicated_note
 from autoplan.graph.trace import TracedModel, trace_model
 from autoplan.plan import MAX_JOB_SIZE, Job, Plan
 from autoplan.search._gc import gc_paused
@@ -228,6 +229,13 @@ def suggest_with_stats(
     # What `run` needs to rebuild and trace the model as planned; it refuses a file changed since.
     recorded = dict(model_digest=source.file_digest() or "", leaf_modules=tuple(leaf_modules), tracer=tracer)
     result = dataclasses.replace(result, plans=[dataclasses.replace(p, **recorded) for p in result.plans])
+    plans = []
+    for plan in result.plans:  # what tp leaves unsharded, on the plan too (`autoplan show`)
+        note = replicated_note(prof.extra.get("tensor_parallel") or {}, plan.tp)
+        plans.append(dataclasses.replace(plan, notes=(*plan.notes, note)) if note else plan)
+        if note and note not in result.notes:
+            result.notes.append(note)
+    result = dataclasses.replace(result, plans=plans)
     if profiled.traced.tracer == "modules":  # the fallback graph: say whether it was checked against the model
         result.notes.append(profiled.traced.note)
     if not prof.is_timed:  # which achieved rates priced the plans, and where they come from

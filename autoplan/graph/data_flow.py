@@ -12,7 +12,7 @@ machinery, apart from the pattern.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,12 +20,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["ATTN", "INPUT", "NORM", "OUTPUT", "Flow", "FlowInterpreter", "FlowMode", "constants_device", "tags_of"]
+__all__ = ["ATTN", "INPUT", "NORM", "OUTPUT", "Flow", "FlowInterpreter", "FlowMode", "constants_device", "tags_of",
+           "transposed_weight"]
 
 OUTPUT = "<output>"
 INPUT = "<input>"
 NORM = "<norm>"  # marks an activation normalized over its features since the last linear
 ATTN = "<attn>"  # marks an activation on which two activations met in a batched matmul
+_MARKS = frozenset({OUTPUT, INPUT, NORM, ATTN})
 
 _BATCHED_MATMULS = {torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default}
@@ -46,13 +48,23 @@ def tags_of(t: Any) -> frozenset:
 class FlowMode(TorchDispatchMode):
     """Carries `_ap_tags` (linear paths, `NORM`, `ATTN`) from every op's inputs to its outputs."""
 
-    def __init__(self, params: set[int]):
+    def __init__(self, params: set[int], param_names: dict[int, str] | None = None):
         super().__init__()
         self.params = params
+        self.param_names = param_names or {}
+        self.param_inputs: dict[str, frozenset] = {}
+        """Parameter name -> the linears whose outputs reached the ops that read it (a per-head
+        norm's weight: the q or k projection's)."""
         self.head_dim: dict[frozenset, int] = {}
         """Linears an attention matmul read from -> head size."""
         self.first_op: dict[str, Any] = {}
         """Linear path -> the first op applied to its output."""
+        self.uses: dict[str, list[Any]] = {}
+        """Linear path -> every op applied to its output (as `first_op` records one): the split, chunk
+        or slices that cut a fused projection into its parts."""
+        self.norms: dict[frozenset, set[int]] = {}
+        """Linears a feature normalization read from -> the widths it normalized over: a per-head
+        norm (Qwen3's q/k norm over head_dim) or one over a projection's whole width (OLMo2's)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -60,15 +72,24 @@ class FlowMode(TorchDispatchMode):
         flat, _ = tree_flatten((args, kwargs))
         inputs = [t for t in flat if isinstance(t, torch.Tensor) and id(t) not in self.params]
         tags = frozenset().union(*(tags_of(t) for t in inputs))
+        for t in flat:
+            name = self.param_names.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if name is not None:
+                self.param_inputs[name] = self.param_inputs.get(name, frozenset()) | (tags - _MARKS)
         for t in inputs:
             fresh = getattr(t, "_ap_fresh", None)
             if (fresh is not None and func in _VIEWS and isinstance(out, torch.Tensor) and out.dim() and t.dim()
                     and out.shape[-1] == t.shape[-1]):
                 out._ap_fresh = fresh  # (b * s, n) -> (b, s, n), as an inlined Conv1D ends: still its output
-            elif fresh is not None and fresh not in self.first_op and isinstance(out, (torch.Tensor, tuple, list)):
+            elif (fresh is not None and func is torch.ops.aten.add.Tensor and len(inputs) == 1
+                  and isinstance(out, torch.Tensor) and out.shape == t.shape):
+                out._ap_fresh = fresh  # `x @ w.T + bias` (FalconLinear): the bias is part of the linear
+            elif fresh is not None and isinstance(out, (torch.Tensor, tuple, list)):
                 shape = out.shape if isinstance(out, torch.Tensor) else None
-                self.first_op[fresh] = (func, tuple(t.shape), tuple(shape) if shape is not None else None,
-                                        tuple(a for a in args[1:] if not isinstance(a, torch.Tensor)))
+                use = (func, tuple(t.shape), tuple(shape) if shape is not None else None,
+                       tuple(a for a in args[1:] if not isinstance(a, torch.Tensor)))
+                self.first_op.setdefault(fresh, use)
+                self.uses.setdefault(fresh, []).append(use)
         # Position ids given as an input reach q and k through rotary embeddings: the attention
         # weights depend on them, but what the attention passes on is v's, so INPUT stops at the
         # scores (as positions the model makes with `arange` carry no tag at all).
@@ -85,6 +106,8 @@ class FlowMode(TorchDispatchMode):
                     tags = tags - {INPUT}
                 tags = tags | {ATTN}
         elif func in _FEATURE_NORMS and inputs and _is_last_dim_reduction(func, args):
+            linears = frozenset(t for t in tags if t not in _MARKS)
+            self.norms.setdefault(linears, set()).add(int(args[0].shape[-1]) if args[0].dim() else 1)
             tags = tags | {NORM}
         outs, _ = tree_flatten(out)
         for t in outs:
@@ -121,12 +144,25 @@ class Flow:
     head_dim: dict[frozenset, int]
     first_op: dict[str, Any]
     order: list[str]
+    uses: dict[str, list[Any]] = field(default_factory=dict)
+    norms: dict[frozenset, set[int]] = field(default_factory=dict)
+    param_inputs: dict[str, frozenset] = field(default_factory=dict)
 
 
 _GRAPH_LINEARS = {torch.ops.aten.linear.default: False, torch.nn.functional.linear: False,
                   torch.ops.aten.addmm.default: True}
 """Linear ops of an inlined graph -> whether the weight is (in, out) (Conv1D's addmm(bias, x, w))."""
 _GRAPH_EMBEDDINGS = (torch.ops.aten.embedding.default, torch.nn.functional.embedding)
+_TRANSPOSES = {torch.ops.aten.t.default, torch.ops.aten.numpy_T.default}
+"""`x @ weight.T` (Falcon's `FalconLinear`) traces as matmul(x, numpy_T(weight)): a linear too."""
+
+
+def transposed_weight(node: Any) -> Any:
+    """The get_attr node of `weight` when `node` is `weight.T` (a 2-D parameter transposed), else None."""
+    if (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _TRANSPOSES
+            and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "get_attr"):
+        return node.args[0]
+    return None
 
 
 class FlowInterpreter(torch.fx.Interpreter):
@@ -181,9 +217,17 @@ class FlowInterpreter(torch.fx.Interpreter):
             flow.order.append(mine)
             if path in mode.first_op and mine not in mode.first_op:
                 mode.first_op[mine] = mode.first_op[path]
+            if path in mode.uses and mine not in mode.uses:
+                mode.uses[mine] = list(mode.uses[path])
         for tags, dim in list(mode.head_dim.items()):
             if any(isinstance(t, str) and t.startswith(second + ".") for t in tags):
                 mode.head_dim.setdefault(rename_set(tags), dim)
+        for tags, widths in list(mode.norms.items()):
+            if any(isinstance(t, str) and t.startswith(second + ".") for t in tags):
+                mode.norms.setdefault(rename_set(tags), set()).update(widths)
+        for name, tags in list(mode.param_inputs.items()):
+            if name.startswith(second + "."):
+                mode.param_inputs.setdefault(rename(name), rename_set(tags))
         runs.append((target, None, len(flow.order) - (template[3] - template[2]), len(flow.order)))
 
         def fresh(value: Any) -> Any:
@@ -210,9 +254,12 @@ class FlowInterpreter(torch.fx.Interpreter):
         return self.fakes[target]
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        weight_arg = None
+        weight_arg, transposed = None, False
         if n.op == "call_function" and n.target in _GRAPH_LINEARS:
             weight_arg = n.args[2] if _GRAPH_LINEARS[n.target] else n.args[1]
+            transposed = _GRAPH_LINEARS[n.target]
+        elif n.op == "call_function" and n.target is torch.ops.aten.matmul.default:
+            weight_arg = transposed_weight(n.args[1])
         elif n.op == "call_function" and n.target in _GRAPH_EMBEDDINGS:
             table = n.args[0]
             if isinstance(table, torch.fx.Node) and table.op == "get_attr":
@@ -222,12 +269,13 @@ class FlowInterpreter(torch.fx.Interpreter):
         if not (isinstance(weight_arg, torch.fx.Node) and weight_arg.op == "get_attr"):
             return super().run_node(n)
         w = _attr(self.module, weight_arg.target)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            return super().run_node(n)
         # A head tied to the embedding reads the embedding's weight: name it by its own module, the
         # last of the weight's names (a head registers after the embeddings: T5's `lm_head` after
         # `shared`, `encoder.embed_tokens` and `decoder.embed_tokens`).
         names = [name for name in self._names(w) if name not in self.flow.embeddings]
         path = names[-1] if names else weight_arg.target.rpartition(".")[0]
-        transposed = _GRAPH_LINEARS[n.target]
         self.flow.widths[path] = (int(w.shape[0]), int(w.shape[1])) if transposed else (int(w.shape[1]), int(w.shape[0]))
         self.flow.head_weights[path] = id(w)
         if transposed:

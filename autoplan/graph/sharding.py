@@ -11,24 +11,27 @@ computed from since the last linear (a `TorchDispatchMode` carries the sets thro
 a linear's output starts a new set):
 
 - a linear B whose input comes from linears P (and from nothing else: no residual, no other input),
-  where every linear of P feeds B only, and nothing on the way normalizes over the features (a
-  LayerNorm between P and B would need the whole width), is a row-parallel B with column-parallel P;
+  where every linear of P feeds B only, is a row-parallel B with column-parallel P; in an MLP
+  nothing on the way may normalize over the features (a LayerNorm between P and B would need the
+  whole width); in attention a q/k norm may: over each head (Qwen3's, after the per-head view) it
+  shards with the heads as it is, over a projection's whole width (OLMo2's) its statistics need
+  every rank's heads, which DTensor all-reduces on an inlined graph (`ShardGroup.norm`);
 - it is attention when two activations met in a batched matmul (q k^T, then the weights times v)
   or an attention kernel on the way: the head size is the last dim of q there, and each
   column-parallel width / head size is that projection's head count (q: heads, k and v: KV heads).
   Otherwise it is an MLP (up/gate -> down), whose width tp must divide;
-- a fused q/k/v projection (one column-parallel linear, three heads' worth per head) is sharded only
-  when its output is first reshaped into (heads, ...) (the per-head layout of Megatron-LM and of
-  autoplan's zoo); one first split along its features, or reshaped into (3, heads, ...), is laid
-  out [q | k | v] (GPT-2's `c_attn`), where a contiguous column shard would not hold whole heads,
-  so that attention stays replicated;
+- a fused projection (q/k/v, gate/up: one column-parallel linear) is sharded per head or key/value
+  group, or part by part, as [Note: fused projections] says; an attention it cannot shard stays
+  replicated and the layout lists it (`replicated`), as every attention whose projections pair
+  with no row-parallel output;
 - the token embedding and the LM head are vocabulary-parallel when the head is a linear whose output
   is the model's output, of width `num_embeddings` of an `nn.Embedding` of the hidden width (or
   tied to it);
 - `nn.MultiheadAttention` computes its fused in-projection in one functional call (no module to
   shard): it stays replicated, and the layout says so.
 
-Linear layers are `nn.Linear` and Hugging Face's `Conv1D` (GPT-2; its weight is (in, out)). Head
+Linear layers are `nn.Linear`, Hugging Face's `Conv1D` (GPT-2; its weight is (in, out)) and, in an
+inlined graph, `x @ W.T` of a 2-D parameter (Falcon's `FalconLinear`). Head
 and KV-head counts come from the shapes that flow, so a model needs no attribute naming them.
 
 The profile (what `suggest` searches) and `partition` both take a model's layout from its traced
@@ -65,6 +68,7 @@ from autoplan.graph.data_flow import (
     tags_of,
 )
 from autoplan.graph.tp_layout import ShardGroup, TensorParallelLayout
+from autoplan.graph.tp_pairs import attention_pair, mlp_pair
 
 __all__ = ["default_inputs", "find_layout", "for_graph", "is_transposed_linear", "linear_widths", "sp_children",
            "traced_layout"]
@@ -113,7 +117,7 @@ def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any
         handles.append(m.register_forward_hook(lambda module, args, out, path=path: post(path, out)))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FlowMode(params)
+    mode = FlowMode(params, {id(p): name for name, p in model.named_parameters()})
     param = next(iter(model.parameters()), None)
     graph_device = constants_device(model) if isinstance(model, torch.fx.GraphModule) else None
     device = graph_device or (param.device if param is not None else torch.device("cpu"))
@@ -146,7 +150,8 @@ def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any
     finally:
         for h in handles:
             h.remove()
-    flow.head_dim, flow.first_op = mode.head_dim, mode.first_op
+    flow.head_dim, flow.first_op, flow.uses, flow.norms = mode.head_dim, mode.first_op, mode.uses, mode.norms
+    flow.param_inputs = mode.param_inputs
     flow.order = list(dict.fromkeys(flow.order))
     flow.consumers = {p: set() for p in flow.widths}
     for path, src in flow.sources.items():
@@ -208,46 +213,41 @@ def find_layout(model: nn.Module, example_inputs: Sequence[Any] | None = None) -
         if isinstance(m, nn.MultiheadAttention):
             replicated[path] = ("nn.MultiheadAttention projects q, k and v in one functional call, which has no "
                                 "linear module to shard")
+    parts: dict[str, int] = {}
+    skipped: dict[str, str] = {}  # attention module -> why its pair was not sharded
     for b in flow.order:
         src = flow.sources.get(b, frozenset())
         feeders = sorted(s for s in src if s in flow.widths)
-        if not feeders or NORM in src or len(feeders) != len(src - {ATTN}):
-            continue  # fed by something else too (a residual, an input, a normalization)
+        if not feeders or len(feeders) != len(src - {ATTN, NORM}):
+            continue  # fed by something else too (a residual, an input)
         if any(flow.consumers[a] != {b} for a in feeders):
             continue
         b_in, b_out = flow.widths[b]
         if any(flow.widths[a][0] != b_out for a in feeders) or any(a in styles for a in feeders):
             continue  # not hidden -> ... -> hidden
         parent = _common_parent([*feeders, b])
-        if ATTN in src:
-            head_dim = next((d for k, d in flow.head_dim.items() if k <= set(feeders)), None)
-            if not head_dim or any(flow.widths[a][1] % head_dim for a in feeders):
-                continue
-            heads = [flow.widths[a][1] // head_dim for a in feeders]
-            fused_style = "colwise"
-            if len(feeders) == 1:  # fused q/k/v
-                if heads[0] % 3:
-                    continue
-                if not _per_head(flow.first_op.get(feeders[0]), heads[0] // 3):
-                    if not _qkv_blocks(flow.first_op.get(feeders[0]), flow.widths[feeders[0]][1]):
-                        replicated[parent] = (f"its fused q/k/v projection '{feeders[0]}' is reshaped in a way "
-                                              "autoplan cannot shard by heads")
-                        continue
-                    fused_style = "colwise-qkv"  # [q | k | v]: each third sharded ([Note: fused q/k/v])
-                counts = (("num_heads", heads[0] // 3),)
-            else:
-                q = b_in // head_dim
-                kv = min(heads)
-                counts = (("num_heads", q),) + ((("num_kv_heads", kv),) if kv != q else ())
-            kind = "attention"
-        else:
-            if any(flow.widths[a][1] != b_in for a in feeders):
-                continue
-            kind, counts, fused_style = "mlp", (("ffn_hidden_size", b_in),), "colwise"
-        groups.append(ShardGroup(kind, tuple(feeders), b, counts, parent))
+        found = attention_pair(flow, feeders, b_in, src) if ATTN in src else mlp_pair(flow, feeders, b_in, src)
+        if isinstance(found, str):
+            if ATTN in src:
+                skipped.setdefault(parent, found)
+            continue
+        kind, counts, fused_parts, norm = found
+        groups.append(ShardGroup(kind, tuple(feeders), b, counts, parent, norm))
         for a in feeders:
-            styles[a] = fused_style if kind == "attention" else "colwise"
+            styles[a] = "colwise-qkv" if fused_parts else "colwise"  # [Note: fused projections]
+            if fused_parts:
+                parts[a] = fused_parts
         styles[b] = "rowwise"
+    # An attention whose projections were not paired stays whole on every tp rank: say so, and why.
+    for key in flow.head_dim:
+        linears = sorted(t for t in key if t in flow.widths)
+        if linears and not any(t in styles for t in linears):
+            parent = _common_parent(linears) if len(linears) > 1 else linears[0].rpartition(".")[0]
+            if not any(parent == r or parent.startswith(r + ".") for r in replicated):
+                replicated[parent] = skipped.get(parent) or next(
+                    (why for p, why in skipped.items() if p.startswith(parent + ".") or parent.startswith(p + ".")),
+                    f"its projections {', '.join(repr(t) for t in linears)} are not a column- and row-parallel "
+                    "pair autoplan can shard by heads")
 
     if not groups:
         reason = (f"none of its {len(widths)} linear layers feeds another through element-wise or attention "
@@ -260,8 +260,13 @@ def find_layout(model: nn.Module, example_inputs: Sequence[Any] | None = None) -
     _vocab_parallel(flow, styles, divides)
     sharded = sum(p.numel() for p in {id(p): p for path in styles
                                       for p in model.get_submodule(path).parameters(recurse=False)}.values())
+    # Parameters read only on a sharded attention's heads (a per-head norm's weight): each tp rank's
+    # gradient is of its own heads.
+    inside = [set(g.colwise) for g in groups if g.kind == "attention" and g.norm]
+    head_params = tuple(name for name, tags in flow.param_inputs.items()
+                        if tags and name.rpartition(".")[0] not in styles and any(tags <= cols for cols in inside))
     layout = TensorParallelLayout(styles=styles, groups=tuple(groups), divides=divides, replicated=replicated,
-                                  sharded_params=sharded, total_params=total,
+                                  sharded_params=sharded, total_params=total, parts=parts, head_params=head_params,
                                   transposed=frozenset(p for p in styles if p in flow.transposed),
                                   tied=_tied_names(model, styles))
     layout.layers = tuple(_sp_layers(model, layout))
@@ -292,39 +297,6 @@ def _divides(groups: Sequence[ShardGroup], previous: Mapping[str, tuple[int, str
             gcd, where = divides.get(name, (0, g.parent))
             divides[name] = (math.gcd(gcd, count), where)
     return divides
-
-
-def _qkv_blocks(first_op, width: int) -> bool:
-    """Whether a fused q/k/v output laid out [q | k | v] is first split into its three blocks, or
-    reshaped into (3, ...) (`_per_head` is False)."""
-    if first_op is None:
-        return False
-    func, in_shape, out_shape, extra = first_op
-    last = len(in_shape) - 1
-    if func is torch.ops.aten.split.Tensor and extra:
-        dim = extra[1] if len(extra) > 1 else 0
-        return extra[0] * 3 == width and dim % len(in_shape) == last
-    if func is torch.ops.aten.split_with_sizes.default and extra:
-        dim = extra[1] if len(extra) > 1 else 0
-        return list(extra[0]) == [width // 3] * 3 and dim % len(in_shape) == last
-    if func in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default):
-        return (out_shape is not None and len(out_shape) > last and tuple(out_shape[:last]) == tuple(in_shape[:last])
-                and out_shape[last] == 3)
-    return False
-
-
-def _per_head(first_op, num_heads: int) -> bool:
-    """Whether a fused q/k/v output is laid out per head: its first use reshapes the features into
-    (heads, ...) (Megatron-LM's and the zoo's layout), not into (3, heads, ...) nor splits them."""
-    if first_op is None:
-        return False
-    func, in_shape, out_shape, _ = first_op
-    if func not in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default):
-        return False
-    lead = len(in_shape) - 1
-    if out_shape is None or len(out_shape) <= lead or tuple(out_shape[:lead]) != tuple(in_shape[:lead]):
-        return False
-    return out_shape[lead] == num_heads
 
 
 def _vocab_parallel(flow: Flow, styles: dict[str, str], divides: dict) -> None:
@@ -374,20 +346,30 @@ def for_graph(layout: TensorParallelLayout, traced) -> TensorParallelLayout:
     vocab = [p for p, style in layout.styles.items() if style.startswith("vocab-")]
     if not (all(whole(g.parent) for g in layout.groups) and all(p in called for p in vocab)):
         return dataclasses.replace(layout, inlined=True, layers=())
-    blocked = [g for g in layout.groups if any(layout.styles[c] == "colwise-qkv" for c in g.colwise)]
-    if not blocked:
+    # Module hooks run the attention's own code: its reshapes want whole [q | k | v] blocks, and a
+    # norm over a projection's whole width would see this rank's part only.
+    why = {}
+    for g in layout.groups:
+        if any(layout.styles[c] == "colwise-qkv" for c in g.colwise):
+            what = "q/k/v" if g.kind == "attention" else "gate/up"
+            why[g] = (f"its fused {what} projection '{g.colwise[0]}' is cut into parts and the graph calls the "
+                      f"{g.kind} whole: module hooks cannot shard each part")
+        elif g.norm == "full":
+            why[g] = ("it normalizes q / k over the whole projection width and the graph calls the attention "
+                      "whole: module hooks would normalize this rank's part only")
+    if not why:
         return dataclasses.replace(layout, inlined=False)
-    # Module hooks run the attention's own code, whose reshapes want whole [q | k | v] blocks.
-    styles = {p: s for p, s in layout.styles.items() if not any(p in (*g.colwise, g.rowwise) for g in blocked)}
-    groups = tuple(g for g in layout.groups if g not in blocked)
-    replicated = {**layout.replicated, **{g.parent: f"its fused q/k/v projection '{g.colwise[0]}' is laid out [q | k | v] "
-                                          "and the graph calls the attention whole: module hooks cannot split it by heads"
-                                          for g in blocked}}
+    styles = {p: s for p, s in layout.styles.items() if not any(p in (*g.colwise, g.rowwise) for g in why)}
+    groups = tuple(g for g in layout.groups if g not in why)
+    replicated = {**layout.replicated, **{g.parent: reason for g, reason in why.items()}}
     if not groups:
         return TensorParallelLayout(note=next(iter(replicated.values())), replicated=replicated,
                                     total_params=layout.total_params)
     return dataclasses.replace(layout, styles=styles, groups=groups, replicated=replicated, inlined=False,
-                               divides=_divides(groups, layout.divides), layers=())
+                               divides=_divides(groups, layout.divides), layers=(),
+                               parts={p: n for p, n in layout.parts.items() if p in styles},
+                               head_params=tuple(p for p in layout.head_params
+                                                 if not any(p.startswith(g.parent + ".") for g in why)))
 
 
 def traced_layout(traced, graph_inputs: Sequence[Any] | Mapping[str, Any]) -> TensorParallelLayout:

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ShardGroup", "TensorParallelLayout"]
+__all__ = ["ShardGroup", "TensorParallelLayout", "replicated_note"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,10 @@ class ShardGroup:
     """What tp must divide: ("num_heads", 32), ("num_kv_heads", 8) or ("ffn_hidden_size", 11008)."""
     parent: str
     """The innermost module holding all of them (the attention or MLP module)."""
+    norm: str = ""
+    """A normalization of q / k between them: "head" (over each head: Qwen3's q/k norm, sharded with
+    the heads as is) or "full" (over a projection's whole width: OLMo2's; its statistics need
+    every tp rank's part, which DTensor all-reduces on an inlined graph)."""
 
 
 @dataclass
@@ -47,12 +51,21 @@ class TensorParallelLayout(Mapping):
     """Transformer layers sequence parallelism lays out (norms, a sharded attention, sharded MLPs and
     units computed whole, as an MoE block: graph/sharding.py `sp_children`)."""
     replicated: dict[str, str] = field(default_factory=dict)
-    """Attention modules left whole on every tp rank -> why."""
+    """Attention modules left whole on every tp rank -> why: each computes its whole attention on
+    every rank, and the cost model prices it so (profile_extra.py's per-block sharded share)."""
     note: str = ""
     """Why no tp > 1 is possible (one line), or "" when the layout shards something."""
     sharded_params: int = 0
     """Parameters the layout shards (each tp rank holds 1/tp of them); the rest are replicated."""
     total_params: int = 0
+    parts: dict[str, int] = field(default_factory=dict)
+    """A fused projection styled "colwise-qkv" -> the number of equal parts its output is cut into
+    (3 for q, k and v; 2 for gate and up): each part is sharded on its own ([Note: fused projections]
+    in graph/sharding.py)."""
+    head_params: tuple[str, ...] = ()
+    """Parameters that only a sharded attention's heads read (the weight of a per-head q/k norm):
+    left whole on every tp rank, each rank's gradient covers its own heads, so under module hooks
+    the runtime sums it over tp (DTensor does so on an inlined graph)."""
     transposed: frozenset[str] = frozenset()
     """Sharded linears whose weight is stored (in, out) (transformers' `Conv1D`)."""
     tied: dict[str, str] = field(default_factory=dict)
@@ -98,3 +111,15 @@ class TensorParallelLayout(Mapping):
                 # FSDP cannot shard a [q | k | v] projection's bias again along its one dim (fsdp.py)
                 "fused_qkv": any(style == "colwise-qkv" for style in self.values()),
                 "sharded_params": self.sharded_params, "total_params": self.total_params}
+
+
+def replicated_note(summary: Mapping[str, Any], tp: int) -> str | None:
+    """One line for a plan at `tp` whose layout (`TensorParallelLayout.summary()`) leaves modules
+    whole on every tp rank: which, and why (the first one's reason); None when nothing is left so."""
+    replicated = dict(summary.get("replicated") or {})
+    if tp == 1 or not replicated:
+        return None
+    first, why = next(iter(replicated.items()))
+    more = f" and {len(replicated) - 1} more" if len(replicated) > 1 else ""
+    return (f"tp {tp} leaves '{first}'{more} whole on every tp rank (computed and held unsharded, and priced so): "
+            f"{why}")

@@ -27,7 +27,8 @@ masked lookups are all-reduced, and the logits gathered so the loss is computed 
 rank (not Megatron's vocab-parallel cross entropy: the full logits exist on each rank). A tied head
 shares the embedding's sharded weight. Norms and position embeddings stay replicated: their
 gradients come out whole and equal on every tp rank (the column-parallel inputs all-reduce their
-gradients in backward), so they need no tp reduction. Gradients of DTensor parameters are DTensors
+gradients in backward), so they need no tp reduction; but a per-head q/k norm (Qwen3's) runs on
+this rank's heads only, so its weight's gradient is summed over tp (`_sum_head_grads`). Gradients of DTensor parameters are DTensors
 laid out as their parameters (`grad_like_param`), and the dp all-reduce works on their local
 shards. A model without a layout, or a tp that does not divide its heads, KV heads, MLP width or
 vocabulary, is refused with tp > 1 (`tensor_parallel_plan`).
@@ -201,11 +202,33 @@ def shard_module(module: nn.Module, tp_plan: Mapping[str, str], tp_mesh, *,
         parallel.src_data_rank = None  # every rank builds the same weights: take the local slice, no scatter
         parallelize_module(target, tp_mesh, parallel)
         done.append(path)
+    _sum_head_grads(module, tp_plan, tp_mesh)
     if sequence_parallel:
         _apply_sequence_parallel(module, tp_mesh, model_layers, tp_plan)
     for head, embedding in tied:  # both shard the vocabulary rows (Shard(0)): one DTensor serves both
         head.weight = embedding.weight
     return done
+
+
+def _sum_head_grads(module: nn.Module, layout: Mapping[str, str], tp_mesh) -> None:
+    """Under module hooks, a module only a sharded attention's heads run (a per-head q/k norm:
+    `TensorParallelLayout.head_params`) normalizes this rank's heads with a weight every tp rank
+    holds whole, so each rank's gradient of it covers its own heads. Its weight becomes a Replicate
+    DTensor and its input this rank's rows of a Shard(0) DTensor (torch's `SequenceParallel` over
+    dim 0: the ranks hold different rows of one normalization); DTensor sums the weight's gradient
+    over tp, as it does for sequence-parallel norms."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    owners = {name.rpartition(".")[0] for name in getattr(layout, "head_params", ())}
+    if owners:  # a constant the norm makes (its eps as a tensor) is replicated, as in DTensorStage
+        DTensor._op_dispatcher._allow_implicit_replication = True
+    for path in sorted(owners):
+        try:
+            owner = module.get_submodule(path)
+        except AttributeError:
+            continue
+        parallelize_module(owner, tp_mesh, SequenceParallel(sequence_dim=0, use_local_output=True))
 
 
 def _apply_sequence_parallel(module: nn.Module, tp_mesh, model_layers: Sequence[str],

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from autoplan.graph.data_flow import transposed_weight
 from autoplan.graph.sharding import is_transposed_linear
 
 __all__ = ["DTensorStage", "shard_inlined_graph"]
@@ -30,9 +31,12 @@ __all__ = ["DTensorStage", "shard_inlined_graph"]
 # Replicate DTensors and its outputs leave as whole local tensors (`dtensor_stage`). DTensor's
 # sharding propagation follows the graph with global shapes, so the baked reshapes split a sharded
 # feature dim into (heads, head_dim) with the heads sharded, and inserts the collectives Megatron
-# places by hand: the partial sums of a row-parallel linear are all-reduced where the residual
-# needs them, and the gradients of the replicated inputs of column-parallel linears in backward.
-# The graph is rewritten in five places where DTensor would fail or be slow: a custom operator
+# places by hand: the gradients of the replicated inputs of column-parallel linears in backward,
+# and the all-reduce of a row-parallel linear's partial sums, which the rewrite places right after
+# the linear (`_RowParallel`: left to DTensor, the partial sums would flow on into the next layer's
+# projections, computed whole). The graph is rewritten where DTensor would fail or be slow: a fused
+# projection's linear and the split, chunk or slices that cut it ([Note: fused q/k/v]); a constant
+# the forward lifts (`_lift_fresh_copy`, no sharding rule); a custom operator
 # DTensor has no rule for (Mixtral's `transformers.grouped_mm_fallback`) runs replicated on whole
 # local tensors (`_ReplicatedOp`); size checks (`_assert_tensor_metadata`, no sharding rule) are
 # dropped; reshapes and views of a DTensor whose local shard is not contiguous copy it first
@@ -61,25 +65,28 @@ def shard_inlined_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh, s
     modules = sorted(module.named_modules(remove_duplicate=False), key=lambda item: item[0] not in layout)
     tied = getattr(layout, "tied", {})
     vocab_tables: set[int] = set()  # the token table under any of its names (a T5 stage reads lm_head.weight)
+    row_weights: set[int] = set()
     for path, owner in modules:
         module_style = layout.get(path)
         for name, p in list(owner.named_parameters(recurse=False)):
             style, key = layout.get(path), name
             transposed = path in getattr(layout, "transposed", ()) or is_transposed_linear(owner)
             full = f"{path}.{name}" if path else name
+            styled = path  # the module whose style it takes
             if style is None and full in tied and tied[full].rpartition(".")[0] in layout:
                 # Another name of a sharded parameter (a stage may hold it only under this one):
                 # the same placement, or the tie's gradient reduction across stages would not line up.
                 target, _, key = tied[full].rpartition(".")
-                style = layout.get(target)
+                style, styled = layout.get(target), target
                 transposed = target in getattr(layout, "transposed", ())
             if id(p) not in converted:
                 if style in ("colwise", "vocab-head"):
                     dim = 1 if transposed and key == "weight" else 0
                     placement = Shard(dim)
-                elif style == "colwise-qkv":  # each of the q, k, v thirds sharded ([Note: fused q/k/v])
+                elif style == "colwise-qkv":  # each part (q, k, v; gate, up) sharded ([Note: fused q/k/v])
                     dim = 1 if transposed and key == "weight" else 0
-                    placement = _StridedShard(dim, split_factor=3)
+                    parts = getattr(layout, "parts", {}).get(styled, 3)
+                    placement = _StridedShard(dim, split_factor=parts)
                 elif style == "rowwise" and key == "weight":
                     placement = Shard(0 if transposed else 1)
                 elif style == "vocab-embedding":
@@ -92,6 +99,8 @@ def shard_inlined_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh, s
             owner._parameters[name] = converted[id(p)][1]
             if style in ("vocab-embedding", "vocab-head") and key == "weight":  # a lookup may read a tied head's
                 vocab_tables.add(id(converted[id(p)][1]))
+            if style == "rowwise" and key == "weight":
+                row_weights.add(id(converted[id(p)][1]))
         for name, b in list(owner.named_buffers(recurse=False)):
             if b is not None and not isinstance(b, DTensor):
                 owner._buffers[name] = DTensor.from_local(b, tp_mesh, [Replicate()], run_check=False)
@@ -101,7 +110,7 @@ def shard_inlined_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh, s
                      if style == "vocab-embedding" and _has_submodule(module, p)}
     for gm in module.modules():
         if isinstance(gm, torch.fx.GraphModule):
-            _rewrite_for_dtensor(gm, vocab_tables)
+            _rewrite_for_dtensor(gm, vocab_tables, row_weights)
     return done
 
 
@@ -113,7 +122,7 @@ def _has_submodule(module: nn.Module, path: str) -> bool:
     return True
 
 
-def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int]) -> None:
+def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int], row_weights: set[int]) -> None:
     """The graph rewrites of [Note: tensor parallelism on an inlined graph]."""
     import torch.nn.functional as F  # noqa: N812
 
@@ -127,12 +136,18 @@ def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int]) -> No
             node.target = _CONTIGUOUS_FIRST[node.target]
         elif node.target in (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention):
             node.target = _local_attention
-        elif node.target in _FUSED_QKV_OPS:
-            weight = node.args[2] if node.target is aten.addmm.default else node.args[1]
-            if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and _is_strided(_get_attr(gm, weight.target)):
+        elif node.target in _FUSED_QKV_OPS or node.target is aten.matmul.default:
+            weight = (transposed_weight(node.args[1]) if node.target is aten.matmul.default
+                      else node.args[2] if node.target is aten.addmm.default else node.args[1])
+            value = _get_attr(gm, weight.target) if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" else None
+            if value is not None and _is_strided(value) and node.target in _FUSED_QKV_OPS:
                 node.target = _FUSED_QKV_OPS[node.target]
-        elif node.target in _SPLITS:
-            node.target = _SPLITS[node.target]
+            elif value is not None and id(value) in row_weights:
+                node.target = _RowParallel(node.target)
+        elif node.target in _PARTS:
+            node.target = _PARTS[node.target]
+        elif node.target is aten.lift_fresh_copy.default:  # a constant of the forward (Falcon's index [-2])
+            node.target = _lift_fresh_copy
         elif _no_sharding_rule(node.target):
             node.target = _ReplicatedOp(node.target)
         elif node.target in (aten.embedding.default, F.embedding):
@@ -141,6 +156,32 @@ def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int]) -> No
                 node.target = _VOCAB_EMBEDDING[node.target]  # same node (its block and name stay): no new node
     gm.graph.lint()
     gm.recompile()
+
+
+class _RowParallel:
+    """A row-parallel linear whose partial sums are all-reduced at once (Megatron-LM's g operator,
+    Shoeybi et al. 2019, Fig. 3): left to DTensor, a Partial output would flow on through the
+    residual add and the next norm's scaling (both linear in it) into the next layer's q, k and v
+    projections, which would then all-gather their weights and compute every head on every rank."""
+
+    def __init__(self, op):
+        self.op = op
+        self.__name__ = f"row_parallel_{getattr(op, '__name__', 'linear')}"
+
+    def __call__(self, *args, **kwargs):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        out = self.op(*args, **kwargs)
+        if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
+            out = out.redistribute(out.device_mesh, [Replicate()] * out.device_mesh.ndim)
+        return out
+
+
+def _lift_fresh_copy(x):
+    """A copy of a constant the forward made (held replicated): DTensor has no rule for the op."""
+    from torch.distributed.tensor import DTensor
+
+    return x.clone() if isinstance(x, DTensor) else torch.ops.aten.lift_fresh_copy.default(x)
 
 
 def _no_sharding_rule(target: Any) -> bool:
@@ -215,14 +256,16 @@ _VOCAB_EMBEDDING = {torch.ops.aten.embedding.default: _vocab_embedding_aten,
 
 
 # [Note: fused q/k/v]
-# A fused projection laid out [q | k | v] along its output features (GPT-2's `c_attn`, split into
-# three right after) is sharded by thirds: `_StridedShard(dim, split_factor=3)`, so rank r holds
-# [q_r | k_r | v_r], each 1/tp of that block's heads, while the parameter's `full_tensor()` (state
+# A fused projection laid out in k equal blocks along its output features ([q | k | v]: GPT-2's
+# `c_attn`, Phi-3's `qkv_proj`; [gate | up]: Phi-3's `gate_up_proj`; [Note: fused projections] in
+# graph/sharding.py) is sharded block by block: `_StridedShard(dim, split_factor=k)`, so rank r
+# holds [q_r | k_r | v_r], each 1/tp of its block, while the parameter's `full_tensor()` (state
 # dicts, checkpoints) is the model's own [q | k | v]. DTensor has no rule for such a linear, so the
 # graph's linear op runs on the local shards (`_qkv_linear`: the replicated input's gradient is a
 # partial sum, all-reduced by DTensor), its following view keeps the placement (`_view`), and the
-# split into q, k and v hands each rank its own thirds as Shard DTensors (`_split`); from there
-# attention is head-parallel as with separate q, k and v projections.
+# cut into its blocks (`split`, `chunk`, or one slice per block) hands each rank its own parts as
+# Shard DTensors (`_split`, `_chunk`, `_slice`); from there attention is head-parallel as with
+# separate q, k and v projections, and the gated product element-wise as with separate gate and up.
 
 
 def _is_strided(t: Any) -> bool:
@@ -241,24 +284,26 @@ def _local_input(x: Any, mesh) -> Any:
     return x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
 
 
-def _qkv_out(out: torch.Tensor, mesh) -> Any:
+def _qkv_out(out: torch.Tensor, weight) -> Any:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    return DTensor.from_local(out, mesh, [_StridedShard(out.dim() - 1, split_factor=3)], run_check=False)
+    parts = weight.placements[0].split_factor
+    return DTensor.from_local(out, weight.device_mesh, [_StridedShard(out.dim() - 1, split_factor=parts)],
+                              run_check=False)
 
 
 def _qkv_addmm(bias, x, weight, *, beta=1, alpha=1):  # Conv1D: addmm(bias, x, weight (in, out))
     mesh = weight.device_mesh
     out = torch.addmm(bias.to_local(), _local_input(x, mesh), weight.to_local(), beta=beta, alpha=alpha)
-    return _qkv_out(out, mesh)
+    return _qkv_out(out, weight)
 
 
 def _qkv_linear(x, weight, bias=None):
     mesh = weight.device_mesh
     out = torch.nn.functional.linear(_local_input(x, mesh), weight.to_local(),
                                      None if bias is None else bias.to_local())
-    return _qkv_out(out, mesh)
+    return _qkv_out(out, weight)
 
 
 _FUSED_QKV_OPS = {torch.ops.aten.addmm.default: _qkv_addmm, torch.ops.aten.linear.default: _qkv_linear,
@@ -267,7 +312,7 @@ _FUSED_QKV_OPS = {torch.ops.aten.addmm.default: _qkv_addmm, torch.ops.aten.linea
 
 def _strided_view(x, shape) -> Any:
     """A view of a [q_r | k_r | v_r] DTensor: one that keeps the last dim keeps the placement; one
-    that splits it into (3, ...) gives Shard on the dim after the 3 (the heads); else None."""
+    that splits it into (parts, ...) gives Shard on the dim after the parts (the heads); else None."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -275,35 +320,67 @@ def _strided_view(x, shape) -> Any:
     if -1 in shape:
         known = math.prod(d for d in shape if d != -1)
         shape[shape.index(-1)] = x.numel() // known
-    mesh, n, last = x.device_mesh, x.device_mesh.size(), x.shape[-1]
+    mesh, n, last, parts = x.device_mesh, x.device_mesh.size(), x.shape[-1], x.placements[0].split_factor
     local = x.to_local()
     if shape[-1] == last:
         out = local.reshape(*shape[:-1], last // n)
-        return DTensor.from_local(out, mesh, [_StridedShard(len(shape) - 1, split_factor=3)], run_check=False)
+        return DTensor.from_local(out, mesh, [_StridedShard(len(shape) - 1, split_factor=parts)], run_check=False)
     k = next((i for i in range(len(shape)) if math.prod(shape[i:]) == last), None)
-    if k is not None and shape[k] == 3 and k + 1 < len(shape) and shape[k + 1] % n == 0:
-        out = local.reshape(*shape[:k], 3, shape[k + 1] // n, *shape[k + 2:])
+    if k is not None and shape[k] == parts and k + 1 < len(shape) and shape[k + 1] % n == 0:
+        out = local.reshape(*shape[:k], parts, shape[k + 1] // n, *shape[k + 2:])
         return DTensor.from_local(out, mesh, [Shard(k + 1)], run_check=False)
     return None
 
 
-def _split(x, split_size, dim=0):
+def _own_parts(x, dim: int) -> tuple | None:
+    """This rank's parts of a strided DTensor cut into its blocks along `dim`, as Shard DTensors;
+    None when `x` is not strided along `dim`."""
     from torch.distributed.tensor import DTensor, Shard
 
-    if _is_strided(x) and x.placements[0].dim == dim % x.dim() and split_size * 3 == x.shape[dim]:
-        mesh = x.device_mesh
-        return tuple(DTensor.from_local(t, mesh, [Shard(dim % x.dim())], run_check=False)
-                     for t in x.to_local().chunk(3, dim))
+    if not _is_strided(x) or x.placements[0].dim != dim % x.dim():
+        return None
+    mesh, dim = x.device_mesh, dim % x.dim()
+    return tuple(DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)
+                 for t in x.to_local().chunk(x.placements[0].split_factor, dim))
+
+
+def _split(x, split_size, dim=0):
+    own = _own_parts(x, dim)
+    if own is not None and split_size * len(own) == x.shape[dim]:
+        return own
     return torch.ops.aten.split.Tensor(x, split_size, dim)
 
 
 def _split_with_sizes(x, sizes, dim=0):
-    if _is_strided(x) and len(sizes) == 3 and len(set(sizes)) == 1:
-        return _split(x, sizes[0], dim)
+    own = _own_parts(x, dim)
+    if own is not None and len(sizes) == len(own) and len(set(sizes)) == 1:
+        return own
     return torch.ops.aten.split_with_sizes.default(x, sizes, dim)
 
 
-_SPLITS = {torch.ops.aten.split.Tensor: _split, torch.ops.aten.split_with_sizes.default: _split_with_sizes}
+def _chunk(x, chunks, dim=0):
+    own = _own_parts(x, dim)
+    if own is not None and chunks == len(own):
+        return own
+    return torch.ops.aten.chunk.default(x, chunks, dim)
+
+
+def _slice(x, dim=0, start=None, end=None, step=1):
+    """One block of a strided DTensor when the slice is exactly that block (Phi-3's
+    `qkv[..., :q]`, `qkv[..., q:q + kv]`, `qkv[..., q + kv:]`), else the slice."""
+    own = _own_parts(x, dim) if step == 1 else None
+    if own is not None:
+        width = x.shape[dim]
+        size = width // len(own)
+        begin = (start or 0) + (width if (start or 0) < 0 else 0)
+        stop = width if end is None else min(end + (width if end < 0 else 0), width)
+        if begin % size == 0 and stop - begin == size:
+            return own[begin // size]
+    return torch.ops.aten.slice.Tensor(x, dim, start, end, step)
+
+
+_PARTS = {torch.ops.aten.split.Tensor: _split, torch.ops.aten.split_with_sizes.default: _split_with_sizes,
+          torch.ops.aten.chunk.default: _chunk, torch.ops.aten.slice.Tensor: _slice}
 
 
 def _contiguous(x: Any) -> Any:
