@@ -81,7 +81,8 @@ def test_expert_parallel_matches_a_single_process_reference():
     plans = {name: autoplan.suggest(SPEC, "1x4xcpu", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32",
                                     micro_batch_size=MICRO_BATCH, top=1, **pins)[0] for name, pins in LAYOUTS.items()}
     for name, plan in plans.items():
-        assert (plan.ep, plan.zero) == (LAYOUTS[name]["ep"], LAYOUTS[name].get("zero", 0)), name
+        assert plan.ep == LAYOUTS[name]["ep"], name  # the zero level is the search's where not pinned (0 or 1)
+        assert plan.zero == LAYOUTS[name]["zero"] if "zero" in LAYOUTS[name] else plan.zero in (0, 1), name
     results = run_ranks(_rank_job, 4, plans, timeout_s=500, pg_timeout_s=120)
     for name, plan in plans.items():
         check_against_reference(SPEC, name, plan, results)
