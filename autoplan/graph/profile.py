@@ -61,7 +61,7 @@ from autoplan.graph.profile_extra import (
     tensor_parallel_summary,
 )
 from autoplan.graph.timing import device_name, time_block, timing_dtype
-from autoplan.graph.trace import TracedModel, extract_submodule, trace_with_loss
+from autoplan.graph.trace import TracedModel, extract_submodule, model_output, trace_with_loss
 
 __all__ = ["Progress", "block_kind", "config_info", "fake_output", "model_fingerprint", "profile_model", "profile_module",
            "profile_traced"]
@@ -70,10 +70,11 @@ Progress = Callable[[int, int, str], None]
 
 
 def fake_output(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch.dtype | None = None) -> Any:
-    """What the traced graph returns for `example_inputs` (fake tensors: shapes and dtypes only)."""
+    """What the traced graph returns for `example_inputs` (fake tensors: shapes and dtypes only),
+    structured as the model returns it (a ModelOutput, not its flattened tensors)."""
     run = run_fake(traced, example_inputs, dtype)
     output = next(n for n in traced.gm.graph.nodes if n.op == "output")
-    return run.values[output.name]
+    return model_output(traced.gm, run.values[output.name])
 
 
 # [Note: batch scaling]

@@ -50,8 +50,8 @@ from autoplan.graph.trace_errors import (
     value_dependence,
 )
 
-__all__ = ["TracedModel", "append_loss", "crossing_values", "extract_submodule", "retarget_device", "trace_model",
-           "trace_with_loss"]
+__all__ = ["TracedModel", "append_loss", "crossing_values", "extract_submodule", "model_output", "retarget_device",
+           "trace_model", "trace_with_loss"]
 
 
 @dataclass
@@ -217,6 +217,23 @@ def _output_builder(out_spec: Any) -> Any:
     return model_output
 
 
+def _out_spec(gm: fx.GraphModule) -> Any:
+    """The pytree spec an exported graph rebuilds its output with (None: fx returns it as it is)."""
+    return getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
+
+
+def model_output(gm: fx.GraphModule, value: Any) -> Any:
+    """`value`, what the output node of `gm`'s graph holds, as the model returns it. An exported
+    graph's output node holds a ModelOutput's tensors flattened in field order (a transformers MoE
+    model's `aux_loss` before its `logits`); rebuilt, the logits are found by name."""
+    out_spec = _out_spec(gm)
+    if out_spec is None:
+        return value
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_unflatten(list(value) if isinstance(value, (tuple, list)) else [value], out_spec)
+
+
 def append_loss(traced: TracedModel, loss_fn: Any, target_name: str = "target") -> TracedModel:
     """Append `loss_fn(output, target)` to the graph (in the last block), with a new input.
 
@@ -231,7 +248,7 @@ def append_loss(traced: TracedModel, loss_fn: Any, target_name: str = "target") 
         target = graph.placeholder(target_name)
     (out_value,) = output_node.args
     codegen = graph._codegen
-    out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
+    out_spec = _out_spec(traced.gm)
     rebuild = None
     if out_spec is not None:
         leaves = list(out_value) if isinstance(out_value, (tuple, list)) else [out_value]

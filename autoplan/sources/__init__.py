@@ -22,6 +22,7 @@ import runs in a circle (pyproject.toml's import contract):
     builtin.py   ZooSource
     user.py      FileSource, ModuleSource
     hf.py        HFSource (transformers, imported only for `hf:` specs)
+    hf_loss.py   a transformers model's loss (with a MoE router's aux loss)
     tracing.py   trace_with_target: a source's model traced with its loss
 """
 

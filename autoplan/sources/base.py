@@ -7,8 +7,8 @@ runtime, imports this without importing the others.
 [Note: the default loss]
 `loss_fn(output, target)` receives what the model's forward returns (a tensor, a tuple, a dict or
 a transformers `ModelOutput`). Without a user loss, `default_loss` takes the logits (the `logits`
-entry, else the first tensor) and computes the mean cross entropy against integer class targets of
-shape `logits.shape[:-1]` (causal LM, masked LM, token and sequence classification alike; the
+entry, else the first tensor that is not a scalar) and computes the mean cross entropy against
+integer class targets of shape `logits.shape[:-1]` (causal LM, masked LM, token and sequence classification alike; the
 targets are synthetic, so no next-token shift is needed), or the mean squared error against a
 float target of the output's shape when the last dimension is 1.
 """
@@ -43,9 +43,15 @@ class SourceError(ValueError):
 
 def first_tensor(output: Any) -> Tensor:
     """The logits of a model output: `output.logits` / `output["logits"]` when present, else the
-    first tensor found in order (a tensor, tuple, list, dict or ModelOutput)."""
+    first tensor found in order (a tensor, tuple, list, dict or ModelOutput) that is not a scalar
+    (a scalar is a loss, such as a router's `aux_loss`, never logits), else the first scalar."""
+    found = _first_tensor(output, scalars=False)
+    return found if found is not None else _first_tensor(output, scalars=True)
+
+
+def _first_tensor(output: Any, *, scalars: bool) -> Tensor | None:
     if isinstance(output, Tensor):
-        return output
+        return output if scalars or output.dim() > 0 else None
     if isinstance(output, Mapping):
         if isinstance(output.get("logits"), Tensor):
             return output["logits"]
@@ -61,9 +67,13 @@ def first_tensor(output: Any) -> Tensor:
         if value is None:
             continue
         try:
-            return first_tensor(value)
+            found = _first_tensor(value, scalars=scalars)
         except SourceError:
             continue
+        if found is not None:
+            return found
+    if not scalars:
+        return None
     raise SourceError("the model's output holds no tensor; pass a loss_fn")
 
 

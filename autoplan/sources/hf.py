@@ -17,7 +17,9 @@ KV cache, and torch.export cannot return a cache object).
 Inputs are what the forward needs and nothing more: the main input (`input_ids` (b, s) below the
 vocabulary, or `pixel_values` (b, channels, image_size, image_size) for vision models), plus
 `decoder_input_ids` (b, s) for encoder-decoder models; optional arguments in between are passed as
-None. The loss is sources/base.py's default loss on the output's logits.
+None. The loss is sources/base.py's default loss on the output's logits, plus the routers'
+load-balancing loss where a mixture-of-experts model returns one ([Note: HF auxiliary losses],
+hf_loss.py).
 
 [Note: HF weights by name]
 A stage's parameters get values that depend only on (seed, parameter name), so a stage materialized
@@ -58,6 +60,7 @@ from autoplan.sources.base import (
     to_empty_keeping_ties,
 )
 from autoplan.sources.hf_context import context_parallel_refusal, use_context_attention
+from autoplan.sources.hf_loss import hf_loss
 
 __all__ = ["DEFAULT_SEQ_LEN", "HFSource"]
 
@@ -416,6 +419,12 @@ class HFSource(ModelSource):
                 buffer.copy_(value.to(buffer.dtype))
 
     # ---- inputs, loss, facts ----------------------------------------------------------------
+
+    @property
+    def loss_fn(self):
+        """The default loss, plus the router's load-balancing loss where the model returns one
+        ([Note: HF auxiliary losses], hf_loss.py)."""
+        return hf_loss(self._config, self.name)
 
     def _int(self, *names: str) -> int | None:
         for name in names:
