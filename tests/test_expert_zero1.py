@@ -132,16 +132,20 @@ def _check(plans: dict) -> None:
                                        msg=lambda m, n=n, name=name: f"{name}: param {n}: {m}")
         if plan.zero != 1:
             continue
-        # The state: the dense parameters' split over all dp ranks, the experts' over the dp / ep
-        # replicas holding the same experts (one rank: all of its experts' state).
+        # The state: the dense parameters' split over all dp ranks, the experts' over the ranks
+        # holding the same experts: the dp / ep replicas, and under tp (expert tp 1: whole experts on
+        # every tp rank, each computing its own tokens) their tp ranks too, Megatron-LM's
+        # expert-data-parallel group (one rank: all of its experts' state).
         for r in results.values():
             assert r[name]["optimizer"] == "ZeroOneOptimizer", name
         for where in {r[name]["where"] for r in results.values()}:  # each (pp, tp) coordinate's dp group
             ranks = [r[name] for r in results.values() if r[name]["where"] == where]
             dense = [r["held"][False] for r in ranks]
             assert sum(dense) == ranks[0]["total"][False] and all(dense), (name, dense)
+        for stage in {r[name]["where"][0] for r in results.values()}:
             for index in range(plan.ep if plan.ep > 1 else 0):
-                group = [r for r in ranks if r["ep_index"] == index]
+                group = [r[name] for r in results.values() if r[name]["where"][0] == stage
+                         and r[name]["ep_index"] == index]
                 shares = [g["held"][True] for g in group]
                 assert sum(shares) == group[0]["total"][True] and all(shares), (name, index, shares)
 

@@ -62,7 +62,9 @@ class ParallelLayout:
     expert_dp_group: dist.ProcessGroup | None = None
     """The dp replicas holding the same experts (dp_index % ep equal), over which expert gradients
     are summed and ZeRO-1 splits the experts' optimizer state (optimizer.py); None when there is one
-    (ep = dp) or ep is 1."""
+    (ep = dp) or ep is 1. Under tp with expert tp 1 (zero 0 / 1) the expert step replaces it by those
+    replicas' tp ranks together, which compute different tokens of the same experts
+    (runtime/experts.py)."""
     expert_fsdp_mesh: object | None = None
     """With ep > 1 and zero >= 2: the 1-D mesh of those same replicas ("edp"), over which FSDP
     shards the experts (fsdp.py); None otherwise."""

@@ -40,8 +40,9 @@ has this one, for every zero = 1 plan with a dp group:
 - Expert parallelism (ep > 1): the dp ranks of an ep group hold different experts, so an expert's
   state cannot be owned by a rank that does not hold it. The expert parameters (runtime/experts.py,
   `PartitionedModel.expert_params`) are sharded over the expert-data-parallel group instead (the
-  dp / ep replicas holding the same experts, `ParallelLayout.expert_dp_group`; none when ep = dp:
-  each rank then owns its experts), the dense parameters over the whole dp group as above. This is
+  dp / ep replicas holding the same experts, and under tp with expert tp 1 their tp ranks too,
+  `ParallelLayout.expert_dp_group`; none when that is one rank: it then owns its experts), the dense
+  parameters over the whole dp group as above. This is
   Megatron-LM's layout: `get_megatron_optimizer` (megatron/core/optimizer/__init__.py) builds one
   distributed optimizer over the dense parameters with the data-parallel group and a second over
   the expert parameters with `parallel_state.get_expert_data_parallel_group()`, chained. Here they
