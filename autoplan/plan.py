@@ -204,6 +204,14 @@ class Plan:
         return self.dp // self.cp
 
     @property
+    def expert_token_split(self) -> int:
+        """Ways a replica's tp ranks split the tokens that reach its experts: tp under expert tp 1
+        with ep > 1 and zero 0 / 1 (runtime/experts.py; under FSDP every tp rank computes every
+        token), else 1. Its tp ranks then hold the same experts and compute different tokens, so
+        they join the experts' expert-data-parallel group (runtime/mesh.py)."""
+        return self.tp if self.ep > 1 and self.expert_tp == 1 and self.zero < 2 else 1
+
+    @property
     def dp_shard(self) -> int:
         """Ranks one FSDP shard group spans (zero >= 2); dp for zero 0 / 1 (they shard nothing or
         only the optimizer state, over all of dp)."""

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["ATTN", "INPUT", "NORM", "OUTPUT", "Flow", "FlowInterpreter", "FlowMode", "constants_device", "tags_of",
-           "transposed_weight"]
+__all__ = ["ATTN", "INPUT", "NORM", "OUTPUT", "VIEWS", "Flow", "FlowInterpreter", "FlowMode", "constants_device",
+           "tags_of", "transposed_weight"]
 
 OUTPUT = "<output>"
 INPUT = "<input>"
@@ -30,7 +30,7 @@ ATTN = "<attn>"  # marks an activation on which two activations met in a batched
 _MARKS = frozenset({OUTPUT, INPUT, NORM, ATTN})
 
 _BATCHED_MATMULS = {torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default}
+VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default}
 _ATTENTION_KERNELS = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -57,11 +57,10 @@ class FlowMode(TorchDispatchMode):
         norm's weight: the q or k projection's)."""
         self.head_dim: dict[frozenset, int] = {}
         """Linears an attention matmul read from -> head size."""
-        self.first_op: dict[str, Any] = {}
-        """Linear path -> the first op applied to its output."""
         self.uses: dict[str, list[Any]] = {}
-        """Linear path -> every op applied to its output (as `first_op` records one): the split, chunk
-        or slices that cut a fused projection into its parts."""
+        """Linear path -> every op applied to its output, in order, each as (op, input shape, output
+        shape, non-tensor arguments): the view that splits heads, or the split, chunk or slices that
+        cut a fused projection into its parts."""
         self.norms: dict[frozenset, set[int]] = {}
         """Linears a feature normalization read from -> the widths it normalized over: a per-head
         norm (Qwen3's q/k norm over head_dim) or one over a projection's whole width (OLMo2's)."""
@@ -78,7 +77,7 @@ class FlowMode(TorchDispatchMode):
                 self.param_inputs[name] = self.param_inputs.get(name, frozenset()) | (tags - _MARKS)
         for t in inputs:
             fresh = getattr(t, "_ap_fresh", None)
-            if (fresh is not None and func in _VIEWS and isinstance(out, torch.Tensor) and out.dim() and t.dim()
+            if (fresh is not None and func in VIEWS and isinstance(out, torch.Tensor) and out.dim() and t.dim()
                     and out.shape[-1] == t.shape[-1]):
                 out._ap_fresh = fresh  # (b * s, n) -> (b, s, n), as an inlined Conv1D ends: still its output
             elif (fresh is not None and func is torch.ops.aten.add.Tensor and len(inputs) == 1
@@ -88,7 +87,6 @@ class FlowMode(TorchDispatchMode):
                 shape = out.shape if isinstance(out, torch.Tensor) else None
                 use = (func, tuple(t.shape), tuple(shape) if shape is not None else None,
                        tuple(a for a in args[1:] if not isinstance(a, torch.Tensor)))
-                self.first_op.setdefault(fresh, use)
                 self.uses.setdefault(fresh, []).append(use)
         # Position ids given as an input reach q and k through rotary embeddings: the attention
         # weights depend on them, but what the attention passes on is v's, so INPUT stops at the
@@ -142,7 +140,6 @@ class Flow:
     """Linear path -> tags of its input when it ran."""
     consumers: dict[str, set[str]]
     head_dim: dict[frozenset, int]
-    first_op: dict[str, Any]
     order: list[str]
     uses: dict[str, list[Any]] = field(default_factory=dict)
     norms: dict[frozenset, set[int]] = field(default_factory=dict)
@@ -215,8 +212,6 @@ class FlowInterpreter(torch.fx.Interpreter):
             mine = rename(path)
             flow.sources.setdefault(mine, rename_set(flow.sources.get(path, frozenset())))
             flow.order.append(mine)
-            if path in mode.first_op and mine not in mode.first_op:
-                mode.first_op[mine] = mode.first_op[path]
             if path in mode.uses and mine not in mode.uses:
                 mode.uses[mine] = list(mode.uses[path])
         for tags, dim in list(mode.head_dim.items()):

@@ -80,7 +80,7 @@ def is_routed_experts(module: nn.Module) -> bool:
 def is_grouped_experts(module: nn.Module) -> bool:
     """Whether `module` is a stack of grouped experts (module docstring): stacked expert parameters,
     and not routed experts."""
-    return _stacked(module) and not is_routed_experts(module)
+    return _stacked(module) and _positional_inputs(module) != 3
 
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -21,13 +21,19 @@ from torch.utils.flop_counter import register_flop_formula
 __all__ = ["grouped_mm"]
 
 
-def _loop(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    out = input.new_zeros(input.shape[0], weight.shape[-1])
+def _spans(offs: torch.Tensor):
+    """(expert, first row, end row) of each expert that has rows; `offs` are the cumulative ends."""
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
-            out[start:end] = input[start:end] @ weight[e]
+            yield e, start, end
         start = end
+
+
+def _loop(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    out = input.new_zeros(input.shape[0], weight.shape[-1])
+    for e, start, end in _spans(offs):
+        out[start:end] = input[start:end] @ weight[e]
     return out
 
 
@@ -46,11 +52,8 @@ def _grouped_mm_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.
                          offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     grad_input = _loop(grad, weight.transpose(1, 2), offs)
     grad_weight = torch.zeros_like(weight)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            grad_weight[e] = input[start:end].T @ grad[start:end]
-        start = end
+    for e, start, end in _spans(offs):
+        grad_weight[e] = input[start:end].T @ grad[start:end]
     return grad_input, grad_weight
 
 

@@ -98,7 +98,7 @@ def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any
                  embeddings={p: (m.num_embeddings, m.embedding_dim, id(m.weight)) for p, m in model.named_modules()
                              if isinstance(m, nn.Embedding)},
                  head_weights={p: id(m.weight) for p, m in linears.items()},
-                 sources={}, consumers={}, head_dim={}, first_op={}, order=[])
+                 sources={}, consumers={}, head_dim={}, order=[])
     params = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
 
     def pre(path, x):
@@ -150,7 +150,7 @@ def _run_flow(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any
     finally:
         for h in handles:
             h.remove()
-    flow.head_dim, flow.first_op, flow.uses, flow.norms = mode.head_dim, mode.first_op, mode.uses, mode.norms
+    flow.head_dim, flow.uses, flow.norms = mode.head_dim, mode.uses, mode.norms
     flow.param_inputs = mode.param_inputs
     flow.order = list(dict.fromkeys(flow.order))
     flow.consumers = {p: set() for p in flow.widths}

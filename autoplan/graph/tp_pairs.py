@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from autoplan.graph.data_flow import NORM, Flow
+from autoplan.graph.data_flow import NORM, VIEWS, Flow
 
 __all__ = ["Pair", "attention_pair", "mlp_pair"]
 
@@ -42,7 +42,7 @@ def attention_pair(flow: Flow, feeders: Sequence[str], b_in: int, src: frozenset
         kv = min(flow.widths[a][1] // head_dim for a in feeders)
         return "attention", (("num_heads", q),) + ((("num_kv_heads", kv),) if kv != q else ()), 0, norm
     fused, width = feeders[0], flow.widths[feeders[0]][1]
-    groups = _groups(flow.first_op.get(fused), width, head_dim, q)
+    groups = _groups(next(iter(flow.uses.get(fused, ())), None), width, head_dim, q)
     if groups:  # per head or per key/value group: a contiguous shard holds whole groups
         return "attention", (("num_heads", q),) + ((("num_kv_heads", groups),) if groups != q else ()), 0, norm
     sizes = _parts(flow.uses.get(fused, ()), width)
@@ -113,7 +113,7 @@ def _parts(uses: Sequence[Any], width: int) -> tuple[int, ...] | None:
             dim, start, end, step = (*extra, None, None, None, None)[:4]
             if on_last(dim or 0) and step in (None, 1):
                 slices.append((start or 0, width if end is None else min(end, width)))
-        elif (func in _VIEWS and not slices and out_shape is not None and len(out_shape) > last + 1
+        elif (func in VIEWS and not slices and out_shape is not None and len(out_shape) > last + 1
               and tuple(out_shape[:last]) == tuple(in_shape[:last]) and out_shape[last] == 3):
             return (width // 3,) * 3
     slices.sort()
@@ -124,14 +124,14 @@ def _parts(uses: Sequence[Any], width: int) -> tuple[int, ...] | None:
     return tuple(end - start for start, end in slices)
 
 
-def _groups(first_op, width: int, head_dim: int, num_heads: int) -> int:
+def _groups(first_use, width: int, head_dim: int, num_heads: int) -> int:
     """The number of groups when a fused q/k/v output is first reshaped into (groups, ...) each of
     whole query heads and their key and value heads (per head: Megatron-LM's and the zoo's layout;
     per key/value group: Falcon's `new_decoder_architecture`), else 0."""
-    if first_op is None:
+    if first_use is None:
         return 0
-    func, in_shape, out_shape, _ = first_op
-    if func not in _VIEWS:
+    func, in_shape, out_shape, _ = first_use
+    if func not in VIEWS:
         return 0
     lead = len(in_shape) - 1
     if out_shape is None or len(out_shape) <= lead + 1 or tuple(out_shape[:lead]) != tuple(in_shape[:lead]):
@@ -143,4 +143,3 @@ def _groups(first_op, width: int, head_dim: int, num_heads: int) -> int:
     return groups if per_group == (num_heads // groups + 2) * head_dim else 0
 
 
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)

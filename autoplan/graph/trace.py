@@ -229,9 +229,7 @@ def model_output(gm: fx.GraphModule, value: Any) -> Any:
     out_spec = _out_spec(gm)
     if out_spec is None:
         return value
-    import torch.utils._pytree as pytree
-
-    return pytree.tree_unflatten(list(value) if isinstance(value, (tuple, list)) else [value], out_spec)
+    return _output_builder(out_spec)(*(value if isinstance(value, (tuple, list)) else [value]))
 
 
 def append_loss(traced: TracedModel, loss_fn: Any, target_name: str = "target") -> TracedModel:

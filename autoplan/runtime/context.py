@@ -73,9 +73,7 @@ def chunk_positions(seq_len: int, cp: int, index: int) -> torch.Tensor:
     """Positions rank `index` of a cp group holds: chunks index and 2 cp - 1 - index of 2 cp."""
     if seq_len % (2 * cp):
         raise ValueError(f"context parallelism: seq_len {seq_len} is not divisible by 2 * cp = {2 * cp}")
-    size = seq_len // (2 * cp)
-    return torch.cat([torch.arange(index * size, (index + 1) * size),
-                      torch.arange((2 * cp - 1 - index) * size, (2 * cp - index) * size)])
+    return torch.cat([torch.arange(start, start + size) for _, start, size in _chunks(seq_len, cp, index)])
 
 
 def shard_sequence(value: torch.Tensor, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -175,12 +173,11 @@ def _sdpa_by_name(*args, **kwargs):
     return F.scaled_dot_product_attention(*args, **kwargs)
 
 
-def route_attention(modules: Iterable[nn.Module]) -> int:
+def route_attention(modules: Iterable[nn.Module]) -> None:
     """Point every attention call of these stages' traced graphs (torch.export's
     `aten.scaled_dot_product_attention`, fx's `torch._C._nn.scaled_dot_product_attention`) at the
     name `F.scaled_dot_product_attention`, which the cp attention replaces for each step; modules
-    the graph calls whole (fx leaves) call the name already. Returns the calls routed."""
-    routed = 0
+    the graph calls whole (fx leaves) call the name already."""
     for module in modules:
         for gm in module.modules():
             if not isinstance(gm, fx.GraphModule):
@@ -190,8 +187,6 @@ def route_attention(modules: Iterable[nn.Module]) -> int:
                 node.target = _sdpa_by_name
             if nodes:
                 gm.recompile()
-                routed += len(nodes)
-    return routed
 
 
 def whole_sequence_output(template: OutputTemplate | None, plan: Plan) -> OutputTemplate | None:
@@ -210,10 +205,7 @@ def refuse_context_parallel(source: ModelSource, model: nn.Module, traced: Trace
     whole (graph/positions.py `sequence_split_refusal`: experts routed by capacity)."""
     if plan.cp <= 1:
         return
-    why = source.context_parallel_refusal(model)
-    if why is not None:
-        raise PartitionError(f"the plan has cp {plan.cp} but {why}; re-plan it with `autoplan suggest` (cp 1)")
-    why = sequence_split_refusal(model, bool(expert_modules(traced.gm)))
+    why = source.context_parallel_refusal(model) or sequence_split_refusal(model, bool(expert_modules(traced.gm)))
     if why is not None:
         raise PartitionError(f"the plan has cp {plan.cp} but {why}; re-plan it with `autoplan suggest` (cp 1)")
 

@@ -41,7 +41,13 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autoplan.graph.experts import InlinedCall, expert_modules, inlined_call, routed_expert_modules
+from autoplan.graph.experts import (
+    InlinedCall,
+    expert_modules,
+    inlined_call,
+    is_routed_experts,
+    routed_expert_modules,
+)
 from autoplan.runtime.data_parallel import all_reduce_grads
 from autoplan.runtime.errors import PartitionError
 from autoplan.runtime.routed_experts import GatherRows, RoutedDispatch, TakeRows, exchange
@@ -161,7 +167,7 @@ def _routed_module(stage: nn.Module, path: str, model: nn.Module | None) -> nn.M
     own where it kept it (a graph that calls it), else the model's class (copied) over the stage's
     parameters and buffers, put at `path` (a graph traced by torch.export keeps only its tensors)."""
     held = stage.get_submodule(path)
-    if routed_expert_modules(held).get("") is held:
+    if is_routed_experts(held):
         return held
     if model is None:
         raise PartitionError(f"expert parallelism: the stage inlines the experts '{path}' and the model's modules are "
@@ -181,7 +187,7 @@ def shard_routed_experts(stage: nn.Module, model: nn.Module | None, group: dist.
     """Keep this rank's 1/ep of the experts of every routed-experts module `stage` runs (graph/
     experts.py; found on the model, as the stage may have inlined them) and run them through
     `RoutedDispatch`. Returns the modules and their new parameters."""
-    found = routed_expert_modules(model) if model is not None else routed_expert_modules(stage)
+    found = routed_expert_modules(model if model is not None else stage)
     modules, kept = [], []
     for path, original in found.items():
         try:
@@ -234,20 +240,6 @@ def refuse_expert_parallel(model: nn.Module, traced: TracedModel, plan: Plan) ->
                                  f"of '{path}'; re-plan it with `autoplan suggest`")
 
 
-def _expert_grad_group(plan: Plan, layout: ParallelLayout) -> dist.ProcessGroup | None:
-    """The ranks holding the same experts as this one under expert tp 1: the dp replicas with its
-    ep index, and every tp rank of each (they saw different tokens). Collective: every rank makes
-    every group."""
-    mine = None
-    for p in range(plan.pp):
-        for e in range(plan.ep):
-            ranks = [plan.rank(p, d, t) for d in range(e, plan.dp, plan.ep) for t in range(plan.tp)]
-            group = dist.new_group(ranks)
-            if layout.rank in ranks:
-                mine = group
-    return mine
-
-
 def apply_expert_parallel(build: StageBuild, plan: Plan, layout: ParallelLayout) -> None:
     """The expert-parallel step (ep > 1): each rank keeps its 1/ep of the experts of both contracts
     (`shard_experts`, `shard_routed_experts`). The grouped-experts modules are found before slicing:
@@ -257,14 +249,11 @@ def apply_expert_parallel(build: StageBuild, plan: Plan, layout: ParallelLayout)
     expert gradients are summed over tp too (`ParallelLayout.expert_dp_group`)."""
     if plan.ep == 1:
         return
-    split = plan.tp > 1 and plan.expert_tp == 1 and plan.zero < 2
-    tp = (layout.tp_mesh.get_group(), layout.tp_index, plan.tp) if split else ()
-    model = getattr(build, "model", None)
+    tp = (layout.tp_mesh.get_group(), layout.tp_index, plan.tp) if plan.expert_token_split > 1 else ()
+    model = build.model
     build.experts_of = {i: list(expert_modules(module).values()) for i, module in build.modules.items()}
     build.expert_params = shard_experts(list(build.modules.values()), layout.ep_group, layout.ep_index, plan.ep, tp)
     for i, stage in build.modules.items():
         modules, params = shard_routed_experts(stage, model, layout.ep_group, layout.ep_index, plan.ep, tp)
         build.experts_of[i] += modules
         build.expert_params += params
-    if split:
-        layout.expert_dp_group = _expert_grad_group(plan, layout)

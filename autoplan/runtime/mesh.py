@@ -62,8 +62,8 @@ class ParallelLayout:
     expert_dp_group: dist.ProcessGroup | None = None
     """The dp replicas holding the same experts (dp_index % ep equal), over which expert gradients
     are summed and ZeRO-1 splits the experts' optimizer state (optimizer.py); None when there is one
-    (ep = dp) or ep is 1. Under tp with expert tp 1 (zero 0 / 1) the expert step replaces it by those
-    replicas' tp ranks together, which compute different tokens of the same experts
+    (ep = dp) or ep is 1. Under tp with expert tp 1 and zero 0 / 1 (`Plan.expert_token_split`) it
+    holds those replicas' tp ranks too, which compute different tokens of the same experts
     (runtime/experts.py)."""
     expert_fsdp_mesh: object | None = None
     """With ep > 1 and zero >= 2: the 1-D mesh of those same replicas ("edp"), over which FSDP
@@ -121,7 +121,10 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
     # Expert and context parallelism fold over dp: groups of ep (cp) consecutive dp ranks, and for
     # ep the dp ranks holding the same experts (one per ep group).
     ep_group = _dp_subgroup(plan, rank, lambda d: d // ep, timeout) if ep > 1 else None
-    expert_dp_group = _dp_subgroup(plan, rank, lambda d: d % ep, timeout) if 1 < ep < plan.dp else None
+    if getattr(plan, "expert_token_split", 1) > 1:  # the replicas' tp ranks hold the same experts too
+        expert_dp_group = _dp_subgroup(plan, rank, lambda d: d % ep, timeout, across_tp=True)
+    else:
+        expert_dp_group = _dp_subgroup(plan, rank, lambda d: d % ep, timeout) if 1 < ep < plan.dp else None
     cp_group = _dp_subgroup(plan, rank, lambda d: d // cp, timeout) if cp > 1 else None
     return ParallelLayout(rank, world_size, pp_index, dp_index, tp_index, plan.pp, plan.dp, plan.tp,
                           stage_rank, mesh, dp_group, tie_groups, tp_mesh, fsdp_mesh,
@@ -130,15 +133,17 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
                           expert_dp_group=expert_dp_group, expert_fsdp_mesh=expert_fsdp_mesh)
 
 
-def _dp_subgroup(plan, rank: int, key, timeout: timedelta | None) -> dist.ProcessGroup:
+def _dp_subgroup(plan, rank: int, key, timeout: timedelta | None, across_tp: bool = False) -> dist.ProcessGroup:
     """The group of this rank among those that split each (pp, tp) coordinate's dp ranks by
-    `key(dp_index)`. new_group is collective: every rank creates every group, in the same order."""
+    `key(dp_index)` (`across_tp`: each pipeline stage's dp ranks of every tp index together).
+    new_group is collective: every rank creates every group, in the same order."""
     mine = None
     for p in range(plan.pp):
-        for t in range(plan.tp):
+        for t in (None,) if across_tp else range(plan.tp):
             parts: dict[int, list[int]] = {}
             for d in range(plan.dp):
-                parts.setdefault(key(d), []).append(plan.rank(p, d, t))
+                parts.setdefault(key(d), []).extend(
+                    [plan.rank(p, d, u) for u in range(plan.tp)] if across_tp else [plan.rank(p, d, t)])
             for ranks in parts.values():
                 group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:

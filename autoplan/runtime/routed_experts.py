@@ -152,8 +152,8 @@ class RoutedDispatch:
         counts = torch.bincount(flat, minlength=self.num_experts)
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # E/ep counts from each rank
-        sent = counts.view(self.ep, local).sum(1).tolist()
-        received = received_counts.view(self.ep, local).sum(1).tolist()
+        # rows to and from each rank, read to the host in one sync
+        sent, received = torch.stack([counts, received_counts]).view(2, self.ep, local).sum(2).tolist()
         mine = exchange(rows, self.group, received, sent)
         expert_ids = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(self.ep), received_counts)
         if mine.shape[0]:

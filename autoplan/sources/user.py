@@ -129,8 +129,8 @@ def _templates_from_examples(examples: Sequence[Any], module: nn.Module) -> tupl
         if not value.dtype.is_floating_point and value.dtype != torch.bool:
             if value.device.type != "meta" and value.numel():
                 low, high = int(value.min()), int(value.max()) + 1
-            elif vocabularies.get(k, vocab) is not None:
-                high = vocabularies.get(k, vocab)
+            elif (table := vocabularies.get(k, vocab)) is not None:
+                high = table
         positions = (k < len(names) and names[k] == "position_ids" and seq_dim is not None
                      and not value.dtype.is_floating_point and value.dtype != torch.bool)
         out.append(InputTemplate(tuple(value.shape), value.dtype, low, high, batch_dim, seq_dim, positions=positions))
