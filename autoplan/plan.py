@@ -13,6 +13,19 @@ Ranks are numbered with tp innermost, so a TP group is always consecutive ranks 
 stage are neighbours and pipeline neighbours are dp*tp ranks apart; with "tp-pp-dp" pipeline
 neighbours share a node when tp*pp fits in one. rank = tp_index + tp * (i1 + n1 * i2) where
 (i1, n1) is the middle axis and i2 the outer one.
+
+[Note: expert layout]
+Which ranks exchange tokens with which (the ep group), which slice of the experts a rank holds (its
+ep index) and which ranks hold the same slice (the expert-data-parallel group), on each pipeline rank.
+With expert tp 1 under tp > 1 (`Plan.expert_token_split` = tp) every tp rank brings its own tokens to
+the experts, so a mixture-of-experts layer sees tp * dp ranks of distinct tokens: positions
+j = dp_index * tp + tp_index, tp fastest as ranks are numbered. The ep groups are ep consecutive
+positions (one node whenever ep GPUs fit one under "tp-dp-pp"), a rank's ep index is j mod ep and
+the ranks holding its experts (over which their gradients are summed and ZeRO or FSDP shards them)
+are the positions with the same j mod ep: Megatron-Core's "MoE parallel folding" (EP x ETP taken
+over TP x DP, Megatron-Core MoE README; Liu et al. 2025, "MoE Parallel Folding", arXiv:2504.14960).
+Without the split (tp 1, the only case with expert tp 1) the positions are the dp replicas: ep
+consecutive dp replicas, ep index dp_index mod ep.
 """
 
 from __future__ import annotations
@@ -38,6 +51,8 @@ __all__ = [
     "PlanError",
     "Predicted",
     "StagePlan",
+    "ExpertSlot",
+    "expert_slot",
     "layout_rank",
     "validate",
 ]
@@ -55,6 +70,26 @@ def layout_rank(rank_order: str, tp: int, pp: int, dp: int, pp_index: int, dp_in
     if rank_order == "tp-dp-pp":
         return tp_index + tp * (dp_index + dp * pp_index)
     return tp_index + tp * (pp_index + pp * dp_index)
+
+
+@dataclass(frozen=True)
+class ExpertSlot:
+    """Where one rank sits in the expert layout of one pipeline rank ([Note: expert layout])."""
+
+    group: int
+    """Its ep group (ranks with the same value exchange tokens)."""
+    index: int
+    """Its place in that group: which E / ep experts it holds."""
+    replicas: int
+    """Its expert-data-parallel group (ranks with the same value hold the same experts)."""
+
+
+def expert_slot(ep: int, tp: int, token_split: int, dp_index: int, tp_index: int) -> ExpertSlot:
+    """The expert layout of the rank at (dp_index, tp_index); see [Note: expert layout]."""
+    if token_split > 1:
+        position = dp_index * tp + tp_index
+        return ExpertSlot(group=position // ep, index=position % ep, replicas=position % ep)
+    return ExpertSlot(group=dp_index // ep * tp + tp_index, index=dp_index % ep, replicas=dp_index % ep * tp + tp_index)
 
 
 class PlanError(ValueError):
@@ -180,8 +215,9 @@ class Plan:
     them: dp / cp replicas take distinct batches (torchtitan's dp_shard x cp); gradients are averaged
     over all dp ranks."""
     ep: int = 1
-    """Expert parallelism: groups of ep consecutive dp replicas split each mixture-of-experts
-    layer's experts ep ways and send tokens to them by all-to-all (runtime/experts.py). 1: every
+    """Expert parallelism: groups of ep ranks split each mixture-of-experts layer's experts ep ways
+    and send tokens to them by all-to-all (runtime/experts.py): ep consecutive ranks over tp x dp
+    under expert tp 1 with tp > 1, else ep consecutive dp replicas ([Note: expert layout]). 1: every
     replica holds every expert."""
     expert_tp: int = 1
     """Expert tensor parallelism: how many ranks of a tp group split each expert's weights. 1 (the
@@ -206,10 +242,13 @@ class Plan:
     @property
     def expert_token_split(self) -> int:
         """Ways a replica's tp ranks split the tokens that reach its experts: tp under expert tp 1
-        with ep > 1 and zero 0 / 1 (runtime/experts.py; under FSDP every tp rank computes every
-        token), else 1. Its tp ranks then hold the same experts and compute different tokens, so
-        they join the experts' expert-data-parallel group (runtime/mesh.py)."""
-        return self.tp if self.ep > 1 and self.expert_tp == 1 and self.zero < 2 else 1
+        with ep > 1 (runtime/experts.py), else 1. Its tp ranks then take part in the expert layout
+        as ranks of their own, the ep groups folded over tp x dp ([Note: expert layout])."""
+        return self.tp if self.ep > 1 and self.expert_tp == 1 else 1
+
+    def expert_slot(self, dp_index: int, tp_index: int) -> ExpertSlot:
+        """The rank at (dp_index, tp_index)'s place in the expert layout ([Note: expert layout])."""
+        return expert_slot(self.ep, self.tp, self.expert_token_split, dp_index, tp_index)
 
     @property
     def dp_shard(self) -> int:

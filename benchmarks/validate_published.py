@@ -51,12 +51,12 @@ TARGETS = {"megatron-sc21": (0.03, 0.06), "modern": (0.05, 0.12), "loso": 0.08, 
 """In-sample (median, worst) per file and the leave-one-source-out median (issue 28); the worst
 error of a mixture-of-experts run, predicted at its published layout (issue 31)."""
 NOT_FITTED_REGIMES = ("MoE",)
-"""Regimes reported but left out of the fit: a mixture-of-experts step is dominated by the expert
-exchange and the experts' weight traffic, which the model prices for autoplan's own expert layout
-(cost/experts.py: ep groups of dp replicas at one tp index, tp apart), not Megatron-Core's folded one
-(expert groups over tp x dp, the all-to-all inside a node): Qwen3-235B at tp 2 x ep 8 crosses two
-nodes in autoplan's layout and none in Megatron's (docs/cost-model.md, "Mixture of experts").
-Fitting GEMM or overlap shares to them would bend those numbers to absorb a structural error."""
+"""Regimes reported but left out of the fit. The mixture-of-experts runs are priced at the layout
+they ran (expert tp 1, the ep group folded over tp x dp as Megatron-Core folds it, plan.py [Note:
+expert layout]), and what is left has opposite signs: Qwen3-235B at micro-batch 4 (FSDP, full
+recompute) predicted too slow, at micro-batch 1 under pp 8 too fast (docs/cost-model.md, "Mixture of
+experts"). Fitting the GEMM or attention shares to them would move the dense H100 runs to split
+that difference; three runs cannot fit the per-micro-batch terms that differ."""
 STEP_DRIFT = 0.02
 """The gate's tolerance on a run's predicted step time against the recorded one (relative)."""
 MEMORY_DRIFT = 0.02

@@ -24,26 +24,33 @@ LAYOUTS = {
     "ep2-dp4-zero3": dict(tp=1, pp=1, dp=4, ep=2, zero=3),
     "ep4-zero2": dict(tp=1, pp=1, dp=4, ep=4, zero=2),
     "ep2-pp2-zero3": dict(tp=1, pp=2, dp=2, ep=2, zero=3, schedule="1f1b"),
+    # FSDP under tp: the ep group folded over tp x dp, the experts sharded over the 2 ranks holding them
+    "ep2-tp2-zero3": dict(tp=2, pp=1, dp=2, ep=2, zero=3),
 }
 
 
 def step_and_collect(pm, rank: int) -> dict:
-    """One step of `pm` on the source's batch: the loss, and the gradients one ep group holds (the
-    experts' slices by ep index, the rest from dp rank 0), whole (collective for tp shards)."""
+    """One step of `pm` on the source's batch: the loss, and the gradients (the experts' slices by ep
+    index from every rank, the rest from dp rank 0), whole (collective for tp shards)."""
     plan, template = pm.plan, pm.output_template
     inputs, target = pm.source.batch(0, 0, plan.job.global_batch, plan.job.seq_len, template.shape, template.dtype)
     loss = pm.step(*inputs, target=target)
     experts = {id(p) for p in pm.expert_params}
     grads, slices = {}, {}
     whole = [(n, p, _full(p.grad)) for n, p in pm.named_parameters()]  # collective for tp shards
-    if pm.layout.tp_index == 0 and pm.layout.dp_index < plan.ep:  # one ep group holds every expert once
-        for n, p, g in whole:
-            if id(p) in experts:
-                slices[n] = (pm.layout.ep_index, g)
-            elif pm.layout.dp_index == 0:
-                grads[n] = g
+    for n, p, g in whole:  # every rank's expert slice (plan.py [Note: expert layout]), checked to agree
+        if id(p) in experts:
+            slices[n] = (pm.layout.ep_index, g)
+        elif pm.layout.dp_index == 0 and pm.layout.tp_index == 0:
+            grads[n] = g
+    import torch.distributed as dist
+
+    layout = pm.layout
+    groups = {kind: dist.get_process_group_ranks(group) if group is not None else None
+              for kind, group in (("ep", layout.ep_group), ("replicas", layout.expert_dp_group))}
     return dict(loss=None if loss is None else float(loss), grads=grads, slices=slices,
-                batch=(inputs, target) if rank == 0 else None)
+                batch=(inputs, target) if rank == 0 else None, groups=groups,
+                where=(layout.pp_index, layout.dp_index, layout.tp_index, layout.ep_index))
 
 
 def check_against_reference(spec: str, name: str, plan, results: dict) -> None:
@@ -59,8 +66,11 @@ def check_against_reference(spec: str, name: str, plan, results: dict) -> None:
     pieces: dict[str, dict[int, torch.Tensor]] = {}
     for r in results.values():
         for n, (index, g) in r[name]["slices"].items():
+            if index in pieces.get(n, {}):  # the ranks holding the same experts end with the same gradient
+                torch.testing.assert_close(g, pieces[n][index], msg=lambda m, n=n: f"{name}: copies of {n}: {m}")
             pieces.setdefault(n, {})[index] = g
     assert pieces, f"{name}: no expert parameters were split"
+    _check_expert_layout(name, plan, results)
     for n, parts in pieces.items():
         assert sorted(parts) == list(range(plan.ep)), (name, n, sorted(parts))
         grads[n] = torch.cat([parts[i] for i in range(plan.ep)])
@@ -69,6 +79,28 @@ def check_against_reference(spec: str, name: str, plan, results: dict) -> None:
     scale = max(float(g.abs().max()) for g in ref_grads.values())
     for n, g in grads.items():
         torch.testing.assert_close(g, ref_grads[n], rtol=rtol, atol=rtol * scale, msg=lambda m, n=n, name=name: f"{name}: {n}: {m}")
+
+
+def _check_expert_layout(name: str, plan, results: dict) -> None:
+    """The groups each rank made are the plan's expert layout (plan.py [Note: expert layout]): under
+    expert tp 1 with tp > 1 the ep group is ep consecutive ranks over tp x dp (Megatron-Core's MoE
+    parallel folding), a rank's experts its position mod ep, and the ranks holding the same experts
+    tp * dp / ep of them; else ep dp replicas at one tp index."""
+    folded = plan.expert_token_split > 1
+    for rank, r in results.items():
+        pp_index, dp_index, tp_index, ep_index = r[name]["where"]
+        position = dp_index * plan.tp + tp_index if folded else dp_index
+        assert ep_index == position % plan.ep, (name, rank, r[name]["where"])
+        ep_ranks = r[name]["groups"]["ep"]
+        assert len(ep_ranks) == plan.ep and rank in ep_ranks, (name, rank, ep_ranks)
+        if folded:  # consecutive ranks, this one at its ep index
+            assert ep_ranks == list(range(ep_ranks[0], ep_ranks[0] + plan.ep)) and ep_ranks.index(rank) == ep_index
+        else:
+            assert {results[q][name]["where"][2] for q in ep_ranks} == {tp_index}, (name, rank, ep_ranks)
+        replicas = r[name]["groups"]["replicas"]
+        size = plan.dp * (plan.tp if folded else 1) // plan.ep
+        assert (replicas is None and size == 1) or len(replicas) == size, (name, rank, replicas)
+        assert all(results[q][name]["where"][3] == ep_index for q in replicas or ()), (name, rank, replicas)
 
 
 def _rank_job(rank: int, world_size: int, plans: dict) -> dict:

@@ -36,6 +36,8 @@ LAYOUTS = {
     "ep2-pp2": ["--tp", "1", "--pp", "2", "--dp", "2", "--ep", "2", "--schedule", "1f1b"],
     "ep2-tp2": ["--tp", "2", "--pp", "1", "--dp", "2", "--ep", "2"],  # expert tp 1: each tp rank sends half the tokens
     "ep2-zero3": ["--tp", "1", "--pp", "1", "--dp", "4", "--ep", "2", "--zero", "3"],  # experts: FSDP units of their own
+    # FSDP under tp: the ep group folded over tp x dp, each tp rank's experts sharded over their own mesh
+    "ep2-tp2-zero3": ["--tp", "2", "--pp", "1", "--dp", "2", "--ep", "2", "--zero", "3"],
 }
 
 

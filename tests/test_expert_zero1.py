@@ -29,14 +29,13 @@ def _plan(**pins):
 
 
 def _whole(pm, plan, values: dict) -> dict:
-    """{name: (ep index or None, full tensor)} of one ep group's ranks (every expert once, the dense
-    parameters from dp rank 0); collective (tp shards are gathered)."""
+    """{name: (ep index or None, full tensor)}: this rank's expert slices, and the dense parameters on
+    dp rank 0 at tp index 0; collective (tp shards are gathered)."""
     experts = {id(p) for p in pm.expert_params}
     whole = [(n, id(p), _full(v)) for n, p, v in ((n, p, values[n]) for n, p in pm.named_parameters())]
-    if pm.layout.tp_index or pm.layout.dp_index >= plan.ep:
-        return {}
+    first = pm.layout.dp_index == 0 and pm.layout.tp_index == 0
     return {n: (pm.layout.ep_index, t) for n, i, t in whole if i in experts} | (
-        {n: (None, t) for n, i, t in whole if i not in experts} if pm.layout.dp_index == 0 else {})
+        {n: (None, t) for n, i, t in whole if i not in experts} if first else {})
 
 
 def _rank_job(rank: int, world_size: int, plans: dict) -> dict:
@@ -104,7 +103,9 @@ def _assemble(results: dict, name: str, key: str, ep: int) -> dict:
         for n, (index, t) in r[name][key].items():
             if index is None:
                 out[n] = t
-            else:
+            else:  # the ranks holding the same experts agree
+                if index in pieces.get(n, {}):
+                    torch.testing.assert_close(t, pieces[n][index], msg=lambda m, n=n: f"{name}: copies of {n}: {m}")
                 pieces.setdefault(n, {})[index] = t
     assert pieces or ep == 1, f"{name}: no expert parameters were split"
     for n, parts in pieces.items():

@@ -150,15 +150,15 @@ def test_the_exchange_takes_each_peer_over_its_own_link():
 
 def test_each_tp_rank_exchanges_its_share_of_the_tokens(profile):
     """Under expert tp 1 each tp rank sends only its 1/tp of the micro-batch's tokens to the experts
-    (Megatron-LM's ETP 1), over an ep group of ranks tp apart; without ep every tp rank keeps every
-    token (and exchanges nothing)."""
+    (Megatron-LM's ETP 1), over an ep group of ep consecutive ranks over tp x dp (MoE parallel
+    folding); without ep every tp rank keeps every token (and exchanges nothing)."""
     cluster = parse_cluster("4x8xH100-80GB")
     base = dict(pp=1, dp=8, micro_batch_size=2, num_microbatches=1, zero=0, schedule="1f1b", recompute="none", ep=4)
     sent = np.asarray(profile.extra["experts"]["block_dispatch_bytes"], dtype=float) * 2 / profile.batch_size
     for tp in (1, 2, 4):
         cfg = ParallelConfig(tp=tp, **base)
         assert cfg.expert_token_split == tp
-        ranks = [tp * d for d in range(4)]
+        ranks = [0, 1, 2, 3]
         assert expert_group_ranks(cfg) == ranks
         expected = np.array([2 * all_to_all_time_s(cluster, ranks, s / tp) if s else 0.0 for s in sent])
         assert expert_exchange_times_s(profile, cluster, cfg) == pytest.approx(expected)
@@ -218,14 +218,21 @@ def test_expert_weight_traffic_divides_by_ep_through_suggest():
 
 def test_suggest_says_the_expert_layout_and_the_links_its_all_to_all_crosses(profile):
     """`suggest`'s note on expert parallelism (what `--explain` and the CLI print): expert tp 1 with the
-    tokens split over tp, the ep group's ranks (tp apart) and the links they cross: at tp 2 x ep 8 on
-    nodes of 8 the group spans two nodes, 3 peers over NVLink and 4 over the network per rank."""
-    plan = autoplan.suggest(SPEC, "2x8xH100-80GB", global_batch=64, seq_len=1024, tp=2, ep=8, pp=1, zero=0,
-                            top=1)[0]
+    tokens split over tp, the ep group's ranks and the links they cross. At tp 2 x ep 8 on nodes of 8
+    the group is folded over tp x dp, 8 consecutive ranks in one node (Megatron-Core's MoE parallel
+    folding), under FSDP too; before the fold it was 8 replicas at one tp index, 2 ranks apart over
+    two nodes (3 peers over NVLink and 4 over the network per rank)."""
+    common = dict(global_batch=64, seq_len=1024, tp=2, ep=8, pp=1, top=1)
+    plan = autoplan.suggest(SPEC, "2x8xH100-80GB", zero=0, **common)[0]
     (note,) = [n for n in plan.notes if n.startswith("ep 8")]
-    assert "for 1/2 of the tokens of 8 replicas" in note
-    assert ("expert tp 1, tokens split over tp 2: all-to-all over ranks 0, 2, ..., 14 (2 nodes: 3 peers over NVLink, "
-            "4 over the network); expert gradients over 2 ranks holding the same experts") in note
+    assert "for the tokens of 8 ranks over tp x dp, each bringing 1/2 of a replica's" in note
+    assert ("expert tp 1, tokens split over tp 2: all-to-all over ranks 0, 1, ..., 7 (1 node: 7 peers over NVLink); "
+            "expert gradients over 2 ranks holding the same experts") in note
+    fsdp = autoplan.suggest(SPEC, "2x8xH100-80GB", zero=3, **common)[0]
+    (note,) = [n for n in fsdp.notes if n.startswith("ep 8")]
+    assert ("expert tp 1, tokens split over tp 2: all-to-all over ranks 0, 1, ..., 7 (1 node: 7 peers over NVLink); "
+            "expert gradients over 2 ranks holding the same experts") in note
+    assert "FSDP shards those experts over the 2 ranks holding the same ones" in note
 
 
 def test_a_pinned_zero_1_still_searches_expert_parallelism(profile):

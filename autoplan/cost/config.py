@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.plan import Plan, layout_rank
+from autoplan.plan import ExpertSlot, Plan, expert_slot, layout_rank
 
 __all__ = ["ParallelConfig"]
 
@@ -41,8 +41,9 @@ class ParallelConfig:
     load-balanced chunks) and exchange keys and values; dp counts them, so dp / cp replicas take
     distinct batches (torchtitan's dp_shard x cp)."""
     ep: int = 1
-    """Expert-parallel degree: each group of ep consecutive dp replicas splits a layer's experts
-    ep ways and exchanges tokens by all-to-all (folded over dp, as torchtitan and Megatron-LM do)."""
+    """Expert-parallel degree: each group of ep ranks splits a layer's experts ep ways and exchanges
+    tokens by all-to-all: ep consecutive ranks over tp x dp, the tp ranks splitting the experts'
+    tokens (Megatron-Core's MoE parallel folding; plan.py [Note: expert layout])."""
     expert_tp: int = 1
     """Expert tensor-parallel degree (`Plan.expert_tp`; only 1 is built): every expert whole on the
     rank that holds it, and with tp > 1 and ep > 1 each tp rank sends only its 1/tp of the tokens to
@@ -51,26 +52,38 @@ class ParallelConfig:
     @property
     def expert_token_split(self) -> int:
         """How many ways the tokens that reach the experts are split over a replica's tp ranks
-        ([Note: experts on a GPU] in cost/time.py): tp with ep > 1, expert tp 1 and zero 0 / 1, else 1,
-        as the runtime does (runtime/experts.py): without ep, and under FSDP (whose expert units
-        reduce their gradients over the replicas holding the same experts, not over tp), every tp
-        rank computes its experts on every token."""
-        return self.tp if self.ep > 1 and self.expert_tp == 1 and self.zero < 2 else 1
+        ([Note: experts on a GPU] in cost/experts.py): tp with ep > 1 and expert tp 1, else 1, as the
+        runtime does (runtime/experts.py); without ep every tp rank computes its experts on every
+        token. The same as `Plan.expert_token_split`."""
+        return self.tp if self.ep > 1 and self.expert_tp == 1 else 1
 
     @property
     def expert_dp(self) -> int:
         """Ranks that hold the same experts (the expert-data-parallel group), over which expert
-        gradients are reduced and, with zero 1, expert optimizer state is sharded: the dp / ep
-        replicas holding them, times the tp ranks when those split the experts' tokens
-        (`expert_token_split`: each computes a different part of the same experts' gradient).
-        Megatron-Core's expert-data-parallel size, tp * dp / (ep * expert tp) (Megatron-Core MoE
-        README, "MoE parallel folding")."""
+        gradients are reduced and, with zero 1, expert optimizer state is sharded: dp / ep of them,
+        times tp when the tp ranks split the experts' tokens (`expert_token_split`: each is then a
+        rank of its own in the expert layout). Megatron-Core's expert-data-parallel size,
+        tp * dp / (ep * expert tp) (Megatron-Core MoE README, "MoE parallel folding")."""
         return self.dp // self.ep * self.expert_token_split
 
+    def expert_slot(self, dp_index: int, tp_index: int) -> ExpertSlot:
+        """The rank at (dp_index, tp_index)'s place in the expert layout (plan.py [Note: expert layout])."""
+        return expert_slot(self.ep, self.tp, self.expert_token_split, dp_index, tp_index)
+
+    def expert_group_ranks(self, pp_index: int = 0) -> list[int]:
+        """The global ranks of the first ep group of pipeline rank `pp_index` (the one holding rank
+        (dp 0, tp 0)), in ep-index order."""
+        return self._ranks_where(pp_index, lambda slot: slot.group == 0)
+
     def expert_dp_ranks(self, pp_index: int) -> list[int]:
-        """The global ranks of the first expert-data-parallel group of pipeline rank `pp_index`:
-        every ep-th dp replica, at every tp index that splits the experts' tokens."""
-        return [self.rank(pp_index, d, t) for d in range(0, self.dp, self.ep) for t in range(self.expert_token_split)]
+        """The global ranks of the first expert-data-parallel group of pipeline rank `pp_index`
+        (the ranks holding the experts of rank (dp 0, tp 0))."""
+        first = self.expert_slot(0, 0).replicas
+        return self._ranks_where(pp_index, lambda slot: slot.replicas == first)
+
+    def _ranks_where(self, pp_index: int, keep) -> list[int]:
+        return sorted(self.rank(pp_index, d, t) for d in range(self.dp) for t in range(self.tp)
+                      if keep(self.expert_slot(d, t)))
 
     @classmethod
     def of_plan(cls, plan: Plan) -> ParallelConfig:

@@ -77,13 +77,12 @@ def expert_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: Parall
     NVLink while those in other nodes take theirs over its network rail, so a rank's time is the
     slower of (peers in its node) / n of its buffer as one NVLink message and (peers elsewhere) / n
     as one network message (one latency per peer), and the exchange waits for its slowest rank. The
-    ep group is ep dp replicas of tp ranks each ([Note: rank layout] in plan.py): with tp > 1 it
-    reaches across nodes as soon as tp * ep exceeds a node.
+    group is `expert_group_ranks` (plan.py [Note: expert layout]).
 
-    With tp > 1 the group is one per tp index (`cfg.rank(0, d, 0)`, tp apart) and, under expert tp 1,
-    each tp rank sends only its 1/tp of the tokens (`ParallelConfig.expert_token_split`; Megatron-Core
-    MoE README, "MoE parallel folding", ETP 1), so a rank's buffer is the block's dispatched bytes
-    over tp; without ep every tp rank keeps every token. The exchanges are not overlapped with
+    Under expert tp 1 with tp > 1 each tp rank sends only its 1/tp of the tokens
+    (`ParallelConfig.expert_token_split`; Megatron-Core MoE README, "MoE parallel folding", ETP 1),
+    so a rank's buffer is the block's dispatched bytes over tp, and the group is ep consecutive ranks
+    over tp x dp. The exchanges are not overlapped with
     compute (torchtitan and Megatron-LM's default dispatchers wait for them). Zero for blocks
     without experts."""
     experts = profile.extra.get("experts") or {}
@@ -103,10 +102,10 @@ def expert_comm_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelCo
 
 
 def expert_group_ranks(cfg: ParallelConfig) -> list[int]:
-    """The global ranks of the first expert-parallel group: ep consecutive dp replicas at tp index 0
-    of the first pipeline rank ([Note: rank layout] in plan.py). With tp > 1 they are tp apart, so
-    the group spans tp * ep ranks and leaves a node once that exceeds it."""
-    return [cfg.rank(0, d, 0) for d in range(cfg.ep)]
+    """The global ranks of the first expert-parallel group of the first pipeline rank (plan.py
+    [Note: expert layout]): ep consecutive ranks over tp x dp (inside a node when ep GPUs fit one;
+    at tp 1, ep consecutive dp replicas)."""
+    return cfg.expert_group_ranks(0)
 
 
 def expert_output_gather_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> np.ndarray:

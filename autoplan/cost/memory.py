@@ -257,9 +257,9 @@ def expert_params(profile: ModelProfile) -> list[int]:
 def expert_shard_surplus(profile: ModelProfile, cfg: ParallelConfig, ranges: Sequence[tuple[int, int]]) -> float:
     """Parameters one GPU keeps sharded beyond its 1/dp_shard (zero 1: 1/dp) share under ZeRO with
     expert parallelism: a GPU's 1/ep of the experts is sharded over the ranks holding the same
-    experts, not over dp: under FSDP the dp / ep replicas (runtime/fsdp.py); with zero 1 the
-    expert-data-parallel group (`ParallelConfig.expert_dp`: Megatron-LM's distributed optimizer
-    builds a second optimizer over the expert parameters on that group, megatron/core/optimizer
+    experts, not over dp: over the expert-data-parallel group (`ParallelConfig.expert_dp`; FSDP's
+    expert units, runtime/fsdp.py; with zero 1 Megatron-LM's distributed optimizer builds a second
+    optimizer over the expert parameters on that group, megatron/core/optimizer
     `get_megatron_optimizer`). So it keeps dp / group times the share of its experts (negative when
     the group is larger than dp). What of a parameter that sharding covers:
     `surplus_bytes_per_param`. 0 without ep or ZeRO."""
@@ -267,8 +267,8 @@ def expert_shard_surplus(profile: ModelProfile, cfg: ParallelConfig, ranges: Seq
         return 0.0
     experts = expert_params(profile)
     held = sum(sum(experts[a:b]) for a, b in ranges) / cfg.ep
-    shards, group = (cfg.dp, cfg.expert_dp) if cfg.zero == 1 else (cfg.dp_shard, cfg.dp_shard // cfg.ep)
-    return held * (shards / max(group, 1) - 1)
+    shards = cfg.dp if cfg.zero == 1 else cfg.dp_shard
+    return held * (shards / max(cfg.expert_dp, 1) - 1)
 
 
 def surplus_bytes_per_param(dtype: str, cfg: ParallelConfig) -> tuple[float, float, float]:

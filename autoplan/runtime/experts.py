@@ -23,10 +23,10 @@ outputs over tp ([Note: expert tp 1] in routed_experts.py), for both contracts.
 Gradients: a rank's expert weights see the tokens of every rank of its ep group (and, under tp, only
 its tp rank's share of them), so after backward they hold the sum over that group of the
 per-replica gradients; `reduce_expert_grads` sums them over the ranks holding the same experts
-(`ParallelLayout.expert_dp_group`: the expert-data-parallel replicas, and under tp every tp rank of
-them) and divides by dp, which gives the mean over all dp replicas, as the dp all-reduce gives the
-other parameters. The ep group is ep consecutive dp replicas (inside a node when tp * ep GPUs fit
-one).
+(`ParallelLayout.expert_dp_group`, Megatron-Core's expert-data-parallel group) and divides by dp, which gives the mean over all dp replicas, as the dp all-reduce gives the
+other parameters. The groups are the plan's expert layout (plan.py [Note: expert layout]): ep
+consecutive ranks over tp x dp (Megatron-Core's MoE parallel folding), so the all-to-all stays
+inside a node when ep GPUs fit one.
 """
 
 from __future__ import annotations
@@ -90,18 +90,21 @@ def _combine(group: dist.ProcessGroup, ep: int, num_experts: int, tp: tuple, mod
     return GatherRows.apply(back, tp[0], tp[1], tp[2], 1) if tp else back
 
 
-def _slice_parameters(module: nn.Module, ep_index: int, local: int) -> list[nn.Parameter]:
+def _slice_parameters(module: nn.Module, ep_index: int, local: int, per_tp_rank: bool = False) -> list[nn.Parameter]:
     """Replace every own parameter of `module` by its experts [ep_index * local, (ep_index + 1) *
-    local) (a DTensor's, of an inlined graph's stage under tp, as a DTensor of the same placement)."""
+    local) (a DTensor's, of an inlined graph's stage under tp, as a DTensor of the same placement;
+    as a plain tensor when `per_tp_rank`: the tp ranks hold different experts, which no DTensor
+    replicated over tp describes, and FSDP shards them over a mesh of their own, fsdp.py)."""
     from torch.distributed.tensor import DTensor
 
     kept = []
     for name, param in list(module.named_parameters(recurse=False)):
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and not per_tp_rank:
             piece = param.to_local().detach()[ep_index * local:(ep_index + 1) * local].clone()
             piece = DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False)
         else:
-            piece = param.detach()[ep_index * local:(ep_index + 1) * local].clone()
+            whole = param.to_local() if isinstance(param, DTensor) else param
+            piece = whole.detach()[ep_index * local:(ep_index + 1) * local].clone()
         replacement = nn.Parameter(piece, requires_grad=param.requires_grad)
         setattr(module, name, replacement)
         kept.append(replacement)
@@ -125,7 +128,7 @@ def shard_experts(modules: Iterable[nn.Module], group: dist.ProcessGroup, ep_ind
         for path, experts in expert_modules(module).items():
             count = experts.num_experts
             _check_divides(count, ep, path)
-            kept += _slice_parameters(experts, ep_index, count // ep)
+            kept += _slice_parameters(experts, ep_index, count // ep, per_tp_rank=bool(tp))
             experts.register_forward_pre_hook(functools.partial(_dispatch, group, ep, count, path, tp))
             experts.register_forward_hook(functools.partial(_combine, group, ep, count, tp))
     return kept
@@ -200,7 +203,7 @@ def shard_routed_experts(stage: nn.Module, model: nn.Module | None, group: dist.
         module = _routed_module(stage, path, model)
         if isinstance(call, InlinedCall):
             _call_as_module(stage, path, call)
-        kept += _slice_parameters(module, ep_index, count // ep)
+        kept += _slice_parameters(module, ep_index, count // ep, per_tp_rank=bool(tp))
         module.num_experts = count // ep  # the local experts, indexed 0 .. E/ep - 1
         tp_group, tp_index, size = tp or (None, 0, 1)
         module.forward = RoutedDispatch(module, module.forward, count, ep, group, tp=size, tp_group=tp_group,
@@ -244,9 +247,10 @@ def apply_expert_parallel(build: StageBuild, plan: Plan, layout: ParallelLayout)
     """The expert-parallel step (ep > 1): each rank keeps its 1/ep of the experts of both contracts
     (`shard_experts`, `shard_routed_experts`). The grouped-experts modules are found before slicing:
     a slice no longer has num_experts experts (graph/experts.py); FSDP shards them apart (fsdp.py).
-    Under tp with expert tp 1 (`Plan.expert_tp`; without FSDP, which reduces the experts' gradients
-    over the expert replicas alone) each tp rank sends its 1/tp of the tokens ([Note: expert tp 1] in routed_experts.py), and the
-    expert gradients are summed over tp too (`ParallelLayout.expert_dp_group`)."""
+    Under tp with expert tp 1 (`Plan.expert_tp`) each tp rank sends its 1/tp of the tokens
+    ([Note: expert tp 1] in routed_experts.py) over an ep group folded over tp x dp (plan.py [Note:
+    expert layout]), so the tp ranks of a replica hold different experts: their slices are plain
+    tensors, not DTensors replicated over tp (`_slice_parameters`)."""
     if plan.ep == 1:
         return
     tp = (layout.tp_mesh.get_group(), layout.tp_index, plan.tp) if plan.expert_token_split > 1 else ()

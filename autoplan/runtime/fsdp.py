@@ -28,9 +28,10 @@ across groups). Composed with tensor parallelism, a tp-sharded parameter becomes
   in bf16, and gradients are reduced and kept in fp32: 4 + 4 + 8 bytes per parameter, sharded
   (cost/memory.py).
 - Expert parallelism (ep > 1): a rank's slice of the experts (runtime/experts.py) differs across
-  its ep group, so each grouped-experts module is a unit of its own sharded over the replicas
-  holding the same experts (`ParallelLayout.expert_fsdp_mesh`, dp / ep ranks), as torchtitan shards
-  experts over its "dp_shard_mod_ep" mesh (torchtitan/models/llama4/infra/parallelize.py). Its
+  its ep group, so each experts module is a unit of its own sharded over the ranks holding the
+  same experts (`ParallelLayout.expert_fsdp_mesh`: dp / ep replicas, tp * dp / ep ranks when the
+  ep groups fold over tp, plan.py [Note: expert layout]), as torchtitan shards experts over its
+  "dp_shard_mod_ep" mesh (torchtitan/models/llama4/infra/parallelize.py). Its
   gradient already sums the tokens of the ep group, so FSDP divides the reduced sum by dp, not by
   the mesh's size (`set_gradient_divide_factor`), which gives the mean over all dp replicas, as
   every other parameter gets.

@@ -48,10 +48,11 @@ class ParallelLayout:
     """The mesh FSDP shards over (zero >= 2): 1-D "dp_shard", or 2-D ("dp_replicate", "dp_shard")
     for HSDP; None otherwise."""
     ep_index: int = 0
-    """This rank's place in its expert-parallel group (dp_index % ep): which slice of the experts
-    it holds (runtime/experts.py)."""
+    """This rank's place in its expert-parallel group (`Plan.expert_slot`): which slice of the
+    experts it holds (runtime/experts.py)."""
     ep_group: dist.ProcessGroup | None = None
-    """The ep consecutive dp replicas (same pp and tp index) that exchange tokens, or None (ep 1)."""
+    """The ranks that exchange tokens (same pp index; plan.py [Note: expert layout]): ep consecutive
+    ranks over tp x dp; None (ep 1)."""
     pp_group: dist.ProcessGroup | None = None
     """The pipeline ranks with this rank's dp and tp index (the mesh's "pp" axis), or None (pp 1)."""
     cp_index: int = 0
@@ -60,11 +61,9 @@ class ParallelLayout:
     cp_group: dist.ProcessGroup | None = None
     """The cp consecutive dp ranks (same pp and tp index) that split each sequence, or None (cp 1)."""
     expert_dp_group: dist.ProcessGroup | None = None
-    """The dp replicas holding the same experts (dp_index % ep equal), over which expert gradients
-    are summed and ZeRO-1 splits the experts' optimizer state (optimizer.py); None when there is one
-    (ep = dp) or ep is 1. Under tp with expert tp 1 and zero 0 / 1 (`Plan.expert_token_split`) it
-    holds those replicas' tp ranks too, which compute different tokens of the same experts
-    (runtime/experts.py)."""
+    """The ranks holding the same experts (same pp index and expert slot's `replicas`), over which
+    expert gradients are summed and ZeRO-1 splits the experts' optimizer state (optimizer.py); None
+    when there is one or ep is 1. Megatron-Core's expert-data-parallel group: tp * dp / ep ranks."""
     expert_fsdp_mesh: object | None = None
     """With ep > 1 and zero >= 2: the 1-D mesh of those same replicas ("edp"), over which FSDP
     shards the experts (fsdp.py); None otherwise."""
@@ -99,13 +98,13 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
         if plan.zero >= 2:
             fsdp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
         if plan.zero >= 2 and getattr(plan, "ep", 1) > 1:
-            # The dp index read as (dp / ep, ep): the first axis holds the replicas with the same
-            # experts, torchtitan's "dp_shard_mod_ep" (torchtitan/distributed/parallel_dims.py).
-            ep = plan.ep
-            expert_layout = torch.tensor([[[[plan.rank(p, o * ep + i, t) for t in range(plan.tp)] for i in range(ep)]
-                                           for o in range(plan.dp // ep)] for p in range(plan.pp)])
-            expert_fsdp_mesh = DeviceMesh(device_type, expert_layout, mesh_dim_names=("pp", "edp", "ep", "tp"),
-                                          backend_override=(override,) * 4)["edp"]
+            # Each pipeline rank's ranks by the experts they hold (plan.py [Note: expert layout]):
+            # the "edp" axis holds the ranks with the same experts, torchtitan's "dp_shard_mod_ep"
+            # (torchtitan/distributed/parallel_dims.py) and, folded over tp, Megatron-Core's
+            # expert-data-parallel group.
+            expert_layout = torch.tensor([list(_expert_replicas(plan, p).values()) for p in range(plan.pp)])
+            expert_fsdp_mesh = DeviceMesh(device_type, expert_layout, mesh_dim_names=("pp", "experts", "edp"),
+                                          backend_override=(override,) * 3)["edp"]
     tie_groups: dict[str, dist.ProcessGroup] = {}
     for name in sorted(tied_holders):
         holders = sorted(set(tied_holders[name]))
@@ -118,36 +117,45 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
                 if rank in ranks:
                     tie_groups[name] = group
     ep, cp = getattr(plan, "ep", 1), getattr(plan, "cp", 1)
-    # Expert and context parallelism fold over dp: groups of ep (cp) consecutive dp ranks, and for
-    # ep the dp ranks holding the same experts (one per ep group).
-    ep_group = _dp_subgroup(plan, rank, lambda d: d // ep, timeout) if ep > 1 else None
-    if getattr(plan, "expert_token_split", 1) > 1:  # the replicas' tp ranks hold the same experts too
-        expert_dp_group = _dp_subgroup(plan, rank, lambda d: d % ep, timeout, across_tp=True)
-    else:
-        expert_dp_group = _dp_subgroup(plan, rank, lambda d: d % ep, timeout) if 1 < ep < plan.dp else None
-    cp_group = _dp_subgroup(plan, rank, lambda d: d // cp, timeout) if cp > 1 else None
+    ep_index, ep_group, expert_dp_group = 0, None, None
+    if ep > 1:  # plan.py [Note: expert layout]
+        ep_index = plan.expert_slot(dp_index, tp_index).index
+        ep_group = _subgroup(plan, rank, lambda d, t: plan.expert_slot(d, t).group, timeout)
+        if plan.dp * plan.expert_token_split > ep:
+            expert_dp_group = _subgroup(plan, rank, lambda d, t: plan.expert_slot(d, t).replicas, timeout)
+    # Context parallelism folds over dp: groups of cp consecutive dp ranks at each tp index.
+    cp_group = _subgroup(plan, rank, lambda d, t: (d // cp, t), timeout) if cp > 1 else None
     return ParallelLayout(rank, world_size, pp_index, dp_index, tp_index, plan.pp, plan.dp, plan.tp,
                           stage_rank, mesh, dp_group, tie_groups, tp_mesh, fsdp_mesh,
                           pp_group=mesh["pp"].get_group() if mesh is not None and plan.pp > 1 else None,
-                          ep_index=dp_index % ep, ep_group=ep_group, cp_index=dp_index % cp, cp_group=cp_group,
+                          ep_index=ep_index, ep_group=ep_group, cp_index=dp_index % cp, cp_group=cp_group,
                           expert_dp_group=expert_dp_group, expert_fsdp_mesh=expert_fsdp_mesh)
 
 
-def _dp_subgroup(plan, rank: int, key, timeout: timedelta | None, across_tp: bool = False) -> dist.ProcessGroup:
-    """The group of this rank among those that split each (pp, tp) coordinate's dp ranks by
-    `key(dp_index)` (`across_tp`: each pipeline stage's dp ranks of every tp index together).
-    new_group is collective: every rank creates every group, in the same order."""
+def _expert_replicas(plan, pp_index: int) -> dict[int, list[int]]:
+    """Pipeline rank `pp_index`'s ranks holding the same experts, by their expert slot's `replicas`,
+    each list in rank order."""
+    out: dict[int, list[int]] = {}
+    for d in range(plan.dp):
+        for t in range(plan.tp):
+            out.setdefault(plan.expert_slot(d, t).replicas, []).append(plan.rank(pp_index, d, t))
+    return {key: sorted(ranks) for key, ranks in sorted(out.items())}
+
+
+def _subgroup(plan, rank: int, key, timeout: timedelta | None) -> dist.ProcessGroup:
+    """The group of this rank among those that split each pipeline rank's (dp, tp) coordinates by
+    `key(dp_index, tp_index)`. new_group is collective: every rank creates every group, in the same
+    order."""
     mine = None
     for p in range(plan.pp):
-        for t in (None,) if across_tp else range(plan.tp):
-            parts: dict[int, list[int]] = {}
-            for d in range(plan.dp):
-                parts.setdefault(key(d), []).extend(
-                    [plan.rank(p, d, u) for u in range(plan.tp)] if across_tp else [plan.rank(p, d, t)])
-            for ranks in parts.values():
-                group = dist.new_group(ranks, timeout=timeout)
-                if rank in ranks:
-                    mine = group
+        parts: dict[object, list[int]] = {}
+        for d in range(plan.dp):
+            for t in range(plan.tp):
+                parts.setdefault(key(d, t), []).append(plan.rank(p, d, t))
+        for ranks in parts.values():
+            group = dist.new_group(sorted(ranks), timeout=timeout)
+            if rank in ranks:
+                mine = group
     return mine
 
 

@@ -206,10 +206,6 @@ def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, 
                                  f"pp {plan.pp} * dp {plan.dp})")
             fit = check_machine(plan, nproc, allow_oversubscribe=allow_oversubscribe)
         if checkpoint_dir is not None:
-            if plan.ep > 1:
-                from autoplan.runtime.checkpoint import EXPERT_PARALLEL_REFUSAL
-
-                raise ValueError(EXPERT_PARALLEL_REFUSAL.format(ep=plan.ep))
             checkpoint_dir = str(checkpoint_dir)
             if not checkpoint_dir.strip():
                 raise ValueError("--checkpoint-dir is empty; name a directory")

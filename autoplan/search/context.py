@@ -12,9 +12,9 @@ import dataclasses
 
 import numpy as np
 
-from autoplan.cluster import Cluster, allreduce_time_s, group_layout
+from autoplan.cluster import Cluster, group_layout
 from autoplan.cost.calibration import Calibrations
-from autoplan.cost.comm import FSDP_GRAD_BYTES_PER_PARAM, fsdp_groups, fsdp_unit_times_s, priced_once
+from autoplan.cost.comm import fsdp_groups, fsdp_unit_times_s
 from autoplan.cost.config import ParallelConfig
 from autoplan.cost.memory import (
     block_act_bytes,
@@ -139,25 +139,16 @@ class SearchContext:
                 self.cluster, shard, replicate, self.params(cfg), gather_bytes))
 
         def with_experts() -> tuple[np.ndarray, np.ndarray]:
-            # A block's experts are a unit of their own, sharded over the dp / ep replicas holding
-            # the same experts (runtime/fsdp.py): every ep-th rank of the shard group.
+            # A block's experts are a unit of their own, sharded over the ranks holding the same
+            # experts (runtime/fsdp.py): the expert-data-parallel group (plan.py [Note: expert layout]).
             local_experts = np.asarray(expert_params(self.profile), dtype=float) / cfg.ep
             gather, reduce = fsdp_unit_times_s(self.cluster, shard, replicate, self.params(cfg) - local_experts,
                                                gather_bytes)
-            expert_dp = shard[::cfg.ep]
-            expert_gather, expert_reduce = fsdp_unit_times_s(self.cluster, expert_dp, range(0), local_experts,
-                                                             gather_bytes)
-            if cfg.expert_token_split > 1:
-                # Under expert tp 1 the tp ranks computed the same experts for different tokens: their
-                # gradient shards are summed over tp too (the expert-data-parallel group spans tp,
-                # `ParallelConfig.expert_dp`), an all-reduce over NVLink after the reduce-scatter.
-                tp_ranks = [cfg.rank(pp_index, 0, t) for t in range(cfg.tp)]
-                shard_bytes = local_experts / len(expert_dp) * FSDP_GRAD_BYTES_PER_PARAM
-                expert_reduce = expert_reduce + priced_once(
-                    shard_bytes, lambda n: allreduce_time_s(self.cluster, tp_ranks, n))
+            expert_gather, expert_reduce = fsdp_unit_times_s(self.cluster, cfg.expert_dp_ranks(pp_index), range(0),
+                                                             local_experts, gather_bytes)
             return gather + expert_gather, reduce + expert_reduce
 
-        return self.cached(("fsdp", cfg.tp, cfg.ep, layouts), with_experts)
+        return self.cached(("fsdp", cfg.tp, cfg.ep, cfg.expert_tp, layouts), with_experts)
 
     def params(self, cfg: ParallelConfig) -> np.ndarray:
         return self.cached(("params", cfg.tp, cfg.ep), lambda: param_counts(self.profile, cfg))

@@ -539,13 +539,14 @@ def _expert_note(ctx: SearchContext, chosen: Plan, best_by_ep: dict[bool, Plan],
     if chosen.ep > 1:
         exchange = chosen.predicted.breakdown.get("ep_comm_s", 0.0)
         cfg = ParallelConfig.of_plan(chosen)
-        share = f"1/{cfg.expert_token_split} of " if cfg.expert_token_split > 1 else ""
+        tokens = (f"the tokens of {chosen.ep} ranks over tp x dp, each bringing 1/{cfg.expert_token_split} of a "
+                  "replica's" if cfg.expert_token_split > 1 else f"the tokens of {chosen.ep} replicas")
         parts = [f"ep {chosen.ep}{' (pinned)' if 'ep' in pins else ''}: each GPU computes 1/{chosen.ep} of the "
-                 f"{experts['num_experts']} experts of its layers for {share}the tokens of {chosen.ep} replicas, "
+                 f"{experts['num_experts']} experts of its layers for {tokens}, "
                  f"for {_fmt_ms(exchange)} of expert communication per step "
                  f"({exchange / chosen.predicted.step_time_s:.0%})", expert_links(ctx.cluster, cfg).describe()]
         if chosen.zero >= 2:
-            parts.append(f"FSDP shards those experts over the {chosen.dp // chosen.ep} replicas holding the same ones")
+            parts.append(f"FSDP shards those experts over the {cfg.expert_dp} ranks holding the same ones")
         elif chosen.zero == 1:
             parts.append(f"zero 1 shards their optimizer state over the {cfg.expert_dp} ranks holding the same ones")
         else:

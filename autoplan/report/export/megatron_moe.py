@@ -12,8 +12,6 @@ arguments.py`, whose MoE flags come from megatron-core's `TransformerConfig` fie
 
 from __future__ import annotations
 
-from autoplan.cost.config import ParallelConfig
-from autoplan.cost.experts import expert_group_ranks
 from autoplan.plan import Plan
 from autoplan.report.export.common import MoEShape
 
@@ -66,24 +64,12 @@ def moe_model_args(plan: Plan, moe: MoEShape, differences: list[str]) -> list[Ar
 
 def expert_layout_args(plan: Plan, differences: list[str]) -> list[Arg]:
     """Expert parallelism: ep and expert tp 1 (every expert whole on the rank that holds it, each tp
-    rank dispatching its own share of the tokens: the layout autoplan prices and runs)."""
+    rank dispatching its own share of the tokens over an ep group folded over tp x dp: the layout
+    autoplan prices and runs, plan.py [Note: expert layout], and Megatron-Core's MoE parallel folding,
+    parallel_state's expert rank order tp-ep-dp-pp with expert tp 1)."""
     args: list[Arg] = []
     if plan.ep > 1:
         args.append(("--expert-model-parallel-size", str(plan.ep)))
     # validate_args defaults the expert tp to the attention's; autoplan's experts are whole (Plan.expert_tp).
     args.append(("--expert-tensor-parallel-size", str(plan.expert_tp)))
-    if plan.ep > 1 and plan.tp > 1:
-        # Megatron's expert ranks are ep consecutive ranks (parallel_state's expert order
-        # tp-ep-dp-pp with expert tp 1: MoE parallel folding); the plan's are ep dp replicas at one
-        # tp index (cost/experts.py `expert_group_ranks`).
-        per_node = max(1, int((plan.cluster.get("groups") or [{}])[0].get("gpus_per_node", plan.num_gpus)
-                              or plan.num_gpus))
-        planned = {r // per_node for r in expert_group_ranks(ParallelConfig.of_plan(plan))}
-        folded = {r // per_node for r in range(plan.ep)}
-        if len(planned) > len(folded):
-            differences.append(f"expert groups: Megatron forms its ep {plan.ep} groups from consecutive ranks over tp x "
-                               f"dp (MoE parallel folding, {len(folded)} node{'s' if len(folded) > 1 else ''}), the "
-                               f"plan from {plan.ep} dp replicas at one tp index ({plan.tp} ranks apart, {len(planned)} "
-                               "nodes): Megatron's all-to-all crosses fewer nodes, so the step may be faster than "
-                               "predicted")
     return args

@@ -58,12 +58,11 @@ from autoplan.runtime.checkpoint.load import (
 )
 from autoplan.runtime.checkpoint.reader import Checkpoint
 from autoplan.runtime.checkpoint.restore import restore
-from autoplan.runtime.checkpoint.save import EXPERT_PARALLEL_REFUSAL, save_checkpoint
+from autoplan.runtime.checkpoint.save import save_checkpoint
 from autoplan.runtime.checkpoint.state import local_optimizer, named_optimizer_state
 
 __all__ = [
     "CHECKPOINT_FORMAT",
-    "EXPERT_PARALLEL_REFUSAL",
     "Checkpoint",
     "CheckpointError",
     "checkpoint_fingerprint",

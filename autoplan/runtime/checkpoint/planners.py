@@ -29,6 +29,8 @@ class _Pieces:
     shape: torch.Size
     tensor: torch.Tensor  # the local tensor
     boxes: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]  # (global offsets, sizes, local view)
+    whole: Any = None
+    """The tensor the pieces stand for (a DTensor, whose local tensor `tensor` is), else None."""
 
 
 def _needs_pieces(value: Any) -> bool:

@@ -16,12 +16,14 @@ from autoplan.runtime.checkpoint.format import (
     checkpoint_fingerprint,
 )
 from autoplan.runtime.checkpoint.integrity import _check_structure, _Damaged
+from autoplan.runtime.checkpoint.planners import _Pieces
 from autoplan.runtime.checkpoint.reader import Checkpoint, _dcp_load
 from autoplan.runtime.checkpoint.state import (
     _canonical,
     _model_state,
     _param_names,
     _unheld_names,
+    expert_slices,
     local_optimizer,
 )
 
@@ -29,10 +31,13 @@ _KERNEL_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Optimizer group entries that pick a kernel, not the math: the reader's own choice is kept."""
 
 
-def _target_like(param, md) -> torch.Tensor:
+def _target_like(param, md, experts=None) -> torch.Tensor | _Pieces:
     """An empty tensor to load a saved optimizer-state entry into: laid out as `param` (a DTensor
-    keeps its placements, so DCP reads only this rank's chunk) when it has the parameter's shape,
-    else a plain tensor of the saved shape (AdamW's scalar step)."""
+    keeps its placements, so DCP reads only this rank's chunk) when it has the parameter's shape
+    (for an expert slice, `experts`: the whole parameter's, read as the slice's box), else a plain
+    tensor of the saved shape (AdamW's scalar step)."""
+    if experts is not None and tuple(md.size) == experts.global_shape(param):
+        return experts.pieces(torch.empty_like(param.detach(), dtype=md.properties.dtype))
     if tuple(md.size) == tuple(param.shape):
         return torch.empty_like(param.detach(), dtype=md.properties.dtype)
     device = param.to_local().device if hasattr(param, "to_local") else param.device
@@ -73,6 +78,7 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loaded, another local tensor of the same key)
     missing: list[str] = []
     unheld = _unheld_names(pm)
+    experts = expert_slices(pm)  # read as their boxes of the whole tensors ([Note: experts in a checkpoint])
     for key, local in _model_state(pm).items():
         saved = ckpt.saved_name(key, ckpt.model_keys)
         if saved is None:
@@ -81,20 +87,22 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
         local = sorted(local, key=lambda entry: entry[0] in unheld)  # a held copy first
         name, tensor = local[0]
         md = ckpt.model_keys[saved]
-        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(tensor.shape):
+        shape = experts.global_shape(tensor) if key in experts.names else tuple(tensor.shape)
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != shape:
             raise CheckpointError(f"{where} entry {saved!r} has shape {tuple(getattr(md, 'size', ()))}, the model's "
-                                  f"{name!r} {tuple(tensor.shape)}; is it of another model?")
+                                  f"{name!r} {shape}; is it of another model?")
         others = [other for _, other in local[1:]]
         if name in unheld:  # read the saved (fp32) values aside, then round them into the working copy
             others.insert(0, tensor)
             tensor = torch.empty_like(tensor, dtype=md.properties.dtype)
-        targets[saved] = tensor
+        targets[saved] = experts.pieces(tensor) if key in experts.names else tensor
         copies += [(tensor, other) for other in others]
     if strict and missing:
         raise CheckpointError(f"{where} has no entry for {len(missing)} parameters of this rank, e.g. "
                               f"{missing[0]!r}; is it of another model?")
 
     opt_state: dict[str, dict[str, Any]] = {}
+    opt_tensors: dict[str, dict[str, torch.Tensor]] = {}  # the tensors an expert's `_Pieces` read into
     hyper: dict[str, dict[str, Any]] = {}
     inner = None
     if optimizer is not None:
@@ -111,7 +119,10 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
                 entries = {}
                 for k, key in ckpt.optimizer_keys[saved].items():
                     md = ckpt.metadata.state_dict_metadata[key]
-                    entries[k] = _target_like(p, md) if isinstance(md, TensorStorageMetadata) else None
+                    entries[k] = _target_like(p, md, experts if name in experts.names else None) \
+                        if isinstance(md, TensorStorageMetadata) else None
+                    if isinstance(entries[k], _Pieces):
+                        opt_tensors.setdefault(saved, {})[k] = entries[k].whole
                 opt_state[saved] = entries
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -152,7 +163,7 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
             for p in group["params"]:
                 saved = ckpt.saved_name(_canonical(pm, names[id(p)]), loaded_state)
                 if saved is not None:
-                    by_index[index] = dict(loaded_state[saved])
+                    by_index[index] = {**loaded_state[saved], **opt_tensors.get(saved, {})}
                 index += 1
         sd["state"] = by_index
 

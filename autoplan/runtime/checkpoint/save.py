@@ -124,17 +124,11 @@ def _layout_of(pm) -> dict[str, Any]:
     plan = getattr(pm, "plan", None)
     if plan is None:
         return {}
-    out = {k: getattr(plan, k) for k in ("pp", "dp", "tp", "zero", "virtual_stages", "dp_replicate")
+    out = {k: getattr(plan, k) for k in ("pp", "dp", "tp", "zero", "virtual_stages", "dp_replicate", "ep")
            if isinstance(getattr(plan, k, None), int)}
     out["stage_end_blocks"] = [s.end_block for s in plan.stages]
     out["dtype"] = plan.job.dtype
     return out
-
-
-EXPERT_PARALLEL_REFUSAL = (
-    "checkpoints of a plan with ep {ep} are not supported yet: each rank holds a slice of the experts under the "
-    "same names, which torch.distributed.checkpoint would store once; run without --checkpoint-dir or re-plan "
-    "with --ep 1")
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torch.optim.Optimizer | None = None, *,
@@ -150,8 +144,6 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    if getattr(getattr(pm, "plan", None), "ep", 1) > 1:
-        raise ValueError(EXPERT_PARALLEL_REFUSAL.format(ep=pm.plan.ep))
     root = Path(directory)
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0

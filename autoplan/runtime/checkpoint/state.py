@@ -9,17 +9,30 @@ different names, and a ZeRO-1 optimizer holds only its shard in an inner optimiz
 `get_optimizer_state_dict` does not know. So the FQN-keyed state dicts are built here from
 `PartitionedModel.named_parameters` / `state_dict` (the names of the full model) in the layout
 `get_state_dict(..., flatten_optimizer_state_dict=True)` produces, and loaded in place.
+
+[Note: experts in a checkpoint]
+Under expert parallelism (ep > 1) a rank holds experts [i * E/ep, (i + 1) * E/ep) of each experts
+parameter (runtime/experts.py, i its ep index) under the parameter's full name, as a plain tensor
+or, under FSDP, as a DTensor sharded over the ranks holding the same experts. Neither says where it
+sits in the (E, ...) tensor, so DCP would store one rank's slice as the whole. Each such parameter
+(and its optimizer state) goes to DCP as `_Pieces` (planners.py): the global (E, ...) shape and one
+box at dim-0 offset i * E/ep plus the FSDP shard's own offset. The checkpoint then holds every
+expert once, under the model's own names and shapes, like any other tensor: it loads under another
+ep, without ep and into a plain model (DCP reshards), and replicas that hold the same experts write
+the same box, which DCP keeps once.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from autoplan.runtime.checkpoint.format import EXTRA_KEY, OPTIMIZER_KEY, CheckpointError, _rank_key
+from autoplan.runtime.checkpoint.planners import _Pieces
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -40,6 +53,46 @@ def _canonical(pm, name: str) -> str:
 
 def _param_names(pm) -> dict[int, str]:
     return {id(p): name for name, p in pm.named_parameters()}
+
+
+@dataclass(frozen=True)
+class ExpertSlices:
+    """This rank's expert slices ([Note: experts in a checkpoint])."""
+
+    names: frozenset[str]
+    """Saved names of the experts parameters this rank holds a slice of."""
+    ep_index: int
+    ep: int
+
+    def global_shape(self, tensor) -> tuple[int, ...]:
+        """The whole parameter's shape, of which `tensor` (a slice, or its FSDP DTensor) is 1/ep."""
+        return (tensor.shape[0] * self.ep, *tensor.shape[1:])
+
+    def pieces(self, tensor) -> _Pieces:
+        """`tensor` (this rank's slice of an experts parameter, or a state of its shape) as its box
+        of the whole parameter."""
+        from torch.distributed.tensor import DTensor
+
+        offset = (0,) * tensor.dim()
+        local = tensor
+        if isinstance(tensor, DTensor):  # an FSDP shard of the slice: where it sits in the slice
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local = tensor.to_local()
+            _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        start = (self.ep_index * tensor.shape[0] + offset[0], *offset[1:])
+        boxes = [(start, tuple(local.shape), local)] if local.numel() else []
+        return _Pieces(torch.Size(self.global_shape(tensor)), local, boxes, whole=tensor)
+
+
+def expert_slices(pm) -> ExpertSlices:
+    """This rank's expert slices under `pm`'s plan (none without ep)."""
+    ep = getattr(getattr(pm, "plan", None), "ep", 1)
+    held = {id(p) for p in getattr(pm, "expert_params", ())}
+    if ep == 1 or not held:
+        return ExpertSlices(frozenset(), 0, 1)
+    names = frozenset(_canonical(pm, name) for name, p in pm.named_parameters() if id(p) in held)
+    return ExpertSlices(names, pm.layout.ep_index, ep)
 
 
 def _model_state(pm) -> dict[str, list[tuple[str, torch.Tensor]]]:
@@ -92,13 +145,20 @@ def named_optimizer_state(pm, optimizer: torch.optim.Optimizer) -> dict[str, Any
 def _rank_state(pm, optimizer, rank: int, step: int, extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """What this rank hands `dcp.save` (module docstring)."""
     unheld = _unheld_names(pm)
+    experts = expert_slices(pm)
     state: dict[str, Any] = {}
     for key, copies in _model_state(pm).items():
         held = [tensor for name, tensor in copies if name not in unheld]
         if held:  # a master another dp rank owns: that rank writes its fp32 values
-            state[key] = held[0]
+            state[key] = experts.pieces(held[0]) if key in experts.names else held[0]
     if optimizer is not None:
         state[OPTIMIZER_KEY] = named_optimizer_state(pm, optimizer)
+        shapes = {_canonical(pm, name): tuple(p.shape) for name, p in pm.named_parameters()}
+        for name, entries in state[OPTIMIZER_KEY]["state"].items():
+            if name in experts.names:  # the moments have the slice's shape; the step count is a scalar
+                state[OPTIMIZER_KEY]["state"][name] = {
+                    k: experts.pieces(v) if isinstance(v, torch.Tensor) and tuple(v.shape) == shapes[name] else v
+                    for k, v in entries.items()}
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
