@@ -17,6 +17,8 @@ neighbours share a node when tp*pp fits in one. rank = tp_index + tp * (i1 + n1 
 [Note: expert layout]
 Which ranks exchange tokens with which (the ep group), which slice of the experts a rank holds (its
 ep index) and which ranks hold the same slice (the expert-data-parallel group), on each pipeline rank.
+ep divides tp x dp (Megatron-Core's EP x ETP x EDP = TP x DP with expert tp 1), so it may exceed dp:
+tp 2 x dp 2 at ep 4 gives each of the 4 ranks a quarter of the experts.
 With expert tp 1 under tp > 1 (`Plan.expert_token_split` = tp) every tp rank brings its own tokens to
 the experts, so a mixture-of-experts layer sees tp * dp ranks of distinct tokens: positions
 j = dp_index * tp + tp_index, tp fastest as ranks are numbered. The ep groups are ep consecutive
@@ -442,9 +444,9 @@ def validate(plan: Plan) -> list[str]:
         problems.append(f"dp_replicate = {plan.dp_replicate!r} must be a positive integer dividing dp = {plan.dp}")
     elif plan.dp_replicate > 1 and plan.zero < 2:
         problems.append(f"dp_replicate = {plan.dp_replicate} (HSDP) needs zero 2 or 3 (FSDP), not zero {plan.zero}")
-    if not isinstance(plan.ep, int) or isinstance(plan.ep, bool) or plan.ep < 1 or plan.dp % plan.ep:
-        problems.append(f"ep = {plan.ep!r} must be a positive integer dividing dp = {plan.dp} (experts are split "
-                        "over data-parallel replicas)")
+    if not isinstance(plan.ep, int) or isinstance(plan.ep, bool) or plan.ep < 1 or (plan.tp * plan.dp) % plan.ep:
+        problems.append(f"ep = {plan.ep!r} must be a positive integer dividing tp x dp = {plan.tp * plan.dp} (the "
+                        "ranks the experts are split over, [Note: expert layout])")
     elif plan.ep > 1 and plan.dp_replicate > 1:
         problems.append(f"ep = {plan.ep} cannot run with dp_replicate = {plan.dp_replicate} (HSDP); re-plan with "
                         "--dp-replicate 1 or --ep 1")

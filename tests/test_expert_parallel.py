@@ -26,6 +26,8 @@ LAYOUTS = {
     "ep2-pp2-zero3": dict(tp=1, pp=2, dp=2, ep=2, zero=3, schedule="1f1b"),
     # FSDP under tp: the ep group folded over tp x dp, the experts sharded over the 2 ranks holding them
     "ep2-tp2-zero3": dict(tp=2, pp=1, dp=2, ep=2, zero=3),
+    # ep beyond dp: 4 ranks of tp 2 x dp 2, one expert each (Megatron-Core's EP = TP x DP)
+    "ep4-tp2": dict(tp=2, pp=1, dp=2, ep=4),
 }
 
 

@@ -38,6 +38,7 @@ LAYOUTS = {
     "ep2-zero3": ["--tp", "1", "--pp", "1", "--dp", "4", "--ep", "2", "--zero", "3"],  # experts: FSDP units of their own
     # FSDP under tp: the ep group folded over tp x dp, each tp rank's experts sharded over their own mesh
     "ep2-tp2-zero3": ["--tp", "2", "--pp", "1", "--dp", "2", "--ep", "2", "--zero", "3"],
+    "ep4-tp2-zero3": ["--tp", "2", "--pp", "1", "--dp", "2", "--ep", "4", "--zero", "3"],  # ep beyond dp
 }
 
 
@@ -62,7 +63,7 @@ def _check(model: str, layouts: list[str], tmp_path) -> None:
     results = run_ranks(_rank_job, 4, spec, {n: str(f) for n, f in files.items()}, timeout_s=500, pg_timeout_s=120)
     for name, path in files.items():
         plan = autoplan.Plan.load(path)
-        assert plan.ep == 2 and plan.expert_tp == 1, (name, plan.ep)
+        assert plan.ep == int(LAYOUTS[name][LAYOUTS[name].index("--ep") + 1]) and plan.expert_tp == 1, (name, plan.ep)
         check_against_reference(spec, f"{name}", plan, results)
 
 

@@ -144,7 +144,7 @@ def test_plan_validation_knows_ep():
     assert validate(plan) == []
     import dataclasses
 
-    assert any("must be a positive integer dividing dp" in p for p in validate(dataclasses.replace(plan, ep=3)))
+    assert any("must be a positive integer dividing tp x dp" in p for p in validate(dataclasses.replace(plan, ep=3)))
     assert validate(dataclasses.replace(plan, zero=1)) == []  # experts' state over their replicas (issue 31)
     assert any("(HSDP)" in p for p in validate(dataclasses.replace(plan, zero=3, dp_replicate=2)))
     assert validate(dataclasses.replace(plan, zero=3)) == []

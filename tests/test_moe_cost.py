@@ -240,5 +240,18 @@ def test_a_pinned_zero_1_still_searches_expert_parallelism(profile):
     `--zero 1` no longer takes ep out of the search; pinned HSDP still does."""
     from autoplan.search.configs import _expert_degrees
 
-    assert _expert_degrees(profile, 8, {"zero": 1}) == [1, 2, 4, 8]
-    assert _expert_degrees(profile, 8, {"dp_replicate": 2}) == [1]
+    assert _expert_degrees(profile, 1, 8, {"zero": 1}) == [1, 2, 4, 8]
+    assert _expert_degrees(profile, 1, 8, {"dp_replicate": 2}) == [1]
+
+
+def test_ep_may_fold_over_tp_beyond_dp(profile):
+    """ep divides tp x dp, not only dp (Megatron-Core's EP x EDP = TP x DP under expert tp 1): at tp 2
+    x dp 4 the search tries ep 8, and a plan pinned to it puts each rank's eighth of the experts in
+    one node's ep group with no expert replica (expert-data-parallel group of 1)."""
+    from autoplan.search.configs import _expert_degrees
+
+    assert _expert_degrees(profile, 2, 4, {}) == [1, 2, 4, 8]
+    plan = autoplan.suggest(SPEC, "2x8xH100-80GB", global_batch=64, seq_len=1024, tp=2, dp=4, pp=2, ep=8, top=1)[0]
+    assert (plan.tp, plan.dp, plan.ep) == (2, 4, 8) and plan.fits
+    cfg = ParallelConfig.of_plan(plan)
+    assert cfg.expert_dp == 1 and expert_group_ranks(cfg) == list(range(8))

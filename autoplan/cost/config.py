@@ -64,7 +64,7 @@ class ParallelConfig:
         times tp when the tp ranks split the experts' tokens (`expert_token_split`: each is then a
         rank of its own in the expert layout). Megatron-Core's expert-data-parallel size,
         tp * dp / (ep * expert tp) (Megatron-Core MoE README, "MoE parallel folding")."""
-        return self.dp // self.ep * self.expert_token_split
+        return self.dp * self.expert_token_split // self.ep
 
     def expert_slot(self, dp_index: int, tp_index: int) -> ExpertSlot:
         """The rank at (dp_index, tp_index)'s place in the expert layout (plan.py [Note: expert layout])."""

@@ -134,11 +134,10 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
         if replicate is not None and replicate > 1:
             raise PlanningError(f"--ep {ep} cannot run with --dp-replicate {replicate} (HSDP); use --dp-replicate 1 "
                                 "or --ep 1")
-        if dp is not None and dp % ep:
-            raise PlanningError(f"--ep {ep} must divide --dp {dp}: experts are split over data-parallel replicas")
-        if n_gpus % (product * ep) and dp is None:
-            raise PlanningError(f"--ep {ep} does not divide the data-parallel degree of any split of {n_gpus} GPUs "
-                                "with the pinned degrees")
+        if dp is not None and tp is not None and (dp * tp) % ep:
+            raise PlanningError(f"--ep {ep} must divide --tp {tp} x --dp {dp}: experts are split over those ranks")
+        if n_gpus % ep:
+            raise PlanningError(f"--ep {ep} does not divide the {n_gpus} GPUs; experts are split over tp x dp ranks")
     if pins.get("sequence_parallel") and tp == 1:
         raise PlanningError("--sequence-parallel needs --tp of at least 2")
     if pins.get("sequence_parallel") and not _sequence_parallel_allowed(profile):
@@ -186,16 +185,17 @@ def ep_refusal(profile: ModelProfile, ep: int) -> str | None:
     return None
 
 
-def _expert_degrees(profile: ModelProfile, dp: int, pins: dict) -> list[int]:
-    """Expert-parallel degrees a base configuration tries: the pin, else every divisor of dp that
-    divides the experts (1 for a model without experts, or when HSDP is pinned). A pinned zero 1
-    keeps them: the distributed optimizer shards the experts' state over the replicas holding them
-    (cost/memory.py `expert_shard_surplus`); `_shardings` says which ZeRO levels run with ep."""
+def _expert_degrees(profile: ModelProfile, tp: int, dp: int, pins: dict) -> list[int]:
+    """Expert-parallel degrees a base configuration tries: the pin, else every divisor of tp x dp
+    (the ranks the experts fold over, plan.py [Note: expert layout]) that divides the experts (1 for
+    a model without experts, or when HSDP is pinned). A pinned zero 1 keeps them: the distributed
+    optimizer shards the experts' state over the ranks holding them (cost/memory.py
+    `expert_shard_surplus`); `_shardings` says which ZeRO levels run with ep."""
     if pins.get("ep"):
-        return [pins["ep"]] if dp % pins["ep"] == 0 else []
+        return [pins["ep"]] if (tp * dp) % pins["ep"] == 0 else []
     if not profile.extra.get("experts") or (pins.get("dp_replicate") or 1) > 1:
         return [1]
-    return [e for e in _divisors(dp) if ep_refusal(profile, e) is None]
+    return [e for e in _divisors(tp * dp) if ep_refusal(profile, e) is None]
 
 
 MIN_TOKENS_PER_CP_RANK = 4096
@@ -287,7 +287,7 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
                         orders = [pins["rank_order"]] if pins.get("rank_order") else (
                             ["tp-dp-pp", "tp-pp-dp"] if pp > 1 and dp > 1 and cluster.num_nodes > 1 else ["tp-dp-pp"])
                         for order in orders:
-                            for ep in _expert_degrees(profile, dp, pins) if cp == 1 else [1]:
+                            for ep in _expert_degrees(profile, tp, dp, pins) if cp == 1 else [1]:
                                 yield ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, num_microbatches=m,
                                                      schedule=schedule, virtual_stages=v, rank_order=order, ep=ep,
                                                      cp=cp)
@@ -423,7 +423,7 @@ def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed:
                     cfg, pp=cfg.pp * 2, dp=replicas, num_microbatches=m,
                     zero=cfg.zero if replicas > 1 or cfg.zero >= 2 else 0,
                     dp_replicate=cfg.dp_replicate if replicas % cfg.dp_replicate == 0 else 1,
-                    ep=cfg.ep if replicas % cfg.ep == 0 else 1)))
+                    ep=cfg.ep if (cfg.tp * replicas) % cfg.ep == 0 else 1)))
     tp = cfg.tp * 2
     if (cfg.dp % 2 == 0 and cluster.gpus_per_node % tp == 0 and tp_refusal(profile, tp) is None and cfg.cp == 1
             and (cfg.zero < 2 or fsdp_allowed(dataclasses.replace(cfg, tp=tp), profile))):
@@ -436,7 +436,7 @@ def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed:
                     pins.get("sequence_parallel") is not False,
                     zero=cfg.zero if replicas > 1 or cfg.zero >= 2 else 0,
                     dp_replicate=cfg.dp_replicate if replicas % cfg.dp_replicate == 0 else 1,
-                    ep=cfg.ep if replicas % cfg.ep == 0 else 1)))
+                    ep=cfg.ep if (tp * replicas) % cfg.ep == 0 else 1)))
     for change, variant in tries:
         if variant.num_microbatches > MAX_MICROBATCHES:
             continue

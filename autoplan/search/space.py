@@ -482,7 +482,7 @@ def _sharding_note(ctx: SearchContext, chosen: Plan, best_by_kind: dict[bool, Pl
                 tp=chosen.tp, pp=chosen.pp, dp=chosen.dp, micro_batch_size=chosen.micro_batch_size,
                 num_microbatches=chosen.num_microbatches, schedule=chosen.schedule,
                 virtual_stages=chosen.virtual_stages, recompute=chosen.recompute,
-                zero=1 if chosen.dp > 1 and chosen.ep == 1 else 0,  # ep runs without zero 1
+                zero=1 if chosen.dp > 1 else 0,
                 sequence_parallel=chosen.sequence_parallel, rank_order=chosen.rank_order, cp=chosen.cp, ep=chosen.ep)
             zero1 = evaluate(ctx, same, require_fit=False)
             if zero1 is not None and not zero1.plan.fits:
