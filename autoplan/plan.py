@@ -433,9 +433,6 @@ def validate(plan: Plan) -> list[str]:
     if plan.cp > 1 and plan.job.seq_len % (2 * plan.cp):
         problems.append(f"seq_len {plan.job.seq_len} is not divisible by 2 * cp = {2 * plan.cp} (each rank holds two "
                         "chunks of every sequence)")
-    if plan.cp > 1 and plan.ep > 1:
-        problems.append(f"cp {plan.cp} with ep {plan.ep} is not supported (experts route whole sequences); re-plan "
-                        "with --cp 1 or --ep 1")
     if plan.recompute not in RECOMPUTE:
         problems.append(f"recompute {plan.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if plan.zero not in (0, 1, 2, 3):

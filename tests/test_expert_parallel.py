@@ -120,3 +120,33 @@ def test_expert_parallel_matches_a_single_process_reference():
     results = run_ranks(_rank_job, 4, plans, timeout_s=500, pg_timeout_s=120)
     for name, plan in plans.items():
         check_against_reference(SPEC, name, plan, results)
+
+
+CP_SPEC = SPEC.replace("num_shared_experts=1", "num_shared_experts=1,capacity_factor=2")
+"""The model with a capacity that drops nothing (num_experts / experts_per_token): each cp rank routes
+its own chunks with the capacity of its tokens, and no token is dropped either way."""
+CP_LAYOUTS = {
+    "cp2-ep2": (CP_SPEC, dict(tp=1, pp=1, dp=4, cp=2, ep=2)),
+    "cp2-tp2-ep2-dropless": (CP_SPEC.replace("capacity_factor=2", "dropless=true"), dict(tp=2, pp=1, dp=2, cp=2, ep=2)),
+}
+
+
+def _cp_rank_job(rank: int, world_size: int, plans: dict) -> dict:
+    return {name: step_and_collect(autoplan.partition(CP_LAYOUTS[name][0], plan, device="cpu"), rank)
+            for name, plan in plans.items()}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_context_parallelism_with_expert_parallelism_matches_a_single_process():
+    """cp 2 with ep 2: the cp ranks' chunks are tokens of their own to the experts, so the ep group
+    folds over them as over tp and dp (plan.py [Note: expert layout]); the balance loss sums its
+    counts over the cp group (graph/positions.py). With capacity routing that drops nothing, and
+    dropless under tp 2."""
+    plans = {name: autoplan.suggest(spec, "1x4xcpu", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32",
+                                    micro_batch_size=MICRO_BATCH, top=1, **pins)[0]
+             for name, (spec, pins) in CP_LAYOUTS.items()}
+    assert all((plan.cp, plan.ep) == (2, 2) for plan in plans.values())
+    results = run_ranks(_cp_rank_job, 4, plans, timeout_s=350, pg_timeout_s=120)
+    for name, plan in plans.items():
+        check_against_reference(CP_LAYOUTS[name][0], name, plan, results)

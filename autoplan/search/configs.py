@@ -78,8 +78,6 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
             raise PlanningError(f"--cp {cp} {refusal}")
         if dp is not None and dp % cp:
             raise PlanningError(f"--cp {cp} must divide --dp {dp}: sequences are split over data-parallel ranks")
-        if (pins.get("ep") or 1) > 1:
-            raise PlanningError(f"--cp {cp} with --ep {pins['ep']} is not supported (experts route whole sequences)")
         if n_gpus % (product * cp) and dp is None:
             raise PlanningError(f"--cp {cp} does not divide the data-parallel degree of any split of {n_gpus} GPUs "
                                 "with the pinned degrees")
@@ -287,7 +285,9 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
                         orders = [pins["rank_order"]] if pins.get("rank_order") else (
                             ["tp-dp-pp", "tp-pp-dp"] if pp > 1 and dp > 1 and cluster.num_nodes > 1 else ["tp-dp-pp"])
                         for order in orders:
-                            for ep in _expert_degrees(profile, tp, dp, pins) if cp == 1 else [1]:
+                            # ep with cp where pinned: the search leaves it out of long-sequence
+                            # searches, whose configurations cp already multiplies
+                            for ep in _expert_degrees(profile, tp, dp, pins) if cp == 1 or pins.get("ep") else [1]:
                                 yield ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, num_microbatches=m,
                                                      schedule=schedule, virtual_stages=v, rank_order=order, ep=ep,
                                                      cp=cp)
