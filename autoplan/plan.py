@@ -18,7 +18,12 @@ neighbours share a node when tp*pp fits in one. rank = tp_index + tp * (i1 + n1 
 Which ranks exchange tokens with which (the ep group), which slice of the experts a rank holds (its
 ep index) and which ranks hold the same slice (the expert-data-parallel group), on each pipeline rank.
 ep divides tp x dp (Megatron-Core's EP x ETP x EDP = TP x DP with expert tp 1), so it may exceed dp:
-tp 2 x dp 2 at ep 4 gives each of the 4 ranks a quarter of the experts.
+tp 2 x dp 2 at ep 4 gives each of the 4 ranks a quarter of the experts. dp counts the cp ranks, whose
+chunks of a sequence are tokens of their own to the experts, so the groups fold over them too. Under
+HSDP ep divides tp x dp_shard, so each replica group holds every expert once and the ranks holding
+the same experts are a (dp_replicate, tp x dp_shard / ep) grid: FSDP shards the experts along the
+second axis and replicates them along the first, as it does the other parameters (torchtitan's
+expert parallelism borrows from dp_shard, never from dp_replicate).
 With expert tp 1 under tp > 1 (`Plan.expert_token_split` = tp) every tp rank brings its own tokens to
 the experts, so a mixture-of-experts layer sees tp * dp ranks of distinct tokens: positions
 j = dp_index * tp + tp_index, tp fastest as ranks are numbered. The ep groups are ep consecutive
@@ -444,9 +449,10 @@ def validate(plan: Plan) -> list[str]:
     if not isinstance(plan.ep, int) or isinstance(plan.ep, bool) or plan.ep < 1 or (plan.tp * plan.dp) % plan.ep:
         problems.append(f"ep = {plan.ep!r} must be a positive integer dividing tp x dp = {plan.tp * plan.dp} (the "
                         "ranks the experts are split over, [Note: expert layout])")
-    elif plan.ep > 1 and plan.dp_replicate > 1:
-        problems.append(f"ep = {plan.ep} cannot run with dp_replicate = {plan.dp_replicate} (HSDP); re-plan with "
-                        "--dp-replicate 1 or --ep 1")
+    elif plan.ep > 1 and plan.dp_replicate > 1 and (plan.tp * plan.dp_shard) % plan.ep:
+        problems.append(f"ep = {plan.ep} must divide tp x dp_shard = {plan.tp * plan.dp_shard} under HSDP (each "
+                        "replica group holds every expert, [Note: expert layout]); re-plan with another "
+                        "--dp-replicate or --ep")
     if plan.expert_tp != 1:
         problems.append(f"expert_tp = {plan.expert_tp!r}: only expert tensor parallelism 1 is built (every expert "
                         "whole on the rank that holds it); re-plan with expert_tp 1")

@@ -83,8 +83,8 @@ def _whole(results: dict, name: str, key: str, ep: int) -> dict[str, torch.Tenso
 def test_an_ep_checkpoint_holds_every_expert_once_and_restores_under_another_ep():
     """Saved at ep 2 x tp 2 (the ep group folded over tp x dp) with ZeRO-1 and with FSDP: the
     checkpoint's experts are the whole (E, ...) tensors, the slices of every ep index in place, the
-    same for the Adam moments of whichever rank owned them; restored at ep 4 (FSDP) and at ep 1
-    (zero 0), every rank reads its own slice of them."""
+    same for the Adam moments of whichever rank owned them; restored at ep 4 (FSDP), at ep 1 (zero 0)
+    and at ep 2 under HSDP, every rank reads its own slice of them."""
     import tempfile
 
     from autoplan.runtime.checkpoint import load_checkpoint
@@ -105,7 +105,8 @@ def test_an_ep_checkpoint_holds_every_expert_once_and_restores_under_another_ep(
                 torch.testing.assert_close(ckpt.params[n], value, msg=f"{name}: {n}")
                 torch.testing.assert_close(ckpt.optimizer_state[n]["exp_avg"], whole_moments[n])
         # Each checkpoint into ep 4 under FSDP and into ep 1 without ZeRO.
-        targets = {"ep4-zero3": _plan(tp=1, pp=1, dp=4, ep=4, zero=3), "ep1": _plan(tp=1, pp=1, dp=4, ep=1, zero=0)}
+        targets = {"ep4-zero3": _plan(tp=1, pp=1, dp=4, ep=4, zero=3), "ep1": _plan(tp=1, pp=1, dp=4, ep=1, zero=0),
+                   "ep2-hsdp": _plan(tp=1, pp=1, dp=4, ep=2, zero=3, dp_replicate=2)}
         for source in saved:
             ckpt = load_checkpoint(paths[source])
             restored = run_ranks(_restore, 4, targets, dict.fromkeys(targets, paths[source]), timeout_s=250,

@@ -26,6 +26,8 @@ LAYOUTS = {
     "ep2-pp2-zero3": dict(tp=1, pp=2, dp=2, ep=2, zero=3, schedule="1f1b"),
     # FSDP under tp: the ep group folded over tp x dp, the experts sharded over the 2 ranks holding them
     "ep2-tp2-zero3": dict(tp=2, pp=1, dp=2, ep=2, zero=3),
+    # HSDP: the experts sharded within each replica group of 2 and replicated across the 2 groups
+    "ep2-hsdp": dict(tp=1, pp=1, dp=4, ep=2, zero=3, dp_replicate=2),
     # ep beyond dp: 4 ranks of tp 2 x dp 2, one expert each (Megatron-Core's EP = TP x DP)
     "ep4-tp2": dict(tp=2, pp=1, dp=2, ep=4),
 }
@@ -150,3 +152,16 @@ def test_context_parallelism_with_expert_parallelism_matches_a_single_process():
     results = run_ranks(_cp_rank_job, 4, plans, timeout_s=350, pg_timeout_s=120)
     for name, plan in plans.items():
         check_against_reference(CP_LAYOUTS[name][0], name, plan, results)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_hsdp_with_ep_on_8_ranks_shards_the_experts_inside_each_replica_group():
+    """dp 8 as 2 replica groups of 4, ep 2: the ranks holding the same experts are a (2 replicas, 2
+    shards) grid (plan.py [Note: expert layout]), over which FSDP shards and replicates them (on 4
+    ranks the shard axis is one rank)."""
+    plan = autoplan.suggest(SPEC, "1x8xcpu", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32",
+                            micro_batch_size=1, top=1, tp=1, pp=1, dp=8, ep=2, zero=3, dp_replicate=2)[0]
+    assert (plan.dp, plan.dp_replicate, plan.ep, plan.zero) == (8, 2, 2, 3)
+    results = run_ranks(_rank_job, 8, {"ep2-hsdp-8": plan}, timeout_s=250, pg_timeout_s=120)
+    check_against_reference(SPEC, "ep2-hsdp-8", plan, results)

@@ -39,6 +39,7 @@ LAYOUTS = {
     # FSDP under tp: the ep group folded over tp x dp, each tp rank's experts sharded over their own mesh
     "ep2-tp2-zero3": ["--tp", "2", "--pp", "1", "--dp", "2", "--ep", "2", "--zero", "3"],
     "ep4-tp2-zero3": ["--tp", "2", "--pp", "1", "--dp", "2", "--ep", "4", "--zero", "3"],  # ep beyond dp
+    "ep2-hsdp": ["--tp", "1", "--pp", "1", "--dp", "4", "--ep", "2", "--zero", "3", "--dp-replicate", "2"],
 }
 
 

@@ -146,7 +146,10 @@ def test_plan_validation_knows_ep():
 
     assert any("must be a positive integer dividing tp x dp" in p for p in validate(dataclasses.replace(plan, ep=3)))
     assert validate(dataclasses.replace(plan, zero=1)) == []  # experts' state over their replicas (issue 31)
-    assert any("(HSDP)" in p for p in validate(dataclasses.replace(plan, zero=3, dp_replicate=2)))
+    assert plan.tp * plan.dp == 4
+    hsdp = dataclasses.replace(plan, zero=3, dp_replicate=2)  # each replica group of 2 ranks holds every expert
+    assert validate(hsdp) == []
+    assert any("under HSDP" in p for p in validate(dataclasses.replace(hsdp, ep=4)))  # ep 4 spans both groups
     assert validate(dataclasses.replace(plan, zero=3)) == []
 
 
@@ -163,7 +166,8 @@ def test_exports_refuse_what_they_cannot_state():
 
 @pytest.mark.parametrize(("args", "words"), [
     (["--ep", "3"], "--ep 3 does not divide the model's 4 experts"),
-    (["--ep", "2", "--zero", "3", "--dp-replicate", "2"], "--ep 2 cannot run with --dp-replicate 2 (HSDP)"),
+    (["--ep", "4", "--tp", "1", "--dp", "4", "--zero", "3", "--dp-replicate", "2"],
+     "--ep 4 must divide --tp 1 x dp_shard 2 under --dp-replicate 2 (HSDP)"),
     (["--ep", "8"], "does not divide the model's 4 experts"),
 ])
 def test_suggest_refuses_bad_ep_pins_in_one_line(args, words, capsys):

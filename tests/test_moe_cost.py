@@ -237,11 +237,12 @@ def test_suggest_says_the_expert_layout_and_the_links_its_all_to_all_crosses(pro
 
 def test_a_pinned_zero_1_still_searches_expert_parallelism(profile):
     """ZeRO-1 shards the experts' optimizer state over the ranks holding them (issue 31), so pinning
-    `--zero 1` no longer takes ep out of the search; pinned HSDP still does."""
+    `--zero 1` no longer takes ep out of the search, nor does pinned HSDP (each replica group holds
+    every expert: `_shardings` keeps the replicate degrees ep allows)."""
     from autoplan.search.configs import _expert_degrees
 
     assert _expert_degrees(profile, 1, 8, {"zero": 1}) == [1, 2, 4, 8]
-    assert _expert_degrees(profile, 1, 8, {"dp_replicate": 2}) == [1]
+    assert _expert_degrees(profile, 1, 8, {"dp_replicate": 2}) == [1, 2, 4, 8]
 
 
 def test_ep_may_fold_over_tp_beyond_dp(profile):

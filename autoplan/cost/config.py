@@ -81,6 +81,14 @@ class ParallelConfig:
         first = self.expert_slot(0, 0).replicas
         return self._ranks_where(pp_index, lambda slot: slot.replicas == first)
 
+    def expert_fsdp_groups(self, pp_index: int) -> tuple[list[int], list[int]]:
+        """(shard group, replicate group) over which FSDP shards and replicates the experts of rank
+        (dp 0, tp 0) of pipeline rank `pp_index` (plan.py [Note: expert layout]): its expert-data-
+        parallel group split by replica; without HSDP all of it and itself alone."""
+        ranks = self.expert_dp_ranks(pp_index)
+        shard = len(ranks) // self.dp_replicate
+        return ranks[:shard], ranks[::shard]
+
     def _ranks_where(self, pp_index: int, keep) -> list[int]:
         return sorted(self.rank(pp_index, d, t) for d in range(self.dp) for t in range(self.tp)
                       if keep(self.expert_slot(d, t)))

@@ -268,7 +268,8 @@ def expert_shard_surplus(profile: ModelProfile, cfg: ParallelConfig, ranges: Seq
     experts = expert_params(profile)
     held = sum(sum(experts[a:b]) for a, b in ranges) / cfg.ep
     shards = cfg.dp if cfg.zero == 1 else cfg.dp_shard
-    return held * (shards / max(cfg.expert_dp, 1) - 1)
+    group = cfg.expert_dp if cfg.zero == 1 else cfg.expert_dp // cfg.dp_replicate  # HSDP: shards within a replica
+    return held * (shards / max(group, 1) - 1)
 
 
 def surplus_bytes_per_param(dtype: str, cfg: ParallelConfig) -> tuple[float, float, float]:

@@ -161,9 +161,10 @@ def shard_stage(module: nn.Module, runner: Callable[..., Any] | None, *, mesh, z
         fully_shard(unit, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
         unit.set_gradient_divide_factor(float(dp))
         # A custom factor reduces with PREMUL_SUM, which gloo lacks; a sum divided afterwards is the
-        # same mean. Not on one rank: torch's single-rank path divides by the factor itself
+        # same mean. Not where the shard axis is one rank (under HSDP too): torch's single-rank path
+        # skips the reduce-scatter and divides by the factor itself, then sums over the replicas
         # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce).
-        unit.set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
+        unit.set_force_sum_reduction_for_comms(expert_mesh.size(expert_mesh.ndim - 1) > 1)
     for path in unit_paths(module):
         fully_shard(module.get_submodule(path), mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     root = ShardedStage(module, runner)

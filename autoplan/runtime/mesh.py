@@ -65,8 +65,8 @@ class ParallelLayout:
     expert gradients are summed and ZeRO-1 splits the experts' optimizer state (optimizer.py); None
     when there is one or ep is 1. Megatron-Core's expert-data-parallel group: tp * dp / ep ranks."""
     expert_fsdp_mesh: object | None = None
-    """With ep > 1 and zero >= 2: the 1-D mesh of those same replicas ("edp"), over which FSDP
-    shards the experts (fsdp.py); None otherwise."""
+    """With ep > 1 and zero >= 2: the mesh of those same ranks, over which FSDP shards the experts
+    (fsdp.py): 1-D "edp", or under HSDP 2-D ("edp_replicate", "edp"); None otherwise."""
 
 
 def build_layout(plan, rank: int, world_size: int, device_type: str,
@@ -102,9 +102,13 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
             # the "edp" axis holds the ranks with the same experts, torchtitan's "dp_shard_mod_ep"
             # (torchtitan/distributed/parallel_dims.py) and, folded over tp, Megatron-Core's
             # expert-data-parallel group.
-            expert_layout = torch.tensor([list(_expert_replicas(plan, p).values()) for p in range(plan.pp)])
-            expert_fsdp_mesh = DeviceMesh(device_type, expert_layout, mesh_dim_names=("pp", "experts", "edp"),
-                                          backend_override=(override,) * 3)["edp"]
+            # Under HSDP each such group is (replica, shard): its ranks in rank order are replica-major.
+            expert_layout = torch.tensor([[ranks for ranks in _expert_replicas(plan, p).values()]
+                                          for p in range(plan.pp)]).unflatten(-1, (replicate, -1))
+            expert_mesh = DeviceMesh(device_type, expert_layout,
+                                     mesh_dim_names=("pp", "experts", "edp_replicate", "edp"),
+                                     backend_override=(override,) * 4)
+            expert_fsdp_mesh = expert_mesh["edp_replicate", "edp"] if replicate > 1 else expert_mesh["edp"]
     tie_groups: dict[str, dist.ProcessGroup] = {}
     for name in sorted(tied_holders):
         holders = sorted(set(tied_holders[name]))

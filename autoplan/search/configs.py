@@ -129,9 +129,9 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
         refusal = ep_refusal(profile, ep)
         if refusal is not None:
             raise PlanningError(f"--ep {ep} {refusal}")
-        if replicate is not None and replicate > 1:
-            raise PlanningError(f"--ep {ep} cannot run with --dp-replicate {replicate} (HSDP); use --dp-replicate 1 "
-                                "or --ep 1")
+        if replicate is not None and replicate > 1 and dp is not None and tp is not None and (tp * dp // replicate) % ep:
+            raise PlanningError(f"--ep {ep} must divide --tp {tp} x dp_shard {dp // replicate} under --dp-replicate "
+                                f"{replicate} (HSDP): each replica group holds every expert")
         if dp is not None and tp is not None and (dp * tp) % ep:
             raise PlanningError(f"--ep {ep} must divide --tp {tp} x --dp {dp}: experts are split over those ranks")
         if n_gpus % ep:
@@ -186,12 +186,12 @@ def ep_refusal(profile: ModelProfile, ep: int) -> str | None:
 def _expert_degrees(profile: ModelProfile, tp: int, dp: int, pins: dict) -> list[int]:
     """Expert-parallel degrees a base configuration tries: the pin, else every divisor of tp x dp
     (the ranks the experts fold over, plan.py [Note: expert layout]) that divides the experts (1 for
-    a model without experts, or when HSDP is pinned). A pinned zero 1 keeps them: the distributed
+    a model without experts). A pinned zero 1 or HSDP keeps them: the distributed
     optimizer shards the experts' state over the ranks holding them (cost/memory.py
     `expert_shard_surplus`); `_shardings` says which ZeRO levels run with ep."""
     if pins.get("ep"):
         return [pins["ep"]] if (tp * dp) % pins["ep"] == 0 else []
-    if not profile.extra.get("experts") or (pins.get("dp_replicate") or 1) > 1:
+    if not profile.extra.get("experts"):
         return [1]
     return [e for e in _divisors(tp * dp) if ep_refusal(profile, e) is None]
 
@@ -338,14 +338,6 @@ def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
     ([Note: sharded data parallelism in the search]): ZeRO-1 (zero 0 with dp = 1), then zero 2 and
     zero 3, each over all of dp and as HSDP; no FSDP where `fsdp_refusal` says the model cannot."""
     zero, replicate = pins.get("zero"), pins.get("dp_replicate")
-    if cfg.ep > 1:  # the runtime runs expert parallelism without HSDP (runtime/fsdp.py)
-        if replicate not in (None, 1):
-            return []
-        if zero is not None:
-            return [(zero, 1)] if zero < 2 or fsdp_allowed(cfg, profile) else []
-        # ZeRO-1 shards the experts' optimizer state over their expert-data-parallel group
-        # (runtime/optimizer.py), as Megatron-LM's distributed optimizer does
-        return [(1 if cfg.dp > 1 else 0, 1)] + ([(2, 1), (3, 1)] if fsdp_allowed(cfg, profile) else [])
     if zero is not None and zero < 2:
         return [(zero, 1)]
     out = []
@@ -358,6 +350,8 @@ def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
     else:
         hsdp = _hsdp_replicate(cfg, gpus_per_node)
         replicates = [1] if hsdp is None else [1, hsdp]
+    # With ep each replica group holds every expert: ep divides tp x dp_shard (plan.py [Note: expert layout])
+    replicates = [r for r in replicates if cfg.dp % r == 0 and (cfg.tp * cfg.dp // r) % cfg.ep == 0]
     out += [(z, r) for z in ([zero] if zero is not None else [2, 3]) for r in replicates]
     return out
 

@@ -140,15 +140,16 @@ class SearchContext:
 
         def with_experts() -> tuple[np.ndarray, np.ndarray]:
             # A block's experts are a unit of their own, sharded over the ranks holding the same
-            # experts (runtime/fsdp.py): the expert-data-parallel group (plan.py [Note: expert layout]).
+            # experts (runtime/fsdp.py): the expert-data-parallel group, under HSDP split by replica
+            # (plan.py [Note: expert layout]).
             local_experts = np.asarray(expert_params(self.profile), dtype=float) / cfg.ep
             gather, reduce = fsdp_unit_times_s(self.cluster, shard, replicate, self.params(cfg) - local_experts,
                                                gather_bytes)
-            expert_gather, expert_reduce = fsdp_unit_times_s(self.cluster, cfg.expert_dp_ranks(pp_index), range(0),
+            expert_gather, expert_reduce = fsdp_unit_times_s(self.cluster, *cfg.expert_fsdp_groups(pp_index),
                                                              local_experts, gather_bytes)
             return gather + expert_gather, reduce + expert_reduce
 
-        return self.cached(("fsdp", cfg.tp, cfg.ep, cfg.expert_tp, layouts), with_experts)
+        return self.cached(("fsdp", cfg.tp, cfg.ep, cfg.expert_tp, cfg.dp_replicate, layouts), with_experts)
 
     def params(self, cfg: ParallelConfig) -> np.ndarray:
         return self.cached(("params", cfg.tp, cfg.ep), lambda: param_counts(self.profile, cfg))
