@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="HSDP with --zero 2/3: FSDP shards over dp / N ranks and replicates N times (1: plain FSDP)")
     pins.add_argument("--ep", type=int, metavar="N",
                       help="expert parallelism (mixture-of-experts models): split each layer's experts over N "
-                           "data-parallel replicas, tokens sent by all-to-all (zero 0, 2 or 3)")
+                           "ranks of tp x dp (N divides tp x dp), tokens sent by all-to-all (any zero, HSDP)")
     pins.add_argument("--cp", type=int, metavar="N",
                       help="context parallelism (long sequences): N data-parallel ranks split each sequence into "
                            "2N load-balanced chunks and all-gather keys and values; dp counts them")

@@ -16,7 +16,8 @@ neighbours share a node when tp*pp fits in one. rank = tp_index + tp * (i1 + n1 
 
 [Note: expert layout]
 Which ranks exchange tokens with which (the ep group), which slice of the experts a rank holds (its
-ep index) and which ranks hold the same slice (the expert-data-parallel group), on each pipeline rank.
+ep index) and which ranks hold the same slice (the expert-data-parallel group), on each pipeline rank,
+under expert tp 1 (the only degree built).
 ep divides tp x dp (Megatron-Core's EP x ETP x EDP = TP x DP with expert tp 1), so it may exceed dp:
 tp 2 x dp 2 at ep 4 gives each of the 4 ranks a quarter of the experts. dp counts the cp ranks, whose
 chunks of a sequence are tokens of their own to the experts, so the groups fold over them too. Under
@@ -27,12 +28,12 @@ expert parallelism borrows from dp_shard, never from dp_replicate).
 With expert tp 1 under tp > 1 (`Plan.expert_token_split` = tp) every tp rank brings its own tokens to
 the experts, so a mixture-of-experts layer sees tp * dp ranks of distinct tokens: positions
 j = dp_index * tp + tp_index, tp fastest as ranks are numbered. The ep groups are ep consecutive
-positions (one node whenever ep GPUs fit one under "tp-dp-pp"), a rank's ep index is j mod ep and
+positions (consecutive ranks under "tp-dp-pp", one node whenever ep GPUs fit one; under "tp-pp-dp"
+with pp > 1 the positions of one pipeline rank are tp x pp ranks apart), a rank's ep index is j mod ep and
 the ranks holding its experts (over which their gradients are summed and ZeRO or FSDP shards them)
 are the positions with the same j mod ep: Megatron-Core's "MoE parallel folding" (EP x ETP taken
 over TP x DP, Megatron-Core MoE README; Liu et al. 2025, "MoE Parallel Folding", arXiv:2504.14960).
-Without the split (tp 1, the only case with expert tp 1) the positions are the dp replicas: ep
-consecutive dp replicas, ep index dp_index mod ep.
+At tp 1 the positions are the dp replicas.
 """
 
 from __future__ import annotations
@@ -52,13 +53,15 @@ __all__ = [
     "PLAN_SCHEMA_VERSION",
     "RANK_ORDERS",
     "RECOMPUTE",
+    "ExpertSlot",
     "Job",
     "MemoryBreakdown",
     "Plan",
     "PlanError",
     "Predicted",
     "StagePlan",
-    "ExpertSlot",
+    "expert_layout_refusal",
+    "expert_positions",
     "expert_slot",
     "layout_rank",
     "validate",
@@ -87,16 +90,30 @@ class ExpertSlot:
     """Its ep group (ranks with the same value exchange tokens)."""
     index: int
     """Its place in that group: which E / ep experts it holds."""
-    replicas: int
+    edp_group: int
     """Its expert-data-parallel group (ranks with the same value hold the same experts)."""
 
 
-def expert_slot(ep: int, tp: int, token_split: int, dp_index: int, tp_index: int) -> ExpertSlot:
+def expert_slot(ep: int, tp: int, dp_index: int, tp_index: int) -> ExpertSlot:
     """The expert layout of the rank at (dp_index, tp_index); see [Note: expert layout]."""
-    if token_split > 1:
-        position = dp_index * tp + tp_index
-        return ExpertSlot(group=position // ep, index=position % ep, replicas=position % ep)
-    return ExpertSlot(group=dp_index // ep * tp + tp_index, index=dp_index % ep, replicas=dp_index % ep * tp + tp_index)
+    position = dp_index * tp + tp_index
+    return ExpertSlot(group=position // ep, index=position % ep, edp_group=position % ep)
+
+
+def expert_positions(ep: int, tp: int, dp: int, first: int) -> list[tuple[int, int]]:
+    """(dp index, tp index) of the positions first, first + ep, ... < tp x dp: with first < ep the
+    ranks holding the experts of ep index `first` ([Note: expert layout])."""
+    return [(j // tp, j % tp) for j in range(first, tp * dp, ep)]
+
+
+def expert_layout_refusal(ep: int, tp: int, dp: int, dp_replicate: int = 1) -> str | None:
+    """Why ep cannot split the experts over tp x dp (one line), or None ([Note: expert layout])."""
+    if (tp * dp) % ep:
+        return f"ep {ep} must divide tp x dp = {tp * dp} (the ranks the experts are split over)"
+    if dp_replicate > 1 and (tp * (dp // dp_replicate)) % ep:
+        return (f"ep {ep} must divide tp x dp_shard = {tp * (dp // dp_replicate)} under HSDP (dp_replicate "
+                f"{dp_replicate}: each replica group holds every expert)")
+    return None
 
 
 class PlanError(ValueError):
@@ -223,7 +240,7 @@ class Plan:
     over all dp ranks."""
     ep: int = 1
     """Expert parallelism: groups of ep ranks split each mixture-of-experts layer's experts ep ways
-    and send tokens to them by all-to-all (runtime/experts.py): ep consecutive ranks over tp x dp
+    and send tokens to them by all-to-all (runtime/experts.py): ep consecutive positions over tp x dp
     under expert tp 1 with tp > 1, else ep consecutive dp replicas ([Note: expert layout]). 1: every
     replica holds every expert."""
     expert_tp: int = 1
@@ -255,7 +272,7 @@ class Plan:
 
     def expert_slot(self, dp_index: int, tp_index: int) -> ExpertSlot:
         """The rank at (dp_index, tp_index)'s place in the expert layout ([Note: expert layout])."""
-        return expert_slot(self.ep, self.tp, self.expert_token_split, dp_index, tp_index)
+        return expert_slot(self.ep, self.tp, dp_index, tp_index)
 
     @property
     def dp_shard(self) -> int:
@@ -446,13 +463,11 @@ def validate(plan: Plan) -> list[str]:
         problems.append(f"dp_replicate = {plan.dp_replicate!r} must be a positive integer dividing dp = {plan.dp}")
     elif plan.dp_replicate > 1 and plan.zero < 2:
         problems.append(f"dp_replicate = {plan.dp_replicate} (HSDP) needs zero 2 or 3 (FSDP), not zero {plan.zero}")
-    if not isinstance(plan.ep, int) or isinstance(plan.ep, bool) or plan.ep < 1 or (plan.tp * plan.dp) % plan.ep:
-        problems.append(f"ep = {plan.ep!r} must be a positive integer dividing tp x dp = {plan.tp * plan.dp} (the "
-                        "ranks the experts are split over, [Note: expert layout])")
-    elif plan.ep > 1 and plan.dp_replicate > 1 and (plan.tp * plan.dp_shard) % plan.ep:
-        problems.append(f"ep = {plan.ep} must divide tp x dp_shard = {plan.tp * plan.dp_shard} under HSDP (each "
-                        "replica group holds every expert, [Note: expert layout]); re-plan with another "
-                        "--dp-replicate or --ep")
+    if not isinstance(plan.ep, int) or isinstance(plan.ep, bool) or plan.ep < 1:
+        problems.append(f"ep = {plan.ep!r} must be a positive integer")
+    elif expert_layout_refusal(plan.ep, plan.tp, plan.dp, plan.dp_replicate) is not None:
+        problems.append(f"{expert_layout_refusal(plan.ep, plan.tp, plan.dp, plan.dp_replicate)}; re-plan with "
+                        "`autoplan suggest`")
     if plan.expert_tp != 1:
         problems.append(f"expert_tp = {plan.expert_tp!r}: only expert tensor parallelism 1 is built (every expert "
                         "whole on the rank that holds it); re-plan with expert_tp 1")

@@ -76,7 +76,8 @@ def _whole(results: dict, name: str, key: str, ep: int) -> dict[str, torch.Tenso
             if index in parts.get(n, {}):
                 torch.testing.assert_close(t, parts[n][index])
             parts.setdefault(n, {})[index] = t
-    return {n: torch.cat([p[i] for i in range(ep)]) for n, p in parts.items() if sorted(p) == list(range(ep))}
+    assert all(sorted(p) == list(range(ep)) for p in parts.values()), {n: sorted(p) for n, p in parts.items()}
+    return {n: torch.cat([p[i] for i in range(ep)]) for n, p in parts.items()}
 
 
 @pytest.mark.timeout(300)
@@ -100,7 +101,7 @@ def test_an_ep_checkpoint_holds_every_expert_once_and_restores_under_another_ep(
             assert whole_params and set(whole_moments) == set(whole_params), name
             ckpt = load_checkpoint(paths[name])
             assert ckpt.manifest["layout"]["ep"] == 2
-            for n, value in whole_params.items():  # whole, every slice at its place (4 experts)
+            for n, value in whole_params.items():  # whole (4 experts), every slice at its place
                 assert ckpt.params[n].shape[0] == 4, (name, n, tuple(ckpt.params[n].shape))
                 torch.testing.assert_close(ckpt.params[n], value, msg=f"{name}: {n}")
                 torch.testing.assert_close(ckpt.optimizer_state[n]["exp_avg"], whole_moments[n])
@@ -122,7 +123,8 @@ def test_an_ep_checkpoint_holds_every_expert_once_and_restores_under_another_ep(
                         torch.testing.assert_close(value, expected, msg=f"{source} -> {name}: {n}")
                     for n, value in r[name]["moments"].items():
                         rows = ckpt.params[n].shape[0] // ep
-                        torch.testing.assert_close(value, ckpt.optimizer_state[n]["exp_avg"][index * rows:(index + 1) * rows])
+                        moments = ckpt.optimizer_state[n]["exp_avg"]
+                        torch.testing.assert_close(value, moments[index * rows:(index + 1) * rows])
 
 
 

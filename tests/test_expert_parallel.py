@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from _dist import run_ranks
 from test_user_paths import GLOBAL_BATCH, MICRO_BATCH, _full, _reference
 
@@ -47,14 +48,15 @@ def step_and_collect(pm, rank: int) -> dict:
             slices[n] = (pm.layout.ep_index, g)
         elif pm.layout.dp_index == 0 and pm.layout.tp_index == 0:
             grads[n] = g
-    import torch.distributed as dist
-
     layout = pm.layout
     groups = {kind: dist.get_process_group_ranks(group) if group is not None else None
               for kind, group in (("ep", layout.ep_group), ("replicas", layout.expert_dp_group))}
+    mesh = layout.expert_fsdp_mesh
+    placements = [str(p.placements) for p in pm.expert_params if hasattr(p, "placements")]
     return dict(loss=None if loss is None else float(loss), grads=grads, slices=slices,
                 batch=(inputs, target) if rank == 0 else None, groups=groups,
-                where=(layout.pp_index, layout.dp_index, layout.tp_index, layout.ep_index))
+                where=(layout.pp_index, layout.dp_index, layout.tp_index, layout.ep_index),
+                expert_mesh=None if mesh is None else tuple(mesh.mesh.shape), expert_placements=placements)
 
 
 def check_against_reference(spec: str, name: str, plan, results: dict) -> None:
@@ -89,20 +91,17 @@ def _check_expert_layout(name: str, plan, results: dict) -> None:
     """The groups each rank made are the plan's expert layout (plan.py [Note: expert layout]): under
     expert tp 1 with tp > 1 the ep group is ep consecutive ranks over tp x dp (Megatron-Core's MoE
     parallel folding), a rank's experts its position mod ep, and the ranks holding the same experts
-    tp * dp / ep of them; else ep dp replicas at one tp index."""
-    folded = plan.expert_token_split > 1
+    tp * dp / ep of them (at tp 1 the positions are the dp replicas)."""
+    assert plan.rank_order == "tp-dp-pp", plan.rank_order  # the positions are then consecutive ranks
     for rank, r in results.items():
         pp_index, dp_index, tp_index, ep_index = r[name]["where"]
-        position = dp_index * plan.tp + tp_index if folded else dp_index
-        assert ep_index == position % plan.ep, (name, rank, r[name]["where"])
+        assert ep_index == (dp_index * plan.tp + tp_index) % plan.ep, (name, rank, r[name]["where"])
         ep_ranks = r[name]["groups"]["ep"]
-        assert len(ep_ranks) == plan.ep and rank in ep_ranks, (name, rank, ep_ranks)
-        if folded:  # consecutive ranks, this one at its ep index
-            assert ep_ranks == list(range(ep_ranks[0], ep_ranks[0] + plan.ep)) and ep_ranks.index(rank) == ep_index
-        else:
-            assert {results[q][name]["where"][2] for q in ep_ranks} == {tp_index}, (name, rank, ep_ranks)
+        # consecutive ranks, this one at its ep index (the all-to-all sends part j to group rank j)
+        assert ep_ranks == list(range(ep_ranks[0], ep_ranks[0] + plan.ep)), (name, rank, ep_ranks)
+        assert ep_ranks.index(rank) == ep_index, (name, rank, ep_ranks)
         replicas = r[name]["groups"]["replicas"]
-        size = plan.dp * (plan.tp if folded else 1) // plan.ep
+        size = plan.tp * plan.dp // plan.ep
         assert (replicas is None and size == 1) or len(replicas) == size, (name, rank, replicas)
         assert all(results[q][name]["where"][3] == ep_index for q in replicas or ()), (name, rank, replicas)
 
@@ -165,3 +164,7 @@ def test_hsdp_with_ep_on_8_ranks_shards_the_experts_inside_each_replica_group():
     assert (plan.dp, plan.dp_replicate, plan.ep, plan.zero) == (8, 2, 2, 3)
     results = run_ranks(_rank_job, 8, {"ep2-hsdp-8": plan}, timeout_s=250, pg_timeout_s=120)
     check_against_reference(SPEC, "ep2-hsdp-8", plan, results)
+    for r in results.values():  # 2 replica groups x 2 shards, the experts replicated and sharded on it
+        assert r["ep2-hsdp-8"]["expert_mesh"] == (2, 2), r["ep2-hsdp-8"]["expert_mesh"]
+        placements = r["ep2-hsdp-8"]["expert_placements"]
+        assert placements and set(placements) == {"(Replicate(), Shard(dim=0))"}, placements

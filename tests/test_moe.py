@@ -134,8 +134,8 @@ def test_mixtral_8x22b_on_256_h100_searches_expert_parallelism_and_says_why():
     pinned = autoplan.suggest("mixtral-8x22b", "32x8xH100-80GB", global_batch=1024, seq_len=4096, ep=8, top=1)[0]
     assert pinned.ep == 8 and pinned.dp_replicate == 1 and pinned.fits
     (note,) = [note for note in pinned.notes if note.startswith("ep 8 (pinned)")]
-    if pinned.tp > 1:  # the ep group folded over tp x dp: one node's 8 ranks (plan.py [Note: expert layout])
-        assert "all-to-all over ranks 0, 1, ..., 7 (1 node: 7 peers over NVLink)" in note, note
+    # the ep group folded over tp x dp: one node's 8 ranks (plan.py [Note: expert layout])
+    assert "all-to-all over ranks 0, 1, ..., 7 (1 node: 7 peers over NVLink)" in note, note
     assert time.perf_counter() - started < 120
 
 
@@ -144,7 +144,7 @@ def test_plan_validation_knows_ep():
     assert validate(plan) == []
     import dataclasses
 
-    assert any("must be a positive integer dividing tp x dp" in p for p in validate(dataclasses.replace(plan, ep=3)))
+    assert any("ep 3 must divide tp x dp = 4" in p for p in validate(dataclasses.replace(plan, ep=3)))
     assert validate(dataclasses.replace(plan, zero=1)) == []  # experts' state over their replicas (issue 31)
     assert plan.tp * plan.dp == 4
     hsdp = dataclasses.replace(plan, zero=3, dp_replicate=2)  # each replica group of 2 ranks holds every expert
@@ -167,7 +167,7 @@ def test_exports_refuse_what_they_cannot_state():
 @pytest.mark.parametrize(("args", "words"), [
     (["--ep", "3"], "--ep 3 does not divide the model's 4 experts"),
     (["--ep", "4", "--tp", "1", "--dp", "4", "--zero", "3", "--dp-replicate", "2"],
-     "--ep 4 must divide --tp 1 x dp_shard 2 under --dp-replicate 2 (HSDP)"),
+     "--ep 4 must divide tp x dp_shard = 2 under HSDP"),
     (["--ep", "8"], "does not divide the model's 4 experts"),
 ])
 def test_suggest_refuses_bad_ep_pins_in_one_line(args, words, capsys):

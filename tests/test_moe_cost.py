@@ -243,7 +243,34 @@ def test_a_pinned_zero_1_still_searches_expert_parallelism(profile):
 
     assert _expert_degrees(profile, 1, 8, {"zero": 1}) == [1, 2, 4, 8]
     assert _expert_degrees(profile, 1, 8, {"dp_replicate": 2}) == [1, 2, 4, 8]
+    # ... and `_shardings` keeps HSDP only where each replica group holds every expert (ep | tp x dp_shard)
+    from autoplan.search.configs import _shardings
 
+    base = dict(tp=1, pp=1, dp=8, micro_batch_size=1, num_microbatches=1, schedule="1f1b")
+    pinned = {"zero": 3, "dp_replicate": 2}
+    assert _shardings(ParallelConfig(ep=4, **base), pinned, 8, profile) == [(3, 2)]
+    assert _shardings(ParallelConfig(ep=8, **base), pinned, 8, profile) == []
+
+
+def test_the_experts_fsdp_groups_and_memory_under_hsdp():
+    """Under HSDP the ranks holding the same experts split by replica: FSDP shards within a replica
+    group and replicates across (plan.py [Note: expert layout]); what a GPU keeps of its experts is
+    1 / (their shard group), so against the 1 / dp_shard of the other parameters it keeps
+    dp_shard / (expert_dp / dp_replicate) - 1 times its experts more."""
+    from autoplan.cost.memory import expert_shard_surplus
+
+    cfg = ParallelConfig(tp=2, pp=1, dp=8, micro_batch_size=1, num_microbatches=1, schedule="1f1b", ep=4, zero=3,
+                         dp_replicate=2)
+    assert cfg.expert_dp == 4 and cfg.expert_dp_ranks(0) == [0, 4, 8, 12]
+    assert cfg.expert_fsdp_groups(0) == ([0, 4], [0, 8])  # shard within replica group 0, replicated over 2
+    assert cfg.expert_group_ranks(0) == [0, 1, 2, 3]
+
+    class _Profile:  # two blocks, the second with 8e6 expert parameters
+        num_blocks = 2
+        extra = {"experts": {"block_params": [0, 8e6]}}
+
+    held = 8e6 / cfg.ep
+    assert expert_shard_surplus(_Profile(), cfg, [(0, 2)]) == pytest.approx(held * (cfg.dp_shard / 2 - 1))
 
 def test_ep_may_fold_over_tp_beyond_dp(profile):
     """ep divides tp x dp, not only dp (Megatron-Core's EP x EDP = TP x DP under expert tp 1): at tp 2

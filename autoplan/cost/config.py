@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.plan import ExpertSlot, Plan, expert_slot, layout_rank
+from autoplan.plan import ExpertSlot, Plan, expert_positions, expert_slot, layout_rank
 
 __all__ = ["ParallelConfig"]
 
@@ -42,7 +42,7 @@ class ParallelConfig:
     distinct batches (torchtitan's dp_shard x cp)."""
     ep: int = 1
     """Expert-parallel degree: each group of ep ranks splits a layer's experts ep ways and exchanges
-    tokens by all-to-all: ep consecutive ranks over tp x dp, the tp ranks splitting the experts'
+    tokens by all-to-all: ep consecutive positions over tp x dp, the tp ranks splitting the experts'
     tokens (Megatron-Core's MoE parallel folding; plan.py [Note: expert layout])."""
     expert_tp: int = 1
     """Expert tensor-parallel degree (`Plan.expert_tp`; only 1 is built): every expert whole on the
@@ -60,38 +60,34 @@ class ParallelConfig:
     @property
     def expert_dp(self) -> int:
         """Ranks that hold the same experts (the expert-data-parallel group), over which expert
-        gradients are reduced and, with zero 1, expert optimizer state is sharded: dp / ep of them,
-        times tp when the tp ranks split the experts' tokens (`expert_token_split`: each is then a
-        rank of its own in the expert layout). Megatron-Core's expert-data-parallel size,
+        gradients are reduced and, with zero 1, expert optimizer state is sharded: tp x dp / ep
+        (plan.py [Note: expert layout]), Megatron-Core's expert-data-parallel size
         tp * dp / (ep * expert tp) (Megatron-Core MoE README, "MoE parallel folding")."""
-        return self.dp * self.expert_token_split // self.ep
+        return self.dp * self.tp // self.ep
 
     def expert_slot(self, dp_index: int, tp_index: int) -> ExpertSlot:
         """The rank at (dp_index, tp_index)'s place in the expert layout (plan.py [Note: expert layout])."""
-        return expert_slot(self.ep, self.tp, self.expert_token_split, dp_index, tp_index)
+        return expert_slot(self.ep, self.tp, dp_index, tp_index)
 
     def expert_group_ranks(self, pp_index: int = 0) -> list[int]:
-        """The global ranks of the first ep group of pipeline rank `pp_index` (the one holding rank
-        (dp 0, tp 0)), in ep-index order."""
-        return self._ranks_where(pp_index, lambda slot: slot.group == 0)
+        """The global ranks of the first ep group of pipeline rank `pp_index` (positions 0 .. ep - 1),
+        in ep-index order."""
+        return [self.rank(pp_index, d, t) for d, t in expert_positions(1, self.tp, self.dp, 0)[:self.ep]]
 
     def expert_dp_ranks(self, pp_index: int) -> list[int]:
-        """The global ranks of the first expert-data-parallel group of pipeline rank `pp_index`
-        (the ranks holding the experts of rank (dp 0, tp 0))."""
-        first = self.expert_slot(0, 0).replicas
-        return self._ranks_where(pp_index, lambda slot: slot.replicas == first)
+        """The global ranks of the first expert-data-parallel group of pipeline rank `pp_index` (the
+        ranks holding the experts of rank (dp 0, tp 0)), in rank order: replica-major under HSDP."""
+        return [self.rank(pp_index, d, t) for d, t in expert_positions(self.ep, self.tp, self.dp, 0)]
 
     def expert_fsdp_groups(self, pp_index: int) -> tuple[list[int], list[int]]:
         """(shard group, replicate group) over which FSDP shards and replicates the experts of rank
         (dp 0, tp 0) of pipeline rank `pp_index` (plan.py [Note: expert layout]): its expert-data-
-        parallel group split by replica; without HSDP all of it and itself alone."""
+        parallel group split by replica (ep divides tp x dp_shard); without HSDP all of it and itself
+        alone."""
         ranks = self.expert_dp_ranks(pp_index)
+        assert len(ranks) % self.dp_replicate == 0, (self.ep, self.tp, self.dp, self.dp_replicate)
         shard = len(ranks) // self.dp_replicate
         return ranks[:shard], ranks[::shard]
-
-    def _ranks_where(self, pp_index: int, keep) -> list[int]:
-        return sorted(self.rank(pp_index, d, t) for d in range(self.dp) for t in range(self.tp)
-                      if keep(self.expert_slot(d, t)))
 
     @classmethod
     def of_plan(cls, plan: Plan) -> ParallelConfig:

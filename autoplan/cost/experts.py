@@ -23,9 +23,10 @@ __all__ = ["ExpertLinks", "all_to_all_time_s", "expert_comm_times_s", "expert_ex
 
 
 # [Note: experts on a GPU]
-# autoplan's runtime splits a mixture-of-experts layer's experts over ep data-parallel replicas
-# (runtime/experts.py) and leaves each expert whole on the rank that holds it (expert tp 1;
-# graph/sharding.py finds no Megatron pattern in stacked expert weights; cost/memory.py
+# autoplan's runtime splits a mixture-of-experts layer's experts over ep ranks of tp x dp
+# (runtime/experts.py, plan.py [Note: expert layout]) and leaves each expert whole on the rank
+# that holds it (expert tp 1; graph/sharding.py finds no Megatron pattern in stacked expert
+# weights; cost/memory.py
 # `param_counts`), while tp shards the layer's attention. The recorded operators of the experts say
 # so (`tp = "expert"`, [Note: expert operators] in graph/operators.py): `scaled_op` keeps them whole
 # under tp and divides their weights' bytes by ep. Such a layer is priced operator by operator at
@@ -81,7 +82,7 @@ def expert_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: Parall
 
     Under expert tp 1 with tp > 1 each tp rank sends only its 1/tp of the tokens
     (`ParallelConfig.expert_token_split`; Megatron-Core MoE README, "MoE parallel folding", ETP 1),
-    so a rank's buffer is the block's dispatched bytes over tp, and the group is ep consecutive ranks
+    so a rank's buffer is the block's dispatched bytes over tp, and the group is ep consecutive positions
     over tp x dp. The exchanges are not overlapped with
     compute (torchtitan and Megatron-LM's default dispatchers wait for them). Zero for blocks
     without experts."""
@@ -103,7 +104,7 @@ def expert_comm_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelCo
 
 def expert_group_ranks(cfg: ParallelConfig) -> list[int]:
     """The global ranks of the first expert-parallel group of the first pipeline rank (plan.py
-    [Note: expert layout]): ep consecutive ranks over tp x dp (inside a node when ep GPUs fit one;
+    [Note: expert layout]): ep consecutive positions over tp x dp (one node when ep GPUs fit one;
     at tp 1, ep consecutive dp replicas)."""
     return cfg.expert_group_ranks(0)
 
@@ -168,9 +169,8 @@ class ExpertLinks:
     """Ranks holding the same experts (`ParallelConfig.expert_dp`)."""
 
     def describe(self) -> str:
-        """One line: `expert tp 1, tokens split over tp 2: all-to-all over ranks 0, 2, ..., 14 (2 nodes:
-        3 peers over NVLink, 4 over the network); expert gradients over 4 ranks holding the same
-        experts`."""
+        """One line: `expert tp 1, tokens split over tp 2: all-to-all over ranks 0, 1, ..., 7 (1 node: 7
+        peers over NVLink); expert gradients over 4 ranks holding the same experts`."""
         ranks = self.group_ranks
         shown = ", ".join(map(str, ranks)) if len(ranks) <= 4 else f"{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}"
         split = f", tokens split over tp {self.token_split}" if self.token_split > 1 else ""

@@ -1,5 +1,6 @@
-"""Expert parallelism: the experts of each mixture-of-experts layer split over ep data-parallel
-replicas, tokens sent to them and back by all-to-all. Both expert contracts of graph/experts.py:
+"""Expert parallelism: the experts of each mixture-of-experts layer split over ep ranks of tp x dp
+(plan.py [Note: expert layout]), tokens sent to them and back by all-to-all. Both expert contracts
+of graph/experts.py:
 
 - grouped experts (stacked expert weights with the expert first, taking tokens grouped by expert,
   (num_experts, tokens, ...)) keep on each rank of an ep group the experts [i * E/ep, (i + 1) * E/ep)
@@ -23,9 +24,9 @@ outputs over tp ([Note: expert tp 1] in routed_experts.py), for both contracts.
 Gradients: a rank's expert weights see the tokens of every rank of its ep group (and, under tp, only
 its tp rank's share of them), so after backward they hold the sum over that group of the
 per-replica gradients; `reduce_expert_grads` sums them over the ranks holding the same experts
-(`ParallelLayout.expert_dp_group`, Megatron-Core's expert-data-parallel group) and divides by dp, which gives the mean over all dp replicas, as the dp all-reduce gives the
-other parameters. The groups are the plan's expert layout (plan.py [Note: expert layout]): ep
-consecutive ranks over tp x dp (Megatron-Core's MoE parallel folding), so the all-to-all stays
+(`ParallelLayout.expert_dp_group`, Megatron-Core's expert-data-parallel group) and divides by dp,
+which gives the mean over all dp replicas, as the dp all-reduce gives the other parameters. The groups are the plan's expert layout (plan.py [Note: expert layout]): ep
+consecutive positions over tp x dp (Megatron-Core's MoE parallel folding), so the all-to-all stays
 inside a node when ep GPUs fit one.
 """
 

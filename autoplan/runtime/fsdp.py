@@ -29,8 +29,9 @@ across groups). Composed with tensor parallelism, a tp-sharded parameter becomes
   (cost/memory.py).
 - Expert parallelism (ep > 1): a rank's slice of the experts (runtime/experts.py) differs across
   its ep group, so each experts module is a unit of its own sharded over the ranks holding the
-  same experts (`ParallelLayout.expert_fsdp_mesh`: dp / ep replicas, tp * dp / ep ranks when the
-  ep groups fold over tp, plan.py [Note: expert layout]), as torchtitan shards experts over its
+  same experts (`ParallelLayout.expert_fsdp_mesh`: tp * dp / ep ranks, plan.py [Note: expert
+  layout]; under HSDP a 2-D mesh that shards within a replica group and replicates across them),
+  as torchtitan shards experts over its
   "dp_shard_mod_ep" mesh (torchtitan/models/llama4/infra/parallelize.py). Its
   gradient already sums the tokens of the ep group, so FSDP divides the reduced sum by dp, not by
   the mesh's size (`set_gradient_divide_factor`), which gives the mean over all dp replicas, as

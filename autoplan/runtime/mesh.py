@@ -52,7 +52,7 @@ class ParallelLayout:
     experts it holds (runtime/experts.py)."""
     ep_group: dist.ProcessGroup | None = None
     """The ranks that exchange tokens (same pp index; plan.py [Note: expert layout]): ep consecutive
-    ranks over tp x dp; None (ep 1)."""
+    positions over tp x dp; None (ep 1)."""
     pp_group: dist.ProcessGroup | None = None
     """The pipeline ranks with this rank's dp and tp index (the mesh's "pp" axis), or None (pp 1)."""
     cp_index: int = 0
@@ -61,7 +61,7 @@ class ParallelLayout:
     cp_group: dist.ProcessGroup | None = None
     """The cp consecutive dp ranks (same pp and tp index) that split each sequence, or None (cp 1)."""
     expert_dp_group: dist.ProcessGroup | None = None
-    """The ranks holding the same experts (same pp index and expert slot's `replicas`), over which
+    """The ranks holding the same experts (same pp index and expert slot's `edp_group`), over which
     expert gradients are summed and ZeRO-1 splits the experts' optimizer state (optimizer.py); None
     when there is one or ep is 1. Megatron-Core's expert-data-parallel group: tp * dp / ep ranks."""
     expert_fsdp_mesh: object | None = None
@@ -103,7 +103,7 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
             # (torchtitan/distributed/parallel_dims.py) and, folded over tp, Megatron-Core's
             # expert-data-parallel group.
             # Under HSDP each such group is (replica, shard): its ranks in rank order are replica-major.
-            expert_layout = torch.tensor([[ranks for ranks in _expert_replicas(plan, p).values()]
+            expert_layout = torch.tensor([list(_expert_replicas(plan, p).values())
                                           for p in range(plan.pp)]).unflatten(-1, (replicate, -1))
             expert_mesh = DeviceMesh(device_type, expert_layout,
                                      mesh_dim_names=("pp", "experts", "edp_replicate", "edp"),
@@ -125,8 +125,8 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
     if ep > 1:  # plan.py [Note: expert layout]
         ep_index = plan.expert_slot(dp_index, tp_index).index
         ep_group = _subgroup(plan, rank, lambda d, t: plan.expert_slot(d, t).group, timeout)
-        if plan.dp * plan.expert_token_split > ep:
-            expert_dp_group = _subgroup(plan, rank, lambda d, t: plan.expert_slot(d, t).replicas, timeout)
+        if plan.tp * plan.dp > ep:
+            expert_dp_group = _subgroup(plan, rank, lambda d, t: plan.expert_slot(d, t).edp_group, timeout)
     # Context parallelism folds over dp: groups of cp consecutive dp ranks at each tp index.
     cp_group = _subgroup(plan, rank, lambda d, t: (d // cp, t), timeout) if cp > 1 else None
     return ParallelLayout(rank, world_size, pp_index, dp_index, tp_index, plan.pp, plan.dp, plan.tp,
@@ -137,12 +137,12 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
 
 
 def _expert_replicas(plan, pp_index: int) -> dict[int, list[int]]:
-    """Pipeline rank `pp_index`'s ranks holding the same experts, by their expert slot's `replicas`,
+    """Pipeline rank `pp_index`'s ranks holding the same experts, by their expert slot's `edp_group`,
     each list in rank order."""
     out: dict[int, list[int]] = {}
     for d in range(plan.dp):
         for t in range(plan.tp):
-            out.setdefault(plan.expert_slot(d, t).replicas, []).append(plan.rank(pp_index, d, t))
+            out.setdefault(plan.expert_slot(d, t).edp_group, []).append(plan.rank(pp_index, d, t))
     return {key: sorted(ranks) for key, ranks in sorted(out.items())}
 
 

@@ -37,10 +37,10 @@ has this one, for every zero = 1 plan with a dp group:
   the memory model counts (cost/memory.py [Note: bytes per parameter]).
 - cp ranks are dp ranks here (runtime/mesh.py: the dp group spans them; they hold the same
   parameters and, after the all-reduce, the same gradients), so the state is sharded over them too.
-- Expert parallelism (ep > 1): the dp ranks of an ep group hold different experts, so an expert's
+- Expert parallelism (ep > 1): the ranks of an ep group hold different experts, so an expert's
   state cannot be owned by a rank that does not hold it. The expert parameters (runtime/experts.py,
   `PartitionedModel.expert_params`) are sharded over the expert-data-parallel group instead (the
-  dp / ep replicas holding the same experts, and under tp with expert tp 1 their tp ranks too,
+  tp x dp / ep ranks holding the same experts, plan.py [Note: expert layout],
   `ParallelLayout.expert_dp_group`; none when that is one rank: it then owns its experts), the dense
   parameters over the whole dp group as above. This is
   Megatron-LM's layout: `get_megatron_optimizer` (megatron/core/optimizer/__init__.py) builds one

@@ -32,8 +32,8 @@ gathered after it). The split is Megatron's scatter-to-sequence-parallel-region 
 this rank's rows, backward all-gathers their gradients; the gather's backward takes this rank's
 rows, so the replicated activations keep gradients equal on every tp rank. The experts of a tp rank
 see only its rows, so their gradients are summed over tp before the mean over dp
-(runtime/experts.py: `reduce_expert_grads` over `ParallelLayout.expert_dp_group`, which the
-expert-parallel step widens to every tp rank of the replicas holding the same experts).
+(runtime/experts.py: `reduce_expert_grads` over `ParallelLayout.expert_dp_group`, the ranks holding
+the same experts, plan.py [Note: expert layout]).
 """
 
 from __future__ import annotations

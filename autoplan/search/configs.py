@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from autoplan.cluster import Cluster
 from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
-from autoplan.plan import RECOMPUTE, Job
+from autoplan.plan import RECOMPUTE, Job, expert_layout_refusal
 from autoplan.schedule import SCHEDULES
 from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate
@@ -129,11 +129,9 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
         refusal = ep_refusal(profile, ep)
         if refusal is not None:
             raise PlanningError(f"--ep {ep} {refusal}")
-        if replicate is not None and replicate > 1 and dp is not None and tp is not None and (tp * dp // replicate) % ep:
-            raise PlanningError(f"--ep {ep} must divide --tp {tp} x dp_shard {dp // replicate} under --dp-replicate "
-                                f"{replicate} (HSDP): each replica group holds every expert")
-        if dp is not None and tp is not None and (dp * tp) % ep:
-            raise PlanningError(f"--ep {ep} must divide --tp {tp} x --dp {dp}: experts are split over those ranks")
+        layout = expert_layout_refusal(ep, tp, dp, replicate or 1) if dp is not None and tp is not None else None
+        if layout is not None:
+            raise PlanningError(f"--{layout}; pin other degrees")
         if n_gpus % ep:
             raise PlanningError(f"--ep {ep} does not divide the {n_gpus} GPUs; experts are split over tp x dp ranks")
     if pins.get("sequence_parallel") and tp == 1:
@@ -186,9 +184,9 @@ def ep_refusal(profile: ModelProfile, ep: int) -> str | None:
 def _expert_degrees(profile: ModelProfile, tp: int, dp: int, pins: dict) -> list[int]:
     """Expert-parallel degrees a base configuration tries: the pin, else every divisor of tp x dp
     (the ranks the experts fold over, plan.py [Note: expert layout]) that divides the experts (1 for
-    a model without experts). A pinned zero 1 or HSDP keeps them: the distributed
-    optimizer shards the experts' state over the ranks holding them (cost/memory.py
-    `expert_shard_surplus`); `_shardings` says which ZeRO levels run with ep."""
+    a model without experts). A pinned zero 1 or HSDP keeps them: ZeRO-1 and FSDP shard the experts
+    over the ranks holding them (cost/memory.py `expert_shard_surplus`); `_shardings` says which
+    ZeRO levels and HSDP degrees run with each ep."""
     if pins.get("ep"):
         return [pins["ep"]] if (tp * dp) % pins["ep"] == 0 else []
     if not profile.extra.get("experts"):
@@ -350,10 +348,18 @@ def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
     else:
         hsdp = _hsdp_replicate(cfg, gpus_per_node)
         replicates = [1] if hsdp is None else [1, hsdp]
-    # With ep each replica group holds every expert: ep divides tp x dp_shard (plan.py [Note: expert layout])
-    replicates = [r for r in replicates if cfg.dp % r == 0 and (cfg.tp * cfg.dp // r) % cfg.ep == 0]
+    # With ep each replica group holds every expert (plan.py [Note: expert layout])
+    replicates = [r for r in replicates if cfg.dp % r == 0 and expert_layout_refusal(cfg.ep, cfg.tp, cfg.dp, r) is None]
     out += [(z, r) for z in ([zero] if zero is not None else [2, 3]) for r in replicates]
     return out
+
+
+def _with_experts_kept(cfg: ParallelConfig) -> ParallelConfig:
+    """`cfg` with its ep where the changed degrees still take it (plan.py `expert_layout_refusal`),
+    else ep 1."""
+    if cfg.ep > 1 and expert_layout_refusal(cfg.ep, cfg.tp, cfg.dp, cfg.dp_replicate) is not None:
+        return dataclasses.replace(cfg, ep=1)
+    return cfg
 
 
 def fsdp_allowed(cfg: ParallelConfig, profile: ModelProfile | None) -> bool:
@@ -404,7 +410,7 @@ def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed:
         if per_replica <= MAX_MICROBATCHES:
             tries.append(("--micro-batch-size 1", dataclasses.replace(cfg, micro_batch_size=1,
                                                                      num_microbatches=per_replica)))
-    if cfg.zero < 3 and cfg.dp > 1 and cfg.ep == 1 and fsdp_allowed(cfg, profile):
+    if cfg.zero < 3 and cfg.dp > 1 and fsdp_allowed(cfg, profile):
         tries.append(("--zero 3", dataclasses.replace(cfg, zero=3, dp_replicate=1)))
     if cfg.recompute != "full":
         tries.append(("--recompute full", dataclasses.replace(cfg, recompute="full")))
@@ -413,11 +419,10 @@ def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed:
         if job.global_batch % replicas == 0 and (job.global_batch // replicas) % cfg.micro_batch_size == 0:
             m = job.global_batch // replicas // cfg.micro_batch_size
             if cfg.virtual_stages == 1 or m % (cfg.pp * 2) == 0:
-                tries.append((f"--pp {cfg.pp * 2}", dataclasses.replace(
+                tries.append((f"--pp {cfg.pp * 2}", _with_experts_kept(dataclasses.replace(
                     cfg, pp=cfg.pp * 2, dp=replicas, num_microbatches=m,
                     zero=cfg.zero if replicas > 1 or cfg.zero >= 2 else 0,
-                    dp_replicate=cfg.dp_replicate if replicas % cfg.dp_replicate == 0 else 1,
-                    ep=cfg.ep if (cfg.tp * replicas) % cfg.ep == 0 else 1)))
+                    dp_replicate=cfg.dp_replicate if replicas % cfg.dp_replicate == 0 else 1))))
     tp = cfg.tp * 2
     if (cfg.dp % 2 == 0 and cluster.gpus_per_node % tp == 0 and tp_refusal(profile, tp) is None and cfg.cp == 1
             and (cfg.zero < 2 or fsdp_allowed(dataclasses.replace(cfg, tp=tp), profile))):
@@ -425,12 +430,11 @@ def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed:
         if job.global_batch % replicas == 0 and (job.global_batch // replicas) % cfg.micro_batch_size == 0:
             m = job.global_batch // replicas // cfg.micro_batch_size
             if cfg.virtual_stages == 1 or m % cfg.pp == 0:
-                tries.append((f"--tp {tp}", dataclasses.replace(
+                tries.append((f"--tp {tp}", _with_experts_kept(dataclasses.replace(
                     cfg, tp=tp, dp=replicas, num_microbatches=m, sequence_parallel=sp_allowed and
                     pins.get("sequence_parallel") is not False,
                     zero=cfg.zero if replicas > 1 or cfg.zero >= 2 else 0,
-                    dp_replicate=cfg.dp_replicate if replicas % cfg.dp_replicate == 0 else 1,
-                    ep=cfg.ep if (tp * replicas) % cfg.ep == 0 else 1)))
+                    dp_replicate=cfg.dp_replicate if replicas % cfg.dp_replicate == 0 else 1))))
     for change, variant in tries:
         if variant.num_microbatches > MAX_MICROBATCHES:
             continue

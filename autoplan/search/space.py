@@ -545,7 +545,10 @@ def _expert_note(ctx: SearchContext, chosen: Plan, best_by_ep: dict[bool, Plan],
                  f"{experts['num_experts']} experts of its layers for {tokens}, "
                  f"for {_fmt_ms(exchange)} of expert communication per step "
                  f"({exchange / chosen.predicted.step_time_s:.0%})", expert_links(ctx.cluster, cfg).describe()]
-        if chosen.zero >= 2:
+        if chosen.zero >= 2 and chosen.dp_replicate > 1:
+            parts.append(f"HSDP shards those experts over {cfg.expert_dp // chosen.dp_replicate} of the "
+                         f"{cfg.expert_dp} ranks holding the same ones and replicates them {chosen.dp_replicate} times")
+        elif chosen.zero >= 2:
             parts.append(f"FSDP shards those experts over the {cfg.expert_dp} ranks holding the same ones")
         elif chosen.zero == 1:
             parts.append(f"zero 1 shards their optimizer state over the {cfg.expert_dp} ranks holding the same ones")
@@ -560,8 +563,8 @@ def _expert_note(ctx: SearchContext, chosen: Plan, best_by_ep: dict[bool, Plan],
         return (f"ep 1: the best plan with expert parallelism ({_split(other)}, ep {other.ep}, {_sharding(other)}) is "
                 f"{other.predicted.step_time_s / chosen.predicted.step_time_s - 1:.0%} slower")
     why = "pinned" if pins.get("ep") == 1 else (
-        "the pinned HSDP excludes it (the runtime runs ep without HSDP)"
-        if (pins.get("dp_replicate") or 1) > 1 else
+        "no plan with ep > 1 fit or came within the search's step-time cutoff (under the pinned HSDP ep must "
+        "divide tp x dp_shard)" if (pins.get("dp_replicate") or 1) > 1 else
         "no plan with ep > 1 fit or came within the search's step-time cutoff")
     return f"ep 1: {why}"
 

@@ -30,7 +30,8 @@ class _Pieces:
     tensor: torch.Tensor  # the local tensor
     boxes: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]  # (global offsets, sizes, local view)
     whole: Any = None
-    """The tensor the pieces stand for (a DTensor, whose local tensor `tensor` is), else None."""
+    """The tensor the pieces stand for (`tensor` itself, or the DTensor whose local tensor it is),
+    where its owner wants it back after a load; else None."""
 
 
 def _needs_pieces(value: Any) -> bool:

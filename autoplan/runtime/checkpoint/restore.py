@@ -119,8 +119,8 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
                 entries = {}
                 for k, key in ckpt.optimizer_keys[saved].items():
                     md = ckpt.metadata.state_dict_metadata[key]
-                    entries[k] = _target_like(p, md, experts if name in experts.names else None) \
-                        if isinstance(md, TensorStorageMetadata) else None
+                    entries[k] = (_target_like(p, md, experts if name in experts.names else None)
+                                  if isinstance(md, TensorStorageMetadata) else None)
                     if isinstance(entries[k], _Pieces):
                         opt_tensors.setdefault(saved, {})[k] = entries[k].whole
                 opt_state[saved] = entries

@@ -62,7 +62,9 @@ class ExpertSlices:
     names: frozenset[str]
     """Saved names of the experts parameters this rank holds a slice of."""
     ep_index: int
+    """This rank's ep index: its slice is experts [ep_index * E/ep, (ep_index + 1) * E/ep)."""
     ep: int
+    """The plan's expert-parallel degree (1: no slices)."""
 
     def global_shape(self, tensor) -> tuple[int, ...]:
         """The whole parameter's shape, of which `tensor` (a slice, or its FSDP DTensor) is 1/ep."""
@@ -142,6 +144,19 @@ def named_optimizer_state(pm, optimizer: torch.optim.Optimizer) -> dict[str, Any
     return {"state": state, "param_groups": groups}
 
 
+def _expert_state(experts: ExpertSlices, name: str, key: str, value: Any, shape: tuple[int, ...]) -> Any:
+    """An optimizer-state entry of an expert slice as DCP saves it: of the slice's shape, its box of
+    the whole; a scalar as it is. Another shape (a factored second moment) would be saved by every ep
+    index under one key, so it is refused."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if tuple(value.shape) != shape:
+        raise CheckpointError(f"the optimizer's state {key!r} of the expert parameter {name!r} has shape "
+                              f"{tuple(value.shape)}, not the parameter's {shape}: checkpoints of ep plans hold "
+                              "parameter-shaped state (Adam, AdamW, SGD); use one of those or --ep 1")
+    return experts.pieces(value)
+
+
 def _rank_state(pm, optimizer, rank: int, step: int, extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """What this rank hands `dcp.save` (module docstring)."""
     unheld = _unheld_names(pm)
@@ -156,9 +171,8 @@ def _rank_state(pm, optimizer, rank: int, step: int, extra: Mapping[str, Any] | 
         shapes = {_canonical(pm, name): tuple(p.shape) for name, p in pm.named_parameters()}
         for name, entries in state[OPTIMIZER_KEY]["state"].items():
             if name in experts.names:  # the moments have the slice's shape; the step count is a scalar
-                state[OPTIMIZER_KEY]["state"][name] = {
-                    k: experts.pieces(v) if isinstance(v, torch.Tensor) and tuple(v.shape) == shapes[name] else v
-                    for k, v in entries.items()}
+                state[OPTIMIZER_KEY]["state"][name] = {k: _expert_state(experts, name, k, v, shapes[name])
+                                                       for k, v in entries.items()}
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
