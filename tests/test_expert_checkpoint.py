@@ -167,3 +167,43 @@ def test_a_transformers_moe_resumes_exactly_from_an_ep_checkpoint(zero, tmp_path
 
     before, after = losses("straight.jsonl"), losses("resumed.jsonl")
     assert sorted(after) == [2, 3] and all(after[s] == before[s] for s in after), (before, after)
+
+
+TWO_EXPERTS = SPEC.replace("num_experts=4", "num_experts=2").replace("experts_per_token=2", "experts_per_token=1")
+"""Two experts at ep 2 under FSDP over 2 ranks: each rank's one-expert slice shards as (1, ...) and (0, ...)."""
+
+
+def _save_two_experts(rank: int, world_size: int, plan, root: str) -> dict:
+    from autoplan.runtime import checkpoint as ckpt
+
+    pm = autoplan.partition(TWO_EXPERTS, plan, device="cpu")
+    template = pm.output_template
+    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=LR)
+    inputs, target = pm.source.batch(0, 0, GLOBAL_BATCH, SEQ, template.shape, template.dtype)
+    pm.step(*inputs, target=target)
+    optimizer.step()
+    experts = {id(p) for p in pm.expert_params}
+    local_rows = sorted({p.to_local().shape[0] for p in pm.expert_params})
+    params = {n: _full(p).detach().clone() for n, p in pm.named_parameters() if id(p) in experts}
+    path = ckpt.save_checkpoint(f"{root}/two", 1, pm, optimizer)
+    return {"two": dict(path=str(path), ep_index=pm.layout.ep_index, params=params, local_rows=local_rows)}
+
+
+@pytest.mark.timeout(200)
+def test_an_empty_fsdp_shard_of_an_expert_slice_writes_nothing_and_the_checkpoint_is_whole():
+    """A one-expert slice sharded over 2 FSDP ranks leaves one rank an empty shard: it writes no box,
+    and the checkpoint still holds both experts whole, loaded into one process."""
+    import tempfile
+
+    from autoplan.runtime.checkpoint import load_checkpoint
+
+    plan = autoplan.suggest(TWO_EXPERTS, "1x4xcpu", global_batch=GLOBAL_BATCH, seq_len=SEQ, dtype="fp32",
+                            micro_batch_size=2, top=1, tp=1, pp=1, dp=4, ep=2, zero=3)[0]
+    with tempfile.TemporaryDirectory() as root:
+        results = run_ranks(_save_two_experts, 4, plan, root, timeout_s=180, pg_timeout_s=60)
+        assert {rows for r in results.values() for rows in r["two"]["local_rows"]} == {0, 1}  # an empty shard
+        ckpt = load_checkpoint(results[0]["two"]["path"])
+        whole = _whole(results, "two", "params", 2)
+        assert whole and all(value.shape[0] == 2 for value in whole.values())
+        for n, value in whole.items():
+            torch.testing.assert_close(ckpt.params[n], value, msg=f"two experts: {n}")
