@@ -89,15 +89,14 @@ class ExpertSlot:
     group: int
     """Its ep group (ranks with the same value exchange tokens)."""
     index: int
-    """Its place in that group: which E / ep experts it holds."""
-    edp_group: int
-    """Its expert-data-parallel group (ranks with the same value hold the same experts)."""
+    """Its place in that group: which E / ep experts it holds. Ranks with the same index hold the
+    same experts: they are its expert-data-parallel group."""
 
 
 def expert_slot(ep: int, tp: int, dp_index: int, tp_index: int) -> ExpertSlot:
     """The expert layout of the rank at (dp_index, tp_index); see [Note: expert layout]."""
     position = dp_index * tp + tp_index
-    return ExpertSlot(group=position // ep, index=position % ep, edp_group=position % ep)
+    return ExpertSlot(group=position // ep, index=position % ep)
 
 
 def expert_positions(ep: int, tp: int, dp: int, first: int) -> list[tuple[int, int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.plan import ExpertSlot, Plan, expert_positions, expert_slot, layout_rank
+from autoplan.plan import Plan, expert_positions, layout_rank
 
 __all__ = ["ParallelConfig"]
 
@@ -65,14 +65,10 @@ class ParallelConfig:
         tp * dp / (ep * expert tp) (Megatron-Core MoE README, "MoE parallel folding")."""
         return self.dp * self.tp // self.ep
 
-    def expert_slot(self, dp_index: int, tp_index: int) -> ExpertSlot:
-        """The rank at (dp_index, tp_index)'s place in the expert layout (plan.py [Note: expert layout])."""
-        return expert_slot(self.ep, self.tp, dp_index, tp_index)
-
     def expert_group_ranks(self, pp_index: int = 0) -> list[int]:
         """The global ranks of the first ep group of pipeline rank `pp_index` (positions 0 .. ep - 1),
         in ep-index order."""
-        return [self.rank(pp_index, d, t) for d, t in expert_positions(1, self.tp, self.dp, 0)[:self.ep]]
+        return [self.rank(pp_index, j // self.tp, j % self.tp) for j in range(self.ep)]
 
     def expert_dp_ranks(self, pp_index: int) -> list[int]:
         """The global ranks of the first expert-data-parallel group of pipeline rank `pp_index` (the

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoplan.plan import expert_positions
 from autoplan.runtime.errors import PartitionError
 
 __all__ = ["ParallelLayout", "build_layout", "build_mesh"]
@@ -61,7 +62,7 @@ class ParallelLayout:
     cp_group: dist.ProcessGroup | None = None
     """The cp consecutive dp ranks (same pp and tp index) that split each sequence, or None (cp 1)."""
     expert_dp_group: dist.ProcessGroup | None = None
-    """The ranks holding the same experts (same pp index and expert slot's `edp_group`), over which
+    """The ranks holding the same experts (same pp index and expert slot's `index`), over which
     expert gradients are summed and ZeRO-1 splits the experts' optimizer state (optimizer.py); None
     when there is one or ep is 1. Megatron-Core's expert-data-parallel group: tp * dp / ep ranks."""
     expert_fsdp_mesh: object | None = None
@@ -103,8 +104,9 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
             # (torchtitan/distributed/parallel_dims.py) and, folded over tp, Megatron-Core's
             # expert-data-parallel group.
             # Under HSDP each such group is (replica, shard): its ranks in rank order are replica-major.
-            expert_layout = torch.tensor([list(_expert_replicas(plan, p).values())
-                                          for p in range(plan.pp)]).unflatten(-1, (replicate, -1))
+            holding = [[[plan.rank(p, d, t) for d, t in expert_positions(plan.ep, plan.tp, plan.dp, index)]
+                        for index in range(plan.ep)] for p in range(plan.pp)]
+            expert_layout = torch.tensor(holding).unflatten(-1, (replicate, -1))
             expert_mesh = DeviceMesh(device_type, expert_layout,
                                      mesh_dim_names=("pp", "experts", "edp_replicate", "edp"),
                                      backend_override=(override,) * 4)
@@ -126,7 +128,7 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
         ep_index = plan.expert_slot(dp_index, tp_index).index
         ep_group = _subgroup(plan, rank, lambda d, t: plan.expert_slot(d, t).group, timeout)
         if plan.tp * plan.dp > ep:
-            expert_dp_group = _subgroup(plan, rank, lambda d, t: plan.expert_slot(d, t).edp_group, timeout)
+            expert_dp_group = _subgroup(plan, rank, lambda d, t: plan.expert_slot(d, t).index, timeout)
     # Context parallelism folds over dp: groups of cp consecutive dp ranks at each tp index.
     cp_group = _subgroup(plan, rank, lambda d, t: (d // cp, t), timeout) if cp > 1 else None
     return ParallelLayout(rank, world_size, pp_index, dp_index, tp_index, plan.pp, plan.dp, plan.tp,
@@ -134,16 +136,6 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
                           pp_group=mesh["pp"].get_group() if mesh is not None and plan.pp > 1 else None,
                           ep_index=ep_index, ep_group=ep_group, cp_index=dp_index % cp, cp_group=cp_group,
                           expert_dp_group=expert_dp_group, expert_fsdp_mesh=expert_fsdp_mesh)
-
-
-def _expert_replicas(plan, pp_index: int) -> dict[int, list[int]]:
-    """Pipeline rank `pp_index`'s ranks holding the same experts, by their expert slot's `edp_group`,
-    each list in rank order."""
-    out: dict[int, list[int]] = {}
-    for d in range(plan.dp):
-        for t in range(plan.tp):
-            out.setdefault(plan.expert_slot(d, t).edp_group, []).append(plan.rank(pp_index, d, t))
-    return {key: sorted(ranks) for key, ranks in sorted(out.items())}
 
 
 def _subgroup(plan, rank: int, key, timeout: timedelta | None) -> dist.ProcessGroup:
