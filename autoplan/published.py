@@ -50,7 +50,8 @@ from autoplan.plan import Job, Plan
 from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate
 
-__all__ = ["DATA_DIR", "FIT_PARAMETERS", "SC21_STACK", "Prediction", "PublishedRun", "apply_parameters",
+__all__ = ["DATA_DIR", "FIT_PARAMETERS", "MEGATRON_CORE_STACKS", "SC21_STACK", "STACK_FIT_PARAMETERS", "fit_stacks",
+           "stack_parameters_of", "with_stack_parameters", "Prediction", "PublishedRun", "apply_parameters",
            "calibrations_for", "chip", "chosen_dimensions", "fit", "load_runs", "measured_start", "neutral", "parameters_of", "predict",
            "predict_all", "run_gpus", "shipped_by_chip", "summary"]
 
@@ -141,6 +142,39 @@ _STACK_OF_SOURCE = {"torchtitan": "torchtitan"}
 stacks]): torchtitan's `selective` activation checkpointing is its operator-level policy."""
 
 
+MEGATRON_CORE_STACKS = {"A2A": "megatron-core", "DeepEP": "megatron-core-deepep"}
+"""The stacks of the Megatron-Core mixture-of-experts runs, by the token dispatcher their rows name
+(calibration.py [Note: software stacks]; [Note: Megatron-Core's MoE stack] below)."""
+
+# [Note: Megatron-Core's MoE stack]
+# The mixture-of-experts runs (Megatron-LM's MoE README, the Megatron MoE model zoo) ran
+# Megatron-Core with Transformer Engine: fused attention (cuDNN / flash, `--use-flash-attn`,
+# `--transformer-impl transformer_engine`), dropless routing over grouped GEMMs, and a token
+# dispatcher that brings each layer's token counts to the host. Each row says which dispatcher:
+# "A2A" (per-copy all-to-all) or "DeepEP" (a token once per destination rank). The shared data's
+# Qwen3-235B rows say "DeepEP or A2A"; the table they cite (best_practice/Qwen3/readme.md at
+# c1ad0b5) lists DeepEP for both rows, which is what a row naming DeepEP is priced with. Such a run is
+# profiled with dropless routing when its row says dropless (the zoo moe's `dropless`: tokens x k
+# routed copies, no capacity padding; a `capacity_factor` in the row's spec gives way to it), and
+# priced under the stack of its dispatcher: the dispatch share (cost/experts.py `dispatch_share`)
+# from the combinatorics of routing, and two numbers fitted to these runs alone, the attention share
+# of Transformer Engine's fused attention and the host's time per kernel after each layer's sync
+# (`fit_stacks`). The dense fit never sees these runs, and these two numbers move no dense run.
+
+
+def _moe_run_spec(spec: str, precision: str) -> str:
+    """The zoo spec of a Megatron-Core MoE row as it ran ([Note: Megatron-Core's MoE stack])."""
+    if "dropless" not in precision.lower():
+        return spec
+    name, _, fields = spec.partition(":")
+    kept = [f for f in fields.split(",") if f and not f.startswith(("capacity_factor=", "dropless="))]
+    return f"{name}:{','.join([*kept, 'dropless=true'])}"
+
+
+def _moe_stack(precision: str) -> str:
+    return MEGATRON_CORE_STACKS["DeepEP" if "deepep" in precision.lower() else "A2A"]
+
+
 def _modern_runs(data: dict) -> list[PublishedRun]:
     runs = []
     for r in data["runs"]:
@@ -154,11 +188,15 @@ def _modern_runs(data: dict) -> list[PublishedRun]:
         regime = r["category"]
         if regime == "FSDP" and pins["dp_replicate"] > 1:
             regime = "HSDP"
+        model, stack = r["model"]["spec"], _STACK_OF_SOURCE.get(_source_name(r["source"]))
+        if regime == "MoE":
+            precision = r.get("precision", "")
+            model, stack = _moe_run_spec(model, precision), _moe_stack(precision)
         runs.append(PublishedRun(
-            id=r["id"], source=_source_name(r["source"]), regime=regime, model=r["model"]["spec"],
+            id=r["id"], source=_source_name(r["source"]), regime=regime, model=model,
             cluster=f"{r['nodes']}x{r['gpus_per_node']}x{r['cluster_kind']}", seq_len=r["seq"],
             global_batch=r["global_batch"], published_step_s=float(r["step_s"]), pins=pins, published=r["measured"],
-            stack=_STACK_OF_SOURCE.get(_source_name(r["source"]))))
+            stack=stack))
     return runs
 
 
@@ -415,6 +453,71 @@ def fit(runs: Sequence[PublishedRun], start: dict[str, Calibration], *, rounds: 
         cals = apply_parameters(cals, _from_unit(u))
         chosen = chosen_dimensions(predict_all(runs, calibrations_for(cals, gpus)))
     return cals, chosen
+
+
+STACK_FIT_PARAMETERS = ("attention", "host_sync_kernel_s")
+"""What `fit_stacks` solves for, shared by the Megatron-Core stacks ([Note: Megatron-Core's MoE stack])."""
+
+
+STACK_ATTENTION_BOUNDS = (0.2, 0.75)
+"""Where the Megatron-Core stacks' attention share may lie: up to the best fused attention reported
+on an H100 (FlashAttention-3, Shah et al. 2024, Sec. 4.1: about 740 TFLOP/s forward in BF16, 0.75 of
+dense peak), so the fit cannot hand the stack an attention faster than any kernel runs."""
+
+
+def stack_parameters_of(cals: dict[str, Calibration], family: str = "H100") -> tuple[float, float]:
+    """The Megatron-Core stacks' fitted numbers in `family`'s calibration (STACK_FIT_PARAMETERS order)."""
+    variant = cals[family].stacks.get(MEGATRON_CORE_STACKS["A2A"], {})
+    return float(variant.get("attention_fwd_efficiency", 0.0)), float(variant.get("host_sync_kernel_s", 0.0))
+
+
+def with_stack_parameters(cals: dict[str, Calibration], families: Sequence[str], attention: float,
+                          host_sync_kernel_s: float) -> dict[str, Calibration]:
+    """Per-chip calibrations whose Megatron-Core stacks have these numbers (one attention share
+    forward and backward, as the dense fit uses)."""
+    out = dict(cals)
+    for family in families:
+        stacks = {name: dict(fields) for name, fields in out[family].stacks.items()}
+        for name in MEGATRON_CORE_STACKS.values():
+            stacks.setdefault(name, {}).update(attention_fwd_efficiency=float(attention),
+                                               attention_bwd_efficiency=float(attention),
+                                               host_sync_kernel_s=float(host_sync_kernel_s))
+        out[family] = out[family].replace(stacks=stacks)
+    return out
+
+
+def fit_stacks(runs: Sequence[PublishedRun], cals: dict[str, Calibration],
+               progress: Callable[[str], None] | None = None) -> dict[str, Calibration]:
+    """[Note: Megatron-Core's MoE stack]: the attention share and the host's time per kernel of the
+    Megatron-Core stacks, fitted to those of `runs` that ran one, every other number held. Two
+    numbers on a handful of runs: a grid (coarse, then a finer one around the best point) on the sum
+    of squared log errors of the step time, which shows the whole surface rather than one descent.
+    Calibrations of chips none of those runs use, and runs of other stacks, are left as they are."""
+    moe = [r for r in runs if r.stack in MEGATRON_CORE_STACKS.values()]
+    if not moe:
+        return cals
+    gpus = run_gpus(moe)
+    families = sorted({chip(g.name) for g in gpus})
+    target = np.log([r.published_step_s for r in moe])
+
+    def loss(attention: float, host: float) -> float:
+        trial = with_stack_parameters(cals, families, attention, host)
+        steps = [p.step_s for p in predict_all(moe, calibrations_for(trial, gpus))]
+        return float(np.sum((np.log(steps) - target) ** 2))
+
+    (low, high), attention_step, host_step = STACK_ATTENTION_BOUNDS, 0.05, 10e-6
+    grid = [(a, h) for a in np.arange(low, high + 1e-9, attention_step) for h in np.arange(0.0, 80e-6 + 1e-12, host_step)]
+    best = min(grid, key=lambda point: loss(*point))
+    if progress:
+        progress(f"stack fit (coarse): attention {best[0]:.2f}, host per kernel {best[1] * 1e6:.0f} us")
+    fine = [(min(high, max(low, best[0] + da)), max(0.0, best[1] + dh))
+            for da in np.linspace(-attention_step / 2, attention_step / 2, 5)
+            for dh in np.linspace(-host_step / 2, host_step / 2, 5)]
+    best = min(fine, key=lambda point: loss(*point))
+    if progress:
+        progress(f"stack fit: attention {best[0]:.3f}, host per kernel {best[1] * 1e6:.1f} us, "
+                 f"rms log error {math.sqrt(loss(*best) / len(moe)):.4f} over {len(moe)} runs")
+    return with_stack_parameters(cals, families, *best)
 
 
 def summary(errors: Sequence[float]) -> dict[str, float]:

@@ -35,6 +35,19 @@ list named variants (`stacks`) that override a few fields (`STACK_FIELDS`). `Cal
 returns a variant; `autoplan suggest --stack NAME` selects it. Under `attention_kernel = "unfused"`
 attention is priced from its parts with the GEMM and memory-bandwidth shares (cost/ops.py
 `unfused_attention_time_s`), so no attention share is fitted for it.
+
+Two fields describe how a stack runs a mixture-of-experts layer under expert parallelism. How it
+dispatches (`expert_dispatch`): one row per (token, expert) pair, as torch's all-to-all with the
+tokens permuted by expert sends them (autoplan's runtime, Megatron-Core's `MoEAlltoAllTokenDispatcher`,
+torchtitan), or each token once per destination rank, which combines the copies a rank's experts
+share (DeepEP's intra-node kernels: deepseek-ai/DeepEP README, "normal kernels"; cost/experts.py
+`dispatch_share`). And how fast the host issues kernels once it has waited on the device
+(`host_sync_kernel_s`): an all-to-all of variable sizes needs each rank's token counts on the host
+before it can size its buffers (`torch.distributed.all_to_all_single` takes host-side split lists;
+DeepEP's dispatch waits on the host for its receive counts), so every MoE layer drains the queue of
+kernels the host had issued ahead, and the layer's kernels then start no faster than the host's
+Python and launch overhead per kernel issues them. 0 leaves the kernel floor alone (a host that
+stays ahead).
 """
 
 from __future__ import annotations
@@ -49,7 +62,7 @@ from typing import Any
 from autoplan._files import read_json
 from autoplan.cluster import GPU, Cluster
 
-__all__ = ["ATTENTION_KERNELS", "CALIBRATION_SCHEMA", "DEFAULT_STACK", "SELECTIVE_RECOMPUTE", "STACK_FIELDS", "Calibration",
+__all__ = ["ATTENTION_KERNELS", "CALIBRATION_SCHEMA", "DEFAULT_STACK", "EXPERT_DISPATCH", "SELECTIVE_RECOMPUTE", "STACK_FIELDS", "Calibration",
            "CalibrationError", "Calibrations", "default_calibration", "load_calibration", "shipped_calibrations"]
 
 CALIBRATION_SCHEMA = 1
@@ -63,8 +76,12 @@ SELECTIVE_RECOMPUTE = ("attention", "op")
 autoplan's runtime and Megatron-LM), or torchtitan's operator-level policy ("op": every second
 matmul and the cheap operators, keeping attention's output; torchtitan
 `distributed/activation_checkpoint.py`, `_op_sac_save_list`)."""
+EXPERT_DISPATCH = ("copies", "ranks")
+"""How a stack's expert-parallel all-to-all sends a token routed to k experts ([Note: software
+stacks]): one row per (token, expert) copy, or once per destination rank (DeepEP)."""
 STACK_FIELDS = ("attention_kernel", "causal_work_fraction", "attention_fwd_efficiency", "attention_bwd_efficiency",
-                "overlap_slowdown", "selective_recompute", "overlap_grad_reduce", "p2p_blocking")
+                "overlap_slowdown", "selective_recompute", "overlap_grad_reduce", "p2p_blocking", "expert_dispatch",
+                "host_sync_kernel_s")
 """Fields a named stack may override ([Note: software stacks])."""
 
 
@@ -123,6 +140,13 @@ class Calibration:
     backward (PyTorch DDP, Li et al. 2020, Sec. 3.2.3; Megatron-LM's `--overlap-grad-reduce` since
     September 2023, commit e801b2b) or after it, whole (Megatron-LM before then: its DDP reduced one
     contiguous gradient buffer once the backward had finished)."""
+    expert_dispatch: str = "copies"
+    """How the expert-parallel all-to-all sends a token routed to k experts (`EXPERT_DISPATCH`,
+    [Note: software stacks])."""
+    host_sync_kernel_s: float = 0.0
+    """Seconds the host takes to issue one kernel of a block whose pass waits on the device (the
+    expert all-to-all's token counts, [Note: software stacks]): each of that block's kernels takes at
+    least this long (cost/time.py `op_pass_times`); 0: only `kernel_floor_s`."""
     stack: str = DEFAULT_STACK
     """Name of the software stack these numbers describe ([Note: software stacks])."""
     stacks: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
@@ -174,6 +198,7 @@ class Calibration:
         out["stack"] = {"name": self.stack, "attention_kernel": self.attention_kernel,
                         "selective_recompute": self.selective_recompute,
                         "overlap_grad_reduce": self.overlap_grad_reduce, "p2p_blocking": self.p2p_blocking,
+                        "expert_dispatch": self.expert_dispatch, "host_sync_kernel_s": self.host_sync_kernel_s,
                         "source": self.sources.get("stack", "")}
         if self.stacks:
             out["stacks"] = {k: dict(v) for k, v in self.stacks.items()}
@@ -241,6 +266,11 @@ class Calibration:
             if variant.get("selective_recompute", "attention") not in SELECTIVE_RECOMPUTE:
                 raise CalibrationError(f"{where}: stack {name!r}: selective_recompute must be one of "
                                        f"{SELECTIVE_RECOMPUTE}")
+            _check_stack_moe(variant, f"{where}: stack {name!r}")
+            for share in ("attention_fwd_efficiency", "attention_bwd_efficiency", "causal_work_fraction"):
+                if share in variant:
+                    fraction(f"stacks.{name}", share, variant[share])
+        _check_stack_moe(stack, f"{where}: stack")
         slowdown = overlap.get("compute_slowdown", 0.0)
         if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown < 1:
             raise CalibrationError(f"{where}: overlap.compute_slowdown must be a number in [0, 1), got {slowdown!r}")
@@ -265,6 +295,8 @@ class Calibration:
             selective_recompute=selective,
             overlap_grad_reduce=bool(stack.get("overlap_grad_reduce", True)),
             p2p_blocking=bool(stack.get("p2p_blocking", False)),
+            expert_dispatch=str(stack.get("expert_dispatch", "copies")),
+            host_sync_kernel_s=float(stack.get("host_sync_kernel_s", 0.0)),
             stack=str(stack.get("name", DEFAULT_STACK)),
             stacks={k: dict(v) for k, v in stacks.items()},
             collectives=collectives,
@@ -274,6 +306,16 @@ class Calibration:
 
     def replace(self, **changes: Any) -> Calibration:
         return dataclasses.replace(self, **changes)
+
+
+def _check_stack_moe(fields: dict[str, Any], where: str) -> None:
+    """The mixture-of-experts fields of a stack or stack variant, or CalibrationError (one line)."""
+    if fields.get("expert_dispatch", "copies") not in EXPERT_DISPATCH:
+        raise CalibrationError(f"{where}: expert_dispatch must be one of {EXPERT_DISPATCH}, "
+                               f"got {fields.get('expert_dispatch')!r}")
+    seconds = fields.get("host_sync_kernel_s", 0.0)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < 1:
+        raise CalibrationError(f"{where}: host_sync_kernel_s must be seconds in [0, 1), got {seconds!r}")
 
 
 def load_calibration(path: str | Path) -> Calibration:

@@ -9,6 +9,7 @@ is one concept, priced here and described to the user from the same numbers (`ex
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,7 @@ from autoplan.cost.comm import priced_once
 from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import Block, ModelProfile
 
-__all__ = ["ExpertLinks", "all_to_all_time_s", "expert_comm_times_s", "expert_exchange_times_s", "expert_flops", "expert_group_ranks",
+__all__ = ["ExpertLinks", "all_to_all_time_s", "dispatch_share", "expert_comm_times_s", "expert_exchange_times_s", "expert_flops", "expert_group_ranks",
            "expert_links", "expert_output_gather_times_s", "sharded_but_experts"]
 
 
@@ -68,7 +69,28 @@ def sharded_but_experts(profile: ModelProfile, index: int) -> bool:
     return rest > 0 and shares[index] * block.num_params >= 0.95 * rest
 
 
-def expert_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> np.ndarray:
+def dispatch_share(profile: ModelProfile, cfg: ParallelConfig, dispatch: str) -> float:
+    """Share of the routed (token, expert) copies an all-to-all sends under the stack's
+    `expert_dispatch` (calibration.py [Note: software stacks]): 1 for "copies"; for "ranks" (DeepEP:
+    a token goes once to each rank holding one of its experts, the rank fans it out to them) the
+    expected number of distinct ranks among a token's k experts over k. With E experts, E / ep on
+    each rank and k distinct experts chosen uniformly (a balanced router), a rank holds none of them
+    with the hypergeometric probability C(E - E/ep, k) / C(E, k), so a token reaches
+    ep (1 - C(E - E/ep, k) / C(E, k)) ranks: 5.3 of 8 for Qwen3-235B's 8 of 128 experts at ep 8
+    (share 0.66); exactly k for Mixtral's 2 of 8 at ep 8 (one expert per rank, share 1). A model
+    whose k the profile does not record is priced by its copies."""
+    if dispatch != "ranks" or cfg.ep == 1:
+        return 1.0
+    summary = profile.extra.get("experts") or {}
+    experts, k = int(summary.get("num_experts") or 0), int(summary.get("experts_per_token") or 0)
+    if not experts or not 0 < k <= experts or experts % cfg.ep:
+        return 1.0
+    none_here = math.comb(experts - experts // cfg.ep, k) / math.comb(experts, k)
+    return min(1.0, cfg.ep * (1.0 - none_here) / k)
+
+
+def expert_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig,
+                            dispatch: str = "copies") -> np.ndarray:
     """Per block, seconds of expert parallelism's two all-to-alls in one pass of one micro-batch:
     dispatch (tokens to the ranks holding their experts) and combine (results back), each of the
     bytes the block's experts receive (`extra["experts"]`). In an all-to-all over n ranks each
@@ -84,22 +106,24 @@ def expert_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: Parall
     (`ParallelConfig.expert_token_split`; Megatron-Core MoE README, "MoE parallel folding", ETP 1),
     so a rank's buffer is the block's dispatched bytes over tp, and the group is ep consecutive positions
     over tp x dp. The exchanges are not overlapped with
-    compute (torchtitan and Megatron-LM's default dispatchers wait for them). Zero for blocks
-    without experts."""
+    compute (torchtitan and Megatron-LM's default dispatchers wait for them). A stack that sends a
+    token once per rank sends `dispatch_share` of the copies. Zero for blocks without experts."""
     experts = profile.extra.get("experts") or {}
     sent = np.asarray(experts.get("block_dispatch_bytes") or [0] * profile.num_blocks, dtype=float)
     if cfg.ep == 1 or not sent.any():
         return np.zeros(profile.num_blocks)
     ranks = expert_group_ranks(cfg)
-    return 2 * priced_once(sent * cfg.batch_share(profile.batch_size) / cfg.expert_token_split,
+    share = dispatch_share(profile, cfg, dispatch)
+    return 2 * priced_once(sent * share * cfg.batch_share(profile.batch_size) / cfg.expert_token_split,
                             lambda n: all_to_all_time_s(cluster, ranks, n))
 
 
-def expert_comm_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> np.ndarray:
+def expert_comm_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig,
+                        dispatch: str = "copies") -> np.ndarray:
     """Per block, seconds of expert parallelism's communication in one forward of one micro-batch:
     the all-to-alls (`expert_exchange_times_s`) and the tp all-gather of the outputs
     (`expert_output_gather_times_s`). The backward moves as much again."""
-    return expert_exchange_times_s(profile, cluster, cfg) + expert_output_gather_times_s(profile, cluster, cfg)
+    return expert_exchange_times_s(profile, cluster, cfg, dispatch) + expert_output_gather_times_s(profile, cluster, cfg)
 
 
 def expert_group_ranks(cfg: ParallelConfig) -> list[int]:

@@ -105,8 +105,14 @@ def op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, s
     (`Calibration.selective_recompute`): the attention core (Korthikanti et al. 2022, Sec. 5), or
     torchtitan's operator-level policy, which keeps every odd matmul's output and attention's and
     recomputes every even matmul and the memory-bound operators (torchtitan
-    `distributed/activation_checkpoint.py`: half the forward GEMM time, all of its memory-bound time)."""
+    `distributed/activation_checkpoint.py`: half the forward GEMM time, all of its memory-bound time).
+    A block of experts under ep > 1 prices each kernel at least at the stack's `host_sync_kernel_s`."""
     fwd = bwd = attention_fwd = gemm_fwd = memory_fwd = 0.0
+    if ep > 1 and cal.host_sync_kernel_s > cal.kernel_floor_s and any(op.tp == "expert" for op in block.ops):
+        # The all-to-all's token counts reach the host every pass: the queue the host had issued
+        # ahead drains, and the block's kernels start at the host's pace (calibration.py [Note:
+        # software stacks], `host_sync_kernel_s`).
+        cal = cal.replace(kernel_floor_s=cal.host_sync_kernel_s)
     for op in block.ops:
         if op.dtype == profile_dtype and op.dtype != dtype:
             op = dataclasses.replace(op, dtype=dtype)
@@ -211,7 +217,7 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
         tp_bwd += gather * np.array([2.0 if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 1.0
                                      for b in profile.blocks])
     if cfg.ep > 1:
-        exchange = expert_comm_times_s(profile, cluster, cfg)
+        exchange = expert_comm_times_s(profile, cluster, cfg, cal.expert_dispatch)
         tp_fwd += exchange
         # Backward sends the gradients of both exchanges back (and gathers the tokens' gradients
         # over tp); full recompute repeats the forward's.

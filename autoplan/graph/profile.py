@@ -166,6 +166,7 @@ def config_info(model: nn.Module) -> dict[str, int | None]:
         "hidden_size": ("hidden_size", "n_embd"),
         "vocab_size": ("vocab_size",),
         "num_layers": ("num_layers", "num_hidden_layers", "n_layer"),
+        "experts_per_token": ("experts_per_token", "num_experts_per_tok"),
     }.items():
         for n in names:
             value = getattr(config, n, None) if config is not None else None
@@ -370,7 +371,7 @@ def profile_traced(
         num_layers=info.get("num_layers"),
         torch_version=torch.__version__,
         extra={"tracer_note": traced.note, "tensor_parallel": tensor_parallel_summary(traced, example_inputs),
-               **experts_summary(traced, dispatched, [b.fingerprint for b in blocks]),
+               **experts_summary(traced, dispatched, [b.fingerprint for b in blocks], info.get("experts_per_token")),
                **({"threads": torch.get_num_threads()} if device == "cpu" else {}),
                **({"batch_scaling": "affine" if fixed else "linear (the model rejects a doubled batch)",
                    "timing_spread": {"median": round(statistics.median(spreads), 4) if spreads else None,

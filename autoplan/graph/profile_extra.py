@@ -93,12 +93,14 @@ class _RecordingTarget:
         return self.target(*args, **kwargs)
 
 
-def experts_summary(traced: TracedModel, dispatched: dict[str, int], fingerprints: Sequence[str]) -> dict[str, Any]:
+def experts_summary(traced: TracedModel, dispatched: dict[str, int], fingerprints: Sequence[str],
+                    experts_per_token: int | None = None) -> dict[str, Any]:
     """`extra["experts"]` for a model whose experts expert parallelism can split (else nothing):
     grouped experts that took tokens grouped by expert, and routed experts (graph/experts.py). Per
     block, the parameters its experts hold and the bytes of rows they receive per profile batch
     (sent by one all-to-all to dispatch and one to combine, forward and backward: cost/time.py),
-    and the smallest expert count (what the expert-parallel degree must divide). The fake run
+    and the smallest expert count (what the expert-parallel degree must divide), with the experts
+    each token is routed to where the model's config says (cost/experts.py `dispatch_share`). The fake run
     computes a repeated block once, so its copies (same fingerprint) are counted as the one that ran."""
     grouped = expert_modules(traced.gm)
     grouped_types = {type(grouped[name]) for name in dispatched if name in grouped}
@@ -118,7 +120,10 @@ def experts_summary(traced: TracedModel, dispatched: dict[str, int], fingerprint
         return {}
     by_fingerprint = {fp: n for fp, n in zip(fingerprints, sent) if n}
     sent = [n or by_fingerprint.get(fp, 0) for fp, n in zip(fingerprints, sent)]
-    return {"experts": {"num_experts": min(used), "block_params": params, "block_dispatch_bytes": sent}}
+    summary = {"num_experts": min(used), "block_params": params, "block_dispatch_bytes": sent}
+    if experts_per_token:
+        summary["experts_per_token"] = int(experts_per_token)
+    return {"experts": summary}
 
 
 def _named_modules_under(gm: nn.Module, path: str) -> list[tuple[str, nn.Module]]:

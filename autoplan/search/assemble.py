@@ -188,7 +188,7 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
                    for k in range(num_stages)) * cfg.num_microbatches / cfg.pp
     ep_total = 0.0
     if cfg.ep > 1:  # the experts' all-to-alls (and tp all-gather), folded into the tp arrays by `block_times`
-        exchange = expert_comm_times_s(profile, ctx.cluster, cfg)
+        exchange = expert_comm_times_s(profile, ctx.cluster, cfg, ctx.calibration(pp_gpus[0]).expert_dispatch)
         passes = [1.0 + (2.0 if cfg.recompute == "full" else 1.0)] * num_stages
         ep_total = sum(float(exchange[a:b].sum()) * passes[k] for k, (a, b) in enumerate(ranges)) \
             * cfg.num_microbatches / cfg.pp
