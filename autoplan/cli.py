@@ -235,7 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeat for several GPU types)")
     p.add_argument("--stack", metavar="NAME",
                    help="the software stack to price (default: today's, flash attention); the shipped A100 and H100 "
-                        "calibrations also describe 'megatron-lm-2021' (unfused attention, as Megatron-LM ran in 2021)")
+                        "calibrations also describe 'megatron-lm-2021' (unfused attention, as Megatron-LM ran in 2021), "
+                        "the H100's 'megatron-core' and 'megatron-core-deepep' (Megatron-Core's MoE stack: "
+                        "docs/cost-model.md)")
     pins = p.add_argument_group("pins (fix a dimension; the rest is searched)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
