@@ -157,7 +157,9 @@ MEGATRON_CORE_STACKS = {"A2A": "megatron-core", "DeepEP": "megatron-core-deepep"
 # profiled with dropless routing when its row says dropless (the zoo moe's `dropless`: tokens x k
 # routed copies, no capacity padding; a `capacity_factor` in the row's spec gives way to it), and
 # priced under the stack of its dispatcher: the dispatch share (cost/experts.py `dispatch_share`)
-# from the combinatorics of routing, and two numbers fitted to these runs alone, the attention share
+# from the combinatorics of routing, tensor-parallel communication inside the GEMMs (the model zoo's
+# sbatch_benchmarking.sh adds `--tp-comm-overlap` to every bf16 run: `tp_comm_overlap`), and two
+# numbers fitted to these runs alone, the attention share
 # of Transformer Engine's fused attention and the host's time per kernel after each layer's sync
 # (`fit_stacks`). The dense fit never sees these runs, and these two numbers move no dense run.
 

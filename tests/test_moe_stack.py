@@ -90,6 +90,7 @@ def test_the_shipped_h100_calibration_names_the_megatron_core_stacks():
     a2a, deepep = cal.for_stack("megatron-core"), cal.for_stack("megatron-core-deepep")
     assert (a2a.expert_dispatch, deepep.expert_dispatch) == ("copies", "ranks")
     assert a2a.host_sync_kernel_s == deepep.host_sync_kernel_s > cal.kernel_floor_s
+    assert a2a.tp_comm_overlap and deepep.tp_comm_overlap and not cal.tp_comm_overlap
     assert a2a.attention_fwd_efficiency == deepep.attention_fwd_efficiency <= 0.75
     # Today's stack (autoplan's runtime) keeps its own numbers: the fitted ones are Megatron-Core's.
     assert cal.expert_dispatch == "copies" and cal.host_sync_kernel_s == 0.0
@@ -166,3 +167,26 @@ def test_the_stack_fit_moves_no_dense_run():
     assert np.allclose(before, after)
     if "H100" in moved:
         assert stack_parameters_of(moved) == (0.3, 70e-6)
+
+
+def test_tp_communication_inside_the_gemms_is_not_exposed():
+    """`tp_comm_overlap` (Transformer Engine's userbuffer overlap) hides the sequence-parallel
+    collectives; without sequence parallelism, or under today's stack, they stay exposed."""
+    from autoplan.cost.time import block_times
+
+    dense = autoplan.profile("llama:num_layers=2,hidden_size=512,num_heads=8,vocab_size=512,max_seq_len=256",
+                             seq_len=256)
+    gpu = get_gpu("H100-SXM-80GB")
+    cluster = parse_cluster("1x8xH100-80GB")
+    cal = default_calibration(gpu)
+    overlapped = cal.for_stack("megatron-core")
+
+    def tp_seconds(c, sp):
+        cfg = ParallelConfig(tp=4, pp=1, dp=2, micro_batch_size=1, num_microbatches=1, schedule="1f1b",
+                             sequence_parallel=sp)
+        times = block_times(dense, gpu, cluster, cfg, "bfloat16", c)
+        return float((times.tp_fwd_s + times.tp_bwd_s).sum())
+
+    assert tp_seconds(cal, True) > 0
+    assert tp_seconds(overlapped, True) == 0.0
+    assert tp_seconds(overlapped, False) == pytest.approx(tp_seconds(cal, False))

@@ -81,7 +81,7 @@ EXPERT_DISPATCH = ("copies", "ranks")
 stacks]): one row per (token, expert) copy, or once per destination rank (DeepEP)."""
 STACK_FIELDS = ("attention_kernel", "causal_work_fraction", "attention_fwd_efficiency", "attention_bwd_efficiency",
                 "overlap_slowdown", "selective_recompute", "overlap_grad_reduce", "p2p_blocking", "expert_dispatch",
-                "host_sync_kernel_s")
+                "host_sync_kernel_s", "tp_comm_overlap")
 """Fields a named stack may override ([Note: software stacks])."""
 
 
@@ -140,6 +140,13 @@ class Calibration:
     backward (PyTorch DDP, Li et al. 2020, Sec. 3.2.3; Megatron-LM's `--overlap-grad-reduce` since
     September 2023, commit e801b2b) or after it, whole (Megatron-LM before then: its DDP reduced one
     contiguous gradient buffer once the backward had finished)."""
+    tp_comm_overlap: bool = False
+    """Whether the sequence-parallel all-gathers and reduce-scatters of tensor parallelism run inside
+    the GEMMs that consume and produce them (Transformer Engine's userbuffer overlap, Megatron-LM
+    `--tp-comm-overlap`: each collective split into chunks pipelined with the GEMM's chunks, Wang et
+    al. 2023, "Overlap Communication with Dependent Computation via Decomposition in Large Deep
+    Learning Models", ASPLOS, Sec. 3), so the layer does not wait for them (cost/time.py
+    `block_times`); False: they are exposed, as torch's `parallelize_module` runs them."""
     expert_dispatch: str = "copies"
     """How the expert-parallel all-to-all sends a token routed to k experts (`EXPERT_DISPATCH`,
     [Note: software stacks])."""
@@ -199,6 +206,7 @@ class Calibration:
                         "selective_recompute": self.selective_recompute,
                         "overlap_grad_reduce": self.overlap_grad_reduce, "p2p_blocking": self.p2p_blocking,
                         "expert_dispatch": self.expert_dispatch, "host_sync_kernel_s": self.host_sync_kernel_s,
+                        "tp_comm_overlap": self.tp_comm_overlap,
                         "source": self.sources.get("stack", "")}
         if self.stacks:
             out["stacks"] = {k: dict(v) for k, v in self.stacks.items()}
@@ -260,7 +268,7 @@ class Calibration:
                                        f"{', '.join(STACK_FIELDS)} (and a note)")
             if variant.get("attention_kernel", "flash") not in ATTENTION_KERNELS:
                 raise CalibrationError(f"{where}: stack {name!r}: attention_kernel must be one of {ATTENTION_KERNELS}")
-            for flag in ("overlap_grad_reduce", "p2p_blocking"):
+            for flag in ("overlap_grad_reduce", "p2p_blocking", "tp_comm_overlap"):
                 if not isinstance(variant.get(flag, True), bool):
                     raise CalibrationError(f"{where}: stack {name!r}: {flag} must be true or false")
             if variant.get("selective_recompute", "attention") not in SELECTIVE_RECOMPUTE:
@@ -295,6 +303,7 @@ class Calibration:
             selective_recompute=selective,
             overlap_grad_reduce=bool(stack.get("overlap_grad_reduce", True)),
             p2p_blocking=bool(stack.get("p2p_blocking", False)),
+            tp_comm_overlap=bool(stack.get("tp_comm_overlap", False)),
             expert_dispatch=str(stack.get("expert_dispatch", "copies")),
             host_sync_kernel_s=float(stack.get("host_sync_kernel_s", 0.0)),
             stack=str(stack.get("name", DEFAULT_STACK)),

@@ -202,10 +202,11 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             # The experts' FLOPs a tp rank leaves to its peers under expert tp 1 (`scaled_op`).
             hw[i] -= expert_flops(b, f, cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS) \
                 * (1 - 1 / cfg.expert_token_split)
-        if cfg.tp > 1 and b.tp_comm_bytes:
+        if cfg.tp > 1 and b.tp_comm_bytes and not (cal.tp_comm_overlap and cfg.sequence_parallel):
             # Megatron: all-reduces in forward and as many in backward (Shoeybi et al. 2019, Fig. 3);
             # with sequence parallelism each is a reduce-scatter + all-gather of the same volume
-            # (Korthikanti et al. 2022, Sec. 4.2.2), which a ring costs the same.
+            # (Korthikanti et al. 2022, Sec. 4.2.2), which a ring costs the same. A stack that runs
+            # those inside the GEMMs (`Calibration.tp_comm_overlap`) leaves none exposed.
             ar = allreduce_time_s(cluster, tp_ranks, b.tp_comm_bytes * f)
             tp_fwd[i] = ar
             tp_bwd[i] = ar + (ar if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 0.0)
