@@ -51,7 +51,7 @@ from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate
 
 __all__ = ["DATA_DIR", "FIT_PARAMETERS", "MEGATRON_CORE_STACKS", "SC21_STACK", "STACK_FIT_PARAMETERS", "fit_stacks",
-           "stack_parameters_of", "with_stack_parameters", "Prediction", "PublishedRun", "apply_parameters",
+           "stack_parameters_of", "unfitted_stacks", "with_stack_parameters", "Prediction", "PublishedRun", "apply_parameters",
            "calibrations_for", "chip", "chosen_dimensions", "fit", "load_runs", "measured_start", "neutral", "parameters_of", "predict",
            "predict_all", "run_gpus", "shipped_by_chip", "summary"]
 
@@ -174,6 +174,7 @@ def _moe_run_spec(spec: str, precision: str) -> str:
 
 
 def _moe_stack(precision: str) -> str:
+    """The Megatron-Core stack of a MoE row, by the dispatcher its precision field names."""
     return MEGATRON_CORE_STACKS["DeepEP" if "deepep" in precision.lower() else "A2A"]
 
 
@@ -462,9 +463,10 @@ STACK_FIT_PARAMETERS = ("attention", "host_sync_kernel_s")
 
 
 STACK_ATTENTION_BOUNDS = (0.2, 0.75)
-"""Where the Megatron-Core stacks' attention share may lie: up to the best fused attention reported
-on an H100 (FlashAttention-3, Shah et al. 2024, Sec. 4.1: about 740 TFLOP/s forward in BF16, 0.75 of
-dense peak), so the fit cannot hand the stack an attention faster than any kernel runs."""
+"""Where the Megatron-Core stacks' attention share may lie: up to the best fused attention forward
+reported on an H100 (FlashAttention-3, Shah et al. 2024, Sec. 4.1: about 740 TFLOP/s in BF16, 0.75 of
+dense peak). One share serves forward and backward, as in the dense fit; a backward kernel reaches
+less than its forward, so at the bound the backward is priced optimistically."""
 
 
 def stack_parameters_of(cals: dict[str, Calibration], family: str = "H100") -> tuple[float, float]:
@@ -476,15 +478,27 @@ def stack_parameters_of(cals: dict[str, Calibration], family: str = "H100") -> t
 def with_stack_parameters(cals: dict[str, Calibration], families: Sequence[str], attention: float,
                           host_sync_kernel_s: float) -> dict[str, Calibration]:
     """Per-chip calibrations whose Megatron-Core stacks have these numbers (one attention share
-    forward and backward, as the dense fit uses)."""
+    forward and backward, as the dense fit uses), rounded as they are written. A chip whose
+    calibration does not describe those stacks is left as it is."""
     out = dict(cals)
     for family in families:
         stacks = {name: dict(fields) for name, fields in out[family].stacks.items()}
         for name in MEGATRON_CORE_STACKS.values():
-            stacks.setdefault(name, {}).update(attention_fwd_efficiency=float(attention),
-                                               attention_bwd_efficiency=float(attention),
-                                               host_sync_kernel_s=float(host_sync_kernel_s))
+            if name in stacks:
+                stacks[name].update(attention_fwd_efficiency=round(float(attention), 4),
+                                    attention_bwd_efficiency=round(float(attention), 4),
+                                    host_sync_kernel_s=round(float(host_sync_kernel_s), 9))
         out[family] = out[family].replace(stacks=stacks)
+    return out
+
+
+def unfitted_stacks(cals: dict[str, Calibration], families: Sequence[str]) -> dict[str, Calibration]:
+    """The Megatron-Core stacks with no numbers fitted to any MoE run: the chip's own attention share
+    and no host term (what leave-one-source-out prices a source with when no other source has MoE
+    runs to fit them)."""
+    out = dict(cals)
+    for family in families:
+        out = with_stack_parameters(out, [family], out[family].attention_fwd_efficiency, 0.0)
     return out
 
 
@@ -507,6 +521,10 @@ def fit_stacks(runs: Sequence[PublishedRun], cals: dict[str, Calibration],
         steps = [p.step_s for p in predict_all(moe, calibrations_for(trial, gpus))]
         return float(np.sum((np.log(steps) - target) ** 2))
 
+    # Attention in steps of 0.05 over its bounds; the host's time per kernel from 0 (a host always
+    # ahead) to 80 us (eight times the kernel floor, well past eager PyTorch's own 9 us per kernel on
+    # this project's CPU: benchmarks/host_per_kernel_cpu.py) in steps of 10 us; then a grid of half
+    # those steps around the best point.
     (low, high), attention_step, host_step = STACK_ATTENTION_BOUNDS, 0.05, 10e-6
     grid = [(a, h) for a in np.arange(low, high + 1e-9, attention_step) for h in np.arange(0.0, 80e-6 + 1e-12, host_step)]
     best = min(grid, key=lambda point: loss(*point))

@@ -31,12 +31,12 @@ from pathlib import Path
 from autoplan.cost.calibration import Calibration
 from autoplan.published import (
     FIT_PARAMETERS,
+    STACK_FIT_PARAMETERS,
     Prediction,
     PublishedRun,
     calibrations_for,
     chip,
     chosen_dimensions,
-    STACK_FIT_PARAMETERS,
     fit,
     fit_stacks,
     load_runs,
@@ -47,6 +47,7 @@ from autoplan.published import (
     shipped_by_chip,
     stack_parameters_of,
     summary,
+    unfitted_stacks,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,16 +116,17 @@ def leave_one_source_out(runs: list[PublishedRun], shipped: dict[str, Calibratio
         kept = [r for r in runs if r.source != source and r.regime not in NOT_FITTED_REGIMES]
         held = [r for r in runs if r.source == source]
         cals, _ = fit(kept, neutral(shipped), rounds=1, iterations=6)
-        # The Megatron-Core stacks' numbers from the other sources' MoE runs alone; with none
-        # left, the stacks keep no fitted numbers of their own (the dense calibration prices them).
+        # A source with MoE runs: the Megatron-Core stacks' numbers from the other sources' MoE runs
+        # alone; with none left, no fitted numbers at all (the chip's attention share, no host term).
         moe_kept = [r for r in runs if r.source != source and r.regime in NOT_FITTED_REGIMES]
-        if moe_kept and any(r.regime in NOT_FITTED_REGIMES for r in held):
-            cals = fit_stacks(moe_kept, cals)
+        refit_stacks = any(r.regime in NOT_FITTED_REGIMES for r in held)
+        if refit_stacks:
+            cals = fit_stacks(moe_kept, cals) if moe_kept else unfitted_stacks(cals, [f for f in cals if f == "H100"])
         gpus = run_gpus(runs)
         for p in predict_all(held, calibrations_for(cals, gpus)):
             errors[p.run.id] = p.error
-        fitted[source] = [float(v) for v in parameters_of(cals)] + (list(stack_parameters_of(cals)) if "H100" in cals
-                                                                    else [])
+        fitted[source] = [float(v) for v in parameters_of(cals)] + (list(stack_parameters_of(cals))
+                                                                    if refit_stacks and "H100" in cals else [])
         _log(f"left out {source}: refitted on {len(kept)} runs in {time.perf_counter() - started:.0f} s")
     return errors, fitted
 

@@ -141,12 +141,12 @@ class Calibration:
     September 2023, commit e801b2b) or after it, whole (Megatron-LM before then: its DDP reduced one
     contiguous gradient buffer once the backward had finished)."""
     tp_comm_overlap: bool = False
-    """Whether the sequence-parallel all-gathers and reduce-scatters of tensor parallelism run inside
-    the GEMMs that consume and produce them (Transformer Engine's userbuffer overlap, Megatron-LM
-    `--tp-comm-overlap`: each collective split into chunks pipelined with the GEMM's chunks, Wang et
-    al. 2023, "Overlap Communication with Dependent Computation via Decomposition in Large Deep
-    Learning Models", ASPLOS, Sec. 3), so the layer does not wait for them (cost/time.py
-    `block_times`); False: they are exposed, as torch's `parallelize_module` runs them."""
+    """Whether a transformer layer's sequence-parallel all-gathers and reduce-scatters run inside the
+    GEMMs that consume and produce them (Megatron-LM `--tp-comm-overlap`: Transformer Engine's
+    userbuffers split each collective into chunks pipelined with the GEMM's, transformer_engine
+    `initialize_ub` and its `ub_overlap_ag` / `ub_overlap_rs` layer options), so the layer does not
+    wait for them (cost/time.py `block_times`); False: they are exposed, as torch's
+    `parallelize_module` runs them."""
     expert_dispatch: str = "copies"
     """How the expert-parallel all-to-all sends a token routed to k experts (`EXPERT_DISPATCH`,
     [Note: software stacks])."""
@@ -255,6 +255,9 @@ class Calibration:
         unit_overhead = fsdp.get("unit_overhead_s", 0.0)
         if isinstance(unit_overhead, bool) or not isinstance(unit_overhead, (int, float)) or not 0 <= unit_overhead < 1:
             raise CalibrationError(f"{where}: fsdp.unit_overhead_s must be seconds in [0, 1), got {unit_overhead!r}")
+        for flag in ("overlap_grad_reduce", "p2p_blocking", "tp_comm_overlap"):
+            if not isinstance(stack.get(flag, False), bool):
+                raise CalibrationError(f"{where}: stack.{flag} must be true or false, got {stack[flag]!r}")
         kernel = stack.get("attention_kernel", "flash")
         if kernel not in ATTENTION_KERNELS:
             raise CalibrationError(f"{where}: stack.attention_kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
@@ -270,7 +273,13 @@ class Calibration:
                 raise CalibrationError(f"{where}: stack {name!r}: attention_kernel must be one of {ATTENTION_KERNELS}")
             for flag in ("overlap_grad_reduce", "p2p_blocking", "tp_comm_overlap"):
                 if not isinstance(variant.get(flag, True), bool):
-                    raise CalibrationError(f"{where}: stack {name!r}: {flag} must be true or false")
+                    raise CalibrationError(f"{where}: stack {name!r}: {flag} must be true or false, "
+                                           f"got {variant[flag]!r}")
+            slowdown_of_variant = variant.get("overlap_slowdown", 0.0)
+            if isinstance(slowdown_of_variant, bool) or not isinstance(slowdown_of_variant, (int, float)) \
+                    or not 0 <= slowdown_of_variant < 1:
+                raise CalibrationError(f"{where}: stack {name!r}: overlap_slowdown must be a number in [0, 1), "
+                                       f"got {slowdown_of_variant!r}")
             if variant.get("selective_recompute", "attention") not in SELECTIVE_RECOMPUTE:
                 raise CalibrationError(f"{where}: stack {name!r}: selective_recompute must be one of "
                                        f"{SELECTIVE_RECOMPUTE}")

@@ -109,9 +109,11 @@ def op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, s
     A block of experts under ep > 1 prices each kernel at least at the stack's `host_sync_kernel_s`."""
     fwd = bwd = attention_fwd = gemm_fwd = memory_fwd = 0.0
     if ep > 1 and cal.host_sync_kernel_s > cal.kernel_floor_s and any(op.tp == "expert" for op in block.ops):
-        # The all-to-all's token counts reach the host every pass: the queue the host had issued
-        # ahead drains, and the block's kernels start at the host's pace (calibration.py [Note:
-        # software stacks], `host_sync_kernel_s`).
+        # The forward's all-to-all brings the token counts to the host (so does its recompute): the
+        # queue the host had issued ahead drains, and the kernels start at the host's pace. The
+        # backward's exchanges reuse split sizes the host holds and wait on nothing; it is priced at
+        # the same pace all the same, a simplification the fit prefers (calibration.py [Note:
+        # software stacks], `host_sync_kernel_s`; forward only: docs/cost-model.md).
         cal = cal.replace(kernel_floor_s=cal.host_sync_kernel_s)
     for op in block.ops:
         if op.dtype == profile_dtype and op.dtype != dtype:
@@ -202,11 +204,13 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             # The experts' FLOPs a tp rank leaves to its peers under expert tp 1 (`scaled_op`).
             hw[i] -= expert_flops(b, f, cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS) \
                 * (1 - 1 / cfg.expert_token_split)
-        if cfg.tp > 1 and b.tp_comm_bytes and not (cal.tp_comm_overlap and cfg.sequence_parallel):
+        overlapped = cal.tp_comm_overlap and cfg.sequence_parallel and b.kind in _RECOMPUTED_KINDS
+        if cfg.tp > 1 and b.tp_comm_bytes and not overlapped:
             # Megatron: all-reduces in forward and as many in backward (Shoeybi et al. 2019, Fig. 3);
             # with sequence parallelism each is a reduce-scatter + all-gather of the same volume
             # (Korthikanti et al. 2022, Sec. 4.2.2), which a ring costs the same. A stack that runs
-            # those inside the GEMMs (`Calibration.tp_comm_overlap`) leaves none exposed.
+            # a layer's inside its GEMMs (`Calibration.tp_comm_overlap`) leaves none exposed; the
+            # embedding's and the head's are not Transformer Engine GEMMs and stay exposed.
             ar = allreduce_time_s(cluster, tp_ranks, b.tp_comm_bytes * f)
             tp_fwd[i] = ar
             tp_bwd[i] = ar + (ar if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 0.0)
