@@ -168,8 +168,15 @@ def test_the_published_moe_runs_ran_dropless_under_their_dispatchers_stack():
 def test_the_stack_fit_moves_no_dense_run():
     """`with_stack_parameters` (what `fit_stacks` sets) changes the Megatron-Core stacks only: the
     H100's dense published runs predict the same."""
-    from autoplan.published import (calibrations_for, load_runs, predict_all, run_gpus, shipped_by_chip,
-                                    stack_parameters_of, with_stack_parameters)
+    from autoplan.published import (
+        calibrations_for,
+        load_runs,
+        predict_all,
+        run_gpus,
+        shipped_by_chip,
+        stack_parameters_of,
+        with_stack_parameters,
+    )
 
     dense = [r for r in load_runs() if r.regime != "MoE" and "H100" in r.cluster][:3]
     assert len(dense) == 3
