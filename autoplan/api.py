@@ -129,7 +129,8 @@ def _profile_with_graph(model, *, batch_size, seq_len, example_inputs, loss_fn, 
             target_maker=lambda out, rows: source.target(out.shape, out.dtype, rows, device="meta"))
     rows = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), batch_size)
     prof = profile_module(module, traced, graph_inputs, model_name=source.name, info=source.info,
-                          positions_refusal=source.context_parallel_refusal(module), dtype=torch_dtype,
+                          positions_refusal=source.context_parallel_refusal(module),
+                          experts_route_tokens_alone=source.routes_tokens_alone(module), dtype=torch_dtype,
                           device=device, batch_size=rows,
                           seq_len=seq_len or 1,  # a model without a sequence counts samples
                           cache_dir=cache_dir, progress=progress)

@@ -31,7 +31,13 @@ MODELS = {
     # its load-balancing loss on, and a shared expert.
     "zoo-moe": "moe:num_layers=2,hidden_size=32,num_heads=4,num_kv_heads=2,ffn_hidden_size=48,vocab_size=128,"
                "max_seq_len=64,num_experts=4,experts_per_token=2,num_shared_experts=1,capacity_factor=2",
+    # transformers' mixtures of experts (routed, dropless; no load-balancing loss by default):
+    # sources/hf.py `routes_tokens_alone`.
+    "hf-mixtral": f"hf:mixtral:{_HF},num_local_experts=4,num_experts_per_tok=2",
+    "hf-qwen2-moe": f"hf:qwen2_moe:{_HF},moe_intermediate_size=32,shared_expert_intermediate_size=64,num_experts=4,"
+                    "num_experts_per_tok=2",
 }
+MOE_MODELS = ("zoo-moe", "hf-mixtral", "hf-qwen2-moe")
 LAYOUTS = {"cp2": ["--tp", "1", "--cp", "2", "--dp", "4", "--pp", "1"],
            "cp2-pp2": ["--tp", "1", "--cp", "2", "--dp", "2", "--pp", "2"],
            "cp2-tp2": ["--tp", "2", "--cp", "2", "--dp", "2", "--pp", "1"]}  # tp over an inlined (export) graph
@@ -41,7 +47,7 @@ SEQ_LEN = 32
 def _suggest(spec: str, layout: str, out: Path) -> Path:
     result = run_main("suggest", "--model", spec, "--cluster", "1x4xcpu", "--global-batch", str(GLOBAL_BATCH),
                       "--seq-len", str(SEQ_LEN), "--micro-batch-size", str(MICRO_BATCH), "--dtype", "fp32",
-                      *LAYOUTS[layout], *(["--ep", "1"] if spec.startswith("moe") else []),
+                      *LAYOUTS[layout], *(["--ep", "1"] if spec in {MODELS[m] for m in MOE_MODELS} else []),
                       "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert json.loads(out.read_text())["cp"] == 2
@@ -90,7 +96,7 @@ def _check(cases: dict, tmp_path: Path) -> None:
 @pytest.mark.timeout(600)
 def test_transformers_llama_a_model_file_and_the_zoo_moe_at_cp2_match_a_single_process(tmp_path):
     _check({"hf-llama-cp2-pp2": ("hf-llama", "cp2-pp2"), "sdpa-file-cp2": ("sdpa-file", "cp2"),
-            "zoo-moe-cp2": ("zoo-moe", "cp2")}, tmp_path)
+            "zoo-moe-cp2": ("zoo-moe", "cp2"), "hf-mixtral-cp2": ("hf-mixtral", "cp2")}, tmp_path)
 
 
 @pytest.mark.multiproc
@@ -100,6 +106,8 @@ def test_transformers_models_at_cp2_and_cp2_pp2_match_a_single_process(tmp_path)
     cases = {f"{model}-{layout}": (model, layout) for model in ("hf-llama", "hf-qwen2", "hf-mistral")
              for layout in ("cp2", "cp2-pp2") if (model, layout) != ("hf-llama", "cp2-pp2")}
     cases["hf-llama-cp2-tp2"] = ("hf-llama", "cp2-tp2")
+    cases.update({"hf-mixtral-cp2-pp2": ("hf-mixtral", "cp2-pp2"), "hf-qwen2-moe-cp2": ("hf-qwen2-moe", "cp2"),
+                  "hf-qwen2-moe-cp2-pp2": ("hf-qwen2-moe", "cp2-pp2")})
     _check(cases, tmp_path)
 
 
@@ -151,6 +159,10 @@ def test_the_cp_attention_of_a_transformers_model_is_its_own():
     (MODELS["zoo-moe"].replace("capacity_factor=2", "capacity_factor=1.25"),
      "its experts drop tokens over a capacity counted per sequence (capacity_factor 1.25 < num_experts / "
      "experts_per_token = 2), which a rank holding part of each sequence counts differently; set capacity_factor=2"),
+    (MODELS["hf-mixtral"] + ",output_router_logits=true",
+     "MixtralForCausalLM returns its routers' load-balancing loss (output_router_logits=true), a product of means "
+     "over all of a batch's tokens, which a rank holding part of each sequence computes differently; set "
+     "output_router_logits=false or plan it with --cp 1"),
 ])
 def test_cp_is_refused_in_one_line_for_a_model_that_cannot_be_told_its_positions(model, words):
     result = run_main("suggest", "--model", model, "--cluster", "1x4xcpu", "--global-batch", "8", "--seq-len", "32",

@@ -40,6 +40,8 @@ LAYOUTS = {
     "ep2-tp2-zero3": ["--tp", "2", "--pp", "1", "--dp", "2", "--ep", "2", "--zero", "3"],
     "ep4-tp2-zero3": ["--tp", "2", "--pp", "1", "--dp", "2", "--ep", "4", "--zero", "3"],  # ep beyond dp
     "ep2-hsdp": ["--tp", "1", "--pp", "1", "--dp", "4", "--ep", "2", "--zero", "3", "--dp-replicate", "2"],
+    # cp 2: each rank's chunks of a sequence are tokens of its own to the experts (routed token by token)
+    "cp2-ep2": ["--tp", "1", "--pp", "1", "--dp", "4", "--cp", "2", "--ep", "2"],
 }
 
 
@@ -76,12 +78,23 @@ def test_hf_mixtral_at_ep2_matches_a_single_process(tmp_path):
     _check("hf-mixtral", ["ep2"], tmp_path)
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_hf_mixtral_at_cp2_with_ep2_matches_a_single_process(tmp_path):
+    """`--cp 2 --ep 2` on a transformers Mixtral: its routers pick experts token by token and, with
+    output_router_logits off (transformers' default), count nothing over the batch
+    (sources/hf.py `routes_tokens_alone`), so each cp rank's chunks go to the experts as tokens of
+    their own."""
+    _check("hf-mixtral", ["cp2-ep2"], tmp_path)
+
+
 @pytest.mark.extended
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model", list(MODELS))
 def test_routed_experts_every_layout_matches_a_single_process(model, tmp_path):
-    layouts = list(LAYOUTS)[1:] if model == "hf-mixtral" else list(LAYOUTS)  # Mixtral's ep2: the default tier
+    # Mixtral's ep2 and cp2-ep2: the default tier
+    layouts = [n for n in LAYOUTS if not (model == "hf-mixtral" and n in ("ep2", "cp2-ep2"))]
     _check(model, layouts, tmp_path)
 
 

@@ -388,12 +388,13 @@ def profile_traced(
 
 def profile_module(model: nn.Module, traced: TracedModel, graph_inputs: Sequence[Any], *, model_name: str,
                    info: dict[str, int | None] | None = None, positions_refusal: str | None = "",
-                   **options: Any) -> ModelProfile:
+                   experts_route_tokens_alone: bool = False, **options: Any) -> ModelProfile:
     """`profile_traced` for `traced`, the graph of `model`, run on `graph_inputs`: with the model's
     config numbers (`config_info`, each overridden by `info` where that is set), its fingerprint, and
     whether context parallelism can split its sequences (`extra["context_parallel"]`: the source's
     `positions_refusal`, None when it tells the model its positions; by default whether the model
-    reads `sequence_positions()`, graph/positions.py). `options` are
+    reads `sequence_positions()`, graph/positions.py; `experts_route_tokens_alone`: the source's
+    word that its experts count nothing over a sequence, `ModelSource.routes_tokens_alone`). `options` are
     `profile_traced`'s (dtype, device, batch_size, seq_len, warmup, repeats, cache_dir, progress). The
     one path from a built model to its profile, for `profile_model` and `autoplan.api.profile_with_graph`."""
     merged = config_info(model)
@@ -402,7 +403,8 @@ def profile_module(model: nn.Module, traced: TracedModel, graph_inputs: Sequence
                              info=merged, **options)
     if positions_refusal == "":
         positions_refusal = positions_refusal_of(model)
-    extra = {**profile.extra, "context_parallel": context_parallel_support(model, profile, positions_refusal)}
+    extra = {**profile.extra, "context_parallel": context_parallel_support(model, profile, positions_refusal,
+                                                                           experts_route_tokens_alone)}
     return dataclasses.replace(profile, extra=extra)
 
 

@@ -134,15 +134,17 @@ def _named_modules_under(gm: nn.Module, path: str) -> list[tuple[str, nn.Module]
     return [(f"{path}.{name}" if name else path, m) for name, m in module.named_modules()]
 
 
-def context_parallel_support(model: nn.Module, profile: ModelProfile, positions_refusal: str | None) -> dict[str, Any]:
+def context_parallel_support(model: nn.Module, profile: ModelProfile, positions_refusal: str | None,
+                             experts_route_tokens_alone: bool = False) -> dict[str, Any]:
     """Whether the runtime can split this model's sequences over ranks (runtime/context.py), and
     why not: the model must be told its tokens' positions (`positions_refusal`, the model source's
     verdict: `ModelSource.context_parallel_refusal`), compute attention with
     `scaled_dot_product_attention` (which the runtime routes through the cp group; the profile lists
     it as a fused attention operator), and hold no per-sequence state across tokens other than
     attention unless it sums it over the sequence (graph/positions.py `sequence_split_refusal`: a
-    mixture of experts' capacity and balance loss)."""
-    split = sequence_split_refusal(model, bool(profile.extra.get("experts")))
+    mixture of experts' capacity and balance loss), unless its source says its experts route each token
+    by itself (`experts_route_tokens_alone`, `ModelSource.routes_tokens_alone`)."""
+    split = sequence_split_refusal(model, bool(profile.extra.get("experts")) and not experts_route_tokens_alone)
     if positions_refusal is not None:
         why = positions_refusal
     elif not any(op.kind == "attention" for b in profile.blocks for op in b.ops):

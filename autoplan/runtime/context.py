@@ -205,7 +205,8 @@ def refuse_context_parallel(source: ModelSource, model: nn.Module, traced: Trace
     whole (graph/positions.py `sequence_split_refusal`: experts routed by capacity)."""
     if plan.cp <= 1:
         return
-    why = source.context_parallel_refusal(model) or sequence_split_refusal(model, bool(expert_modules(traced.gm)))
+    has_experts = bool(expert_modules(traced.gm)) and not source.routes_tokens_alone(model)
+    why = source.context_parallel_refusal(model) or sequence_split_refusal(model, has_experts)
     if why is not None:
         raise PartitionError(f"the plan has cp {plan.cp} but {why}; re-plan it with `autoplan suggest` (cp 1)")
 

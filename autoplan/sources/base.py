@@ -262,6 +262,14 @@ class ModelSource(ABC):
             return None
         return positions_refusal_of(model)
 
+    def routes_tokens_alone(self, model: nn.Module) -> bool:
+        """Whether this source's experts (if any) route each token by itself, with nothing counted
+        over a sequence or a batch: then context parallelism may split the sequences they see
+        (graph/positions.py `sequence_split_refusal`). False unless the source knows: a model's own
+        experts may count a capacity or a balance loss over whole sequences, and say so themselves
+        (`SPLIT_REFUSAL_METHOD`), as the zoo's do."""
+        return False
+
     def check_seq_len(self, seq_len: int | None) -> None:
         """Refuse (one line) a sequence length the model cannot take."""
         if seq_len is None:

@@ -366,6 +366,13 @@ class HFSource(ModelSource):
         """[Note: transformers under context parallelism] (hf_context.py)."""
         return self._cp_refusal
 
+    def routes_tokens_alone(self, model: nn.Module) -> bool:
+        """transformers' mixture-of-experts blocks route each token to its top-k experts with no
+        capacity (every token reaches them: the routed-experts contract of graph/experts.py); what
+        they count over the batch is the routers' load-balancing loss, which `context_parallel_refusal`
+        refuses ([Note: transformers under context parallelism])."""
+        return True
+
     def build(self, device: torch.device | str = "meta") -> nn.Module:
         """The model on meta, or materialized on `device` by `init_weights` (seed 0)."""
         with _quiet(), torch.device("meta"):

@@ -28,6 +28,14 @@ The implementation is used for every plan of a model that offers cp (cp 1 too), 
 a model whose attention has a sliding window shorter than its position limit, logit soft-capping,
 or which is an encoder-decoder, is not offered it (`context_parallel_refusal`) and keeps
 transformers' own attention.
+
+A mixture of experts (Mixtral, Qwen2/3-MoE, DeepSeek-V3) routes each token to its experts with no
+capacity, so a rank's chunks are routed as the whole sequence's tokens would be (hf.py
+`routes_tokens_alone`, which lifts graph/positions.py's refusal of experts that count over a
+sequence). What such a model counts over the batch is its routers' load-balancing loss, returned
+with `output_router_logits=true` (transformers' `load_balancing_loss_func`: the product of the
+share of picks and the mean router probability per expert, each a mean over every token of the
+batch), which a rank computes over its own tokens; such a model is not offered cp.
 """
 
 from __future__ import annotations
@@ -96,6 +104,10 @@ def context_parallel_refusal(config: Any, model_class: type) -> str | None:
         return f"{name} does not compute attention through transformers' AttentionInterface"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return f"{name} soft-caps its attention logits, which SDPA does not"
+    if getattr(config, "output_router_logits", False):
+        return (f"{name} returns its routers' load-balancing loss (output_router_logits=true), a product of means "
+                "over all of a batch's tokens, which a rank holding part of each sequence computes differently; "
+                "set output_router_logits=false or plan it with --cp 1")
     window, limit = getattr(config, "sliding_window", None), getattr(config, "max_position_embeddings", None)
     types = getattr(config, "layer_types", None)
     if (isinstance(window, int) and (limit is None or window < limit)
