@@ -1,8 +1,9 @@
 """Context and expert parallelism in the exports: torchtitan and Megatron-LM state cp (their own
 context-parallel degree, data parallelism counted without it); DeepSpeed's config cannot and refuses;
 Megatron-LM writes the zoo's mixture of experts and the expert layout (ep, expert tp 1, the
-all-to-all dispatcher); torchtitan, which has no such model, refuses it; DeepSpeed lists ep as a
-difference. The `export` tests parse the files with torchtitan and megatron-core themselves."""
+all-to-all dispatcher); torchtitan writes it as its own MoE (a Qwen3Model of Llama layers) with its
+expert-parallel degree; DeepSpeed lists ep as a difference. The `export` tests parse the files with
+torchtitan and megatron-core themselves, and build torchtitan's model on the meta device."""
 
 from __future__ import annotations
 
@@ -70,14 +71,23 @@ def moe_plan():
 
 
 def test_moe_plans():
-    """torchtitan refuses the zoo's mixture of experts (it has no such model definition) and names the
-    targets that write it; Megatron-LM writes it (its MoE layer), DeepSpeed with ep as a difference."""
+    """torchtitan writes the zoo's mixture of experts as its own MoE with expert_parallel_degree, the
+    zoo's capacity routing and Switch loss named as differences (torchtitan routes dropless and
+    balances with a bias); DeepSpeed writes it with ep as a difference."""
     plan = moe_plan()
-    with pytest.raises(ExportError) as refused:
-        export_plan(plan, "torchtitan", allow_approx=True)
-    message = str(refused.value)
-    assert "(a mixture of experts)" in message and "\n" not in message
-    assert "--to megatron" in message and "--to torchtitan" not in message
+    export = export_plan(plan, "torchtitan", allow_approx=True)
+    training, parallelism, _ = _literal_settings(export.text)
+    assert parallelism["expert_parallel_degree"] == 2
+    assert "Qwen3TransformerBlock.Config" in export.text and "make_moe_config" in export.text
+    assert [d.split(" (")[0] for d in export.differences if "experts" in d or "load-balancing" in d] == [
+        "the plan's experts take at most 20 tokens of a sequence each", "the plan's router adds the Switch "
+        "load-balancing loss"]
+    dropless = autoplan.suggest(MOE + ",dropless=true,router_aux_loss_coef=0", "1x4xcpu", global_batch=8, seq_len=32,
+                                ep=2, pp=1, zero=3, top=1)[0]
+    assert export_plan(dropless, "torchtitan").differences == ()  # stated exactly: no --allow-approx needed
+    # Megatron-LM's script states dropless routing as dropless (no capacity factor), as the plan runs it.
+    megatron = export_plan(dropless, "megatron", allow_approx=True).text
+    assert "--moe-expert-capacity-factor" not in megatron and "--moe-token-dispatcher-type alltoall" in megatron
     export = export_plan(plan, "deepspeed", allow_approx=True)
     assert any(d.startswith("ep 2: DeepSpeed splits experts only inside its own deepspeed.moe") for d in
                export.differences)
@@ -174,8 +184,14 @@ def _named_targets(message: str) -> list[str]:
     return re.findall(r"--to (\w+)", message)
 
 
-@pytest.mark.parametrize("make", [moe_plan, cp_plan, lambda: case("gpt"), lambda: dataclasses.replace(moe_plan(), cp=2)],
-                         ids=["moe-ep2", "cp", "gpt", "moe-cp2"])
+@functools.cache
+def moe_cp_plan():
+    """The dropless zoo moe at cp 2 x ep 2 (DeepSpeed's config has no cp)."""
+    return autoplan.suggest(MOE + ",dropless=true", "1x4xcpu", global_batch=8, seq_len=32, cp=2, ep=2, pp=1,
+                            top=1)[0]
+
+
+@pytest.mark.parametrize("make", [cp_plan, lambda: case("gpt"), moe_cp_plan], ids=["cp", "gpt", "moe-cp2"])
 def test_a_refusal_names_only_targets_that_write_the_plan(make):
     """Every target a refusal names exports the plan (exactly, or with --allow-approx where it says
     so), and a plan no target writes is said to be one."""
@@ -200,16 +216,49 @@ def test_a_refusal_names_only_targets_that_write_the_plan(make):
             assert "no export target runs this plan" in message and "re-plan" in message
 
 
-def test_the_cli_refuses_a_moe_plan_naming_the_target_that_writes_it(tmp_path, capsys):
-    """The user's path: `autoplan export moe.json --to torchtitan` exits 2 with one line that names
-    Megatron-LM (a target that writes a mixture of experts), and that export then succeeds."""
+def test_the_cli_exports_a_moe_plan_to_torchtitan_and_megatron(tmp_path, capsys):
+    """The user's path: `autoplan export moe.json --to torchtitan` exits 2 with one line naming what
+    torchtitan runs differently (the zoo's capacity and Switch loss) and `--allow-approx`; with it the
+    file states the expert-parallel degree; Megatron-LM's script states its own."""
     from autoplan.cli import main
 
     path = tmp_path / "moe.json"
     moe_plan().save(path)
     assert main(["export", str(path), "--to", "torchtitan", "--out", str(tmp_path / "t.py")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("autoplan: error: torchtitan has no model for")
-    assert "--to megatron" in err[0] and not (tmp_path / "t.py").exists()
+    assert len(err) == 1 and err[0].startswith("autoplan: error: torchtitan cannot run this plan as planned")
+    assert "--allow-approx" in err[0] and not (tmp_path / "t.py").exists()
+    assert main(["export", str(path), "--to", "torchtitan", "--allow-approx", "--out", str(tmp_path / "t.py")]) == 0
+    assert "expert_parallel_degree=2" in (tmp_path / "t.py").read_text()
     assert main(["export", str(path), "--to", "megatron", "--allow-approx", "--out", str(tmp_path / "m.sh")]) == 0
     assert "--expert-model-parallel-size 2" in (tmp_path / "m.sh").read_text()
+
+
+@pytest.mark.export
+def test_torchtitan_builds_the_moe_export_with_the_zoos_parameters(tmp_path):
+    """torchtitan's ConfigManager parses the MoE export; the model it builds on the meta device holds the
+    zoo model's parameter count (attention, experts, router, shared experts, embeddings), its expert
+    degree passes torchtitan's own mesh check (ParallelDims), and its pp split gives every pp rank the
+    plan's layers."""
+    import torch
+    from test_export_torchtitan import _layers_per_rank, _plan_layers_per_rank
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from autoplan import models as zoo
+
+    spec = MOE + ",num_shared_experts=1,dropless=true"
+    plan = autoplan.suggest(spec, "1x8xA100-80GB", global_batch=16, seq_len=32, tp=2, pp=2, dp=2, ep=2, zero=3,
+                            schedule="1f1b", top=1)[0]
+    config = parse_torchtitan(export_plan(plan, "torchtitan", allow_approx=True).text, tmp_path, "moe_plan")
+    p = config.parallelism
+    assert (p.expert_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree) == (2, 2, 2)
+    ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                 cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                 ep=p.expert_parallel_degree, world_size=plan.num_gpus)
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)
+    with torch.device("meta"):
+        built = model_config.build()
+    ours = sum(t.numel() for t in zoo.build_model(spec).parameters())
+    assert sum(t.numel() for t in built.parameters()) == ours
+    assert _layers_per_rank(config) == _plan_layers_per_rank(plan)

@@ -218,11 +218,9 @@ def moe_shape(plan: Plan) -> tuple[TransformerShape, MoEShape] | None:
                              preset=spec.name if spec.name in zoo.PRESETS else None,
                              head_size=config.head_size if config.head_size and config.head_size * config.num_heads
                              != config.hidden_size else None)
-    # `routing` ("capacity" or "dropless") is read where the model config has it (issue 31).
     experts = MoEShape(config.num_experts, config.experts_per_token, config.ffn_hidden_size,
-                       config.num_shared_experts, config.capacity_factor,
-                       getattr(config, "routing", "capacity") == "dropless", config.router_aux_loss_coef,
-                       config.normalize_top_k)
+                       config.num_shared_experts, config.capacity_factor, config.dropless,
+                       config.router_aux_loss_coef, config.normalize_top_k)
     return shape, experts
 
 

@@ -22,10 +22,12 @@ from autoplan.plan import Plan
 from autoplan.report.export.common import (
     Export,
     ExportError,
+    MoEShape,
     TargetRefusal,
     TransformerShape,
     model_kind,
     model_shape,
+    moe_shape,
     plan_summary,
     stage_blocks,
     stage_lines,
@@ -58,11 +60,12 @@ _DEFAULT_NORM_EPS = 1e-5
 
 def write(plan: Plan, *, filename: str | None = None) -> Export:
     """The plan as a torchtitan 0.3 config-registry module (see the module docstring)."""
-    shape = _llama_shape(plan)
+    mixture = moe_shape(plan)
+    shape = mixture[0] if mixture else _llama_shape(plan)
     module, directory, copy = _module_name(filename)
     settings = _Settings()
     fqns = _stage_fqns(plan) if plan.pp > 1 else None
-    _model(plan, shape, settings)
+    _model(plan, shape, settings, mixture[1] if mixture else None)
     _batch(plan, settings)
     _parallelism(plan, settings)
     _schedule(plan, settings)
@@ -135,13 +138,15 @@ class _Settings:
     imports: set[str] = field(default_factory=set)
 
 
-def _model(plan: Plan, shape: TransformerShape, settings: _Settings) -> None:
+def _model(plan: Plan, shape: TransformerShape, settings: _Settings, experts: MoEShape | None = None) -> None:
     """A torchtitan flavor when the shape is one exactly; else `Llama3Model.Config` of that shape,
     built with the layer builder every llama3 flavor uses, so any ffn width is exact (the builders
-    take `hidden_dim` itself; compute_ffn_hidden_dim is only how the flavors choose it)."""
+    take `hidden_dim` itself; compute_ffn_hidden_dim is only how the flavors choose it). A mixture of
+    experts (`experts`) is those layers with torchtitan's MoE in place of the feed-forward
+    (`_moe_lines`)."""
     key = (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.ffn_hidden_size,
            shape.vocab_size, float(shape.rope_theta or 0.0), float(shape.norm_eps))
-    if key in _FLAVORS and not shape.tie_embeddings and shape.head_size is None:
+    if experts is None and key in _FLAVORS and not shape.tie_embeddings and shape.head_size is None:
         settings.imports.add("from torchtitan.models.llama3 import model_registry")
         settings.flavor = _FLAVORS[key]
         # torchtitan/models/llama3/__init__.py model_registry(flavor): its ModelSpec, unchanged.
@@ -203,8 +208,12 @@ def _model(plan: Plan, shape: TransformerShape, settings: _Settings) -> None:
             f"                               ffn_norm=dataclasses.replace(layer.ffn_norm, eps={eps!r}))",
             "          for layer in layers]",
         ]
+    model_class = "Llama3Model"
+    if experts is not None:
+        lines += _moe_lines(plan, shape, experts, settings)
+        model_class = "Qwen3Model"
     lines += [
-        "model = Llama3Model.Config(",
+        f"model = {model_class}.Config(",
         f"    dim={dim}, vocab_size={vocab},",
         f"    tok_embeddings=Embedding.Config(num_embeddings={vocab}, embedding_dim={dim}, "
         "param_init=_EMBEDDING_INIT),",
@@ -214,11 +223,81 @@ def _model(plan: Plan, shape: TransformerShape, settings: _Settings) -> None:
         "    layers=layers,",
         f"    enable_weight_tying={tie},",
         ")",
-        "# model_registry's ModelSpec (parallelize_llama, pipeline_llm, the HF state-dict adapter) with",
-        "# this model in place of the flavor's.",
-        "return dataclasses.replace(model_registry('debugmodel'), flavor='autoplan', model=model)",
     ]
+    if experts is None:
+        lines += [
+            "# model_registry's ModelSpec (parallelize_llama, pipeline_llm, the HF state-dict adapter) with",
+            "# this model in place of the flavor's.",
+            "return dataclasses.replace(model_registry('debugmodel'), flavor='autoplan', model=model)",
+        ]
+    else:
+        lines += [
+            "# qwen3's ModelSpec (parallelize_qwen3, which applies expert parallelism to MoE layers, pipeline_llm,",
+            "# the MoE load-balancing hook) with this model in place of its MoE flavor's.",
+            "return dataclasses.replace(qwen3_model_registry('debugmodel_moe'), flavor='autoplan', model=model)",
+        ]
     settings.model = lines
+
+
+def _moe_lines(plan: Plan, shape: TransformerShape, experts: MoEShape, settings: _Settings) -> list[str]:
+    """The zoo moe's layers (models/moe.py) as torchtitan builds a mixture of experts: each Llama layer
+    (attention, norms) as a `Qwen3TransformerBlock` (torchtitan/models/qwen3/model.py: attention, then
+    `moe` in place of `feed_forward`, the forward Llama3's block has) whose MoE
+    (torchtitan/models/common/moe.py, built by config_utils.make_moe_config) routes as the zoo's
+    router does: softmax over the experts, top-k, renormalised when `normalize_top_k`
+    (`score_func='softmax'`, `route_norm`); SwiGLU experts of the zoo's width (GroupedExperts,
+    w1/w3: dim -> hidden, w2: hidden -> dim); the zoo's shared experts as one SwiGLU feed-forward
+    num_shared x as wide (a sum of SwiGLU MLPs is one SwiGLU MLP over their concatenated hidden
+    units). What torchtitan routes otherwise is a difference: it is dropless (no capacity), and its
+    load balancing is the auxiliary-loss-free bias (`load_balance_coeff`, arXiv:2408.15664), not the
+    zoo's Switch loss, so the file sets no balancing and says so."""
+    settings.imports.update({
+        "from torchtitan.models.common.config_utils import make_ffn_config, make_moe_config, make_router_config, "
+        "make_routed_experts_config",
+        "from torchtitan.models.llama3 import _LINEAR_INIT, _depth_init",
+        "from torchtitan.models.qwen3 import Qwen3Model, model_registry as qwen3_model_registry",
+        "from torchtitan.models.qwen3.model import Qwen3TransformerBlock",
+    })
+    dim, count, width = shape.hidden_size, experts.num_experts, experts.expert_ffn_hidden_size
+    shared = (f"make_ffn_config(dim={dim}, hidden_dim={width * experts.num_shared_experts}, "
+              "w1_param_init=_LINEAR_INIT, w2w3_param_init=_depth_init(layer_id))"
+              if experts.num_shared_experts else "None")
+    if not experts.dropless:
+        # models/moe.py expert_capacity; at capacity_factor >= E / k an expert takes a whole sequence
+        # and nothing is ever dropped, which is dropless.
+        capacity = math.ceil(experts.capacity_factor * plan.job.seq_len * experts.experts_per_token / count)
+        if experts.capacity_factor < count / experts.experts_per_token:
+            settings.differences.append(
+                f"the plan's experts take at most {capacity} tokens of a sequence each (capacity factor "
+                f"{experts.capacity_factor:g}) and drop the rest; torchtitan routes dropless (every token reaches its "
+                "experts): the same model when nothing overflows, more expert work and no drops otherwise")
+    if experts.aux_loss_coef:
+        settings.differences.append(
+            f"the plan's router adds the Switch load-balancing loss (coefficient {experts.aux_loss_coef:g}, per "
+            "sequence); torchtitan 0.3.0 has no such loss (its balancing is the auxiliary-loss-free expert bias, "
+            "load_balance_coeff), so the file trains without one (load_balance_coeff=None)")
+    return [
+        f"# each layer: its attention and norms, and the mixture of {count} experts (top {experts.experts_per_token})",
+        "# in place of the feed-forward; a Qwen3TransformerBlock is Llama3's block with an optional MoE",
+        "def _experts(layer_id):",
+        "    return make_moe_config(",
+        f"        num_experts={count},",
+        f"        router=make_router_config(dim={dim}, num_experts={count}, gate_param_init=_LINEAR_INIT,",
+        f"                                  top_k={experts.experts_per_token}, score_func='softmax', "
+        f"route_norm={experts.normalize_top_k}),",
+        f"        routed_experts=make_routed_experts_config(dim={dim}, hidden_dim={width}, num_experts={count},",
+        f"                                                  top_k={experts.experts_per_token},",
+        "                                                  param_init={'w1_EFD': _LINEAR_INIT['weight'],",
+        "                                                              'w2_EDF': _depth_init(layer_id)['weight'],",
+        "                                                              'w3_EFD': _LINEAR_INIT['weight']},",
+        "                                                  comm_backend='standard'),",
+        f"        shared_experts={shared},",
+        "        load_balance_coeff=None,",
+        "    )",
+        "layers = [Qwen3TransformerBlock.Config(attention=layer.attention, attention_norm=layer.attention_norm,",
+        "                                       ffn_norm=layer.ffn_norm, moe=_experts(layer_id))",
+        "          for layer_id, layer in enumerate(layers)]",
+    ]
 
 
 def _batch(plan: Plan, settings: _Settings) -> None:
@@ -277,6 +356,18 @@ def _parallelism(plan: Plan, settings: _Settings) -> None:
                               f"{plan.cp}; torchtitan shards over dp_shard x cp; re-plan with --cp dividing them")
         # fsdp.py get_fsdp_reshard_after_forward_policy: "always" / "never"; "default" would depend on pp.
         reshard = "always" if plan.zero == 3 else "never"
+    if plan.ep > 1:
+        # configs.py ParallelismConfig.expert_parallel_degree: "EP borrows ranks from FSDP and TP: efsdp =
+        # dp_shard * cp * tp / ep", autoplan's expert layout folded over tp x dp (plan.py [Note: expert
+        # layout]); torchtitan's experts are whole on each rank (no expert tp degree), as autoplan's are.
+        if (shard * plan.cp * plan.tp) % plan.ep:
+            replicate, shard = 1, plan.replicas
+            settings.differences.append(
+                f"the plan keeps every parameter whole over dp (zero {plan.zero}) while splitting the experts "
+                f"over ep {plan.ep}; torchtitan's expert parallelism borrows its ranks from FSDP "
+                "(dp_shard x cp x tp), so the file shards over dp: less memory than planned, and parameter "
+                "all-gathers and gradient reduce-scatters the plan did not predict")
+        p["expert_parallel_degree"] = str(plan.ep)
     p["data_parallel_replicate_degree"] = str(replicate)
     p["data_parallel_shard_degree"] = str(shard)
     p["fsdp_reshard_after_forward"] = repr(reshard)
@@ -462,7 +553,9 @@ def _render(plan: Plan, settings: _Settings, fqns: list[list[str]] | None, comma
     }
     plain = sorted(i for i in imports if i.startswith("import "))
     lines += plain + ([""] if plain else []) + sorted(i for i in imports if i.startswith("from ")) + ["", ""]
-    flavor = f"torchtitan's llama3 flavor {settings.flavor!r}" if settings.flavor else "a torchtitan Llama3Model"
+    flavor = (f"torchtitan's llama3 flavor {settings.flavor!r}" if settings.flavor else
+              "a torchtitan Qwen3Model of Llama layers with torchtitan's MoE" if "Qwen3Model" in " ".join(settings.model)
+              else "a torchtitan Llama3Model")
     lines += ["def _autoplan_model_spec():", f'    """The plan\'s model ({plan.model}) as {flavor}."""']
     lines += [f"    {line}" for line in settings.model]
     parallelism = dict(settings.parallelism)
