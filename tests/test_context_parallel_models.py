@@ -159,10 +159,13 @@ def test_the_cp_attention_of_a_transformers_model_is_its_own():
     (MODELS["zoo-moe"].replace("capacity_factor=2", "capacity_factor=1.25"),
      "its experts drop tokens over a capacity counted per sequence (capacity_factor 1.25 < num_experts / "
      "experts_per_token = 2), which a rank holding part of each sequence counts differently; set capacity_factor=2"),
-    (MODELS["hf-mixtral"] + ",output_router_logits=true",
-     "MixtralForCausalLM returns its routers' load-balancing loss (output_router_logits=true), a product of means "
-     "over all of a batch's tokens, which a rank holding part of each sequence computes differently; set "
-     "output_router_logits=false or plan it with --cp 1"),
+    # DeepSeek-V3's modeling code has no Switch loss autoplan can compute again over the cp group
+    ("hf:deepseek_v3:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,vocab_size=128,max_position_embeddings=64,"
+     "num_key_value_heads=4,intermediate_size=64,moe_intermediate_size=32,n_routed_experts=4,num_experts_per_tok=2,"
+     "n_shared_experts=1,first_k_dense_replace=1,q_lora_rank=32,kv_lora_rank=16,qk_rope_head_dim=8,"
+     "qk_nope_head_dim=8,v_head_dim=16,n_group=1,topk_group=1,output_router_logits=true",
+     "DeepseekV3ForCausalLM is built with output_router_logits=true, and its modeling code has no Switch "
+     "load-balancing loss (load_balancing_loss_func) that autoplan computes over the cp group"),
 ])
 def test_cp_is_refused_in_one_line_for_a_model_that_cannot_be_told_its_positions(model, words):
     result = run_main("suggest", "--model", model, "--cluster", "1x4xcpu", "--global-batch", "8", "--seq-len", "32",

@@ -55,9 +55,11 @@ def _check(layouts: list[str], tmp_path, monkeypatch) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_hf_mixtral_router_aux_loss_at_dp4_ep2_matches_transformers_loss(tmp_path, monkeypatch):
-    """pp 1, dp 4, ep 2: the routers run on each rank's tokens before the exchange."""
-    _check(["ep2"], tmp_path, monkeypatch)
+def test_hf_mixtral_router_aux_loss_at_dp4_ep2_and_cp2_matches_transformers_loss(tmp_path, monkeypatch):
+    """pp 1, dp 4, ep 2: the routers run on each rank's tokens before the exchange. cp 2 x ep 2: each
+    rank routes its chunks of every sequence, and the loss's share of picks per expert is summed over
+    the cp group (sources/hf_loss.py `balance_loss`), so the ranks' losses average to transformers'."""
+    _check(["ep2", "cp2-ep2"], tmp_path, monkeypatch)
 
 
 @pytest.mark.extended
@@ -79,13 +81,16 @@ def test_scalar_outputs_are_never_taken_for_the_logits():
     assert first_tensor((torch.tensor(2.0),)).dim() == 0  # nothing else: the scalar it is
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "mixtral"])
 def test_hf_moe_source_loss_is_transformers_loss_with_labels(model_type):
     """One process: the source's loss on the model's output is transformers' own loss with labels
-    (router_aux_loss_coef * aux_loss included)."""
+    (router_aux_loss_coef * aux_loss included), the balance loss computed again from the router
+    logits (`balance_loss`) equal to transformers' `load_balancing_loss_func`."""
     spec = MODELS["hf-qwen2-moe"] + ",output_router_logits=true"
     if model_type == "qwen3_moe":  # no shared expert
         spec = spec.replace("hf:qwen2_moe:", "hf:qwen3_moe:").replace(",shared_expert_intermediate_size=64", "")
+    if model_type == "mixtral":
+        spec = SPEC
     source = parse_source(spec)
     model = source.build("cpu")
     inputs, target = source.batch(0, 0, 2, 16, (2, 16, 128), torch.float32)
@@ -93,3 +98,18 @@ def test_hf_moe_source_loss_is_transformers_loss_with_labels(model_type):
         out = model(*inputs, labels=target, shift_labels=target)
         assert float(out.aux_loss) > 0
         assert float(source.loss_fn(model(*inputs), target)) == pytest.approx(float(out.loss), rel=1e-6)
+
+
+def test_balance_loss_is_transformers_switch_loss():
+    """`balance_loss` over several layers' router logits is transformers' `load_balancing_loss_func`."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from autoplan.sources.hf_loss import balance_loss
+
+    torch.manual_seed(0)
+    logits = tuple(torch.randn(48, 8, requires_grad=True) for _ in range(3))
+    ours, theirs = balance_loss(logits, 8, 2), load_balancing_loss_func(logits, 8, 2)
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
+    grads = torch.autograd.grad(ours, logits)
+    for g, h in zip(grads, torch.autograd.grad(theirs, logits), strict=True):
+        torch.testing.assert_close(g, h)

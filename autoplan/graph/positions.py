@@ -71,17 +71,28 @@ def sequence_positions() -> torch.Tensor | None:
 
 def sum_over_sequence(value: torch.Tensor) -> torch.Tensor:
     """`value`, a count over this process's tokens of each sequence, summed over the processes that
-    hold the rest of it (the cp group; not differentiated): `value` itself when it holds whole
+    hold the rest of it (the cp group; not differentiated): a copy of `value` when it holds whole
     sequences. Megatron-LM sums a router's tokens per expert over its tp x cp group before the
-    load-balancing loss the same way (megatron/core/transformer/moe/router.py, TopKRouter)."""
-    group = getattr(_state, "group", None)
-    if group is None:
-        return value
-    import torch.distributed as dist
+    load-balancing loss the same way (megatron/core/transformer/moe/router.py, TopKRouter). An
+    operator of its own (`autoplan::sum_over_sequence`), so a graph traced without a cp group (fx,
+    torch.export: a transformers model's loss) keeps the call and sums at run time."""
+    return torch.ops.autoplan.sum_over_sequence(value.detach())
 
-    total = value.detach().clone()
-    dist.all_reduce(total, group=group)
+
+@torch.library.custom_op("autoplan::sum_over_sequence", mutates_args=())
+def _sum_over_sequence(value: torch.Tensor) -> torch.Tensor:
+    total = value.clone()
+    group = getattr(_state, "group", None)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total, group=group)
     return total
+
+
+@_sum_over_sequence.register_fake
+def _(value: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(value)
 
 
 @contextlib.contextmanager

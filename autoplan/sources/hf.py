@@ -431,7 +431,7 @@ class HFSource(ModelSource):
     def loss_fn(self):
         """The default loss, plus the router's load-balancing loss where the model returns one
         ([Note: HF auxiliary losses], hf_loss.py)."""
-        return hf_loss(self._config, self.name)
+        return hf_loss(self._config, self.name, self._model_class)
 
     def _int(self, *names: str) -> int | None:
         for name in names:

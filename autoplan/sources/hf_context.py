@@ -35,13 +35,17 @@ capacity, so a rank's chunks are routed as the whole sequence's tokens would be 
 sequence). What such a model counts over the batch is its routers' load-balancing loss, returned
 with `output_router_logits=true` (transformers' `load_balancing_loss_func`: the product of the
 share of picks and the mean router probability per expert, each a mean over every token of the
-batch), which a rank computes over its own tokens; such a model is not offered cp.
+batch): the source computes it again with the share summed over the cp group (hf_loss.py
+`balance_loss`), where the modeling code's own function gives the same number; a model whose router
+loss is something else is not offered cp.
 """
 
 from __future__ import annotations
 
 import inspect
 from typing import Any
+
+from autoplan.sources.hf_loss import recomputes_balance_loss
 
 __all__ = ["ATTENTION", "context_parallel_refusal", "use_context_attention"]
 
@@ -104,10 +108,11 @@ def context_parallel_refusal(config: Any, model_class: type) -> str | None:
         return f"{name} does not compute attention through transformers' AttentionInterface"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return f"{name} soft-caps its attention logits, which SDPA does not"
-    if getattr(config, "output_router_logits", False):
-        return (f"{name} returns its routers' load-balancing loss (output_router_logits=true), a product of means "
-                "over all of a batch's tokens, which a rank holding part of each sequence computes differently; "
-                "set output_router_logits=false or plan it with --cp 1")
+    if getattr(config, "output_router_logits", False) and not recomputes_balance_loss(config, model_class):
+        return (f"{name} is built with output_router_logits=true, and its modeling code has no Switch "
+                "load-balancing loss (load_balancing_loss_func) that autoplan computes over the cp group; a batch-wide "
+                "router loss computed over a rank's part of each sequence would differ; set "
+                "output_router_logits=false or plan it with --cp 1")
     window, limit = getattr(config, "sliding_window", None), getattr(config, "max_position_embeddings", None)
     types = getattr(config, "layer_types", None)
     if (isinstance(window, int) and (limit is None or window < limit)
