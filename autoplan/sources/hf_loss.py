@@ -31,11 +31,10 @@ them). A model whose aux loss is another function keeps its own, and is not offe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
 import functools
 import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
