@@ -159,16 +159,38 @@ def test_the_cp_attention_of_a_transformers_model_is_its_own():
     (MODELS["zoo-moe"].replace("capacity_factor=2", "capacity_factor=1.25"),
      "its experts drop tokens over a capacity counted per sequence (capacity_factor 1.25 < num_experts / "
      "experts_per_token = 2), which a rank holding part of each sequence counts differently; set capacity_factor=2"),
-    # DeepSeek-V3's modeling code has no Switch loss autoplan can compute again over the cp group
-    ("hf:deepseek_v3:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,vocab_size=128,max_position_embeddings=64,"
-     "num_key_value_heads=4,intermediate_size=64,moe_intermediate_size=32,n_routed_experts=4,num_experts_per_tok=2,"
-     "n_shared_experts=1,first_k_dense_replace=1,q_lora_rank=32,kv_lora_rank=16,qk_rope_head_dim=8,"
-     "qk_nope_head_dim=8,v_head_dim=16,n_group=1,topk_group=1,output_router_logits=true",
-     "DeepseekV3ForCausalLM is built with output_router_logits=true, and its modeling code has no Switch "
-     "load-balancing loss (load_balancing_loss_func) that autoplan computes over the cp group"),
+    # MiniMax's lightning (linear) attention layers mix the sequence without SDPA
+    ("hf:minimax:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,head_dim=16,"
+     "intermediate_size=64,vocab_size=128,max_position_embeddings=64,num_local_experts=4,num_experts_per_tok=2",
+     "MiniMaxForCausalLM has layers that are not attention (linear_attention)"),
 ])
 def test_cp_is_refused_in_one_line_for_a_model_that_cannot_be_told_its_positions(model, words):
     result = run_main("suggest", "--model", model, "--cluster", "1x4xcpu", "--global-batch", "8", "--seq-len", "32",
                       "--cp", "2")
     assert result.returncode == 2 and words in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_a_router_loss_autoplan_cannot_compute_over_cp_is_refused(monkeypatch):
+    """A transformers MoE model whose router loss is not the Switch loss `balance_loss` computes
+    again (here: the check made to fail) is refused cp in one line, before any process starts; one
+    without a router loss (DeepSeek-V3 returns router logits and no aux loss) is not."""
+    from autoplan.cli import main
+    from autoplan.sources import hf_context
+
+    monkeypatch.setattr(hf_context, "recomputes_balance_loss", lambda config, model_class: False)
+    spec = MODELS["hf-mixtral"] + ",output_router_logits=true"
+    code = main(["suggest", "--model", spec, "--cluster", "1x4xcpu", "--global-batch", "8", "--seq-len", "32",
+                 "--cp", "2"])
+    assert code == 2
+    from autoplan.sources import parse_source
+
+    refusal = parse_source(spec).context_parallel_refusal(None)
+    assert refusal.startswith("MixtralForCausalLM is built with output_router_logits=true, and its router loss is "
+                              "not the Switch load-balancing loss") and "\n" not in refusal
+    deepseek = parse_source("hf:deepseek_v3:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,vocab_size=128,"
+                            "max_position_embeddings=64,num_key_value_heads=4,intermediate_size=64,moe_intermediate_size=32,"
+                            "n_routed_experts=4,num_experts_per_tok=2,n_shared_experts=1,first_k_dense_replace=1,"
+                            "q_lora_rank=32,kv_lora_rank=16,qk_rope_head_dim=8,qk_nope_head_dim=8,v_head_dim=16,"
+                            "n_group=1,topk_group=1,output_router_logits=true")
+    assert deepseek.context_parallel_refusal(None) is None

@@ -236,29 +236,37 @@ def test_the_cli_exports_a_moe_plan_to_torchtitan_and_megatron(tmp_path, capsys)
 
 @pytest.mark.export
 def test_torchtitan_builds_the_moe_export_with_the_zoos_parameters(tmp_path):
-    """torchtitan's ConfigManager parses the MoE export; the model it builds on the meta device holds the
-    zoo model's parameter count (attention, experts, router, shared experts, embeddings), its expert
-    degree passes torchtitan's own mesh check (ParallelDims), and its pp split gives every pp rank the
-    plan's layers."""
+    """torchtitan's ConfigManager parses the MoE export (its Trainer.Config checks included: no CUDA
+    graphs with an all-to-all dispatcher); the model it builds on the meta device holds the zoo model's
+    parameter count (attention, experts, router, shared experts, embeddings) and counts its FLOPs as
+    the Trainer does (`get_nparams_and_flops`, which needs the heads' width); the expert degree fits
+    torchtitan's mesh (dp_shard x cp x tp = efsdp x ep); its pp split gives every pp rank the plan's
+    layers. At pp 2 (tp 2 x dp 2) and at pp 1 (dp 4)."""
     import torch
     from test_export_torchtitan import _layers_per_rank, _plan_layers_per_rank
-    from torchtitan.distributed.parallel_dims import ParallelDims
 
     from autoplan import models as zoo
 
     spec = MOE + ",num_shared_experts=1,dropless=true"
-    plan = autoplan.suggest(spec, "1x8xA100-80GB", global_batch=16, seq_len=32, tp=2, pp=2, dp=2, ep=2, zero=3,
-                            schedule="1f1b", top=1)[0]
-    config = parse_torchtitan(export_plan(plan, "torchtitan", allow_approx=True).text, tmp_path, "moe_plan")
-    p = config.parallelism
-    assert (p.expert_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree) == (2, 2, 2)
-    ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-                 cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-                 ep=p.expert_parallel_degree, world_size=plan.num_gpus)
-    model_config = config.model_spec.model
-    model_config.update_from_config(config=config)
-    with torch.device("meta"):
-        built = model_config.build()
+    plans = {
+        "pp2": autoplan.suggest(spec, "1x8xA100-80GB", global_batch=16, seq_len=32, tp=2, pp=2, dp=2, ep=2, zero=3,
+                                schedule="1f1b", top=1)[0],
+        "pp1": autoplan.suggest(spec, "1x4xA100-80GB", global_batch=16, seq_len=32, tp=1, pp=1, dp=4, ep=2, zero=3,
+                                top=1)[0],
+    }
     ours = sum(t.numel() for t in zoo.build_model(spec).parameters())
-    assert sum(t.numel() for t in built.parameters()) == ours
-    assert _layers_per_rank(config) == _plan_layers_per_rank(plan)
+    for name, plan in plans.items():
+        config = parse_torchtitan(export_plan(plan, "torchtitan", allow_approx=True).text, tmp_path, f"moe_{name}")
+        p = config.parallelism
+        assert (p.expert_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree) == (
+            2, plan.tp, plan.pp), name
+        assert (p.data_parallel_shard_degree * p.context_parallel_degree * p.tensor_parallel_degree) % 2 == 0, name
+        model_config = config.model_spec.model
+        model_config.update_from_config(config=config)
+        with torch.device("meta"):
+            built = model_config.build()
+        assert sum(t.numel() for t in built.parameters()) == ours, name
+        count, flops = model_config.get_nparams_and_flops(built, plan.job.seq_len)
+        assert count > 0 and flops > 0, name
+        if plan.pp > 1:
+            assert _layers_per_rank(config) == _plan_layers_per_rank(plan), name

@@ -74,15 +74,16 @@ def sum_over_sequence(value: torch.Tensor) -> torch.Tensor:
     hold the rest of it (the cp group; not differentiated): a copy of `value` when it holds whole
     sequences. Megatron-LM sums a router's tokens per expert over its tp x cp group before the
     load-balancing loss the same way (megatron/core/transformer/moe/router.py, TopKRouter). An
-    operator of its own (`autoplan::sum_over_sequence`), so a graph traced without a cp group (fx,
-    torch.export: a transformers model's loss) keeps the call and sums at run time. A DTensor (a
-    value computed under tp) is summed as its local tensor, in its layout: the sum over the cp group
-    is elementwise and linear, so every placement keeps its meaning."""
+    operator of its own (`autoplan::sum_over_sequence`), so a graph that traces through its caller
+    without a cp group keeps the call and sums at run time. A DTensor (a value computed under tp) is
+    summed as its local tensor, in its layout: the sum over the cp group is elementwise and linear,
+    so every placement keeps its meaning."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
         summed = torch.ops.autoplan.sum_over_sequence(value.to_local().detach())
-        return DTensor.from_local(summed, value.device_mesh, value.placements, run_check=False)
+        return DTensor.from_local(summed, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
     return torch.ops.autoplan.sum_over_sequence(value.detach())
 
 

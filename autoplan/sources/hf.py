@@ -369,8 +369,9 @@ class HFSource(ModelSource):
     def routes_tokens_alone(self, model: nn.Module) -> bool:
         """transformers' mixture-of-experts blocks route each token to its top-k experts with no
         capacity (every token reaches them: the routed-experts contract of graph/experts.py); what
-        they count over the batch is the routers' load-balancing loss, which `context_parallel_refusal`
-        refuses ([Note: transformers under context parallelism])."""
+        they count over the batch is the routers' load-balancing loss, which the source computes over
+        the cp group (hf_loss.py `balance_loss`) or `context_parallel_refusal` refuses
+        ([Note: transformers under context parallelism])."""
         return True
 
     def build(self, device: torch.device | str = "meta") -> nn.Module:

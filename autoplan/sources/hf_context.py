@@ -45,7 +45,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from autoplan.sources.hf_loss import recomputes_balance_loss
+from autoplan.sources.hf_loss import computes_balance_loss, recomputes_balance_loss
 
 __all__ = ["ATTENTION", "context_parallel_refusal", "use_context_attention"]
 
@@ -93,6 +93,12 @@ def _is_causal_lm(config: Any, model_class: type) -> bool:
     return model_class.__name__ in ((names,) if isinstance(names, str) else tuple(names))
 
 
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention"})
+"""Layer kinds (a config's `layer_types` / `layers_block_type`) that are attention, which the runtime
+splits over the cp group; any other (linear attention, state-space, convolution) mixes the sequence
+its own way."""
+
+
 def context_parallel_refusal(config: Any, model_class: type) -> str | None:
     """Why the model cannot be split over a cp group (one line naming the fix), or None."""
     name = model_class.__name__
@@ -108,11 +114,16 @@ def context_parallel_refusal(config: Any, model_class: type) -> str | None:
         return f"{name} does not compute attention through transformers' AttentionInterface"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return f"{name} soft-caps its attention logits, which SDPA does not"
-    if getattr(config, "output_router_logits", False) and not recomputes_balance_loss(config, model_class):
-        return (f"{name} is built with output_router_logits=true, and its modeling code has no Switch "
-                "load-balancing loss (load_balancing_loss_func) that autoplan computes over the cp group; a batch-wide "
-                "router loss computed over a rank's part of each sequence would differ; set "
-                "output_router_logits=false or plan it with --cp 1")
+    kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or ()
+    others = sorted({str(kind) for kind in kinds if str(kind) not in _ATTENTION_LAYERS})
+    if others:
+        return (f"{name} has layers that are not attention ({', '.join(others)}), which mix a sequence's tokens "
+                "without the attention context parallelism splits; plan it with --cp 1")
+    if (getattr(config, "output_router_logits", False) and computes_balance_loss(model_class)
+            and not recomputes_balance_loss(config, model_class)):
+        return (f"{name} is built with output_router_logits=true, and its router loss is not the Switch "
+                "load-balancing loss autoplan computes over the cp group; a batch-wide router loss computed over a "
+                "rank's part of each sequence would differ; set output_router_logits=false or plan it with --cp 1")
     window, limit = getattr(config, "sliding_window", None), getattr(config, "max_position_embeddings", None)
     types = getattr(config, "layer_types", None)
     if (isinstance(window, int) and (limit is None or window < limit)

@@ -41,7 +41,7 @@ import torch
 from autoplan.graph.positions import sum_over_sequence
 from autoplan.sources.base import SourceError, default_loss
 
-__all__ = ["balance_loss", "hf_loss", "recomputes_balance_loss"]
+__all__ = ["balance_loss", "computes_balance_loss", "hf_loss", "recomputes_balance_loss"]
 
 _EXPERT_COUNTS = ("num_local_experts", "num_experts")
 """The config fields transformers' MoE configs name their routed experts with, in order."""
@@ -61,6 +61,13 @@ def _routing(config: Any) -> tuple[int, int] | None:
     return (experts, top_k) if isinstance(experts, int) and isinstance(top_k, int) else None
 
 
+def computes_balance_loss(model_class: type) -> bool:
+    """Whether the model's modeling code has a router loss (`load_balancing_loss_func`: transformers'
+    MoE models return `aux_loss` from it with output_router_logits=true; those without it return
+    router logits and no loss)."""
+    return callable(getattr(sys.modules.get(model_class.__module__), "load_balancing_loss_func", None))
+
+
 def recomputes_balance_loss(config: Any, model_class: type) -> bool:
     """Whether the model's aux loss is transformers' Switch loss (`load_balancing_loss_func` in its
     modeling module) over routing the config states, which `balance_loss` computes again: the
@@ -75,13 +82,14 @@ def _same_as_balance_loss(module_name: str, num_experts: int, top_k: int) -> boo
     if not callable(function) or not 0 < top_k <= num_experts:
         return False
     generator = torch.Generator().manual_seed(0)
-    logits = tuple(torch.randn(16, num_experts, generator=generator) for _ in range(2))
+    logits = tuple(torch.randn(16, num_experts, generator=generator, dtype=torch.float32, device="cpu")
+                   for _ in range(2))
     try:
         theirs = function(logits, num_experts, top_k)
+        return isinstance(theirs, torch.Tensor) and torch.allclose(
+            theirs.float(), balance_loss(logits, num_experts, top_k), rtol=1e-5, atol=1e-7)
     except Exception:  # another signature: not the Switch loss this module computes again
         return False
-    return isinstance(theirs, torch.Tensor) and torch.allclose(theirs.float(), balance_loss(logits, num_experts, top_k),
-                                                                rtol=1e-5, atol=1e-7)
 
 
 def balance_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:

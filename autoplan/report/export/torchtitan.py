@@ -166,8 +166,9 @@ def _model(plan: Plan, shape: TransformerShape, settings: _Settings, experts: Mo
         "from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm",
         "from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, "
         "_output_linear_init",
-        "from torchtitan.models.llama3 import Llama3Model, model_registry",
     })
+    if experts is None:
+        settings.imports.add("from torchtitan.models.llama3 import Llama3Model, model_registry")
     dim, vocab, eps = shape.hidden_size, shape.vocab_size, float(shape.norm_eps)
     # RoPE tables must cover training.seq_len (torchtitan/config/configs.py TrainingConfig.seq_len).
     max_seq = max(shape.max_seq_len, plan.job.seq_len)
@@ -271,6 +272,14 @@ def _moe_lines(plan: Plan, shape: TransformerShape, experts: MoEShape, settings:
                 f"the plan's experts take at most {capacity} tokens of a sequence each (capacity factor "
                 f"{experts.capacity_factor:g}) and drop the rest; torchtitan routes dropless (every token reaches its "
                 "experts): the same model when nothing overflows, more expert work and no drops otherwise")
+    if plan.job.dtype == "float32":
+        settings.differences.append(
+            "the plan computes in float32; torchtitan's GroupedExperts compute the experts in bfloat16 whatever the "
+            "training dtype (models/common/moe.py), so the experts' arithmetic differs")
+    # torchtitan/trainer.py Trainer.Config._validate_cuda_graphs refuses an all-to-all token dispatcher
+    # (expert parallelism) with CUDA graphs on, as it does pp > 1.
+    if plan.ep > 1:
+        settings.training["disable_cuda_graphs"] = "True"
     if experts.aux_loss_coef:
         settings.differences.append(
             f"the plan's router adds the Switch load-balancing loss (coefficient {experts.aux_loss_coef:g}, per "
@@ -294,8 +303,11 @@ def _moe_lines(plan: Plan, shape: TransformerShape, experts: MoEShape, settings:
         f"        shared_experts={shared},",
         "        load_balance_coeff=None,",
         "    )",
-        "layers = [Qwen3TransformerBlock.Config(attention=layer.attention, attention_norm=layer.attention_norm,",
-        "                                       ffn_norm=layer.ffn_norm, moe=_experts(layer_id))",
+        "# Qwen3Model counts FLOPs from the attention's head_dim (get_nparams_and_flops), which the llama",
+        "# builder leaves None: the width its heads have.",
+        "layers = [Qwen3TransformerBlock.Config(",
+        f"              attention=dataclasses.replace(layer.attention, head_dim={shape.head_dim}),",
+        "              attention_norm=layer.attention_norm, ffn_norm=layer.ffn_norm, moe=_experts(layer_id))",
         "          for layer_id, layer in enumerate(layers)]",
     ]
 
