@@ -533,10 +533,10 @@ def fit_stacks(runs: Sequence[PublishedRun], cals: dict[str, Calibration],
     fine = [(min(high, max(low, best[0] + da)), max(0.0, best[1] + dh))
             for da in np.linspace(-attention_step / 2, attention_step / 2, 5)
             for dh in np.linspace(-host_step / 2, host_step / 2, 5)]
-    best = min(fine, key=lambda point: loss(*point))
+    error, best = min((loss(*point), point) for point in fine)
     if progress:
         progress(f"stack fit: attention {best[0]:.3f}, host per kernel {best[1] * 1e6:.1f} us, "
-                 f"rms log error {math.sqrt(loss(*best) / len(moe)):.4f} over {len(moe)} runs")
+                 f"rms log error {math.sqrt(error / len(moe)):.4f} over {len(moe)} runs")
     return with_stack_parameters(cals, families, *best)
 
 

@@ -239,7 +239,7 @@ class Calibration:
         if not isinstance(efficiency, dict) or not efficiency:
             raise CalibrationError(f"{where}: gemm.efficiency must map dtypes to fractions, e.g. {{\"bf16\": 0.7}}")
         floor = memory.get("kernel_floor_s")
-        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < 1:
+        if not _below_one(floor):
             raise CalibrationError(f"{where}: memory.kernel_floor_s must be seconds in [0, 1), got {floor!r}")
         collectives = dict(data.get("collectives") or {})
         overlap = data.get("overlap") or {}
@@ -253,7 +253,7 @@ class Calibration:
             raise CalibrationError(f"{where}: stack.selective_recompute must be one of {SELECTIVE_RECOMPUTE}, "
                                    f"got {selective!r}")
         unit_overhead = fsdp.get("unit_overhead_s", 0.0)
-        if isinstance(unit_overhead, bool) or not isinstance(unit_overhead, (int, float)) or not 0 <= unit_overhead < 1:
+        if not _below_one(unit_overhead):
             raise CalibrationError(f"{where}: fsdp.unit_overhead_s must be seconds in [0, 1), got {unit_overhead!r}")
         for flag in ("overlap_grad_reduce", "p2p_blocking", "tp_comm_overlap"):
             if not isinstance(stack.get(flag, False), bool):
@@ -276,8 +276,7 @@ class Calibration:
                     raise CalibrationError(f"{where}: stack {name!r}: {flag} must be true or false, "
                                            f"got {variant[flag]!r}")
             slowdown_of_variant = variant.get("overlap_slowdown", 0.0)
-            if isinstance(slowdown_of_variant, bool) or not isinstance(slowdown_of_variant, (int, float)) \
-                    or not 0 <= slowdown_of_variant < 1:
+            if not _below_one(slowdown_of_variant):
                 raise CalibrationError(f"{where}: stack {name!r}: overlap_slowdown must be a number in [0, 1), "
                                        f"got {slowdown_of_variant!r}")
             if variant.get("selective_recompute", "attention") not in SELECTIVE_RECOMPUTE:
@@ -289,7 +288,7 @@ class Calibration:
                     fraction(f"stacks.{name}", share, variant[share])
         _check_stack_moe(stack, f"{where}: stack")
         slowdown = overlap.get("compute_slowdown", 0.0)
-        if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown < 1:
+        if not _below_one(slowdown):
             raise CalibrationError(f"{where}: overlap.compute_slowdown must be a number in [0, 1), got {slowdown!r}")
         sources = {"file": str(data.get("source", "")), "gemm": str(gemm.get("source", "")),
                    "attention": str(attention.get("source", "")), "memory": str(memory.get("source", "")),
@@ -326,13 +325,18 @@ class Calibration:
         return dataclasses.replace(self, **changes)
 
 
+def _below_one(value: Any) -> bool:
+    """Whether `value` is a number (not a bool) in [0, 1): a share below one, or seconds under one."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value < 1
+
+
 def _check_stack_moe(fields: dict[str, Any], where: str) -> None:
     """The mixture-of-experts fields of a stack or stack variant, or CalibrationError (one line)."""
     if fields.get("expert_dispatch", "copies") not in EXPERT_DISPATCH:
         raise CalibrationError(f"{where}: expert_dispatch must be one of {EXPERT_DISPATCH}, "
                                f"got {fields.get('expert_dispatch')!r}")
     seconds = fields.get("host_sync_kernel_s", 0.0)
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < 1:
+    if not _below_one(seconds):
         raise CalibrationError(f"{where}: host_sync_kernel_s must be seconds in [0, 1), got {seconds!r}")
 
 

@@ -131,6 +131,8 @@ class _Settings:
     model: list[str] = field(default_factory=list)
     """Lines of `_autoplan_model_spec()`'s body."""
     flavor: str | None = None
+    description: str = "a torchtitan Llama3Model"
+    """What `_autoplan_model_spec` builds, in the file's words."""
     training: dict[str, str] = field(default_factory=dict)
     parallelism: dict[str, str] = field(default_factory=dict)
     activation_checkpoint: str = "None"
@@ -213,6 +215,7 @@ def _model(plan: Plan, shape: TransformerShape, settings: _Settings, experts: Mo
     if experts is not None:
         lines += _moe_lines(plan, shape, experts, settings)
         model_class = "Qwen3Model"
+        settings.description = "a torchtitan Qwen3Model of Llama layers with torchtitan's MoE"
     lines += [
         f"model = {model_class}.Config(",
         f"    dim={dim}, vocab_size={vocab},",
@@ -565,9 +568,7 @@ def _render(plan: Plan, settings: _Settings, fqns: list[list[str]] | None, comma
     }
     plain = sorted(i for i in imports if i.startswith("import "))
     lines += plain + ([""] if plain else []) + sorted(i for i in imports if i.startswith("from ")) + ["", ""]
-    flavor = (f"torchtitan's llama3 flavor {settings.flavor!r}" if settings.flavor else
-              "a torchtitan Qwen3Model of Llama layers with torchtitan's MoE" if "Qwen3Model" in " ".join(settings.model)
-              else "a torchtitan Llama3Model")
+    flavor = f"torchtitan's llama3 flavor {settings.flavor!r}" if settings.flavor else settings.description
     lines += ["def _autoplan_model_spec():", f'    """The plan\'s model ({plan.model}) as {flavor}."""']
     lines += [f"    {line}" for line in settings.model]
     parallelism = dict(settings.parallelism)
