@@ -256,7 +256,8 @@ def suggest(model: str | nn.Module, cluster: str | Cluster, *, global_batch: int
     `tp, pp, dp, micro_batch_size, schedule, virtual_stages, recompute, zero` (0-3; 2 and 3 are FSDP),
     `dp_replicate` (HSDP replicate degree, with zero 2 / 3), `ep` (expert parallelism over tp x dp
     ranks, for mixture-of-experts models), `cp` (context parallelism: dp ranks splitting each
-    sequence; dp counts them), `sequence_parallel`.
+    sequence; dp counts them), `sequence_parallel`, `reduce_dtype` ("float32" or, with zero 2 / 3,
+    "bfloat16": the dtype FSDP reduces gradients in).
     When every dimension is pinned the plan is returned even if it does not fit (`plan.fits`).
     """
     result, _ = suggest_with_stats(model, cluster, global_batch=global_batch, **kwargs)

@@ -97,7 +97,8 @@ DEFAULT_SUGGEST = {"model": "llama3-8b", "cluster": "2x8xH100-80GB", "global_bat
 
 def _pins(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages",
-                                          "recompute", "zero", "dp_replicate", "ep", "cp", "sequence_parallel")
+                                          "recompute", "zero", "dp_replicate", "ep", "cp", "sequence_parallel",
+                                          "reduce_dtype")
             if getattr(args, k) is not None}
 
 
@@ -260,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="context parallelism (long sequences): N data-parallel ranks split each sequence into "
                            "2N load-balanced chunks and all-gather keys and values; dp counts them")
     pins.add_argument("--sequence-parallel", action="store_true", default=None)
+    pins.add_argument("--reduce-dtype", choices=["float32", "bfloat16"],
+                      help="the dtype FSDP reduces gradients in (default float32); bfloat16 with --zero 2/3 halves the "
+                           "reduce-scatter's bytes (torchtitan's mixed_precision_reduce, Megatron-LM's "
+                           "--grad-reduce-in-bf16)")
     p.set_defaults(func=cmd_suggest)
 
     p = sub.add_parser("run", help="train N steps of a plan through autoplan's pipeline executor",

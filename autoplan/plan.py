@@ -52,6 +52,7 @@ from autoplan._files import read_json
 __all__ = [
     "PLAN_SCHEMA_VERSION",
     "RANK_ORDERS",
+    "REDUCE_DTYPES",
     "RECOMPUTE",
     "ExpertSlot",
     "Job",
@@ -64,6 +65,7 @@ __all__ = [
     "expert_positions",
     "expert_slot",
     "layout_rank",
+    "reduce_dtype_refusal",
     "validate",
 ]
 
@@ -112,6 +114,24 @@ def expert_layout_refusal(ep: int, tp: int, dp: int, dp_replicate: int = 1) -> s
     if dp_replicate > 1 and (tp * (dp // dp_replicate)) % ep:
         return (f"ep {ep} must divide tp x dp_shard = {tp * (dp // dp_replicate)} under HSDP (dp_replicate "
                 f"{dp_replicate}: each replica group holds every expert)")
+    return None
+
+
+REDUCE_DTYPES = ("float32", "bfloat16")
+"""Dtypes FSDP may reduce gradients in (`Plan.reduce_dtype`)."""
+
+
+def reduce_dtype_refusal(reduce_dtype: str, zero: int, job_dtype: str) -> str | None:
+    """Why gradients cannot be reduced in `reduce_dtype` (one line), or None. bfloat16 reduction is
+    FSDP's `MixedPrecisionPolicy(reduce_dtype=bfloat16)`: zero 0 / 1 reduce the fp32 gradients of
+    precision.py's masters, and a float16 or float32 job computes its gradients in another dtype."""
+    if reduce_dtype not in REDUCE_DTYPES:
+        return f"reduce_dtype {reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}"
+    if reduce_dtype == "bfloat16" and zero < 2:
+        return (f"reduce_dtype bfloat16 needs FSDP (zero 2 or 3), not zero {zero}: zero 0 and 1 reduce fp32 "
+                "gradients")
+    if reduce_dtype == "bfloat16" and job_dtype != "bfloat16":
+        return f"reduce_dtype bfloat16 needs a bfloat16 job, not {job_dtype}"
     return None
 
 
@@ -247,6 +267,10 @@ class Plan:
     only degree built, Megatron-LM's `--expert-tensor-parallel-size 1` as its published MoE runs use):
     every expert is whole on the rank that holds it, and under attention tp > 1 each tp rank sends
     its own 1 / tp of the tokens to the experts (runtime/experts.py)."""
+    reduce_dtype: str = "float32"
+    """The dtype FSDP (zero >= 2) reduces gradients in (`MixedPrecisionPolicy.reduce_dtype`,
+    runtime/fsdp.py): float32, or bfloat16 for a bfloat16 job (half the reduce-scatter's bytes;
+    torchtitan's `mixed_precision_reduce`, Megatron-LM's `--grad-reduce-in-bf16`)."""
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -297,7 +321,7 @@ class Plan:
             "cluster": self.cluster,
             "job": [self.job.global_batch, self.job.seq_len, self.job.dtype],
             "layout": [self.tp, self.pp, self.dp, self.cp, self.ep, self.zero, self.dp_replicate, self.rank_order,
-                       self.sequence_parallel, self.recompute],
+                       self.sequence_parallel, self.recompute, *([self.reduce_dtype] if self.reduce_dtype != "float32" else [])],
             "schedule": [self.schedule, self.virtual_stages, self.micro_batch_size, self.num_microbatches],
             "cuts": list(self.boundaries),
         }
@@ -466,6 +490,9 @@ def validate(plan: Plan) -> list[str]:
         problems.append(f"ep = {plan.ep!r} must be a positive integer")
     elif expert_layout_refusal(plan.ep, plan.tp, plan.dp, plan.dp_replicate) is not None:
         problems.append(f"{expert_layout_refusal(plan.ep, plan.tp, plan.dp, plan.dp_replicate)}; re-plan with "
+                        "`autoplan suggest`")
+    if reduce_dtype_refusal(plan.reduce_dtype, plan.zero, plan.job.dtype) is not None:
+        problems.append(f"{reduce_dtype_refusal(plan.reduce_dtype, plan.zero, plan.job.dtype)}; re-plan with "
                         "`autoplan suggest`")
     if plan.expert_tp != 1:
         problems.append(f"expert_tp = {plan.expert_tp!r}: only expert tensor parallelism 1 is built (every expert "

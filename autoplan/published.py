@@ -51,7 +51,7 @@ from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate
 
 __all__ = ["DATA_DIR", "FIT_PARAMETERS", "MEGATRON_CORE_STACKS", "SC21_STACK", "STACK_FIT_PARAMETERS", "fit_stacks",
-           "stack_parameters_of", "unfitted_stacks", "with_stack_parameters", "Prediction", "PublishedRun", "apply_parameters",
+           "fsdp_traffic_floor_s", "implied_reduce_dtype", "stack_parameters_of", "unfitted_stacks", "with_stack_parameters", "Prediction", "PublishedRun", "apply_parameters",
            "calibrations_for", "chip", "chosen_dimensions", "fit", "load_runs", "measured_start", "neutral", "parameters_of", "predict",
            "predict_all", "run_gpus", "shipped_by_chip", "summary"]
 
@@ -212,6 +212,69 @@ def load_runs(data_dir: Path = DATA_DIR) -> list[PublishedRun]:
 
 _PROFILES: dict[tuple[str, int], ModelProfile] = {}
 
+# [Note: the reduce dtype a published run implies]
+# No row states the dtype its FSDP gradients were reduced in. Megatron-LM reduces them in fp32 under
+# --bf16 unless --grad-reduce-in-bf16 is given (megatron/training/arguments.py, validate_args), and
+# Megatron-FSDP reduce-scatters every micro-batch's gradients under its ZeRO-3 strategy
+# (megatron/core/distributed/custom_fsdp/fully_sharded_data_parallel.py: `grad_reduce_every_bprop`
+# for optim_grads_params), as FSDP2 does at pp 1. So a ZeRO-3 run moves, per micro-batch and unit,
+# two all-gathers of the unit's parameters (forward, and backward with its recompute) and one
+# reduce-scatter of its gradient. `fsdp_traffic_floor_s` is the least time those bytes can take on
+# the row's stated links: what a node must bring in (or send out) over its NICs, every collective at
+# the stated per-GPU line rate with nothing lost to protocol, latency or contention, members of a
+# group on one node sharing what crosses the network once (the bandwidth bound of Thakur,
+# Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in MPICH", IJHPCA
+# 19(1), Sec. 2, per node). When that floor with fp32 reduce-scatters is at or above the published
+# step time, the run cannot have reduced in fp32 and is priced with the bf16 reduction
+# (`reduce_dtype="bfloat16"`, Megatron-LM's --grad-reduce-in-bf16, which Megatron-FSDP's README
+# recommends). One row meets it: Qwen3-235B at tp 2, ep 8, FSDP over 32 nodes (17.6 s published),
+# whose fp32 floor is printed by benchmarks/validate_published.py beside its prediction under fp32
+# reduction. The rule reads the published step time once, as a bound; nothing is fitted to it.
+_REDUCE_DTYPES: dict[str, tuple[str, float]] = {}
+
+
+def fsdp_traffic_floor_s(run: PublishedRun, reduce_dtype: str = "float32") -> float:
+    """Seconds the FSDP collectives of a ZeRO-3 run at pp 1 need at least on its stated links, every
+    micro-batch's two all-gathers and one reduce-scatter of every unit ([Note: the reduce dtype a
+    published run implies]). 0 for a run that is not ZeRO-3 at pp 1."""
+    from autoplan.cost.comm import fsdp_groups
+    from autoplan.cost.memory import expert_params, gathered_bytes_per_param, param_counts, reduced_bytes_per_param
+
+    pins = run.pins
+    if pins.get("zero", 0) < 3 or pins.get("pp", 1) != 1 or "micro_batch_size" not in pins:
+        return 0.0
+    cfg = ParallelConfig(**pins, reduce_dtype=reduce_dtype)
+    prof = _profile(run)
+    cluster = parse_cluster(run.cluster)
+    per_param = 2 * gathered_bytes_per_param("bfloat16") + reduced_bytes_per_param(reduce_dtype)
+
+    def seconds(ranks: Sequence[int], params: float) -> float:
+        # Per node: the bytes its members of the group lack, brought in once over its NICs.
+        nodes = {cluster.node_of_rank(r) for r in ranks}
+        if len(ranks) <= 1 or len(nodes) <= 1 or params <= 0:
+            return 0.0
+        members = len(ranks) // len(nodes)
+        groups_on_node = cluster.gpus_per_node // members
+        node_bw = cluster.gpus_per_node * cluster.inter_node.bw_bytes_per_s
+        return groups_on_node * params * per_param * (1 - members / len(ranks)) / node_bw
+
+    experts = np.asarray(expert_params(prof), dtype=float) / cfg.ep if cfg.ep > 1 else np.zeros(prof.num_blocks)
+    dense = param_counts(prof, cfg) - experts
+    first = cfg.rank(0, 0, 0)
+    shard, _ = fsdp_groups(first, cfg.rank(0, 1, 0) - first if cfg.dp > 1 else 1, cfg.dp, cfg.dp_replicate)
+    expert_shard, _ = cfg.expert_fsdp_groups(0)
+    per_microbatch = sum(seconds(shard, float(n)) for n in dense) + sum(seconds(expert_shard, float(n)) for n in experts)
+    return cfg.num_microbatches * per_microbatch
+
+
+def implied_reduce_dtype(run: PublishedRun) -> tuple[str, float]:
+    """(reduce dtype the run is priced with, its fp32 traffic floor in seconds); see [Note: the reduce
+    dtype a published run implies]."""
+    if run.id not in _REDUCE_DTYPES:
+        floor = fsdp_traffic_floor_s(run)
+        _REDUCE_DTYPES[run.id] = ("bfloat16" if floor >= run.published_step_s else "float32", floor)
+    return _REDUCE_DTYPES[run.id]
+
 
 def _profile(run: PublishedRun) -> ModelProfile:
     key = (run.model, run.seq_len)
@@ -234,6 +297,8 @@ def predict(run: PublishedRun, calibrations: Calibrations | None = None,
     cluster = parse_cluster(run.cluster)
     job = Job(global_batch=run.global_batch, seq_len=run.seq_len, dtype="bfloat16")
     pins = {**run.pins, **(chosen or {})}
+    if pins.get("zero", 0) >= 2 and "reduce_dtype" not in pins:
+        pins["reduce_dtype"] = implied_reduce_dtype(run)[0]
     if "micro_batch_size" in pins and "virtual_stages" in pins:
         if "num_microbatches" not in pins:
             pins["num_microbatches"] = run.global_batch // (pins["dp"] // pins.get("cp", 1) * pins["micro_batch_size"])

@@ -36,6 +36,8 @@ from autoplan.published import (
     PublishedRun,
     calibrations_for,
     chip,
+    implied_reduce_dtype,
+    predict,
     chosen_dimensions,
     fit,
     fit_stacks,
@@ -270,6 +272,14 @@ def main() -> int:
           f"{'error':>7} {'left out':>9} {'GiB':>6}")
     for p in predictions:
         print(_line(p, loso.get(p.run.id)))
+    for p in predictions:
+        if p.plan.reduce_dtype == "bfloat16":  # [Note: the reduce dtype a published run implies]
+            floor = implied_reduce_dtype(p.run)[1]
+            as_fp32 = predict(p.run, calibrations_for(shipped, gpus), {**chosen_dimensions([p]).get(p.run.id, {}),
+                                                                          "reduce_dtype": "float32"})
+            print(f"  {p.run.id}: its FSDP collectives need {floor:.2f} s per step at the stated links with fp32 "
+                  f"reduce-scatters, >= the published {p.run.published_step_s:g} s, so it is priced with bf16 "
+                  f"reduction; priced with fp32 it would be {as_fp32.step_s:.2f} s ({as_fp32.error:+.1%})")
     print("per source:")
     print("\n".join(_group_summaries(predictions, loso, lambda r: r.source)))
     print("per regime:")

@@ -28,7 +28,8 @@ Rajbhandari et al. 2020, Sec. 5 and 7.2), one unit per block the graph calls who
 - All-gather of a unit's parameters over its shard group, in the compute dtype (bf16: 2 bytes per
   parameter; fp32: 4). Zero 3 gathers every unit in every micro-batch's forward and again in its
   backward (`reshard_after_forward=True`); zero 2 once per step, in the first forward.
-- Reduce-scatter of a unit's fp32 gradient over the shard group (`reduce_dtype=fp32`); with HSDP
+- Reduce-scatter of a unit's gradient over the shard group in the reduce dtype (fp32 by default,
+  `reduce_dtype=fp32`; bf16 when the plan says so: `ParallelConfig.reduce_dtype`); with HSDP
   (dp_replicate > 1) it is followed by an all-reduce of the 1/dp_shard shard across the replicate
   group (Zhao et al. 2023, Sec. 3.2.2, hybrid sharding; torch's `foreach_reduce` runs the two one
   after the other). With pp = 1 this happens after every micro-batch's backward, unit by unit (FSDP's
@@ -70,7 +71,7 @@ import numpy as np
 
 from autoplan.cluster import Cluster, allgather_time_s, allreduce_time_s, reduce_scatter_time_s
 
-__all__ = ["DDP_BUCKET_BYTES", "FSDP_GRAD_BYTES_PER_PARAM", "dp_reduction_exposed_s", "fsdp_groups",
+__all__ = ["DDP_BUCKET_BYTES", "dp_reduction_exposed_s", "fsdp_groups",
            "fsdp_unit_times_s", "prefetch_exposed_s", "priced_once"]
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -112,10 +113,6 @@ def dp_reduction_exposed_s(
     return exposed + slowdown * hidden
 
 
-FSDP_GRAD_BYTES_PER_PARAM = 4.0
-"""FSDP reduces gradients in fp32 (`MixedPrecisionPolicy(reduce_dtype=fp32)`) whatever the compute dtype."""
-
-
 def fsdp_groups(first_rank: int, dp_stride: int, dp: int, dp_replicate: int) -> tuple[range, range]:
     """(shard group, replicate group) of the replica with dp index 0, as global ranks: `first_rank`
     is its rank, `dp_stride` the rank distance between neighbouring dp indices ([Note: FSDP
@@ -126,10 +123,12 @@ def fsdp_groups(first_rank: int, dp_stride: int, dp: int, dp_replicate: int) -> 
 
 
 def fsdp_unit_times_s(cluster: Cluster, shard_ranks: Sequence[int], replicate_ranks: Sequence[int],
-                      unit_params: np.ndarray, gather_bytes_per_param: float) -> tuple[np.ndarray, np.ndarray]:
+                      unit_params: np.ndarray, gather_bytes_per_param: float,
+                      reduce_bytes_per_param: float = 4.0) -> tuple[np.ndarray, np.ndarray]:
     """Per unit: seconds of its parameters' all-gather and of its gradient's reduction (reduce-scatter
-    over the shard group, then with HSDP the all-reduce of the shard over the replicate group); see
-    [Note: FSDP communication]. Units of equal size are priced once."""
+    over the shard group, then with HSDP the all-reduce of the shard over the replicate group), in
+    `reduce_bytes_per_param` bytes an element (4: fp32); see [Note: FSDP communication]. Units of
+    equal size are priced once."""
     params = np.asarray(unit_params, dtype=float)
     gather = np.zeros(len(params))
     reduce = np.zeros(len(params))
@@ -138,7 +137,7 @@ def fsdp_unit_times_s(cluster: Cluster, shard_ranks: Sequence[int], replicate_ra
     for j, n in enumerate(sizes):
         if n <= 0:
             continue
-        grad_bytes = n * FSDP_GRAD_BYTES_PER_PARAM
+        grad_bytes = n * reduce_bytes_per_param
         g = allgather_time_s(cluster, shard_ranks, n * gather_bytes_per_param)
         r = reduce_scatter_time_s(cluster, shard_ranks, grad_bytes)
         if len(replicate_ranks) > 1:

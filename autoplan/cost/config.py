@@ -48,6 +48,11 @@ class ParallelConfig:
     """Expert tensor-parallel degree (`Plan.expert_tp`; only 1 is built): every expert whole on the
     rank that holds it, and with tp > 1 and ep > 1 each tp rank sends only its 1/tp of the tokens to
     the experts (Megatron-LM's `--expert-tensor-parallel-size 1`)."""
+    reduce_dtype: str = "float32"
+    """The dtype FSDP (zero >= 2) reduce-scatters gradients in: float32 (FSDP2's
+    `MixedPrecisionPolicy(reduce_dtype=float32)`, Megatron-LM's default for bf16) or bfloat16
+    (torchtitan's `mixed_precision_reduce = "bfloat16"`, Megatron-LM's `--grad-reduce-in-bf16`),
+    which halves the reduction's bytes. Pinned by the user, never searched: it changes the numbers."""
 
     @property
     def expert_token_split(self) -> int:

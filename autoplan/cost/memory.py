@@ -122,6 +122,7 @@ from autoplan.plan import MemoryBreakdown
 __all__ = ["ALLOWANCE_FIXED_BYTES", "ALLOWANCE_FRACTION", "BYTES_PER_PARAM", "MIN_BYTES_PER_PARAM",
            "allowance_bytes", "block_act_bytes", "block_static_bytes", "expert_shard_surplus", "surplus_bytes_per_param",
            "fsdp_transient_bytes", "fused_norm_surplus", "gathered_bytes_per_param", "head_backward_bytes",
+           "reduced_bytes_per_param",
            "held_params", "param_counts", "persistent_bytes_per_param", "rank_memory",
            "reduction_buffer_bytes", "stage_is_one_unit"]
 
@@ -172,7 +173,7 @@ def reduction_buffer_bytes(cfg: ParallelConfig, num_params: float, unit_params: 
     from autoplan.cost.comm import DDP_BUCKET_BYTES
 
     if cfg.zero >= 2:
-        return 4.0 * float(np.max(unit_params, initial=0.0))
+        return reduced_bytes_per_param(cfg.reduce_dtype) * float(np.max(unit_params, initial=0.0))
     if cfg.dp > 1:
         return min(float(DDP_BUCKET_BYTES), 4.0 * num_params)
     return 0.0
@@ -183,34 +184,44 @@ def gathered_bytes_per_param(dtype: str) -> float:
     return 4.0 if _fp32(dtype) else 2.0
 
 
+def reduced_bytes_per_param(reduce_dtype: str) -> float:
+    """Bytes of one gradient element as FSDP reduces it (and, with pp > 1, accumulates it unsharded):
+    MixedPrecisionPolicy's reduce_dtype (`ParallelConfig.reduce_dtype`). The reduced shard is kept
+    in fp32 either way (FSDP casts it to the fp32 master's dtype)."""
+    return 2.0 if reduce_dtype == "bfloat16" else 4.0
+
+
 def stage_is_one_unit(profile: ModelProfile) -> bool:
     """Whether FSDP runs each stage as one unit: a graph traced by torch.export calls no module
     whole, so the stage's root unit holds every parameter (runtime/fsdp.py `unit_paths`)."""
     return profile.tracer == "export"
 
 
-def _fsdp_per_block_bytes_per_param(dtype: str, zero: int, pp: int, one_unit: bool = False) -> float:
+def _fsdp_per_block_bytes_per_param(dtype: str, zero: int, pp: int, one_unit: bool = False,
+                                    reduced: float = 4.0) -> float:
     """Bytes per parameter FSDP holds unsharded for every parameter of the rank's stages during the
     step ([Note: FSDP gathered bytes]): zero 2's gathered weights, and with pp > 1 the accumulated
     gradients and (zero 3 too) the weights, which stay gathered after each backward until the step's
     end (`reshard_after_backward=False`, as torch's pipelining sets it). A stage that is one unit
     (`stage_is_one_unit`) is gathered whole from its forward through its backward (FSDP does not
-    reshard a root after forward) and its whole gradient exists before the reduce-scatter."""
+    reshard a root after forward) and its whole gradient exists before the reduce-scatter.
+    `reduced`: bytes of a gradient element in the reduce dtype (`reduced_bytes_per_param`)."""
     out = 0.0
     if zero >= 2 and one_unit:
-        return gathered_bytes_per_param(dtype) + 4.0
+        return gathered_bytes_per_param(dtype) + reduced
     if zero == 2 or (zero == 3 and pp > 1):
         out += gathered_bytes_per_param(dtype)
     if zero >= 2 and pp > 1:
-        out += 4.0
+        out += reduced
     return out
 
 
 def fsdp_transient_bytes(dtype: str, zero: int, pp: int, unit_params: Sequence[float] | np.ndarray,
-                         one_unit: bool = False) -> float:
+                         one_unit: bool = False, reduced: float = 4.0) -> float:
     """Bytes FSDP holds unsharded for a few units at a time ([Note: FSDP gathered bytes]): zero 3's
     two units' gathered weights (the one computing, the one prefetched) and, with pp = 1, one
-    unit's fp32 gradient before its reduce-scatter. `unit_params`: the units' parameter counts."""
+    unit's gradient in the reduce dtype (`reduced` bytes an element) before its reduce-scatter.
+    `unit_params`: the units' parameter counts."""
     if zero < 2 or len(unit_params) == 0 or one_unit:  # one unit: counted per parameter
         return 0.0
     largest = np.sort(np.asarray(unit_params, dtype=float))[::-1]
@@ -218,7 +229,7 @@ def fsdp_transient_bytes(dtype: str, zero: int, pp: int, unit_params: Sequence[f
     if zero == 3 and pp == 1:
         out += gathered_bytes_per_param(dtype) * float(largest[:2].sum())
     if pp == 1:
-        out += 4.0 * float(largest[0])
+        out += reduced * float(largest[0])
     return out
 
 
@@ -311,8 +322,8 @@ def block_static_bytes(profile: ModelProfile, cfg: ParallelConfig, dtype: str) -
     tied block sits with its owner and adds no copy; with more, each is charged its copy (the
     cutting decides where it lands; `held_params` is exact once it has)."""
     weights, grads, optim = persistent_bytes_per_param(dtype, cfg.zero, cfg.dp, cfg.dp_replicate, cfg.tp)
-    per_param = weights + grads + optim + _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp,
-                                                                          stage_is_one_unit(profile))
+    per_param = weights + grads + optim + _fsdp_per_block_bytes_per_param(
+        dtype, cfg.zero, cfg.pp, stage_is_one_unit(profile), reduced_bytes_per_param(cfg.reduce_dtype))
     params = param_counts(profile, cfg)
     if cfg.num_stages == 1:
         params = params - _tied_copies(profile, cfg)
@@ -463,8 +474,9 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
     # Two receive buffers per boundary (activation in, gradient in), one micro-batch each.
     recv = sum(2 * profile.cuts[a - 1].num_bytes * f for a, _ in stage_ranges if a > 0)
     one_unit = stage_is_one_unit(profile)
-    gathered = (num_params * _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp, one_unit)
-                + fsdp_transient_bytes(dtype, cfg.zero, cfg.pp, params[blocks], one_unit))
+    reduced = reduced_bytes_per_param(cfg.reduce_dtype)
+    gathered = (num_params * _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp, one_unit, reduced)
+                + fsdp_transient_bytes(dtype, cfg.zero, cfg.pp, params[blocks], one_unit, reduced))
     return MemoryBreakdown(
         weights_bytes=num_params * weights_b + surplus * surplus_w,
         grads_bytes=num_params * grads_b + surplus * surplus_g,

@@ -26,7 +26,9 @@ across groups). Composed with tensor parallelism, a tp-sharded parameter becomes
 - Mixed precision (bf16 plans): FSDP's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
   in place of precision.py's working copies: the sharded parameters are the fp32 masters, gathered
   in bf16, and gradients are reduced and kept in fp32: 4 + 4 + 8 bytes per parameter, sharded
-  (cost/memory.py).
+  (cost/memory.py). A plan with `reduce_dtype` bfloat16 reduces them in bf16 (`reduce_dtype=bf16`,
+  torchtitan's `mixed_precision_reduce`): half the bytes on the wire, a bf16 sum; FSDP casts the
+  reduced shard back to the fp32 master's dtype, so what is kept is unchanged.
 - Expert parallelism (ep > 1): a rank's slice of the experts (runtime/experts.py) differs across
   its ep group, so each experts module is a unit of its own sharded over the ranks holding the
   same experts (`ParallelLayout.expert_fsdp_mesh`: tp * dp / ep ranks, plan.py [Note: expert
@@ -83,7 +85,8 @@ def apply_fsdp(build: StageBuild, plan: Plan, layout: ParallelLayout) -> None:
     for index, stage in build.stages.items():
         stage.runner = shard_stage(stage.module, stage.runner, mesh=layout.fsdp_mesh, zero=plan.zero,
                                    compute_dtype=build.compute_dtype, experts=build.experts_of.get(index, ()),
-                                   expert_mesh=layout.expert_fsdp_mesh, dp=plan.dp)
+                                   expert_mesh=layout.expert_fsdp_mesh, dp=plan.dp,
+                                   reduce_dtype=getattr(torch, plan.reduce_dtype))
         stage.params = [p for p in stage.module.parameters() if p.requires_grad]
     # fully_shard replaced the expert slices by sharded parameters
     build.expert_params = [p for units in build.experts_of.values() for unit in units for p in unit.parameters()]
@@ -146,15 +149,15 @@ def unit_paths(module: nn.Module) -> list[str]:
 
 def shard_stage(module: nn.Module, runner: Callable[..., Any] | None, *, mesh, zero: int,
                 compute_dtype: torch.dtype, experts: Sequence[nn.Module] = (), expert_mesh=None,
-                dp: int = 1) -> ShardedStage:
+                dp: int = 1, reduce_dtype: torch.dtype = torch.float32) -> ShardedStage:
     """`module` (a stage, already tensor-parallel and materialized) sharded with `fully_shard`
     over `mesh` as [Note: FSDP under the pipeline executor] says; returns the root unit to call in
     its place. Its parameters are replaced by sharded DTensor parameters: collect them afterwards.
     `experts` (ep > 1): its grouped-experts modules, already sliced (runtime/experts.py), which
-    shard over `expert_mesh`; `dp`: the replicas in all."""
+    shard over `expert_mesh`; `dp`: the replicas in all; `reduce_dtype`: the plan's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     if compute_dtype == torch.float32:
         policy = MixedPrecisionPolicy()
     reshard = zero >= 3

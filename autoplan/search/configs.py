@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from autoplan.cluster import Cluster
 from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
-from autoplan.plan import RECOMPUTE, Job, expert_layout_refusal
+from autoplan.plan import RECOMPUTE, REDUCE_DTYPES, Job, expert_layout_refusal
 from autoplan.schedule import SCHEDULES
 from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate
@@ -28,7 +28,7 @@ __all__ = ["MAX_MICROBATCHES", "PINS", "PlanningError", "config_pins", "cp_refus
            "fsdp_refusal", "tp_refusal"]
 
 PINS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero",
-        "dp_replicate", "sequence_parallel", "rank_order", "ep", "cp")
+        "dp_replicate", "sequence_parallel", "rank_order", "ep", "cp", "reduce_dtype")
 _DEFAULT_MBS = (1, 2, 4, 8)
 MAX_MICROBATCHES = 4096
 """Micro-batches per replica per step above which a configuration is not considered: schedules are
@@ -117,6 +117,15 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
             raise PlanningError(f"--dp-replicate {replicate} does not divide the data-parallel degree of any split of "
                                 f"{n_gpus} GPUs with the pinned degrees")
     fsdp_pinned = (zero is not None and zero >= 2) or (replicate is not None and replicate > 1)
+    reduce_dtype = pins.get("reduce_dtype")
+    if reduce_dtype is not None:
+        if reduce_dtype not in REDUCE_DTYPES:
+            raise PlanningError(f"--reduce-dtype {reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}")
+        if reduce_dtype == "bfloat16" and (zero is None or zero < 2):
+            raise PlanningError("--reduce-dtype bfloat16 is FSDP's reduce dtype: pin --zero 2 or 3 with it (zero 0 "
+                                "and 1 reduce fp32 gradients)")
+        if reduce_dtype == "bfloat16" and job.dtype != "bfloat16":
+            raise PlanningError(f"--reduce-dtype bfloat16 needs --dtype bfloat16, not {job.dtype}")
     if schedule == "zb-h1" and fsdp_pinned:
         what = f"--zero {zero}" if zero is not None and zero >= 2 else f"--dp-replicate {replicate}"
         raise PlanningError(f"--schedule zb-h1 cannot run with {what} (FSDP): its weight-gradient pass runs outside "
@@ -288,7 +297,7 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
                             for ep in _expert_degrees(profile, tp, dp, pins) if cp == 1 or pins.get("ep") else [1]:
                                 yield ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, num_microbatches=m,
                                                      schedule=schedule, virtual_stages=v, rank_order=order, ep=ep,
-                                                     cp=cp)
+                                                     cp=cp, reduce_dtype=pins.get("reduce_dtype", "float32"))
 
 
 def _schedules(profile: ModelProfile, pp: int, m: int, pins: dict) -> list[tuple[str, int]]:

@@ -22,6 +22,7 @@ from autoplan.cost.memory import (
     expert_params,
     fsdp_transient_bytes,
     gathered_bytes_per_param,
+    reduced_bytes_per_param,
     head_backward_bytes,
     param_counts,
     stage_is_one_unit,
@@ -134,9 +135,10 @@ class SearchContext:
 
         shard, replicate, layouts = self.cached(groups_key, groups)
         gather_bytes = gathered_bytes_per_param(self.job.dtype)
+        reduce_bytes = reduced_bytes_per_param(cfg.reduce_dtype)
         if cfg.ep == 1:
-            return self.cached(("fsdp", cfg.tp, layouts), lambda: fsdp_unit_times_s(
-                self.cluster, shard, replicate, self.params(cfg), gather_bytes))
+            return self.cached(("fsdp", cfg.tp, cfg.reduce_dtype, layouts), lambda: fsdp_unit_times_s(
+                self.cluster, shard, replicate, self.params(cfg), gather_bytes, reduce_bytes))
 
         def with_experts() -> tuple[np.ndarray, np.ndarray]:
             # A block's experts are a unit of their own, sharded over the ranks holding the same
@@ -144,12 +146,13 @@ class SearchContext:
             # (plan.py [Note: expert layout]).
             local_experts = np.asarray(expert_params(self.profile), dtype=float) / cfg.ep
             gather, reduce = fsdp_unit_times_s(self.cluster, shard, replicate, self.params(cfg) - local_experts,
-                                               gather_bytes)
+                                               gather_bytes, reduce_bytes)
             expert_gather, expert_reduce = fsdp_unit_times_s(self.cluster, *cfg.expert_fsdp_groups(pp_index),
-                                                             local_experts, gather_bytes)
+                                                             local_experts, gather_bytes, reduce_bytes)
             return gather + expert_gather, reduce + expert_reduce
 
-        return self.cached(("fsdp", cfg.tp, cfg.ep, cfg.expert_tp, cfg.dp_replicate, layouts), with_experts)
+        return self.cached(("fsdp", cfg.tp, cfg.ep, cfg.expert_tp, cfg.dp_replicate, cfg.reduce_dtype, layouts),
+                           with_experts)
 
     def params(self, cfg: ParallelConfig) -> np.ndarray:
         return self.cached(("params", cfg.tp, cfg.ep), lambda: param_counts(self.profile, cfg))
@@ -162,7 +165,7 @@ class SearchContext:
         recompute) and the head's backward transients (`head_backward_bytes`); then FSDP's units in
         flight (`fsdp_transient_bytes`)."""
         key = ("reserve", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.virtual_stages,
-               cfg.zero, cfg.pp == 1, cfg.cp, cfg.ep)
+               cfg.zero, cfg.pp == 1, cfg.cp, cfg.ep, cfg.reduce_dtype)
 
         def make() -> float:
             f = cfg.batch_share(self.profile.batch_size)
@@ -172,7 +175,7 @@ class SearchContext:
             head = head_backward_bytes(self.profile, self.act_bytes(cfg), range(self.profile.num_blocks))
             # FSDP's few-units terms, for the largest units anywhere ([Note: FSDP gathered bytes]).
             fsdp = fsdp_transient_bytes(self.job.dtype, cfg.zero, cfg.pp, self.params(cfg),
-                                        stage_is_one_unit(self.profile))
+                                        stage_is_one_unit(self.profile), reduced_bytes_per_param(cfg.reduce_dtype))
             return reserve + max(recompute, head) + fsdp
 
         return self.cached(key, make)

@@ -440,7 +440,8 @@ def _sharding(plan: Plan) -> str:
     if plan.zero >= 2:
         over = (f"HSDP: FSDP over {plan.dp_shard} ranks, {plan.dp_replicate} replicas" if plan.dp_replicate > 1
                 else f"FSDP over {plan.dp} ranks")
-        return f"zero {plan.zero} ({over})"
+        reduced = ", gradients reduced in bf16" if plan.reduce_dtype == "bfloat16" else ""
+        return f"zero {plan.zero} ({over}{reduced})"
     if plan.zero == 1:
         return f"zero 1 (optimizer states and fp32 masters sharded over {plan.dp} ranks)"
     return "zero 0 (replicated)"

@@ -282,6 +282,10 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
                           "re-plan with --dtype bf16, fp16 or fp32")
 
     config["zero_optimization"] = {"stage": _zero_stage(plan, differences)}
+    if plan.reduce_dtype == "bfloat16":
+        # The plan's FSDP reduces gradients in bf16: DeepSpeed's `communication_data_type`
+        # (runtime/config.py, the dtype gradients are reduced in).
+        config["communication_data_type"] = "bf16"
 
     if autotp:
         # DeepSpeed's own tensor parallelism for a plain module: AutoTP training shards the model's

@@ -298,6 +298,10 @@ def _batch_args(plan: Plan, differences: list[str]) -> list[Arg]:
     args: list[Arg] = [("--micro-batch-size", str(plan.micro_batch_size)), ("--global-batch-size", str(per_step))]
     if plan.job.dtype in ("bfloat16", "bf16"):
         args.append(("--bf16", None))
+        if plan.reduce_dtype == "bfloat16":
+            # validate_args: --grad-reduce-in-bf16 turns off accumulate_allreduce_grads_in_fp32,
+            # which --bf16 otherwise turns on (gradients reduced in fp32).
+            args.append(("--grad-reduce-in-bf16", None))
     elif plan.job.dtype in ("float16", "fp16"):
         args.append(("--fp16", None))  # dynamic loss scaling, Megatron's default without --loss-scale
     return args

@@ -477,6 +477,11 @@ def _precision(plan: Plan, settings: _Settings) -> None:
             "float32 only); written as bfloat16 (same memory and speed, no loss scaling)")
     else:
         settings.training["mixed_precision_param"] = repr(plan.job.dtype)
+    if plan.reduce_dtype == "bfloat16":
+        # TrainingConfig.mixed_precision_reduce is Literal["float32"] in torchtitan 0.3.0.
+        settings.differences.append(
+            "the plan reduces FSDP gradients in bfloat16; torchtitan's mixed_precision_reduce takes only "
+            "'float32', so its reduce-scatters move twice the bytes the prediction priced")
 
 
 # ---- stages ----------------------------------------------------------------------------------
