@@ -270,3 +270,78 @@ def test_torchtitan_builds_the_moe_export_with_the_zoos_parameters(tmp_path):
         assert count > 0 and flops > 0, name
         if plan.pp > 1:
             assert _layers_per_rank(config) == _plan_layers_per_rank(plan), name
+
+
+HF_MIXTRAL = ("hf:mixtral:num_hidden_layers=2,hidden_size=64,intermediate_size=96,num_attention_heads=4,"
+              "num_key_value_heads=2,num_local_experts=4,num_experts_per_tok=2,vocab_size=256,max_position_embeddings=128")
+HF_QWEN3_MOE = ("hf:qwen3_moe:num_hidden_layers=2,hidden_size=64,intermediate_size=128,moe_intermediate_size=48,"
+                "num_attention_heads=4,num_key_value_heads=2,head_dim=16,num_experts=4,num_experts_per_tok=2,"
+                "vocab_size=256,max_position_embeddings=128,norm_topk_prob=true")
+
+
+def _hf_moe_plan(spec, zero=3):
+    return autoplan.suggest(spec, "1x4xA100-80GB", global_batch=16, seq_len=32, tp=2, pp=1, dp=2, ep=2, zero=zero,
+                            top=1)[0]
+
+
+@pytest.mark.parametrize("spec", [HF_MIXTRAL, HF_QWEN3_MOE], ids=["mixtral", "qwen3_moe"])
+def test_transformers_moe_models_export_as_the_targets_moe(spec):
+    """transformers' Mixtral and Qwen3-MoE are written as torchtitan's MoE (a Qwen3Model, with Qwen3's
+    per-head q/k norm where the model has it) and as Megatron-LM's (--num-experts, --qk-layernorm for
+    Qwen3), with their expert layout, exactly (no --allow-approx needed: FSDP for torchtitan, the
+    distributed optimizer for Megatron-LM, which runs no FSDP with ep)."""
+    plan = _hf_moe_plan(spec)
+    titan = export_plan(plan, "torchtitan")
+    assert "make_moe_config" in titan.text and "expert_parallel_degree=2" in titan.text
+    assert ("qk_norm=RMSNorm.Config(normalized_shape=16" in titan.text) == ("qwen3_moe" in spec)
+    assert "route_norm=True" in titan.text
+    megatron = export_plan(_hf_moe_plan(spec, zero=1), "megatron").text
+    assert "--num-experts 4" in megatron and "--expert-model-parallel-size 2" in megatron
+    assert ("--qk-layernorm" in megatron) == ("qwen3_moe" in spec)
+    assert "--moe-ffn-hidden-size " + ("48" if "qwen3_moe" in spec else "96") in megatron
+
+
+def test_a_transformers_moe_the_targets_do_not_build_is_refused_in_one_line():
+    """Qwen3-MoE with dense layers between its MoE layers (decoder_sparse_step 2) is not torchtitan's
+    MoE: refused, naming the model, with the targets that do write it."""
+    plan = _hf_moe_plan(HF_QWEN3_MOE + ",decoder_sparse_step=2")
+    with pytest.raises(TargetRefusal, match="torchtitan has no model for hf:qwen3_moe") as refused:
+        export_plan(plan, "torchtitan")
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.export
+@pytest.mark.parametrize("spec", [HF_MIXTRAL, HF_QWEN3_MOE], ids=["mixtral", "qwen3_moe"])
+def test_torchtitan_builds_the_transformers_moe_export_with_its_parameters(spec, tmp_path):
+    """torchtitan's ConfigManager parses the export of a transformers MoE model and builds, on the meta
+    device, a model with exactly the parameters transformers' own model has (attention with its q/k
+    norms, router, experts, norms, embeddings, head)."""
+    import torch
+
+    from autoplan.sources.hf import HFSource
+
+    plan = _hf_moe_plan(spec)
+    config = parse_torchtitan(export_plan(plan, "torchtitan").text, tmp_path, spec.split(":")[1])
+    assert config.parallelism.expert_parallel_degree == 2
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)
+    with torch.device("meta"):
+        built = model_config.build()
+        theirs = HFSource.from_spec(spec).build("meta")
+    assert sum(t.numel() for t in built.parameters()) == sum(t.numel() for t in theirs.parameters())
+
+
+@pytest.mark.export
+def test_megatron_core_builds_the_qwen3_moe_config(tmp_path):
+    """megatron-core's TransformerConfig takes the Megatron export of transformers' Qwen3-MoE: its
+    q/k norm (`qk_layernorm`), head width (`kv_channels`), experts and router."""
+    pytest.importorskip("megatron.core")
+    from test_export_megatron import _transformer_config
+
+    ns = parse_megatron(_sourced_args(export_plan(_hf_moe_plan(HF_QWEN3_MOE, zero=1), "megatron").text, tmp_path))
+    ns.num_moe_experts = ns.num_experts
+    ns.moe_router_load_balancing_type = ns.moe_router_load_balancing_type[0]
+    config = _transformer_config(ns)
+    assert config.qk_layernorm and config.kv_channels == 16
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (4, 2, 48)
+    assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (2, 1)

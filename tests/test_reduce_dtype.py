@@ -181,3 +181,16 @@ def test_the_published_fsdp_row_whose_fp32_traffic_exceeds_its_step_is_priced_wi
     for run in others:
         dtype, other_floor = implied_reduce_dtype(run)
         assert dtype == "float32" and other_floor < 0.3 * run.published_step_s, run.id
+
+
+@pytest.mark.export
+def test_megatron_lm_parses_the_bf16_reduction(tmp_path):
+    """Megatron-LM's arguments (the recorded core_v0.16.1 flags) take the export's --grad-reduce-in-bf16."""
+    from test_export_megatron import _parse, _sourced_args
+
+    from autoplan.report.export import export_plan
+
+    plan = autoplan.suggest("llama3-8b", "2x8xH100-80GB", global_batch=512, seq_len=4096, top=1, zero=3, tp=1, pp=1,
+                            dp_replicate=1, reduce_dtype="bfloat16")[0]
+    ns = _parse(_sourced_args(export_plan(plan, "megatron").text, tmp_path))
+    assert ns.grad_reduce_in_bf16 and ns.bf16

@@ -143,6 +143,9 @@ class TransformerShape:
     head_size: int | None = None
     """Width of one attention head where the model sets it apart from hidden_size / num_heads (a
     Hugging Face config's `head_dim`, e.g. Mistral NeMo's 128 beside 5120 / 32); None otherwise."""
+    qk_norm: bool = False
+    """Each head's queries and keys RMS-normalised before the rotary positions (Qwen3's `q_norm`,
+    `k_norm`, over head_dim with the model's epsilon)."""
 
     @property
     def head_dim(self) -> int:
@@ -201,10 +204,13 @@ class MoEShape:
 
 
 def moe_shape(plan: Plan) -> tuple[TransformerShape, MoEShape] | None:
-    """The plan's model as a Llama decoder shape and its experts, for a zoo `moe` spec or preset;
-    None for anything else (`model_shape` covers the dense models)."""
+    """The plan's model as a Llama decoder shape and its experts, for a zoo `moe` spec or preset or
+    an `hf:` source of a mixture-of-experts type the targets build (`_hf_moe_shape`); None for
+    anything else (`model_shape` covers the dense models)."""
     from autoplan import models as zoo
 
+    if plan.model.startswith("hf:"):
+        return _hf_moe_shape(plan.model)
     try:
         spec = zoo.parse_model_spec(plan.model)
     except zoo.ModelSpecError:
@@ -221,6 +227,57 @@ def moe_shape(plan: Plan) -> tuple[TransformerShape, MoEShape] | None:
     experts = MoEShape(config.num_experts, config.experts_per_token, config.ffn_hidden_size,
                        config.num_shared_experts, config.capacity_factor, config.dropless,
                        config.router_aux_loss_coef, config.normalize_top_k)
+    return shape, experts
+
+
+# transformers model types whose layers are a Llama attention (Qwen3's with per-head q/k RMSNorm)
+# and a mixture of SwiGLU experts routed by a softmax over the experts and top-k, with no shared
+# expert and no bias: what the targets' MoE layers build (transformers' MixtralSparseMoeBlock /
+# MixtralTopKRouter and Qwen3MoeSparseMoeBlock, modeling_mixtral.py / modeling_qwen3_moe.py).
+_HF_MOE = ("mixtral", "qwen3_moe")
+
+
+def _hf_moe_shape(text: str) -> tuple[TransformerShape, MoEShape] | None:
+    """An `hf:` mixture of experts of a type in `_HF_MOE` as the targets build one; None for other
+    types and for configurations that leave that shape: sliding-window attention, router jitter,
+    biases, an activation other than SiLU, or Qwen3-MoE layers that keep a dense MLP
+    (`decoder_sparse_step`, `mlp_only_layers`)."""
+    from autoplan.sources import SourceError
+    from autoplan.sources.hf import HFSource
+
+    try:
+        source = HFSource.from_spec(text)
+    except (SourceError, ImportError) as exc:
+        raise ExportError(f"cannot read the plan's model {text!r}: {exc}") from None
+    config = source._config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _HF_MOE:
+        return None
+    windowed = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if (windowed or getattr(config, "router_jitter_noise", 0.0) or getattr(config, "attention_bias", False)
+            or getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "decoder_sparse_step", 1) != 1
+            or getattr(config, "mlp_only_layers", None)):
+        return None
+    heads = config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    head_dim = getattr(config, "head_dim", None)
+    # Every layer's MLP is the experts: the decoder's feed-forward width is theirs, as the zoo moe's.
+    width = config.moe_intermediate_size if model_type == "qwen3_moe" else config.intermediate_size
+    shape = TransformerShape(
+        "llama", config.num_hidden_layers, config.hidden_size, heads,
+        getattr(config, "num_key_value_heads", None) or heads, width, config.vocab_size,
+        config.max_position_embeddings, bool(getattr(config, "tie_word_embeddings", False)), float(config.rms_norm_eps),
+        rope_theta=float(theta if theta is not None else getattr(config, "rope_theta", 10000.0)),
+        hf_model_type=model_type, hf_path=str(source.path) if source.path is not None else None,
+        head_size=int(head_dim) if head_dim and int(head_dim) * heads != config.hidden_size else None,
+        qk_norm=model_type == "qwen3_moe")
+    # Mixtral's router always renormalises the top k (MixtralTopKRouter); Qwen3-MoE's when
+    # norm_topk_prob. Its balance loss enters the training loss only with output_router_logits.
+    balance = float(config.router_aux_loss_coef) if getattr(config, "output_router_logits", False) else 0.0
+    experts = MoEShape(int(config.num_local_experts if hasattr(config, "num_local_experts") else config.num_experts),
+                       int(config.num_experts_per_tok), int(width), 0, 1.0, True, balance,
+                       bool(getattr(config, "norm_topk_prob", True)) if model_type == "qwen3_moe" else True)
     return shape, experts
 
 

@@ -130,6 +130,9 @@ def _model_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> 
         args.append(("--kv-channels", str(shape.head_size)))
     if shape.num_kv_heads != shape.num_heads:
         args += [("--group-query-attention", None), ("--num-query-groups", str(shape.num_kv_heads))]
+    if shape.qk_norm:
+        # Qwen3's per-head q/k RMSNorm: --qk-layernorm, of the model's --normalization (RMSNorm).
+        args.append(("--qk-layernorm", None))
     args += [
         ("--max-position-embeddings", str(shape.max_seq_len)),
         ("--seq-length", str(plan.job.seq_len)),

@@ -184,21 +184,28 @@ def _model(plan: Plan, shape: TransformerShape, settings: _Settings, experts: Mo
         " scaling='none'),",
         ")",
     ]
-    if shape.head_size is not None:
-        # _build_llama3_layers has no head_dim and gives every head dim // n_heads; the attention
-        # builder it calls (torchtitan/models/common/config_utils.py make_gqa_config) takes one, so
-        # each layer's attention is rebuilt with the builder's own arguments plus this head width.
+    if shape.head_size is not None or shape.qk_norm:
+        # _build_llama3_layers has no head_dim and gives every head dim // n_heads, and no q/k norm;
+        # the attention builder it calls (torchtitan/models/common/config_utils.py make_gqa_config)
+        # takes both (torchtitan's qwen3 builders pass qk_norm=RMSNorm over head_dim), so each
+        # layer's attention is rebuilt with the builder's own arguments plus these.
         settings.imports.update({
             "from torchtitan.models.common.config_utils import make_gqa_config",
             "from torchtitan.models.llama3 import _LINEAR_INIT, _depth_init",
         })
+        said = []
+        if shape.head_size is not None:
+            said.append(f"heads are {shape.head_size} wide, not dim / n_heads = {dim // shape.num_heads}")
+        if shape.qk_norm:
+            said.append("queries and keys are RMS-normalised per head (Qwen3's q_norm, k_norm)")
+        qk_norm = (f" qk_norm=RMSNorm.Config(normalized_shape={shape.head_dim}, eps={eps!r}, param_init=_NORM_INIT),"
+                   if shape.qk_norm else "")
         lines += [
-            f"# this model's heads are {shape.head_size} wide, not dim / n_heads = {dim // shape.num_heads}: "
-            "the attention as the builder",
-            "# makes it (make_gqa_config, the same initializers), with head_dim",
+            f"# this model's {' and '.join(said)}: the attention as the builder",
+            "# makes it (make_gqa_config, the same initializers), with those",
             "layers = [dataclasses.replace(layer, attention=make_gqa_config(",
             f"    dim={dim}, n_heads={shape.num_heads}, n_kv_heads={shape.num_kv_heads}, "
-            f"head_dim={shape.head_size}, fuse_qkv=True,",
+            f"head_dim={shape.head_dim}, fuse_qkv=True,{qk_norm}",
             "    wqkv_param_init=_LINEAR_INIT, wo_param_init=_depth_init(layer_id),",
             "    inner_attention=layer.attention.inner_attention, rope=layer.attention.rope))",
             "    for layer_id, layer in enumerate(layers)]",
@@ -244,7 +251,8 @@ def _model(plan: Plan, shape: TransformerShape, settings: _Settings, experts: Mo
 
 
 def _moe_lines(plan: Plan, shape: TransformerShape, experts: MoEShape, settings: _Settings) -> list[str]:
-    """The zoo moe's layers (models/moe.py) as torchtitan builds a mixture of experts: each Llama layer
+    """The zoo moe's layers (models/moe.py), or transformers' Mixtral's and Qwen3-MoE's (common.py
+    `_hf_moe_shape`), as torchtitan builds a mixture of experts: each Llama layer
     (attention, norms) as a `Qwen3TransformerBlock` (torchtitan/models/qwen3/model.py: attention, then
     `moe` in place of `feed_forward`, the forward Llama3's block has) whose MoE
     (torchtitan/models/common/moe.py, built by config_utils.make_moe_config) routes as the zoo's
@@ -284,9 +292,11 @@ def _moe_lines(plan: Plan, shape: TransformerShape, experts: MoEShape, settings:
     if plan.ep > 1:
         settings.training["disable_cuda_graphs"] = "True"
     if experts.aux_loss_coef:
+        over = ("over the batch's tokens and every layer, transformers' load_balancing_loss_func"
+                if shape.hf_model_type else "per sequence")
         settings.differences.append(
-            f"the plan's router adds the Switch load-balancing loss (coefficient {experts.aux_loss_coef:g}, per "
-            "sequence); torchtitan 0.3.0 has no such loss (its balancing is the auxiliary-loss-free expert bias, "
+            f"the plan's router adds the Switch load-balancing loss (coefficient {experts.aux_loss_coef:g}, {over}); "
+            "torchtitan 0.3.0 has no such loss (its balancing is the auxiliary-loss-free expert bias, "
             "load_balance_coeff), so the file trains without one (load_balance_coeff=None)")
     return [
         f"# each layer: its attention and norms, and the mixture of {count} experts (top {experts.experts_per_token})",
