@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     pins.add_argument("--sequence-parallel", action="store_true", default=None)
     pins.add_argument("--reduce-dtype", choices=["float32", "bfloat16"],
                       help="the dtype FSDP reduces gradients in (default float32); bfloat16 with --zero 2/3 halves the "
-                           "reduce-scatter's bytes (torchtitan's mixed_precision_reduce, Megatron-LM's "
+                           "reduce-scatter's bytes (FSDP2's MixedPrecisionPolicy reduce_dtype, Megatron-LM's "
                            "--grad-reduce-in-bf16)")
     p.set_defaults(func=cmd_suggest)
 

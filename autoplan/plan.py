@@ -16,8 +16,8 @@ neighbours share a node when tp*pp fits in one. rank = tp_index + tp * (i1 + n1 
 
 [Note: expert layout]
 Which ranks exchange tokens with which (the ep group), which slice of the experts a rank holds (its
-ep index) and which ranks hold the same slice (the expert-data-parallel group), on each pipeline rank,
-under expert tp 1 (the only degree built).
+ep index) and which ranks hold the same slice (the expert-data-parallel group), on each pipeline rank.
+Under expert tp 1 (the default):
 ep divides tp x dp (Megatron-Core's EP x ETP x EDP = TP x DP with expert tp 1), so it may exceed dp:
 tp 2 x dp 2 at ep 4 gives each of the 4 ranks a quarter of the experts. dp counts the cp ranks, whose
 chunks of a sequence are tokens of their own to the experts, so the groups fold over them too. Under
@@ -34,6 +34,13 @@ the ranks holding its experts (over which their gradients are summed and ZeRO or
 are the positions with the same j mod ep: Megatron-Core's "MoE parallel folding" (EP x ETP taken
 over TP x DP, Megatron-Core MoE README; Liu et al. 2025, "MoE Parallel Folding", arXiv:2504.14960).
 At tp 1 the positions are the dp replicas.
+Under expert tp etp = tp (`Plan.expert_tp`) the tp ranks of a replica share its tokens and split each
+expert's hidden units, so the positions are the dp replicas (width tp / etp = 1 per replica), ep
+divides dp, and each tp index forms its own ep groups and expert-data-parallel groups: a rank's ep
+group is the ep consecutive replicas at its tp index, and the ranks holding its slice are those with
+the same ep index and tp index (Megatron-Core's expert rank order etp-ep-edp, parallel_state.py
+`RankGenerator` for experts). In general position j = dp_index * tp / etp + tp_index // etp and the
+expert-tp index tp_index mod etp (`expert_slot`).
 """
 
 from __future__ import annotations
@@ -91,28 +98,46 @@ class ExpertSlot:
     group: int
     """Its ep group (ranks with the same value exchange tokens)."""
     index: int
-    """Its place in that group: which E / ep experts it holds. Ranks with the same index hold the
-    same experts: they are its expert-data-parallel group."""
+    """Its place in that group: which E / ep experts it holds."""
+    etp_index: int = 0
+    """Which 1 / expert tp of those experts' hidden units it holds (0 under expert tp 1)."""
+    etp: int = 1
+
+    @property
+    def holding(self) -> int:
+        """Ranks with the same value hold the same slice of the same experts: its expert-data-parallel
+        group."""
+        return self.index * self.etp + self.etp_index
 
 
-def expert_slot(ep: int, tp: int, dp_index: int, tp_index: int) -> ExpertSlot:
-    """The expert layout of the rank at (dp_index, tp_index); see [Note: expert layout]."""
-    position = dp_index * tp + tp_index
-    return ExpertSlot(group=position // ep, index=position % ep)
+def expert_slot(ep: int, tp: int, dp_index: int, tp_index: int, etp: int = 1) -> ExpertSlot:
+    """The expert layout of the rank at (dp_index, tp_index) under expert tp `etp`; see [Note:
+    expert layout]."""
+    position = dp_index * (tp // etp) + tp_index // etp
+    etp_index = tp_index % etp
+    return ExpertSlot(group=(position // ep) * etp + etp_index, index=position % ep, etp_index=etp_index, etp=etp)
 
 
-def expert_positions(ep: int, tp: int, dp: int, first: int) -> list[tuple[int, int]]:
-    """(dp index, tp index) of the positions first, first + ep, ... < tp x dp: with first < ep the
-    ranks holding the experts of ep index `first` ([Note: expert layout])."""
-    return [(j // tp, j % tp) for j in range(first, tp * dp, ep)]
+def expert_positions(ep: int, tp: int, dp: int, first: int, etp: int = 1, etp_index: int = 0) -> list[tuple[int, int]]:
+    """(dp index, tp index) of the positions first, first + ep, ... < tp / etp x dp at expert-tp index
+    `etp_index`: with first < ep the ranks holding that slice of the experts of ep index `first`
+    ([Note: expert layout])."""
+    width = tp // etp
+    return [(j // width, (j % width) * etp + etp_index) for j in range(first, width * dp, ep)]
 
 
-def expert_layout_refusal(ep: int, tp: int, dp: int, dp_replicate: int = 1) -> str | None:
-    """Why ep cannot split the experts over tp x dp (one line), or None ([Note: expert layout])."""
-    if (tp * dp) % ep:
-        return f"ep {ep} must divide tp x dp = {tp * dp} (the ranks the experts are split over)"
-    if dp_replicate > 1 and (tp * (dp // dp_replicate)) % ep:
-        return (f"ep {ep} must divide tp x dp_shard = {tp * (dp // dp_replicate)} under HSDP (dp_replicate "
+def expert_layout_refusal(ep: int, tp: int, dp: int, dp_replicate: int = 1, etp: int = 1) -> str | None:
+    """Why ep and expert tp `etp` cannot lay the experts out over tp x dp (one line), or None ([Note:
+    expert layout])."""
+    if not isinstance(etp, int) or isinstance(etp, bool) or etp not in {1, tp}:
+        return f"expert tp {etp!r} must be 1 or the attention's tp {tp} (the degrees built)"
+    width = tp // etp
+    if (width * dp) % ep:
+        over = f"tp x dp = {tp * dp}" if etp == 1 else f"dp = {dp} under expert tp {etp}"
+        return f"ep {ep} must divide {over} (the ranks the experts are split over)"
+    if dp_replicate > 1 and (width * (dp // dp_replicate)) % ep:
+        over = "tp x dp_shard" if etp == 1 else "dp_shard"
+        return (f"ep {ep} must divide {over} = {width * (dp // dp_replicate)} under HSDP (dp_replicate "
                 f"{dp_replicate}: each replica group holds every expert)")
     return None
 
@@ -263,14 +288,18 @@ class Plan:
     under expert tp 1 with tp > 1, else ep consecutive dp replicas ([Note: expert layout]). 1: every
     replica holds every expert."""
     expert_tp: int = 1
-    """Expert tensor parallelism: how many ranks of a tp group split each expert's weights. 1 (the
-    only degree built, Megatron-LM's `--expert-tensor-parallel-size 1` as its published MoE runs use):
-    every expert is whole on the rank that holds it, and under attention tp > 1 each tp rank sends
-    its own 1 / tp of the tokens to the experts (runtime/experts.py)."""
+    """Expert tensor parallelism: how many ranks of a tp group split each expert's hidden units, 1 or
+    tp (Megatron-LM's `--expert-tensor-parallel-size`, torchtitan's `expert_tensor_parallel_degree`).
+    1 (the default, as Megatron-LM's published MoE runs use): every expert is whole on the rank that
+    holds it, and under attention tp > 1 each tp rank sends its own 1 / tp of the tokens to the
+    experts. tp: the tp ranks of a replica hold the same experts, each 1 / tp of every expert's
+    hidden units (a column-parallel up and a row-parallel down projection, Shoeybi et al. 2019), run
+    them on all of the replica's tokens and sum their outputs over tp ([Note: expert tp] in
+    runtime/expert_tp.py)."""
     reduce_dtype: str = "float32"
     """The dtype FSDP (zero >= 2) reduces gradients in (`MixedPrecisionPolicy.reduce_dtype`,
     runtime/fsdp.py): float32, or bfloat16 for a bfloat16 job (half the reduce-scatter's bytes;
-    torchtitan's `mixed_precision_reduce`, Megatron-LM's `--grad-reduce-in-bf16`)."""
+    Megatron-LM's `--grad-reduce-in-bf16`; torchtitan 0.3.0 reduces in fp32 only)."""
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -291,11 +320,11 @@ class Plan:
         """Ways a replica's tp ranks split the tokens that reach its experts: tp under expert tp 1
         with ep > 1 (runtime/experts.py), else 1. Its tp ranks then take part in the expert layout
         as ranks of their own, the ep groups folded over tp x dp ([Note: expert layout])."""
-        return self.tp if self.ep > 1 and self.expert_tp == 1 else 1
+        return self.tp // self.expert_tp if self.ep > 1 else 1
 
     def expert_slot(self, dp_index: int, tp_index: int) -> ExpertSlot:
         """The rank at (dp_index, tp_index)'s place in the expert layout ([Note: expert layout])."""
-        return expert_slot(self.ep, self.tp, dp_index, tp_index)
+        return expert_slot(self.ep, self.tp, dp_index, tp_index, self.expert_tp)
 
     @property
     def dp_shard(self) -> int:
@@ -488,15 +517,12 @@ def validate(plan: Plan) -> list[str]:
         problems.append(f"dp_replicate = {plan.dp_replicate} (HSDP) needs zero 2 or 3 (FSDP), not zero {plan.zero}")
     if not isinstance(plan.ep, int) or isinstance(plan.ep, bool) or plan.ep < 1:
         problems.append(f"ep = {plan.ep!r} must be a positive integer")
-    elif expert_layout_refusal(plan.ep, plan.tp, plan.dp, plan.dp_replicate) is not None:
-        problems.append(f"{expert_layout_refusal(plan.ep, plan.tp, plan.dp, plan.dp_replicate)}; re-plan with "
-                        "`autoplan suggest`")
+    elif expert_layout_refusal(plan.ep, plan.tp, plan.dp, plan.dp_replicate, plan.expert_tp) is not None:
+        problems.append(f"{expert_layout_refusal(plan.ep, plan.tp, plan.dp, plan.dp_replicate, plan.expert_tp)}; "
+                        "re-plan with `autoplan suggest`")
     if reduce_dtype_refusal(plan.reduce_dtype, plan.zero, plan.job.dtype) is not None:
         problems.append(f"{reduce_dtype_refusal(plan.reduce_dtype, plan.zero, plan.job.dtype)}; re-plan with "
                         "`autoplan suggest`")
-    if plan.expert_tp != 1:
-        problems.append(f"expert_tp = {plan.expert_tp!r}: only expert tensor parallelism 1 is built (every expert "
-                        "whole on the rank that holds it); re-plan with expert_tp 1")
     if plan.tracer not in ("auto", "fx", "export", "modules"):
         problems.append(f"tracer {plan.tracer!r} is not one of auto, fx, export, modules")
     if plan.rank_order not in RANK_ORDERS:

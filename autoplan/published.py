@@ -229,7 +229,8 @@ _PROFILES: dict[tuple[str, int], ModelProfile] = {}
 # (`reduce_dtype="bfloat16"`, Megatron-LM's --grad-reduce-in-bf16, which Megatron-FSDP's README
 # recommends). One row meets it: Qwen3-235B at tp 2, ep 8, FSDP over 32 nodes (17.6 s published),
 # whose fp32 floor is printed by benchmarks/validate_published.py beside its prediction under fp32
-# reduction. The rule reads the published step time once, as a bound; nothing is fitted to it.
+# reduction. The rule reads the published step time once, as a bound; nothing is fitted to it. It is
+# not out of sample: leave-one-source-out still prices that row with the dtype its own step implies.
 _REDUCE_DTYPES: dict[str, tuple[str, float]] = {}
 
 
@@ -309,7 +310,7 @@ def predict(run: PublishedRun, calibrations: Calibrations | None = None,
         return Prediction(run, evaluation.plan)
     ctx = SearchContext(prof, cluster, job, run.model, cals)
     best = None
-    for cfg in _unstated_choices(run, prof.num_blocks):
+    for cfg in _unstated_choices(run, prof.num_blocks, pins):
         try:
             evaluation = evaluate(ctx, cfg, require_fit=False)
         except ValueError:  # a schedule that cannot take this micro-batch count
@@ -325,12 +326,11 @@ def predict(run: PublishedRun, calibrations: Calibrations | None = None,
     return Prediction(run, best[1])
 
 
-def _unstated_choices(run: PublishedRun, num_blocks: int) -> list[ParallelConfig]:
+def _unstated_choices(run: PublishedRun, num_blocks: int, pins: dict[str, Any]) -> list[ParallelConfig]:
     """Every micro-batch size (up to 8) and virtual stage count (up to 8) the published dimensions
     allow: the fastest that fits stands for the unpublished choice, as the search would make it. (The
     search itself prunes with a memory reserve taken before cutting, which can refuse a configuration
-    that fits once cut.)"""
-    pins = run.pins
+    that fits once cut.) `pins`: the run's, with what `predict` adds (the implied reduce dtype)."""
     replicas = pins["dp"] // pins.get("cp", 1)
     per_replica = run.global_batch // replicas
     out = []

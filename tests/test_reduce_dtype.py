@@ -145,15 +145,27 @@ def test_a_plan_file_with_bf16_reduction_and_zero_1_is_refused_before_spawning(t
     assert code == 2 and "reduce_dtype bfloat16 needs FSDP" in err and "\n" not in err
 
 
+def _llama_8b(**pins):
+    return autoplan.suggest("llama3-8b", "2x8xH100-80GB", global_batch=512, seq_len=4096, top=1, zero=3, tp=1,
+                            dp_replicate=1, **pins)[0]
+
+
 def test_exports_write_the_bf16_reduction():
+    """Megatron-LM's torch FSDP2 (pp 1) reduces the bf16 parameters' gradients in bf16 whatever the flags:
+    exact for a bf16-reduce plan, a difference for an fp32 one; its distributed optimizer (what an
+    FSDP plan with pp > 1 is written as) takes --grad-reduce-in-bf16. DeepSpeed's
+    communication_data_type is the plan's reduce dtype; torchtitan 0.3.0 reduces in fp32 only."""
     from autoplan.report.export import ExportError, export_plan
 
-    plan = autoplan.suggest("llama3-8b", "2x8xH100-80GB", global_batch=512, seq_len=4096, top=1, zero=3, tp=1, pp=1,
-                            dp_replicate=1, reduce_dtype="bfloat16")[0]
+    plan = _llama_8b(pp=1, reduce_dtype="bfloat16")
     megatron = export_plan(plan, "megatron")
-    assert "--grad-reduce-in-bf16" in megatron.text
-    deepspeed = export_plan(plan, "deepspeed", allow_approx=True)
-    assert '"communication_data_type": "bf16"' in deepspeed.text
+    assert "--use-torch-fsdp2" in megatron.text and "--grad-reduce-in-bf16" not in megatron.text
+    fp32 = export_plan(_llama_8b(pp=1), "megatron", allow_approx=True)
+    assert any(d.startswith("gradients reduced in fp32") for d in fp32.differences)
+    piped = export_plan(_llama_8b(pp=2, reduce_dtype="bfloat16"), "megatron", allow_approx=True).text
+    assert "--use-distributed-optimizer" in piped and "--grad-reduce-in-bf16" in piped
+    assert '"communication_data_type": "bf16"' in export_plan(plan, "deepspeed", allow_approx=True).text
+    assert '"communication_data_type": "fp32"' in export_plan(_llama_8b(pp=1), "deepspeed", allow_approx=True).text
     # torchtitan 0.3.0 reduces in float32 only: said, and refused without --allow-approx.
     with pytest.raises(ExportError, match="mixed_precision_reduce"):
         export_plan(plan, "torchtitan")
@@ -190,7 +202,6 @@ def test_megatron_lm_parses_the_bf16_reduction(tmp_path):
 
     from autoplan.report.export import export_plan
 
-    plan = autoplan.suggest("llama3-8b", "2x8xH100-80GB", global_batch=512, seq_len=4096, top=1, zero=3, tp=1, pp=1,
-                            dp_replicate=1, reduce_dtype="bfloat16")[0]
-    ns = _parse(_sourced_args(export_plan(plan, "megatron").text, tmp_path))
+    plan = _llama_8b(pp=2, reduce_dtype="bfloat16")
+    ns = _parse(_sourced_args(export_plan(plan, "megatron", allow_approx=True).text, tmp_path))
     assert ns.grad_reduce_in_bf16 and ns.bf16

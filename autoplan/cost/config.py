@@ -51,7 +51,7 @@ class ParallelConfig:
     reduce_dtype: str = "float32"
     """The dtype FSDP (zero >= 2) reduce-scatters gradients in: float32 (FSDP2's
     `MixedPrecisionPolicy(reduce_dtype=float32)`, Megatron-LM's default for bf16) or bfloat16
-    (torchtitan's `mixed_precision_reduce = "bfloat16"`, Megatron-LM's `--grad-reduce-in-bf16`),
+    (`MixedPrecisionPolicy(reduce_dtype=bfloat16)`, Megatron-LM's `--grad-reduce-in-bf16`),
     which halves the reduction's bytes. Pinned by the user, never searched: it changes the numbers."""
 
     @property
@@ -97,7 +97,7 @@ class ParallelConfig:
                    num_microbatches=plan.num_microbatches, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
                    recompute=plan.recompute, zero=plan.zero, dp_replicate=plan.dp_replicate,
                    sequence_parallel=plan.sequence_parallel, rank_order=plan.rank_order, cp=plan.cp, ep=plan.ep,
-                   expert_tp=plan.expert_tp)
+                   expert_tp=plan.expert_tp, reduce_dtype=plan.reduce_dtype)
 
     @property
     def num_gpus(self) -> int:
@@ -137,5 +137,7 @@ class ParallelConfig:
             extras.append(f"hsdp={self.dp_replicate}x{self.dp_shard}")
         if self.sequence_parallel:
             extras.append("sp")
+        if self.reduce_dtype != "float32":
+            extras.append(f"reduce={self.reduce_dtype}")
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.micro_batch_size}x{self.num_microbatches} "
                 + " ".join(extras))

@@ -27,7 +27,7 @@ across groups). Composed with tensor parallelism, a tp-sharded parameter becomes
   in place of precision.py's working copies: the sharded parameters are the fp32 masters, gathered
   in bf16, and gradients are reduced and kept in fp32: 4 + 4 + 8 bytes per parameter, sharded
   (cost/memory.py). A plan with `reduce_dtype` bfloat16 reduces them in bf16 (`reduce_dtype=bf16`,
-  torchtitan's `mixed_precision_reduce`): half the bytes on the wire, a bf16 sum; FSDP casts the
+  Megatron-LM's `--grad-reduce-in-bf16`): half the bytes on the wire, a bf16 sum; FSDP casts the
   reduced shard back to the fp32 master's dtype, so what is kept is unchanged.
 - Expert parallelism (ep > 1): a rank's slice of the experts (runtime/experts.py) differs across
   its ep group, so each experts module is a unit of its own sharded over the ranks holding the

@@ -121,7 +121,7 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
     if reduce_dtype is not None:
         if reduce_dtype not in REDUCE_DTYPES:
             raise PlanningError(f"--reduce-dtype {reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}")
-        if reduce_dtype == "bfloat16" and (zero is None or zero < 2):
+        if reduce_dtype == "bfloat16" and (zero is None or zero < 2) and not (replicate and replicate > 1):
             raise PlanningError("--reduce-dtype bfloat16 is FSDP's reduce dtype: pin --zero 2 or 3 with it (zero 0 "
                                 "and 1 reduce fp32 gradients)")
         if reduce_dtype == "bfloat16" and job.dtype != "bfloat16":
@@ -405,7 +405,8 @@ def config_pins(cfg: ParallelConfig) -> dict:
     return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "micro_batch_size": cfg.micro_batch_size,
             "schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages, "recompute": cfg.recompute,
             "zero": cfg.zero, "dp_replicate": cfg.dp_replicate, "ep": cfg.ep, "cp": cfg.cp,
-            "sequence_parallel": cfg.sequence_parallel}
+            "sequence_parallel": cfg.sequence_parallel,
+            **({"reduce_dtype": cfg.reduce_dtype} if cfg.reduce_dtype != "float32" else {})}
 
 
 def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed: bool) -> tuple[str, dict] | None:

@@ -93,7 +93,8 @@ class SearchContext:
                                                     self.calibration(gpu)))
 
     def static_bytes(self, cfg: ParallelConfig) -> np.ndarray:
-        key = ("static", cfg.tp, cfg.dp, cfg.zero, cfg.dp_replicate, cfg.pp == 1, cfg.num_stages == 1, cfg.ep)
+        key = ("static", cfg.tp, cfg.dp, cfg.zero, cfg.dp_replicate, cfg.pp == 1, cfg.num_stages == 1, cfg.ep,
+               cfg.reduce_dtype)
         return self.cached(key, lambda: block_static_bytes(self.profile, cfg, self.job.dtype))
 
     def act_bytes(self, cfg: ParallelConfig) -> np.ndarray:

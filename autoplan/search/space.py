@@ -177,7 +177,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
                 rejections.counts["layout"] += 1
             continue
         frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
-        key = (cfg.tp, cfg.dp, frugal.zero, frugal.dp_replicate, cfg.pp == 1, cfg.ep)
+        key = (cfg.tp, cfg.dp, frugal.zero, frugal.dp_replicate, cfg.pp == 1, cfg.ep, cfg.reduce_dtype)
         if key not in static_cache:
             static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
         weights_over = static_cache[key] / cfg.pp > min_capacity and not all_pinned

@@ -282,10 +282,11 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
                           "re-plan with --dtype bf16, fp16 or fp32")
 
     config["zero_optimization"] = {"stage": _zero_stage(plan, differences)}
-    if plan.reduce_dtype == "bfloat16":
-        # The plan's FSDP reduces gradients in bf16: DeepSpeed's `communication_data_type`
-        # (runtime/config.py, the dtype gradients are reduced in).
-        config["communication_data_type"] = "bf16"
+    if plan.job.dtype == "bfloat16":
+        # The dtype gradients are reduced in (runtime/config.py `communication_data_type`), which
+        # DeepSpeed otherwise takes from the bf16 section (the engine's communication_data_type:
+        # bf16): the plan's reduce dtype, fp32 unless it says bfloat16.
+        config["communication_data_type"] = "bf16" if plan.reduce_dtype == "bfloat16" else "fp32"
 
     if autotp:
         # DeepSpeed's own tensor parallelism for a plain module: AutoTP training shards the model's

@@ -271,6 +271,13 @@ def _sharding_args(plan: Plan, shape: TransformerShape, differences: list[str]) 
             args.append(("--torch-fsdp2-no-reshard-after-forward", None))
         # validate_args: FSDP2 refuses gradient-accumulation fusion (on by default).
         args.append(("--no-gradient-accumulation-fusion", None))
+        if plan.job.dtype in ("bfloat16", "bf16") and plan.reduce_dtype != "bfloat16":
+            # TorchFullyShardedDataParallel calls fully_shard without a MixedPrecisionPolicy over
+            # Float16Module's bf16 parameters (core_v0.16.1), so FSDP2 reduces in their dtype.
+            differences.append("gradients reduced in fp32 (the plan's reduce dtype): Megatron's torch FSDP2 wrapper "
+                               "shards the bf16 parameters without a mixed-precision policy, so it reduce-scatters "
+                               "bf16 gradients, half the bytes predicted and a bf16 sum; re-plan with "
+                               "--reduce-dtype bfloat16 to plan what it runs")
         if plan.dp_replicate > 1:
             differences.append(f"HSDP {plan.dp_replicate} x {plan.dp_shard}: Megatron's torch FSDP2 wrapper shards "
                                f"over the whole data-parallel group (a 1-D DeviceMesh), i.e. over all {plan.dp} "
@@ -278,6 +285,10 @@ def _sharding_args(plan: Plan, shape: TransformerShape, differences: list[str]) 
                                "predicted")
         return args
     args = [("--use-distributed-optimizer", None)]
+    if plan.reduce_dtype == "bfloat16":
+        # validate_args: --grad-reduce-in-bf16 turns off accumulate_allreduce_grads_in_fp32, which
+        # --bf16 otherwise turns on (the distributed optimizer's gradients reduced in fp32).
+        args.append(("--grad-reduce-in-bf16", None))
     if plan.dp_replicate > 1:
         # Optimizer-state sharding inside groups of dp_shard ranks, replicated across them.
         args.append(("--num-distributed-optimizer-instances", str(plan.dp_replicate)))
@@ -301,10 +312,6 @@ def _batch_args(plan: Plan, differences: list[str]) -> list[Arg]:
     args: list[Arg] = [("--micro-batch-size", str(plan.micro_batch_size)), ("--global-batch-size", str(per_step))]
     if plan.job.dtype in ("bfloat16", "bf16"):
         args.append(("--bf16", None))
-        if plan.reduce_dtype == "bfloat16":
-            # validate_args: --grad-reduce-in-bf16 turns off accumulate_allreduce_grads_in_fp32,
-            # which --bf16 otherwise turns on (gradients reduced in fp32).
-            args.append(("--grad-reduce-in-bf16", None))
     elif plan.job.dtype in ("float16", "fp16"):
         args.append(("--fp16", None))  # dynamic loss scaling, Megatron's default without --loss-scale
     return args
