@@ -255,7 +255,8 @@ def suggest(model: str | nn.Module, cluster: str | Cluster, *, global_batch: int
     (None: the model's own length, as the CLI without --seq-len), `top`, `dtype`, `intra_node_bw_gbps`, `inter_node_bw_gbps`, and pins that fix a dimension:
     `tp, pp, dp, micro_batch_size, schedule, virtual_stages, recompute, zero` (0-3; 2 and 3 are FSDP),
     `dp_replicate` (HSDP replicate degree, with zero 2 / 3), `ep` (expert parallelism over tp x dp
-    ranks, for mixture-of-experts models), `cp` (context parallelism: dp ranks splitting each
+    ranks, for mixture-of-experts models), `expert_tp` (1 or tp: the tp ranks split each expert's hidden
+    units), `cp` (context parallelism: dp ranks splitting each
     sequence; dp counts them), `sequence_parallel`, `reduce_dtype` ("float32" or, with zero 2 / 3,
     "bfloat16": the dtype FSDP reduces gradients in).
     When every dimension is pinned the plan is returned even if it does not fit (`plan.fits`).

@@ -52,7 +52,7 @@ _PIN_TYPES: dict[str, tuple[type, ...]] = {
     "tp": (int,), "pp": (int,), "dp": (int,), "micro_batch_size": (int,), "virtual_stages": (int,), "zero": (int,),
     "dp_replicate": (int,), "ep": (int,), "cp": (int,),
     "schedule": (str,), "recompute": (str,), "rank_order": (str,), "sequence_parallel": (bool,),
-    "reduce_dtype": (str,),
+    "reduce_dtype": (str,), "expert_tp": (int,),
 }
 _CASE_KEYS = {"name", "model", "cluster", "global_batch", "seq_len", "dtype", "pins"}
 

@@ -98,7 +98,7 @@ DEFAULT_SUGGEST = {"model": "llama3-8b", "cluster": "2x8xH100-80GB", "global_bat
 def _pins(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages",
                                           "recompute", "zero", "dp_replicate", "ep", "cp", "sequence_parallel",
-                                          "reduce_dtype")
+                                          "reduce_dtype", "expert_tp")
             if getattr(args, k) is not None}
 
 
@@ -257,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     pins.add_argument("--ep", type=int, metavar="N",
                       help="expert parallelism (mixture-of-experts models): split each layer's experts over N "
                            "ranks of tp x dp (N divides tp x dp), tokens sent by all-to-all (any zero, HSDP)")
+    pins.add_argument("--expert-tp", type=int, metavar="N",
+                      help="expert tensor parallelism (mixture-of-experts models), 1 or --tp: the tp ranks split each "
+                           "expert's hidden units and share their tokens (default 1: every expert whole, each tp rank "
+                           "sending its own tokens)")
     pins.add_argument("--cp", type=int, metavar="N",
                       help="context parallelism (long sequences): N data-parallel ranks split each sequence into "
                            "2N load-balanced chunks and all-gather keys and values; dp counts them")

@@ -45,9 +45,10 @@ class ParallelConfig:
     tokens by all-to-all: ep consecutive positions over tp x dp, the tp ranks splitting the experts'
     tokens (Megatron-Core's MoE parallel folding; plan.py [Note: expert layout])."""
     expert_tp: int = 1
-    """Expert tensor-parallel degree (`Plan.expert_tp`; only 1 is built): every expert whole on the
-    rank that holds it, and with tp > 1 and ep > 1 each tp rank sends only its 1/tp of the tokens to
-    the experts (Megatron-LM's `--expert-tensor-parallel-size 1`)."""
+    """Expert tensor-parallel degree (`Plan.expert_tp`), 1 or tp. 1: every expert whole on the rank
+    that holds it, and with tp > 1 and ep > 1 each tp rank sends only its 1/tp of the tokens to the
+    experts (Megatron-LM's `--expert-tensor-parallel-size 1`). tp: the tp ranks split every expert's
+    hidden units and share the replica's tokens (plan.py [Note: expert layout])."""
     reduce_dtype: str = "float32"
     """The dtype FSDP (zero >= 2) reduce-scatters gradients in: float32 (FSDP2's
     `MixedPrecisionPolicy(reduce_dtype=float32)`, Megatron-LM's default for bf16) or bfloat16
@@ -57,10 +58,22 @@ class ParallelConfig:
     @property
     def expert_token_split(self) -> int:
         """How many ways the tokens that reach the experts are split over a replica's tp ranks
-        ([Note: experts on a GPU] in cost/experts.py): tp with ep > 1 and expert tp 1, else 1, as the
-        runtime does (runtime/experts.py); without ep every tp rank computes its experts on every
-        token. The same as `Plan.expert_token_split`."""
-        return self.tp if self.ep > 1 and self.expert_tp == 1 else 1
+        ([Note: experts on a GPU] in cost/experts.py): tp / expert tp with ep > 1 (tp under expert tp
+        1, 1 under expert tp tp), else 1, as the runtime does (runtime/experts.py); without ep every
+        tp rank computes its experts on every token. The same as `Plan.expert_token_split`."""
+        return self.tp // self.expert_tp if self.ep > 1 else 1
+
+    @property
+    def expert_work_split(self) -> int:
+        """Ways a replica's tp ranks share each expert operator's work: its tokens split under expert
+        tp 1 (`expert_token_split`), each expert's hidden units under expert tp tp; tp either way with
+        ep > 1 ([Note: experts on a GPU] in cost/experts.py)."""
+        return self.expert_token_split * self.expert_tp
+
+    @property
+    def holds_expert_slices(self) -> bool:
+        """Whether a rank holds a slice of each layer's experts (ep > 1 or expert tp > 1)."""
+        return self.ep * self.expert_tp > 1
 
     @property
     def expert_dp(self) -> int:
@@ -68,17 +81,18 @@ class ParallelConfig:
         gradients are reduced and, with zero 1, expert optimizer state is sharded: tp x dp / ep
         (plan.py [Note: expert layout]), Megatron-Core's expert-data-parallel size
         tp * dp / (ep * expert tp) (Megatron-Core MoE README, "MoE parallel folding")."""
-        return self.dp * self.tp // self.ep
+        return self.dp * self.tp // (self.ep * self.expert_tp)
 
     def expert_group_ranks(self, pp_index: int = 0) -> list[int]:
         """The global ranks of the first ep group of pipeline rank `pp_index` (positions 0 .. ep - 1),
-        in ep-index order."""
-        return [self.rank(pp_index, j // self.tp, j % self.tp) for j in range(self.ep)]
+        in ep-index order (at expert-tp index 0)."""
+        width = self.tp // self.expert_tp
+        return [self.rank(pp_index, j // width, (j % width) * self.expert_tp) for j in range(self.ep)]
 
     def expert_dp_ranks(self, pp_index: int) -> list[int]:
         """The global ranks of the first expert-data-parallel group of pipeline rank `pp_index` (the
         ranks holding the experts of rank (dp 0, tp 0)), in rank order: replica-major under HSDP."""
-        return [self.rank(pp_index, d, t) for d, t in expert_positions(self.ep, self.tp, self.dp, 0)]
+        return [self.rank(pp_index, d, t) for d, t in expert_positions(self.ep, self.tp, self.dp, 0, self.expert_tp)]
 
     def expert_fsdp_groups(self, pp_index: int) -> tuple[list[int], list[int]]:
         """(shard group, replicate group) over which FSDP shards and replicates the experts of rank
@@ -133,6 +147,8 @@ class ParallelConfig:
             extras.append(f"cp={self.cp}")
         if self.ep > 1:
             extras.append(f"ep={self.ep}")
+        if self.expert_tp > 1:
+            extras.append(f"etp={self.expert_tp}")
         if self.dp_replicate > 1:
             extras.append(f"hsdp={self.dp_replicate}x{self.dp_shard}")
         if self.sequence_parallel:

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoplan.cluster import Cluster, allgather_time_s, p2p_time_s
+from autoplan.cluster import Cluster, allgather_time_s, allreduce_time_s, p2p_time_s
 from autoplan.cost.comm import priced_once
 from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import Block, ModelProfile
 
 __all__ = ["ExpertLinks", "all_to_all_time_s", "dispatch_share", "expert_comm_times_s", "expert_exchange_times_s", "expert_flops", "expert_group_ranks",
-           "expert_links", "expert_output_gather_times_s", "sharded_but_experts"]
+           "expert_links", "expert_output_gather_times_s", "expert_tp_reduce_times_s", "sharded_but_experts"]
 
 
 # [Note: experts on a GPU]
@@ -121,9 +121,28 @@ def expert_exchange_times_s(profile: ModelProfile, cluster: Cluster, cfg: Parall
 def expert_comm_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig,
                         dispatch: str = "copies") -> np.ndarray:
     """Per block, seconds of expert parallelism's communication in one forward of one micro-batch:
-    the all-to-alls (`expert_exchange_times_s`) and the tp all-gather of the outputs
-    (`expert_output_gather_times_s`). The backward moves as much again."""
-    return expert_exchange_times_s(profile, cluster, cfg, dispatch) + expert_output_gather_times_s(profile, cluster, cfg)
+    the all-to-alls (`expert_exchange_times_s`), the tp all-gather of the outputs under expert tp 1
+    (`expert_output_gather_times_s`) and the all-reduce of the partial outputs under expert tp
+    (`expert_tp_reduce_times_s`). The backward moves as much again."""
+    return (expert_exchange_times_s(profile, cluster, cfg, dispatch) + expert_output_gather_times_s(profile, cluster, cfg)
+            + expert_tp_reduce_times_s(profile, cluster, cfg))
+
+
+def expert_tp_reduce_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> np.ndarray:
+    """Per block with experts, seconds of the all-reduce over the expert-tp group (the tp ranks of a
+    replica) that sums the partial outputs of experts split along their hidden units (expert tp > 1,
+    runtime/expert_tp.py [Note: expert tp]), in one pass of one micro-batch: the layer's hidden state
+    (the bytes crossing the cut after the block), a ring all-reduce (Thakur et al. 2005,
+    `allreduce_time_s`); the backward all-reduces the inputs' gradients, the same volume (Megatron-LM's
+    copy-to / reduce-from pair, Shoeybi et al. 2019, Fig. 3a). Zero under expert tp 1."""
+    out = np.zeros(profile.num_blocks)
+    experts = (profile.extra.get("experts") or {}).get("block_dispatch_bytes") or []
+    if cfg.expert_tp == 1 or not any(experts) or not profile.cuts:
+        return out
+    hidden = np.array([profile.cuts[min(i, len(profile.cuts) - 1)].num_bytes if i < len(experts) and experts[i]
+                       else 0.0 for i in range(profile.num_blocks)])
+    tp_ranks = list(range(cfg.tp))
+    return priced_once(hidden * cfg.batch_share(profile.batch_size), lambda n: allreduce_time_s(cluster, tp_ranks, n))
 
 
 def expert_group_ranks(cfg: ParallelConfig) -> list[int]:
@@ -198,6 +217,8 @@ class ExpertLinks:
         ranks = self.group_ranks
         shown = ", ".join(map(str, ranks)) if len(ranks) <= 4 else f"{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}"
         split = f", tokens split over tp {self.token_split}" if self.token_split > 1 else ""
+        if self.expert_tp > 1:
+            split = f", each expert's hidden units split over the {self.expert_tp} tp ranks (the all-to-all at each tp index)"
         links = [f"{self.nvlink_peers} peer{'s' if self.nvlink_peers != 1 else ''} over NVLink"] if self.nvlink_peers else []
         if self.network_peers:
             links.append(f"{self.network_peers} over the network")

@@ -254,8 +254,8 @@ def param_counts(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
     (the layout shards no expert), so 1 - 1/ep of them leave the GPU."""
     itemsize = 2 if profile.dtype in ("bfloat16", "float16") else 4
     counts = np.array([b.param_bytes / itemsize / tp_divisor(profile, i, cfg.tp) for i, b in enumerate(profile.blocks)])
-    if cfg.ep > 1:
-        counts -= np.asarray(expert_params(profile), dtype=float) * (1 - 1 / cfg.ep)
+    if cfg.holds_expert_slices:  # 1/ep of the experts, 1/expert tp of each one's hidden units
+        counts -= np.asarray(expert_params(profile), dtype=float) * (1 - 1 / (cfg.ep * cfg.expert_tp))
     return counts
 
 
@@ -274,10 +274,10 @@ def expert_shard_surplus(profile: ModelProfile, cfg: ParallelConfig, ranges: Seq
     `get_megatron_optimizer`). So it keeps dp / group times the share of its experts (negative when
     the group is larger than dp). What of a parameter that sharding covers:
     `surplus_bytes_per_param`. 0 without ep or ZeRO."""
-    if cfg.zero < 1 or cfg.ep == 1:
+    if cfg.zero < 1 or not cfg.holds_expert_slices:
         return 0.0
     experts = expert_params(profile)
-    held = sum(sum(experts[a:b]) for a, b in ranges) / cfg.ep
+    held = sum(sum(experts[a:b]) for a, b in ranges) / (cfg.ep * cfg.expert_tp)
     shards = cfg.dp if cfg.zero == 1 else cfg.dp_shard
     group = cfg.expert_dp if cfg.zero == 1 else cfg.expert_dp // cfg.dp_replicate  # HSDP: shards within a replica
     return held * (shards / max(group, 1) - 1)
@@ -328,7 +328,7 @@ def block_static_bytes(profile: ModelProfile, cfg: ParallelConfig, dtype: str) -
     if cfg.num_stages == 1:
         params = params - _tied_copies(profile, cfg)
     out = params * per_param
-    if cfg.zero >= 1 and cfg.ep > 1:
+    if cfg.zero >= 1 and cfg.holds_expert_slices:
         out = out + np.array([expert_shard_surplus(profile, cfg, [(i, i + 1)]) for i in range(profile.num_blocks)]) \
             * sum(surplus_bytes_per_param(dtype, cfg))
     return out

@@ -113,7 +113,7 @@ def _dtype_key(dtype: str) -> str:
 
 
 def scaled_op(op: Op, batch_factor: float, tp: int, sequence_parallel: bool,
-              ep: int = 1, expert_split: int = 1) -> tuple[tuple[float, ...], float, float]:
+              ep: int = 1, expert_split: int = 1, expert_tp: int = 1) -> tuple[tuple[float, ...], float, float]:
     """(shape, flops, bytes) of `op` at `batch_factor` times the profile's batch on one of `tp`
     tensor-parallel ranks: the batch axis grows, the tp axis (or a memory op's bytes, unless they are
     hidden-shaped without sequence parallelism: Korthikanti et al. 2022, Sec. 4.2.2) shrinks.
@@ -129,7 +129,11 @@ def scaled_op(op: Op, batch_factor: float, tp: int, sequence_parallel: bool,
     tokens that reach the experts under expert tp 1 (Megatron-Core MoE README, "MoE parallel
     folding": with ETP 1 each tp rank dispatches its own 1/tp of the tokens, so no expert GEMM is
     repeated on the tp ranks): an expert operator's tokens, and so its FLOPs and per-batch bytes,
-    divide by it, its weights' bytes do not."""
+    divide by it, its weights' bytes do not. Under expert tp (`expert_tp` = tp, `expert_split` then
+    `ParallelConfig.expert_work_split`) a rank runs every token on 1/expert tp of each expert's hidden
+    units: the same FLOPs and per-batch bytes as a 1/tp share of the tokens, which is how it is
+    priced (the GEMM's narrower hidden axis, not its fewer rows, is not modelled), and the weights'
+    bytes divide by ep x expert tp."""
     shape = list(op.shape)
     if op.tp == "expert":
         batch_factor /= expert_split
@@ -138,6 +142,7 @@ def scaled_op(op: Op, batch_factor: float, tp: int, sequence_parallel: bool,
     split = 1.0
     fixed = op.fixed_bytes
     if op.tp == "expert":
+        fixed /= expert_tp
         if ep > 1:
             fixed /= ep
             if op.kind == "gemm" and len(shape) == 4 and op.batch_axis not in (None, 0):
@@ -157,10 +162,11 @@ def scaled_op(op: Op, batch_factor: float, tp: int, sequence_parallel: bool,
 
 
 def op_time_s(op: Op, cal: Calibration, gpu: GPU, batch_factor: float, tp: int, sequence_parallel: bool,
-              ep: int = 1, expert_split: int = 1) -> float:
+              ep: int = 1, expert_split: int = 1, expert_tp: int = 1) -> float:
     """Seconds of one call of `op` (multiply by `op.count` for the pass) on one of `tp` tensor-parallel
-    and `ep` expert-parallel ranks, the experts' tokens split `expert_split` ways (`scaled_op`)."""
-    shape, flops, num_bytes = scaled_op(op, batch_factor, tp, sequence_parallel, ep, expert_split)
+    and `ep` expert-parallel ranks, the experts' work split `expert_split` ways, their weights
+    `expert_tp` ways (`scaled_op`)."""
+    shape, flops, num_bytes = scaled_op(op, batch_factor, tp, sequence_parallel, ep, expert_split, expert_tp)
     if op.kind == "gemm":
         if len(shape) == 4:
             return gemm_time_s(cal, gpu, *shape, op.dtype, element_bytes=_element_bytes(op.dtype))

@@ -97,10 +97,11 @@ def cpu_sharing(profile: ModelProfile, gpu: GPU, cluster: Cluster) -> tuple[floa
 
 
 def op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, sp: bool,
-                   dtype: str, profile_dtype: str, ep: int = 1, expert_split: int = 1) -> tuple[float, float, float]:
+                   dtype: str, profile_dtype: str, ep: int = 1, expert_split: int = 1,
+                   expert_tp: int = 1) -> tuple[float, float, float]:
     """(forward, backward, selective recompute) seconds of a block's operators at batch factor f on one
-    of tp tensor-parallel and ep expert-parallel ranks, the experts' tokens split `expert_split` ways
-    over tp (cost/ops.py `scaled_op`). Operators recorded in the profile's dtype run
+    of tp tensor-parallel and ep expert-parallel ranks, the experts' work split `expert_split` ways
+    over tp and their weights `expert_tp` ways (cost/ops.py `scaled_op`). Operators recorded in the profile's dtype run
     in the job's. The third is what `recompute = selective` runs again under the calibration's stack
     (`Calibration.selective_recompute`): the attention core (Korthikanti et al. 2022, Sec. 5), or
     torchtitan's operator-level policy, which keeps every odd matmul's output and attention's and
@@ -118,7 +119,7 @@ def op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, s
     for op in block.ops:
         if op.dtype == profile_dtype and op.dtype != dtype:
             op = dataclasses.replace(op, dtype=dtype)
-        seconds = op.count * op_time_s(op, cal, gpu, f, tp, sp, ep, expert_split)
+        seconds = op.count * op_time_s(op, cal, gpu, f, tp, sp, ep, expert_split, expert_tp)
         if op.phase == "fwd":
             fwd += seconds
             if op.kind == "attention":
@@ -184,7 +185,8 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             key = (b.fingerprint or i, op_tp)
             if key not in by_fingerprint:
                 by_fingerprint[key] = op_pass_times(b, cal, gpu, f, op_tp, cfg.sequence_parallel, dtype, profile.dtype,
-                                                    cfg.ep, 1 if whole else cfg.expert_token_split)
+                                                    cfg.ep, 1 if whole else cfg.expert_work_split,
+                                                    1 if whole else cfg.expert_tp)
             f_s, b_s, selective_s = by_fingerprint[key]
             divide = shard if whole else 1.0
             fwd[i] = f_s / divide
@@ -200,10 +202,11 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
             fwd[i] = _flops_seconds(cal, gpu, dtype, fwd_flops, attn_fwd, "fwd")
             bwd[i] = _flops_seconds(cal, gpu, dtype, bwd_flops + recompute_flops, attn_bwd + attn_recompute, "bwd")
         hw[i] = fwd_flops + bwd_flops + recompute_flops
-        if cfg.expert_token_split > 1:
-            # The experts' FLOPs a tp rank leaves to its peers under expert tp 1 (`scaled_op`).
+        if cfg.expert_work_split > 1 and not whole:
+            # The experts' FLOPs a tp rank leaves to its peers: their tokens under expert tp 1, their
+            # hidden units under expert tp tp (`scaled_op`).
             hw[i] -= expert_flops(b, f, cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS) \
-                * (1 - 1 / cfg.expert_token_split)
+                * (1 - 1 / cfg.expert_work_split)
         overlapped = cal.tp_comm_overlap and cfg.sequence_parallel and b.kind in _RECOMPUTED_KINDS
         if cfg.tp > 1 and b.tp_comm_bytes and not overlapped:
             # Megatron: all-reduces in forward and as many in backward (Shoeybi et al. 2019, Fig. 3);
@@ -221,7 +224,7 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
         # recompute gathers them again.
         tp_bwd += gather * np.array([2.0 if cfg.recompute == "full" and b.kind in _RECOMPUTED_KINDS else 1.0
                                      for b in profile.blocks])
-    if cfg.ep > 1:
+    if cfg.holds_expert_slices:
         exchange = expert_comm_times_s(profile, cluster, cfg, cal.expert_dispatch)
         tp_fwd += exchange
         # Backward sends the gradients of both exchanges back (and gathers the tokens' gradients

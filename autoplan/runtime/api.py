@@ -259,7 +259,8 @@ def partition(
                             input_names=traced.input_names, aliases=aliases, device=device,
                             batch_size_of_example=batch_size_of(graph_inputs), precision=build.precision,
                             compute_dtype=build.compute_dtype, source=source, expert_params=build.expert_params,
-                            context=build.context, output_template=whole_sequence_output(output_template, plan))
+                            context=build.context, output_template=whole_sequence_output(output_template, plan),
+                            expert_hidden=build.expert_hidden)
 
 
 def _check_plan_for(model: nn.Module, plan: Plan) -> None:

@@ -51,6 +51,7 @@ from autoplan.graph.experts import (
 )
 from autoplan.runtime.data_parallel import all_reduce_grads
 from autoplan.runtime.errors import PartitionError
+from autoplan.runtime.expert_tp import expert_tp_forward, hidden_axes, split_hidden
 from autoplan.runtime.routed_experts import GatherRows, RoutedDispatch, TakeRows, exchange
 
 if TYPE_CHECKING:
@@ -118,20 +119,38 @@ def _check_divides(count: int, ep: int, path: str) -> None:
                          "re-plan with an ep that divides them")
 
 
-def shard_experts(modules: Iterable[nn.Module], group: dist.ProcessGroup, ep_index: int, ep: int,
-                  tp: tuple = ()) -> list[nn.Parameter]:
+def _split_hidden_units(module: nn.Module, path: str, etp: tuple, routed: bool) -> list[nn.Parameter]:
+    """Keep this rank's 1/etp of the hidden units of every expert of `module` and sum the outputs
+    over the expert-tp group ([Note: expert tp] in expert_tp.py); `etp` = (group, index, size)."""
+    group, index, size = etp
+    axes = hidden_axes(module, path, size, routed)
+    if isinstance(axes, str):
+        raise PartitionError(f"{axes}; re-plan with --expert-tp 1")
+    kept = split_hidden(module, axes, index, size)
+    module.forward = expert_tp_forward(module.forward, group)
+    module.expert_hidden_axes = axes  # read back by `apply_expert_parallel` for checkpoints
+    return kept
+
+
+def shard_experts(modules: Iterable[nn.Module], group: dist.ProcessGroup | None, ep_index: int, ep: int,
+                  tp: tuple = (), etp: tuple = ()) -> list[nn.Parameter]:
     """Keep this rank's 1/ep of the experts of every grouped-experts module in `modules` (whole,
     initialized parameters; the slices replace them) and exchange tokens around their forward;
-    `tp` = (tp group, tp index, tp) splits the tokens over tp first ([Note: expert tp 1]).
+    `tp` = (tp group, tp index, tp) splits the tokens over tp first ([Note: expert tp 1]); `etp` =
+    (expert-tp group, index, expert tp) keeps 1/etp of each expert's hidden units (expert_tp.py).
     Returns the new expert parameters (for `reduce_expert_grads`)."""
     kept: list[nn.Parameter] = []
     for module in modules:
         for path, experts in expert_modules(module).items():
             count = experts.num_experts
-            _check_divides(count, ep, path)
-            kept += _slice_parameters(experts, ep_index, count // ep, per_tp_rank=bool(tp))
-            experts.register_forward_pre_hook(functools.partial(_dispatch, group, ep, count, path, tp))
-            experts.register_forward_hook(functools.partial(_combine, group, ep, count, tp))
+            if ep > 1:
+                _check_divides(count, ep, path)
+                _slice_parameters(experts, ep_index, count // ep, per_tp_rank=bool(tp) or bool(etp))
+                experts.register_forward_pre_hook(functools.partial(_dispatch, group, ep, count, path, tp))
+                experts.register_forward_hook(functools.partial(_combine, group, ep, count, tp))
+            if etp:
+                _split_hidden_units(experts, path, etp, routed=False)
+            kept += list(experts.parameters(recurse=False))
     return kept
 
 
@@ -186,11 +205,12 @@ def _routed_module(stage: nn.Module, path: str, model: nn.Module | None) -> nn.M
     return module
 
 
-def shard_routed_experts(stage: nn.Module, model: nn.Module | None, group: dist.ProcessGroup, ep_index: int, ep: int,
-                         tp: tuple = ()) -> tuple[list[nn.Module], list[nn.Parameter]]:
+def shard_routed_experts(stage: nn.Module, model: nn.Module | None, group: dist.ProcessGroup | None, ep_index: int,
+                         ep: int, tp: tuple = (), etp: tuple = ()) -> tuple[list[nn.Module], list[nn.Parameter]]:
     """Keep this rank's 1/ep of the experts of every routed-experts module `stage` runs (graph/
     experts.py; found on the model, as the stage may have inlined them) and run them through
-    `RoutedDispatch`. Returns the modules and their new parameters."""
+    `RoutedDispatch` (ep > 1), with 1/etp of each expert's hidden units under `etp` (as
+    `shard_experts`). Returns the modules and their new parameters."""
     found = routed_expert_modules(model if model is not None else stage)
     modules, kept = [], []
     for path, original in found.items():
@@ -204,11 +224,15 @@ def shard_routed_experts(stage: nn.Module, model: nn.Module | None, group: dist.
         module = _routed_module(stage, path, model)
         if isinstance(call, InlinedCall):
             _call_as_module(stage, path, call)
-        kept += _slice_parameters(module, ep_index, count // ep, per_tp_rank=bool(tp))
-        module.num_experts = count // ep  # the local experts, indexed 0 .. E/ep - 1
-        tp_group, tp_index, size = tp or (None, 0, 1)
-        module.forward = RoutedDispatch(module, module.forward, count, ep, group, tp=size, tp_group=tp_group,
-                                        tp_index=tp_index, path=path)
+        if ep > 1:
+            _slice_parameters(module, ep_index, count // ep, per_tp_rank=bool(tp) or bool(etp))
+            module.num_experts = count // ep  # the local experts, indexed 0 .. E/ep - 1
+            tp_group, tp_index, size = tp or (None, 0, 1)
+            module.forward = RoutedDispatch(module, module.forward, count, ep, group, tp=size, tp_group=tp_group,
+                                            tp_index=tp_index, path=path)
+        if etp:
+            _split_hidden_units(module, path, etp, routed=True)
+        kept += list(module.parameters(recurse=False))
         modules.append(module)
     return modules, kept
 
@@ -228,13 +252,17 @@ def refuse_expert_parallel(model: nn.Module, traced: TracedModel, plan: Plan) ->
     """Refuse (one line, before any process group) an ep > 1 plan for a model without experts of
     either contract (graph/experts.py), or whose routed experts the traced graph does not call as
     one call of (tokens, expert indices, weights)."""
-    if plan.ep == 1:
+    if plan.ep == 1 and plan.expert_tp == 1:
         return
     routed = routed_expert_modules(model)
-    if not expert_modules(traced.gm) and not routed:
-        raise PartitionError(f"the plan has ep {plan.ep} but the model has no experts (graph/experts.py: grouped, or "
+    grouped = expert_modules(traced.gm)
+    if not grouped and not routed:
+        what = f"ep {plan.ep}" if plan.ep > 1 else f"expert tp {plan.expert_tp}"
+        raise PartitionError(f"the plan has {what} but the model has no experts (graph/experts.py: grouped, or "
                              "routed by (tokens, expert indices, weights)) to split; re-plan it with `autoplan "
-                             "suggest` (ep 1)")
+                             "suggest`")
+    if plan.expert_tp > 1:
+        _refuse_hidden_split(grouped, routed, plan.expert_tp)
     for path, module in routed.items():
         call = inlined_call(traced.gm, path)
         if isinstance(call, str):
@@ -244,6 +272,21 @@ def refuse_expert_parallel(model: nn.Module, traced: TracedModel, plan: Plan) ->
                                  f"of '{path}'; re-plan it with `autoplan suggest`")
 
 
+def _refuse_hidden_split(grouped: dict[str, nn.Module], routed: dict[str, nn.Module], etp: int) -> None:
+    """Refuse (one line, before any process group) expert tp where an experts module's hidden units
+    cannot be read from its shapes, do not split, or are not divisible by it ([Note: expert tp] in
+    expert_tp.py)."""
+    for modules, is_routed in ((grouped, False), (routed, True)):
+        for path, module in modules.items():
+            axes = hidden_axes(module, path, etp, is_routed)
+            if isinstance(axes, str):
+                raise PartitionError(f"the plan has expert tp {etp} but {axes}; re-plan with --expert-tp 1")
+            if any(p.shape[axes[name].axis] // axes[name].chunks % etp
+                   for name, p in module.named_parameters(recurse=False)):
+                raise PartitionError(f"the plan has expert tp {etp}, which does not divide the hidden units of "
+                                     f"'{path}'; re-plan with --expert-tp 1")
+
+
 def apply_expert_parallel(build: StageBuild, plan: Plan, layout: ParallelLayout) -> None:
     """The expert-parallel step (ep > 1): each rank keeps its 1/ep of the experts of both contracts
     (`shard_experts`, `shard_routed_experts`). The grouped-experts modules are found before slicing:
@@ -251,14 +294,21 @@ def apply_expert_parallel(build: StageBuild, plan: Plan, layout: ParallelLayout)
     Under tp with expert tp 1 (`Plan.expert_tp`) each tp rank sends its 1/tp of the tokens
     ([Note: expert tp 1] in routed_experts.py) over an ep group folded over tp x dp (plan.py [Note:
     expert layout]), so the tp ranks of a replica hold different experts: their slices are plain
-    tensors, not DTensors replicated over tp (`_slice_parameters`)."""
-    if plan.ep == 1:
+    tensors, not DTensors replicated over tp (`_slice_parameters`). Under expert tp = tp each tp rank
+    keeps 1/tp of every expert's hidden units instead, over an ep group of replicas at its tp index
+    (expert_tp.py [Note: expert tp]); with ep 1 it is the only split."""
+    if plan.ep == 1 and plan.expert_tp == 1:
         return
     tp = (layout.tp_mesh.get_group(), layout.tp_index, plan.tp) if plan.expert_token_split > 1 else ()
+    # expert tp is 1 or the attention's tp (plan.py [Note: expert layout]): its group is the tp group
+    etp = (layout.tp_mesh.get_group(), layout.tp_index, plan.expert_tp) if plan.expert_tp > 1 else ()
     model = build.model
     build.experts_of = {i: list(expert_modules(module).values()) for i, module in build.modules.items()}
-    build.expert_params = shard_experts(list(build.modules.values()), layout.ep_group, layout.ep_index, plan.ep, tp)
+    build.expert_params = shard_experts(list(build.modules.values()), layout.ep_group, layout.ep_index, plan.ep, tp,
+                                        etp)
     for i, stage in build.modules.items():
-        modules, params = shard_routed_experts(stage, model, layout.ep_group, layout.ep_index, plan.ep, tp)
+        modules, params = shard_routed_experts(stage, model, layout.ep_group, layout.ep_index, plan.ep, tp, etp)
+        build.expert_hidden.update({f"{path}.{name}": where for path, module in stage.named_modules()
+                                    for name, where in getattr(module, "expert_hidden_axes", {}).items()})
         build.experts_of[i] += modules
         build.expert_params += params

@@ -98,14 +98,16 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
         tp_mesh = mesh["tp"] if plan.tp > 1 else None
         if plan.zero >= 2:
             fsdp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
-        if plan.zero >= 2 and getattr(plan, "ep", 1) > 1:
+        if plan.zero >= 2 and (getattr(plan, "ep", 1) > 1 or getattr(plan, "expert_tp", 1) > 1):
             # Each pipeline rank's ranks by the experts they hold (plan.py [Note: expert layout]):
             # the "edp" axis holds the ranks with the same experts, torchtitan's "dp_shard_mod_ep"
             # (torchtitan/distributed/parallel_dims.py) and, folded over tp, Megatron-Core's
             # expert-data-parallel group.
             # Under HSDP each such group is (replica, shard): its ranks in rank order are replica-major.
-            holding = [[[plan.rank(p, d, t) for d, t in expert_positions(plan.ep, plan.tp, plan.dp, index)]
-                        for index in range(plan.ep)] for p in range(plan.pp)]
+            # Under expert tp each (ep index, expert-tp index) is a slice of its own.
+            etp = plan.expert_tp
+            holding = [[[plan.rank(p, d, t) for d, t in expert_positions(plan.ep, plan.tp, plan.dp, index, etp, e)]
+                        for index in range(plan.ep) for e in range(etp)] for p in range(plan.pp)]
             expert_layout = torch.tensor(holding).unflatten(-1, (replicate, -1))
             expert_mesh = DeviceMesh(device_type, expert_layout,
                                      mesh_dim_names=("pp", "experts", "edp_replicate", "edp"),
@@ -124,11 +126,13 @@ def build_layout(plan, rank: int, world_size: int, device_type: str,
                     tie_groups[name] = group
     ep, cp = getattr(plan, "ep", 1), getattr(plan, "cp", 1)
     ep_index, ep_group, expert_dp_group = 0, None, None
-    if ep > 1:  # plan.py [Note: expert layout]
+    etp = getattr(plan, "expert_tp", 1)
+    if ep > 1 or etp > 1:  # plan.py [Note: expert layout]
         ep_index = plan.expert_slot(dp_index, tp_index).index
-        ep_group = _subgroup(plan, rank, lambda d, t: plan.expert_slot(d, t).group, timeout)
-        if plan.tp * plan.dp > ep:
-            expert_dp_group = _subgroup(plan, rank, lambda d, t: plan.expert_slot(d, t).index, timeout)
+        if ep > 1:
+            ep_group = _subgroup(plan, rank, lambda d, t: plan.expert_slot(d, t).group, timeout)
+        if plan.tp * plan.dp > ep * etp:
+            expert_dp_group = _subgroup(plan, rank, lambda d, t: plan.expert_slot(d, t).holding, timeout)
     # Context parallelism folds over dp: groups of cp consecutive dp ranks at each tp index.
     cp_group = _subgroup(plan, rank, lambda d, t: (d // cp, t), timeout) if cp > 1 else None
     return ParallelLayout(rank, world_size, pp_index, dp_index, tp_index, plan.pp, plan.dp, plan.tp,

@@ -40,12 +40,16 @@ class PartitionedModel:
                  batch_size_of_example: int | None, precision: MixedPrecision | None = None,
                  compute_dtype: torch.dtype = torch.float32,
                  source: ModelSource | None = None, output_template: OutputTemplate | None = None,
-                 expert_params: Sequence[nn.Parameter] = (), context: ContextParallelAttention | None = None):
+                 expert_params: Sequence[nn.Parameter] = (), context: ContextParallelAttention | None = None,
+                 expert_hidden: Mapping[str, object] | None = None):
         self.plan = plan
         self.context = context
         """Context parallelism (cp > 1): this rank's positions of every sequence and the attention
         that gathers keys and values over the cp group (runtime/context.py), else None."""
         self.expert_params = list(expert_params)
+        self.expert_hidden = dict(expert_hidden or {})
+        """Under expert tp: an experts parameter's name -> where its hidden units are, of which this
+        rank holds its tp index's 1/tp (runtime/expert_tp.py `HiddenAxis`; checkpoints place it)."""
         self._has_aux_losses: bool | None = None  # found on the first step (`_aux_loss`)
         """This rank's slices of the experts under expert parallelism (runtime/experts.py): their
         gradients are reduced over the replicas holding the same experts, not over all of dp."""

@@ -102,6 +102,8 @@ class StageBuild:
     """This rank's slices of the experts under expert parallelism (experts.py), else empty."""
     experts_of: dict[int, list[nn.Module]] = field(default_factory=dict)
     """Stage index -> its grouped-experts modules (ep > 1), found before they are sliced."""
+    expert_hidden: dict[str, Any] = field(default_factory=dict)
+    """Under expert tp: an experts parameter's name -> where its hidden units are (expert_tp.py)."""
     context: Any = None
     """context.ContextParallelAttention for cp > 1, else None."""
     model: nn.Module | None = None

@@ -110,8 +110,8 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
             # (`ParallelConfig.expert_dp`: the expert-data-parallel group, Megatron-Core MoE README;
             # runtime/partitioned.py `reduce_expert_grads`), the rest over dp; each stream becomes
             # ready over its share of the backward.
-            experts = sum(float(np.sum(expert_params(profile)[a:b])) for a, b in (ranges[k] for k in mine)) / cfg.ep \
-                if cfg.ep > 1 else 0.0
+            experts = sum(float(np.sum(expert_params(profile)[a:b])) for a, b in (ranges[k] for k in mine)) \
+                / (cfg.ep * cfg.expert_tp) if cfg.holds_expert_slices else 0.0
             last_bwd = bwd_s[mine[0]]
             dense_share = 1.0 - experts / rank_params if rank_params > 0 else 1.0
             exposed = dp_reduction_exposed_s(cluster, dp_ranks, (rank_params - experts) * grad_b, last_bwd * dense_share,
@@ -187,7 +187,7 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
     tp_total = sum(float((stage_times[k].tp_fwd_s + stage_times[k].tp_bwd_s)[ranges[k][0]:ranges[k][1]].sum())
                    for k in range(num_stages)) * cfg.num_microbatches / cfg.pp
     ep_total = 0.0
-    if cfg.ep > 1:  # the experts' all-to-alls (and tp all-gather), folded into the tp arrays by `block_times`
+    if cfg.holds_expert_slices:  # the experts' all-to-alls and tp collectives, folded into the tp arrays by `block_times`
         exchange = expert_comm_times_s(profile, ctx.cluster, cfg, ctx.calibration(pp_gpus[0]).expert_dispatch)
         passes = [1.0 + (2.0 if cfg.recompute == "full" else 1.0)] * num_stages
         ep_total = sum(float(exchange[a:b].sum()) * passes[k] for k, (a, b) in enumerate(ranges)) \
@@ -200,7 +200,7 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
     breakdown = {
         "compute_s": compute_total - tp_total,
         "tp_comm_s": tp_total - ep_total - cp_total,
-        **({"ep_comm_s": ep_total} if cfg.ep > 1 else {}),
+        **({"ep_comm_s": ep_total} if cfg.holds_expert_slices else {}),
         **({"cp_comm_s": cp_total} if cfg.cp > 1 else {}),
         "bubble_s": max(0.0, step - busy - max(tails)),
         "tied_grad_sync_s": max(tied_s),

@@ -28,7 +28,7 @@ __all__ = ["MAX_MICROBATCHES", "PINS", "PlanningError", "config_pins", "cp_refus
            "fsdp_refusal", "tp_refusal"]
 
 PINS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero",
-        "dp_replicate", "sequence_parallel", "rank_order", "ep", "cp", "reduce_dtype")
+        "dp_replicate", "sequence_parallel", "rank_order", "ep", "cp", "reduce_dtype", "expert_tp")
 _DEFAULT_MBS = (1, 2, 4, 8)
 MAX_MICROBATCHES = 4096
 """Micro-batches per replica per step above which a configuration is not considered: schedules are
@@ -52,7 +52,7 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
     if unknown:
         raise PlanningError(f"unknown pin {sorted(unknown)[0]!r}; pins are {', '.join(PINS)}")
     n_gpus, per_node = cluster.num_gpus, cluster.gpus_per_node
-    for key in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "dp_replicate", "ep", "cp"):
+    for key in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages", "dp_replicate", "ep", "cp", "expert_tp"):
         value = pins.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise PlanningError(f"--{key.replace('_', '-')} {value!r} must be a positive integer")
@@ -133,12 +133,21 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
     if fsdp_pinned and tp is not None and fsdp_refusal(profile, tp) is not None:
         raise PlanningError(f"--tp {tp} with {'--zero ' + str(zero) if zero else '--dp-replicate'}: "
                             f"{fsdp_refusal(profile, tp)}; use --zero 1 or --tp 1")
+    etp = pins.get("expert_tp")
+    if etp is not None and etp > 1:
+        if not profile.extra.get("experts"):
+            raise PlanningError(f"--expert-tp {etp} needs a mixture-of-experts model (graph/experts.py); this model "
+                                "has none; use --expert-tp 1")
+        if tp is None or etp != tp:
+            raise PlanningError(f"--expert-tp {etp} must be 1 or the attention's --tp, pinned with it (the degrees "
+                                f"built){'' if tp is None else f'; --tp is {tp}'}")
     ep = pins.get("ep")
     if ep is not None and ep > 1:
         refusal = ep_refusal(profile, ep)
         if refusal is not None:
             raise PlanningError(f"--ep {ep} {refusal}")
-        layout = expert_layout_refusal(ep, tp, dp, replicate or 1) if dp is not None and tp is not None else None
+        layout = (expert_layout_refusal(ep, tp, dp, replicate or 1, etp or 1) if dp is not None and tp is not None
+                  else None)
         if layout is not None:
             raise PlanningError(f"--{layout}; pin other degrees")
         if n_gpus % ep:
@@ -196,11 +205,12 @@ def _expert_degrees(profile: ModelProfile, tp: int, dp: int, pins: dict) -> list
     a model without experts). A pinned zero 1 or HSDP keeps them: ZeRO-1 and FSDP shard the experts
     over the ranks holding them (cost/memory.py `expert_shard_surplus`); `_shardings` says which
     ZeRO levels and HSDP degrees run with each ep."""
+    width = tp // (pins.get("expert_tp") or 1)  # positions per replica (plan.py [Note: expert layout])
     if pins.get("ep"):
-        return [pins["ep"]] if (tp * dp) % pins["ep"] == 0 else []
+        return [pins["ep"]] if (width * dp) % pins["ep"] == 0 else []
     if not profile.extra.get("experts"):
         return [1]
-    return [e for e in _divisors(tp * dp) if ep_refusal(profile, e) is None]
+    return [e for e in _divisors(width * dp) if ep_refusal(profile, e) is None]
 
 
 MIN_TOKENS_PER_CP_RANK = 4096
@@ -297,7 +307,8 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
                             for ep in _expert_degrees(profile, tp, dp, pins) if cp == 1 or pins.get("ep") else [1]:
                                 yield ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, num_microbatches=m,
                                                      schedule=schedule, virtual_stages=v, rank_order=order, ep=ep,
-                                                     cp=cp, reduce_dtype=pins.get("reduce_dtype", "float32"))
+                                                     cp=cp, reduce_dtype=pins.get("reduce_dtype", "float32"),
+                                                     expert_tp=pins.get("expert_tp") or 1)
 
 
 def _schedules(profile: ModelProfile, pp: int, m: int, pins: dict) -> list[tuple[str, int]]:
@@ -358,15 +369,18 @@ def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
         hsdp = _hsdp_replicate(cfg, gpus_per_node)
         replicates = [1] if hsdp is None else [1, hsdp]
     # With ep each replica group holds every expert (plan.py [Note: expert layout])
-    replicates = [r for r in replicates if cfg.dp % r == 0 and expert_layout_refusal(cfg.ep, cfg.tp, cfg.dp, r) is None]
+    replicates = [r for r in replicates
+                  if cfg.dp % r == 0 and expert_layout_refusal(cfg.ep, cfg.tp, cfg.dp, r, cfg.expert_tp) is None]
     out += [(z, r) for z in ([zero] if zero is not None else [2, 3]) for r in replicates]
     return out
 
 
 def _with_experts_kept(cfg: ParallelConfig) -> ParallelConfig:
     """`cfg` with its ep where the changed degrees still take it (plan.py `expert_layout_refusal`),
-    else ep 1."""
-    if cfg.ep > 1 and expert_layout_refusal(cfg.ep, cfg.tp, cfg.dp, cfg.dp_replicate) is not None:
+    else ep 1; an expert tp of the old tp follows the new tp (the degrees built are 1 and tp)."""
+    if cfg.expert_tp > 1 and cfg.expert_tp != cfg.tp:
+        cfg = dataclasses.replace(cfg, expert_tp=cfg.tp)
+    if cfg.ep > 1 and expert_layout_refusal(cfg.ep, cfg.tp, cfg.dp, cfg.dp_replicate, cfg.expert_tp) is not None:
         return dataclasses.replace(cfg, ep=1)
     return cfg
 
@@ -406,7 +420,8 @@ def config_pins(cfg: ParallelConfig) -> dict:
             "schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages, "recompute": cfg.recompute,
             "zero": cfg.zero, "dp_replicate": cfg.dp_replicate, "ep": cfg.ep, "cp": cfg.cp,
             "sequence_parallel": cfg.sequence_parallel,
-            **({"reduce_dtype": cfg.reduce_dtype} if cfg.reduce_dtype != "float32" else {})}
+            **({"reduce_dtype": cfg.reduce_dtype} if cfg.reduce_dtype != "float32" else {}),
+            **({"expert_tp": cfg.expert_tp} if cfg.expert_tp > 1 else {})}
 
 
 def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed: bool) -> tuple[str, dict] | None:

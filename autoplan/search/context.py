@@ -88,13 +88,14 @@ class SearchContext:
     def block_times(self, gpu, cfg: ParallelConfig) -> BlockTimes:
         spread = cfg.ep > 1 or cfg.cp > 1  # their groups' links depend on the rank layout
         key = ("times", gpu.name, cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.ep, cfg.cp,
+               cfg.expert_tp,
                cfg.rank_order if spread else None, cfg.pp if spread else None)
         return self.cached(key, lambda: block_times(self.profile, gpu, self.cluster, cfg, self.job.dtype,
                                                     self.calibration(gpu)))
 
     def static_bytes(self, cfg: ParallelConfig) -> np.ndarray:
         key = ("static", cfg.tp, cfg.dp, cfg.zero, cfg.dp_replicate, cfg.pp == 1, cfg.num_stages == 1, cfg.ep,
-               cfg.reduce_dtype)
+               cfg.reduce_dtype, cfg.expert_tp)
         return self.cached(key, lambda: block_static_bytes(self.profile, cfg, self.job.dtype))
 
     def act_bytes(self, cfg: ParallelConfig) -> np.ndarray:
@@ -137,7 +138,7 @@ class SearchContext:
         shard, replicate, layouts = self.cached(groups_key, groups)
         gather_bytes = gathered_bytes_per_param(self.job.dtype)
         reduce_bytes = reduced_bytes_per_param(cfg.reduce_dtype)
-        if cfg.ep == 1:
+        if not cfg.holds_expert_slices:
             return self.cached(("fsdp", cfg.tp, cfg.reduce_dtype, layouts), lambda: fsdp_unit_times_s(
                 self.cluster, shard, replicate, self.params(cfg), gather_bytes, reduce_bytes))
 
@@ -145,7 +146,7 @@ class SearchContext:
             # A block's experts are a unit of their own, sharded over the ranks holding the same
             # experts (runtime/fsdp.py): the expert-data-parallel group, under HSDP split by replica
             # (plan.py [Note: expert layout]).
-            local_experts = np.asarray(expert_params(self.profile), dtype=float) / cfg.ep
+            local_experts = np.asarray(expert_params(self.profile), dtype=float) / (cfg.ep * cfg.expert_tp)
             gather, reduce = fsdp_unit_times_s(self.cluster, shard, replicate, self.params(cfg) - local_experts,
                                                gather_bytes, reduce_bytes)
             expert_gather, expert_reduce = fsdp_unit_times_s(self.cluster, *cfg.expert_fsdp_groups(pp_index),
@@ -156,7 +157,7 @@ class SearchContext:
                            with_experts)
 
     def params(self, cfg: ParallelConfig) -> np.ndarray:
-        return self.cached(("params", cfg.tp, cfg.ep), lambda: param_counts(self.profile, cfg))
+        return self.cached(("params", cfg.tp, cfg.ep, cfg.expert_tp), lambda: param_counts(self.profile, cfg))
 
     def reserve(self, cfg: ParallelConfig) -> float:
         """Bytes reserved per GPU for buffers (receive buffers, backward transients) before cutting:
@@ -166,7 +167,7 @@ class SearchContext:
         recompute) and the head's backward transients (`head_backward_bytes`); then FSDP's units in
         flight (`fsdp_transient_bytes`)."""
         key = ("reserve", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.virtual_stages,
-               cfg.zero, cfg.pp == 1, cfg.cp, cfg.ep, cfg.reduce_dtype)
+               cfg.zero, cfg.pp == 1, cfg.cp, cfg.ep, cfg.reduce_dtype, cfg.expert_tp)
 
         def make() -> float:
             f = cfg.batch_share(self.profile.batch_size)

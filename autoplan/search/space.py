@@ -177,7 +177,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
                 rejections.counts["layout"] += 1
             continue
         frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
-        key = (cfg.tp, cfg.dp, frugal.zero, frugal.dp_replicate, cfg.pp == 1, cfg.ep, cfg.reduce_dtype)
+        key = (cfg.tp, cfg.dp, frugal.zero, frugal.dp_replicate, cfg.pp == 1, cfg.ep, cfg.reduce_dtype, cfg.expert_tp)
         if key not in static_cache:
             static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
         weights_over = static_cache[key] / cfg.pp > min_capacity and not all_pinned
@@ -191,7 +191,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         # exceed real step times and cut plans from the top k that a pinned search then found.
         fastest = _with_memory_options(cfg, pins, sp_allowed, recomputes[0], frugal.zero, frugal.dp_replicate)
         spread = cfg.ep > 1 or cfg.cp > 1  # their groups' links depend on the rank layout (as SearchContext.block_times)
-        tkey = (cfg.tp, cfg.micro_batch_size, cfg.ep, cfg.cp, fastest.sequence_parallel,
+        tkey = (cfg.tp, cfg.micro_batch_size, cfg.ep, cfg.expert_tp, cfg.cp, fastest.sequence_parallel,
                 cfg.rank_order if spread else None, cfg.pp if spread else None)
         if tkey not in time_cache:
             time_cache[tkey] = float(np.min([ctx.block_times(g, fastest).total_s for g in ctx.cluster.gpu_types],
@@ -484,7 +484,8 @@ def _sharding_note(ctx: SearchContext, chosen: Plan, best_by_kind: dict[bool, Pl
                 num_microbatches=chosen.num_microbatches, schedule=chosen.schedule,
                 virtual_stages=chosen.virtual_stages, recompute=chosen.recompute,
                 zero=1 if chosen.dp > 1 else 0,
-                sequence_parallel=chosen.sequence_parallel, rank_order=chosen.rank_order, cp=chosen.cp, ep=chosen.ep)
+                sequence_parallel=chosen.sequence_parallel, rank_order=chosen.rank_order, cp=chosen.cp, ep=chosen.ep,
+                expert_tp=chosen.expert_tp)
             zero1 = evaluate(ctx, same, require_fit=False)
             if zero1 is not None and not zero1.plan.fits:
                 parts.append(f"the same split with zero {same.zero} needs "
@@ -537,24 +538,33 @@ def _expert_note(ctx: SearchContext, chosen: Plan, best_by_ep: dict[bool, Plan],
     memory ep saves, what its all-to-alls cost, and the best plan of the other kind."""
     other = best_by_ep.get(chosen.ep == 1)
     experts = ctx.profile.extra["experts"]
+    if chosen.ep == 1 and chosen.expert_tp > 1:
+        exchange = chosen.predicted.breakdown.get("ep_comm_s", 0.0)
+        return (f"ep 1, expert tp {chosen.expert_tp}{' (pinned)' if 'expert_tp' in pins else ''}: each GPU holds "
+                f"1/{chosen.expert_tp} of the hidden units of all {experts['num_experts']} experts of its layers and "
+                f"runs them on its replica's tokens, for {_fmt_ms(exchange)} of all-reduces of their outputs per step "
+                f"({exchange / chosen.predicted.step_time_s:.0%})")
     if chosen.ep > 1:
         exchange = chosen.predicted.breakdown.get("ep_comm_s", 0.0)
         cfg = ParallelConfig.of_plan(chosen)
         tokens = (f"the tokens of {chosen.ep} ranks over tp x dp, each bringing 1/{cfg.expert_token_split} of a "
                   "replica's" if cfg.expert_token_split > 1 else f"the tokens of {chosen.ep} replicas")
+        hidden = f" (1/{chosen.expert_tp} of each one's hidden units)" if chosen.expert_tp > 1 else ""
         parts = [f"ep {chosen.ep}{' (pinned)' if 'ep' in pins else ''}: each GPU computes 1/{chosen.ep} of the "
-                 f"{experts['num_experts']} experts of its layers for {tokens}, "
+                 f"{experts['num_experts']} experts of its layers{hidden} for {tokens}, "
                  f"for {_fmt_ms(exchange)} of expert communication per step "
                  f"({exchange / chosen.predicted.step_time_s:.0%})", expert_links(ctx.cluster, cfg).describe()]
         if chosen.zero >= 2 and chosen.dp_replicate > 1:
             parts.append(f"HSDP shards those experts over {cfg.expert_dp // chosen.dp_replicate} of the "
                          f"{cfg.expert_dp} ranks holding the same ones and replicates them {chosen.dp_replicate} times")
+        elif chosen.zero >= 1 and cfg.expert_dp == 1:
+            parts.append("no other rank holds the same experts: ZeRO leaves them whole")
         elif chosen.zero >= 2:
             parts.append(f"FSDP shards those experts over the {cfg.expert_dp} ranks holding the same ones")
         elif chosen.zero == 1:
             parts.append(f"zero 1 shards their optimizer state over the {cfg.expert_dp} ranks holding the same ones")
         else:
-            total = sum(experts["block_params"]) * (1 - 1 / chosen.ep) / chosen.pp
+            total = sum(experts["block_params"]) * (1 - 1 / (chosen.ep * chosen.expert_tp)) / chosen.pp
             parts.append(f"about {total / 1e9:.2f}B fewer parameters per GPU than without ep (zero 0)")
         if other is not None:
             parts.append(f"the best plan without expert parallelism ({_sharding(other)}, {_split(other)}) is "
@@ -621,7 +631,7 @@ def _fwd_share(ctx: SearchContext, cfg: ParallelConfig) -> float:
 
 def _same_but_layout(a: Plan, b: Plan) -> bool:
     keys = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero", "dp_replicate",
-            "sequence_parallel", "ep", "cp")
+            "sequence_parallel", "ep", "cp", "expert_tp", "reduce_dtype")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 

@@ -356,6 +356,9 @@ def _zero_stage(plan: Plan, differences: list[str]) -> int:
         differences.append(f"ep {plan.ep}: DeepSpeed splits experts only inside its own deepspeed.moe.layer.MoE "
                            "(ep_size is an argument of that layer, not of the config), so this config keeps every "
                            "expert on every rank: more memory, no all-to-all")
+    if plan.expert_tp > 1:
+        differences.append(f"expert tp {plan.expert_tp}: DeepSpeed's JSON has no expert tensor parallelism, so each "
+                           "expert stays whole on every rank: more memory than planned")
     return stage
 
 

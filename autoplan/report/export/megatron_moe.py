@@ -63,13 +63,16 @@ def moe_model_args(plan: Plan, moe: MoEShape, differences: list[str]) -> list[Ar
 
 
 def expert_layout_args(plan: Plan, differences: list[str]) -> list[Arg]:
-    """Expert parallelism: ep and expert tp 1 (every expert whole on the rank that holds it, each tp
-    rank dispatching its own share of the tokens over an ep group folded over tp x dp: the layout
-    autoplan prices and runs, plan.py [Note: expert layout], and Megatron-Core's MoE parallel folding,
-    parallel_state's expert rank order tp-ep-dp-pp with expert tp 1)."""
+    """Expert parallelism: ep and expert tp (1: every expert whole on the rank that holds it, each tp
+    rank dispatching its own share of the tokens over an ep group folded over tp x dp; tp: the tp
+    ranks splitting every expert's hidden units: the layouts autoplan prices and runs, plan.py
+    [Note: expert layout], and Megatron-Core's MoE parallel folding, parallel_state's expert rank
+    order tp-ep-dp-pp)."""
     args: list[Arg] = []
     if plan.ep > 1:
         args.append(("--expert-model-parallel-size", str(plan.ep)))
-    # validate_args defaults the expert tp to the attention's; autoplan's experts are whole (Plan.expert_tp).
+    # validate_args defaults the expert tp to the attention's: stated either way (Plan.expert_tp: 1, every
+    # expert whole, or tp, each expert's hidden units split over the tp group, Megatron's expert rank
+    # order etp-ep-edp with the expert-tp group the tp group).
     args.append(("--expert-tensor-parallel-size", str(plan.expert_tp)))
     return args

@@ -393,6 +393,12 @@ def _parallelism(plan: Plan, settings: _Settings) -> None:
                 "(dp_shard x cp x tp), so the file shards over dp: less memory than planned, and parameter "
                 "all-gathers and gradient reduce-scatters the plan did not predict")
         p["expert_parallel_degree"] = str(plan.ep)
+    if plan.expert_tp > 1:
+        # torchtitan 0.3.0's ParallelismConfig has no expert tensor-parallel degree.
+        settings.differences.append(
+            f"the plan splits each expert's hidden units over expert tp {plan.expert_tp}; torchtitan 0.3.0 has no "
+            "expert tensor parallelism (its experts are whole on the ranks holding them), so each GPU holds "
+            f"{plan.expert_tp} times the expert weights planned")
     p["data_parallel_replicate_degree"] = str(replicate)
     p["data_parallel_shard_degree"] = str(shard)
     p["fsdp_reshard_after_forward"] = repr(reshard)

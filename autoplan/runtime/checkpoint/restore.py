@@ -31,13 +31,13 @@ _KERNEL_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Optimizer group entries that pick a kernel, not the math: the reader's own choice is kept."""
 
 
-def _target_like(param, md, experts=None) -> torch.Tensor | _Pieces:
+def _target_like(param, md, experts=None, name: str = "") -> torch.Tensor | _Pieces:
     """An empty tensor to load a saved optimizer-state entry into: laid out as `param` (a DTensor
     keeps its placements, so DCP reads only this rank's chunk) when it has the parameter's shape
     (for an expert slice, `experts`: the whole parameter's, read as the slice's box), else a plain
     tensor of the saved shape (AdamW's scalar step)."""
-    if experts is not None and tuple(md.size) == experts.global_shape(param):
-        return experts.pieces(torch.empty_like(param.detach(), dtype=md.properties.dtype))
+    if experts is not None and tuple(md.size) == experts.global_shape(param, name):
+        return experts.pieces(torch.empty_like(param.detach(), dtype=md.properties.dtype), name)
     if tuple(md.size) == tuple(param.shape):
         return torch.empty_like(param.detach(), dtype=md.properties.dtype)
     device = param.to_local().device if hasattr(param, "to_local") else param.device
@@ -87,7 +87,7 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
         local = sorted(local, key=lambda entry: entry[0] in unheld)  # a held copy first
         name, tensor = local[0]
         md = ckpt.model_keys[saved]
-        shape = experts.global_shape(tensor) if key in experts.names else tuple(tensor.shape)
+        shape = experts.global_shape(tensor, key) if key in experts.names else tuple(tensor.shape)
         if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != shape:
             raise CheckpointError(f"{where} entry {saved!r} has shape {tuple(getattr(md, 'size', ()))}, the model's "
                                   f"{name!r} {shape}; is it of another model?")
@@ -95,7 +95,7 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
         if name in unheld:  # read the saved (fp32) values aside, then round them into the working copy
             others.insert(0, tensor)
             tensor = torch.empty_like(tensor, dtype=md.properties.dtype)
-        targets[saved] = experts.pieces(tensor) if key in experts.names else tensor
+        targets[saved] = experts.pieces(tensor, key) if key in experts.names else tensor
         copies += [(tensor, other) for other in others]
     if strict and missing:
         raise CheckpointError(f"{where} has no entry for {len(missing)} parameters of this rank, e.g. "
@@ -119,7 +119,7 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
                 entries = {}
                 for k, key in ckpt.optimizer_keys[saved].items():
                     md = ckpt.metadata.state_dict_metadata[key]
-                    entries[k] = (_target_like(p, md, experts if name in experts.names else None)
+                    entries[k] = (_target_like(p, md, experts if name in experts.names else None, name)
                                   if isinstance(md, TensorStorageMetadata) else None)
                     if isinstance(entries[k], _Pieces):
                         opt_tensors.setdefault(saved, {})[k] = entries[k].whole

@@ -19,11 +19,15 @@ sits in the (E, ...) tensor, so DCP would store one rank's slice as the whole. E
 box at dim-0 offset i * E/ep plus the FSDP shard's own offset. The checkpoint then holds every
 expert once, under the model's own names and shapes, like any other tensor: it loads under another
 ep, without ep and into a plain model (DCP reshards), and replicas that hold the same experts write
-the same box, which DCP keeps once.
+the same box, which DCP keeps once. Under expert tp a rank holds 1/etp of each expert's hidden units
+too (runtime/expert_tp.py): its box is offset along the hidden axis by its tp index, and a fused
+[gate | up] projection gives two boxes, one in each half of the whole (`PartitionedModel.expert_hidden`
+says which axis).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,15 +68,25 @@ class ExpertSlices:
     ep_index: int
     """This rank's ep index: its slice is experts [ep_index * E/ep, (ep_index + 1) * E/ep)."""
     ep: int
-    """The plan's expert-parallel degree (1: no slices)."""
+    """The plan's expert-parallel degree (1: no slices along the experts)."""
+    hidden: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Under expert tp: saved name -> where its hidden units are (runtime/expert_tp.py `HiddenAxis`)."""
+    etp_index: int = 0
+    """This rank's slice of every expert's hidden units (its tp index under expert tp)."""
+    etp: int = 1
 
-    def global_shape(self, tensor) -> tuple[int, ...]:
-        """The whole parameter's shape, of which `tensor` (a slice, or its FSDP DTensor) is 1/ep."""
-        return (tensor.shape[0] * self.ep, *tensor.shape[1:])
+    def global_shape(self, tensor, name: str) -> tuple[int, ...]:
+        """The whole parameter's shape, of which `tensor` (a slice, or its FSDP DTensor) is 1/ep along
+        the experts and, under expert tp, 1/etp along the hidden units."""
+        shape = [tensor.shape[0] * self.ep, *tensor.shape[1:]]
+        if name in self.hidden:
+            shape[self.hidden[name].axis] *= self.etp
+        return tuple(shape)
 
-    def pieces(self, tensor) -> _Pieces:
-        """`tensor` (this rank's slice of an experts parameter, or a state of its shape) as its box
-        of the whole parameter."""
+    def pieces(self, tensor, name: str) -> _Pieces:
+        """`tensor` (this rank's slice of an experts parameter, or a state of its shape) as its boxes
+        of the whole parameter: one, or under expert tp one per half of a fused [gate | up]
+        projection (each half's slice sits in that half of the whole)."""
         from torch.distributed.tensor import DTensor
 
         offset = (0,) * tensor.dim()
@@ -82,19 +96,31 @@ class ExpertSlices:
 
             local = tensor.to_local()
             _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        start = (self.ep_index * tensor.shape[0] + offset[0], *offset[1:])
-        boxes = [(start, tuple(local.shape), local)] if local.numel() else []
-        return _Pieces(torch.Size(self.global_shape(tensor)), local, boxes, whole=tensor)
+        start = [self.ep_index * tensor.shape[0] + offset[0], *offset[1:]]
+        boxes = []
+        if local.numel() and name in self.hidden:
+            where = self.hidden[name]
+            size = local.shape[where.axis] // where.chunks
+            for j in range(where.chunks):  # chunk j of the slice: in chunk j of the whole, at this rank's part
+                at = list(start)
+                at[where.axis] = j * size * self.etp + self.etp_index * size
+                view = local.narrow(where.axis, j * size, size)
+                boxes.append((tuple(at), tuple(view.shape), view))
+        elif local.numel():
+            boxes = [(tuple(start), tuple(local.shape), local)]
+        return _Pieces(torch.Size(self.global_shape(tensor, name)), local, boxes, whole=tensor)
 
 
 def expert_slices(pm) -> ExpertSlices:
-    """This rank's expert slices under `pm`'s plan (none without ep)."""
-    ep = getattr(getattr(pm, "plan", None), "ep", 1)
+    """This rank's expert slices under `pm`'s plan (none without ep or expert tp)."""
+    plan = getattr(pm, "plan", None)
+    ep, etp = getattr(plan, "ep", 1), getattr(plan, "expert_tp", 1)
     held = {id(p) for p in getattr(pm, "expert_params", ())}
-    if ep == 1 or not held:
+    if ep * etp == 1 or not held:
         return ExpertSlices(frozenset(), 0, 1)
     names = frozenset(_canonical(pm, name) for name, p in pm.named_parameters() if id(p) in held)
-    return ExpertSlices(names, pm.layout.ep_index, ep)
+    hidden = {_canonical(pm, name): where for name, where in getattr(pm, "expert_hidden", {}).items()}
+    return ExpertSlices(names, pm.layout.ep_index, ep, hidden, pm.layout.tp_index if etp > 1 else 0, etp)
 
 
 def _model_state(pm) -> dict[str, list[tuple[str, torch.Tensor]]]:
@@ -154,7 +180,7 @@ def _expert_state(experts: ExpertSlices, name: str, key: str, value: Any, shape:
         raise CheckpointError(f"the optimizer's state {key!r} of the expert parameter {name!r} has shape "
                               f"{tuple(value.shape)}, not the parameter's {shape}: checkpoints of ep plans hold "
                               "parameter-shaped state (Adam, AdamW, SGD); use one of those or --ep 1")
-    return experts.pieces(value)
+    return experts.pieces(value, name)
 
 
 def _rank_state(pm, optimizer, rank: int, step: int, extra: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -165,7 +191,7 @@ def _rank_state(pm, optimizer, rank: int, step: int, extra: Mapping[str, Any] | 
     for key, copies in _model_state(pm).items():
         held = [tensor for name, tensor in copies if name not in unheld]
         if held:  # a master another dp rank owns: that rank writes its fp32 values
-            state[key] = experts.pieces(held[0]) if key in experts.names else held[0]
+            state[key] = experts.pieces(held[0], key) if key in experts.names else held[0]
     if optimizer is not None:
         state[OPTIMIZER_KEY] = named_optimizer_state(pm, optimizer)
         shapes = {_canonical(pm, name): tuple(p.shape) for name, p in pm.named_parameters()}
