@@ -202,3 +202,65 @@ def test_an_expert_tp_checkpoint_holds_every_expert_whole_and_restores_under_oth
                         rows = whole.shape[0] // tplan.ep
                         whole = whole[ep_index * rows:(ep_index + 1) * rows]
                     torch.testing.assert_close(value, whole, msg=f"{name} -> {target}: {n}")
+
+
+def test_experts_whose_hidden_axis_cannot_be_told_are_refused_in_one_line(tmp_path, capsys):
+    """Experts as wide as the model (ffn 64 = hidden 64): `suggest --expert-tp 2` refuses in one line,
+    and so does `run` of such a plan before spawning anything."""
+    from autoplan.cli import main
+
+    square = SPEC.replace("ffn_hidden_size=96", "ffn_hidden_size=64")
+    args = ["suggest", "--model", square, "--cluster", "1x4xcpu", "--global-batch", "8", "--seq-len", "32",
+            "--tp", "2"]
+    assert main([*args, "--expert-tp", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--expert-tp 2: expert tp cannot tell which axis" in err and "use --expert-tp 1" in err and "\n" not in err
+    plan_path = tmp_path / "p.json"
+    assert main([*args, "--out", str(plan_path)]) == 0
+    data = json.loads(plan_path.read_text())
+    data["expert_tp"] = 2
+    plan_path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["run", str(plan_path), "--nproc", "4", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "expert tp cannot tell which axis" in err and "\n" not in err and "Traceback" not in err
+
+
+def test_expert_tp_pins_are_checked_before_the_search(capsys):
+    from autoplan.cli import main
+
+    base = ["suggest", "--cluster", "1x4xcpu", "--global-batch", "8", "--seq-len", "32"]
+    assert main([*base, "--model", SPEC, "--tp", "2", "--expert-tp", "4"]) == 2
+    assert "must be 1 or the attention's --tp" in capsys.readouterr().err
+    assert main([*base, "--model", "llama:num_layers=2,hidden_size=64,num_heads=4,vocab_size=256,max_seq_len=64",
+                 "--tp", "2", "--expert-tp", "2"]) == 2
+    assert "needs a mixture-of-experts model" in capsys.readouterr().err
+    # ep must divide dp under expert tp = tp (the positions are the replicas)
+    assert main([*base, "--model", SPEC, "--tp", "2", "--dp", "2", "--ep", "4", "--expert-tp", "2"]) == 2
+    assert "ep 4 must divide dp = 2 under expert tp 2" in capsys.readouterr().err
+
+
+def test_the_cost_model_prices_expert_tp():
+    """On 2 x 8 H100 at tp 8: expert tp 8 keeps 1/8 of every expert's weights per GPU (ep 1) or
+    1/(ep x 8) of them, gives each GPU the same expert FLOPs as expert tp 1 with ep (tp splits the work
+    either way), and pays an all-reduce of the partial outputs; with ep 2 its all-to-all carries every
+    token of the replica from each tp rank, over two nodes, which makes it slow, as it is."""
+    from autoplan.cost.config import ParallelConfig
+    from autoplan.cost.memory import expert_params, param_counts
+
+    model = ("moe:num_layers=8,hidden_size=2048,num_heads=16,num_kv_heads=8,ffn_hidden_size=1408,vocab_size=32000,"
+             "max_seq_len=4096,num_experts=64,experts_per_token=8,dropless=true")
+    plans = {name: autoplan.suggest(model, "2x8xH100-80GB", global_batch=256, seq_len=4096, top=1, tp=8, **pins)[0]
+             for name, pins in {"ep1": dict(ep=1), "etp8": dict(ep=1, expert_tp=8), "ep2": dict(ep=2),
+                                "ep2-etp8": dict(ep=2, expert_tp=8)}.items()}
+    profile = autoplan.api.suggest_with_stats(model, "2x8xH100-80GB", global_batch=256, seq_len=4096, top=1,
+                                              tp=8, ep=1)[1].profile
+    experts = sum(expert_params(profile))
+    held = {name: float(param_counts(profile, ParallelConfig.of_plan(p)).sum()) for name, p in plans.items()}
+    assert held["ep1"] - held["etp8"] == pytest.approx(experts * (1 - 1 / 8), rel=1e-6)
+    assert held["ep1"] - held["ep2-etp8"] == pytest.approx(experts * (1 - 1 / 16), rel=1e-6)
+    assert plans["etp8"].predicted.peak_memory_bytes < plans["ep1"].predicted.peak_memory_bytes
+    assert plans["etp8"].predicted.breakdown["ep_comm_s"] > 0  # the all-reduce of the partial outputs
+    assert plans["etp8"].predicted.hardware_tflops_per_gpu * plans["etp8"].predicted.step_time_s == pytest.approx(
+        plans["ep2"].predicted.hardware_tflops_per_gpu * plans["ep2"].predicted.step_time_s, rel=0.02)
+    assert plans["ep2-etp8"].predicted.breakdown["ep_comm_s"] > 10 * plans["ep2"].predicted.breakdown["ep_comm_s"]

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from autoplan.runtime.mesh import ParallelLayout
     from autoplan.runtime.split import StageBuild
 
-__all__ = ["apply_expert_parallel", "reduce_expert_grads", "refuse_expert_parallel", "shard_experts"]
+__all__ = ["apply_expert_parallel", "reduce_expert_grads", "refuse_expert_parallel", "refuse_expert_tp", "shard_experts"]
 
 
 def _dispatch(group: dist.ProcessGroup, ep: int, num_experts: int, path: str, tp: tuple, module: nn.Module,
@@ -261,8 +261,7 @@ def refuse_expert_parallel(model: nn.Module, traced: TracedModel, plan: Plan) ->
         raise PartitionError(f"the plan has {what} but the model has no experts (graph/experts.py: grouped, or "
                              "routed by (tokens, expert indices, weights)) to split; re-plan it with `autoplan "
                              "suggest`")
-    if plan.expert_tp > 1:
-        _refuse_hidden_split(grouped, routed, plan.expert_tp)
+    refuse_expert_tp(model, plan, grouped)
     for path, module in routed.items():
         call = inlined_call(traced.gm, path)
         if isinstance(call, str):
@@ -272,10 +271,19 @@ def refuse_expert_parallel(model: nn.Module, traced: TracedModel, plan: Plan) ->
                                  f"of '{path}'; re-plan it with `autoplan suggest`")
 
 
-def _refuse_hidden_split(grouped: dict[str, nn.Module], routed: dict[str, nn.Module], etp: int) -> None:
-    """Refuse (one line, before any process group) expert tp where an experts module's hidden units
-    cannot be read from its shapes, do not split, or are not divisible by it ([Note: expert tp] in
-    expert_tp.py)."""
+def refuse_expert_tp(model: nn.Module, plan: Plan, grouped: dict[str, nn.Module] | None = None) -> None:
+    """Refuse (one line, before any process is spawned: `autoplan run` checks it on the model built on
+    the meta device) expert tp where an experts module's hidden units cannot be read from its shapes,
+    do not split, or are not divisible by it ([Note: expert tp] in expert_tp.py). `grouped`: the
+    grouped-experts modules of the traced graph, else the model's."""
+    if plan.expert_tp == 1:
+        return
+    etp = plan.expert_tp
+    grouped = expert_modules(model) if grouped is None else grouped
+    routed = routed_expert_modules(model)
+    if not grouped and not routed:
+        raise PartitionError(f"the plan has expert tp {etp} but the model has no experts (graph/experts.py) to split; "
+                             "re-plan it with `autoplan suggest`")
     for modules, is_routed in ((grouped, False), (routed, True)):
         for path, module in modules.items():
             axes = hidden_axes(module, path, etp, is_routed)

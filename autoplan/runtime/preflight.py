@@ -61,8 +61,13 @@ def _check(plan: Plan, spec: str) -> None:
               f"{', as planned' if digest == plan.model_digest else ''})")
     source.check_seq_len(plan.job.seq_len)
     # With tp > 1 this traces the model as partition does, for the layout the profile found.
-    check_model(source.build("meta"), plan, source.example_inputs(plan.micro_batch_size, plan.job.seq_len,
-                                                                  device="meta"), source=source)
+    model = source.build("meta")
+    check_model(model, plan, source.example_inputs(plan.micro_batch_size, plan.job.seq_len, device="meta"),
+                source=source)
+    if getattr(plan, "expert_tp", 1) > 1:
+        from autoplan.runtime.experts import refuse_expert_tp
+
+        refuse_expert_tp(model, plan)
 
 
 # ---- the checkpoint directory's lock ------------------------------------------------------------
