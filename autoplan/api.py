@@ -226,20 +226,13 @@ def suggest_with_stats(
     job = Job(global_batch=global_batch, seq_len=seq_len or prof.seq_len, dtype=_dtype_name(torch_dtype))
     source = profiled.source
     if isinstance(pins.get("expert_tp"), int) and pins["expert_tp"] > 1 and prof.extra.get("experts"):
-        # What `run` would refuse about the experts' hidden units (runtime/expert_tp.py), said here.
-        from types import SimpleNamespace
-
-        from autoplan.runtime.errors import PartitionError
-        from autoplan.runtime.experts import refuse_expert_tp
+        # What `run` would refuse about the experts' hidden units (graph/expert_hidden.py), said here.
+        from autoplan.graph.expert_hidden import hidden_split_refusal
         from autoplan.search.configs import PlanningError
 
-        etp = pins["expert_tp"]
-        try:
-            refuse_expert_tp(profiled.model, SimpleNamespace(expert_tp=etp))
-        except PartitionError as exc:
-            raise PlanningError(str(exc).replace(f"the plan has expert tp {etp} but ", f"--expert-tp {etp}: ")
-                                .replace(f"the plan has expert tp {etp}, which", f"--expert-tp {etp}")
-                                .replace("re-plan with --expert-tp 1", "use --expert-tp 1")) from None
+        reason = hidden_split_refusal(profiled.model, pins["expert_tp"])
+        if reason is not None:
+            raise PlanningError(f"--expert-tp {pins['expert_tp']}: {reason}; use --expert-tp 1")
     result = search_plans(prof, cluster_obj, job, model_spec=source.spec, top=top, pins=pins, progress=search_progress,
                           calibrations=calibrations, explain=explain)
     # What `run` needs to rebuild and trace the model as planned; it refuses a file changed since.

@@ -17,7 +17,7 @@ from test_user_paths import GLOBAL_BATCH, MICRO_BATCH, _full, _reference
 
 import autoplan
 from autoplan.graph.experts import is_routed_experts
-from autoplan.runtime.expert_tp import hidden_axes
+from autoplan.graph.expert_hidden import hidden_axes
 
 SPEC = ("moe:num_layers=4,hidden_size=64,num_heads=4,num_kv_heads=2,ffn_hidden_size=96,vocab_size=256,max_seq_len=64,"
         "num_experts=4,experts_per_token=2,num_shared_experts=1")

@@ -51,7 +51,8 @@ from autoplan.graph.experts import (
 )
 from autoplan.runtime.data_parallel import all_reduce_grads
 from autoplan.runtime.errors import PartitionError
-from autoplan.runtime.expert_tp import expert_tp_forward, hidden_axes, split_hidden
+from autoplan.graph.expert_hidden import hidden_axes, hidden_split_refusal
+from autoplan.runtime.expert_tp import expert_tp_forward, split_hidden
 from autoplan.runtime.routed_experts import GatherRows, RoutedDispatch, TakeRows, exchange
 
 if TYPE_CHECKING:
@@ -252,7 +253,7 @@ def refuse_expert_parallel(model: nn.Module, traced: TracedModel, plan: Plan) ->
     """Refuse (one line, before any process group) an ep > 1 plan for a model without experts of
     either contract (graph/experts.py), or whose routed experts the traced graph does not call as
     one call of (tokens, expert indices, weights)."""
-    if plan.ep == 1 and plan.expert_tp == 1:
+    if plan.ep == 1 and getattr(plan, "expert_tp", 1) == 1:
         return
     routed = routed_expert_modules(model)
     grouped = expert_modules(traced.gm)
@@ -273,26 +274,15 @@ def refuse_expert_parallel(model: nn.Module, traced: TracedModel, plan: Plan) ->
 
 def refuse_expert_tp(model: nn.Module, plan: Plan, grouped: dict[str, nn.Module] | None = None) -> None:
     """Refuse (one line, before any process is spawned: `autoplan run` checks it on the model built on
-    the meta device) expert tp where an experts module's hidden units cannot be read from its shapes,
-    do not split, or are not divisible by it ([Note: expert tp] in expert_tp.py). `grouped`: the
-    grouped-experts modules of the traced graph, else the model's."""
-    if plan.expert_tp == 1:
+    the meta device) expert tp where the experts' hidden units cannot be split (graph/expert_hidden.py
+    `hidden_split_refusal`). `grouped`: the grouped-experts modules of the traced graph, else the
+    model's."""
+    etp = getattr(plan, "expert_tp", 1)
+    if etp == 1:
         return
-    etp = plan.expert_tp
-    grouped = expert_modules(model) if grouped is None else grouped
-    routed = routed_expert_modules(model)
-    if not grouped and not routed:
-        raise PartitionError(f"the plan has expert tp {etp} but the model has no experts (graph/experts.py) to split; "
-                             "re-plan it with `autoplan suggest`")
-    for modules, is_routed in ((grouped, False), (routed, True)):
-        for path, module in modules.items():
-            axes = hidden_axes(module, path, etp, is_routed)
-            if isinstance(axes, str):
-                raise PartitionError(f"the plan has expert tp {etp} but {axes}; re-plan with --expert-tp 1")
-            if any(p.shape[axes[name].axis] // axes[name].chunks % etp
-                   for name, p in module.named_parameters(recurse=False)):
-                raise PartitionError(f"the plan has expert tp {etp}, which does not divide the hidden units of "
-                                     f"'{path}'; re-plan with --expert-tp 1")
+    reason = hidden_split_refusal(model, etp, grouped)
+    if reason is not None:
+        raise PartitionError(f"the plan has expert tp {etp} but {reason}; re-plan with --expert-tp 1")
 
 
 def apply_expert_parallel(build: StageBuild, plan: Plan, layout: ParallelLayout) -> None:

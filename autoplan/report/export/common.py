@@ -237,11 +237,8 @@ def moe_shape(plan: Plan) -> tuple[TransformerShape, MoEShape] | None:
 _HF_MOE = ("mixtral", "qwen3_moe")
 
 
-def _hf_moe_shape(text: str) -> tuple[TransformerShape, MoEShape] | None:
-    """An `hf:` mixture of experts of a type in `_HF_MOE` as the targets build one; None for other
-    types and for configurations that leave that shape: sliding-window attention, router jitter,
-    biases, an activation other than SiLU, or Qwen3-MoE layers that keep a dense MLP
-    (`decoder_sparse_step`, `mlp_only_layers`)."""
+def _hf_config(text: str):
+    """(source, config) of an `hf:` spec; ExportError in one line when it cannot be read."""
     from autoplan.sources import SourceError
     from autoplan.sources.hf import HFSource
 
@@ -249,50 +246,11 @@ def _hf_moe_shape(text: str) -> tuple[TransformerShape, MoEShape] | None:
         source = HFSource.from_spec(text)
     except (SourceError, ImportError) as exc:
         raise ExportError(f"cannot read the plan's model {text!r}: {exc}") from None
-    config = source._config
-    model_type = getattr(config, "model_type", None)
-    if model_type not in _HF_MOE:
-        return None
-    windowed = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
-    if (windowed or getattr(config, "router_jitter_noise", 0.0) or getattr(config, "attention_bias", False)
-            or getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "decoder_sparse_step", 1) != 1
-            or getattr(config, "mlp_only_layers", None)):
-        return None
-    heads = config.num_attention_heads
-    rope = getattr(config, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    head_dim = getattr(config, "head_dim", None)
-    # Every layer's MLP is the experts: the decoder's feed-forward width is theirs, as the zoo moe's.
-    width = config.moe_intermediate_size if model_type == "qwen3_moe" else config.intermediate_size
-    shape = TransformerShape(
-        "llama", config.num_hidden_layers, config.hidden_size, heads,
-        getattr(config, "num_key_value_heads", None) or heads, width, config.vocab_size,
-        config.max_position_embeddings, bool(getattr(config, "tie_word_embeddings", False)), float(config.rms_norm_eps),
-        rope_theta=float(theta if theta is not None else getattr(config, "rope_theta", 10000.0)),
-        hf_model_type=model_type, hf_path=str(source.path) if source.path is not None else None,
-        head_size=int(head_dim) if head_dim and int(head_dim) * heads != config.hidden_size else None,
-        qk_norm=model_type == "qwen3_moe")
-    # Mixtral's router always renormalises the top k (MixtralTopKRouter); Qwen3-MoE's when
-    # norm_topk_prob. Its balance loss enters the training loss only with output_router_logits.
-    balance = float(config.router_aux_loss_coef) if getattr(config, "output_router_logits", False) else 0.0
-    experts = MoEShape(int(config.num_local_experts if hasattr(config, "num_local_experts") else config.num_experts),
-                       int(config.num_experts_per_tok), int(width), 0, 1.0, True, balance,
-                       bool(getattr(config, "norm_topk_prob", True)) if model_type == "qwen3_moe" else True)
-    return shape, experts
+    return source, source._config
 
 
-def _hf_shape(text: str) -> TransformerShape | None:
-    from autoplan.sources import SourceError
-    from autoplan.sources.hf import HFSource
-
-    try:
-        source = HFSource.from_spec(text)
-    except (SourceError, ImportError) as exc:
-        raise ExportError(f"cannot read the plan's model {text!r}: {exc}") from None
-    config = source._config
-    model_type = getattr(config, "model_type", None)
-    if model_type not in _HF_LLAMA_LIKE or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        return None
+def _hf_decoder(source, config, ffn_hidden_size: int, qk_norm: bool = False) -> TransformerShape:
+    """A Llama-like transformers config as a TransformerShape (its own field names: LlamaConfig's)."""
     heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
@@ -302,10 +260,43 @@ def _hf_shape(text: str) -> TransformerShape | None:
     head_dim = getattr(config, "head_dim", None)
     return TransformerShape(
         "llama", config.num_hidden_layers, config.hidden_size, heads,
-        getattr(config, "num_key_value_heads", None) or heads, config.intermediate_size, config.vocab_size,
+        getattr(config, "num_key_value_heads", None) or heads, ffn_hidden_size, config.vocab_size,
         config.max_position_embeddings, bool(getattr(config, "tie_word_embeddings", False)), float(config.rms_norm_eps),
-        rope_theta=theta, hf_model_type=model_type, hf_path=str(source.path) if source.path is not None else None,
-        head_size=int(head_dim) if head_dim and int(head_dim) * heads != config.hidden_size else None)
+        rope_theta=theta, hf_model_type=config.model_type, hf_path=str(source.path) if source.path is not None else None,
+        head_size=int(head_dim) if head_dim and int(head_dim) * heads != config.hidden_size else None, qk_norm=qk_norm)
+
+
+def _hf_moe_shape(text: str) -> tuple[TransformerShape, MoEShape] | None:
+    """An `hf:` mixture of experts of a type in `_HF_MOE` as the targets build one; None for other
+    types and for configurations that leave that shape: sliding-window attention, router jitter,
+    biases, an activation other than SiLU, or Qwen3-MoE layers that keep a dense MLP
+    (`decoder_sparse_step`, `mlp_only_layers`)."""
+    source, config = _hf_config(text)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _HF_MOE:
+        return None
+    windowed = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if (windowed or getattr(config, "router_jitter_noise", 0.0) or getattr(config, "attention_bias", False)
+            or getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "decoder_sparse_step", 1) != 1
+            or getattr(config, "mlp_only_layers", None)):
+        return None
+    # Every layer's MLP is the experts: the decoder's feed-forward width is theirs, as the zoo moe's.
+    width = config.moe_intermediate_size if model_type == "qwen3_moe" else config.intermediate_size
+    shape = _hf_decoder(source, config, width, qk_norm=model_type == "qwen3_moe")
+    # Mixtral's router always renormalises the top k (MixtralTopKRouter); Qwen3-MoE's when
+    # norm_topk_prob. Its balance loss enters the training loss only with output_router_logits.
+    balance = float(config.router_aux_loss_coef) if getattr(config, "output_router_logits", False) else 0.0
+    experts = MoEShape(int(config.num_local_experts), int(config.num_experts_per_tok), int(width), 0, 1.0, True, balance,
+                       bool(getattr(config, "norm_topk_prob", True)) if model_type == "qwen3_moe" else True)
+    return shape, experts
+
+
+def _hf_shape(text: str) -> TransformerShape | None:
+    source, config = _hf_config(text)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _HF_LLAMA_LIKE or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return None
+    return _hf_decoder(source, config, config.intermediate_size)
 
 
 def model_kind(plan: Plan) -> str:
