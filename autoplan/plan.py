@@ -289,7 +289,7 @@ class Plan:
     replica holds every expert."""
     expert_tp: int = 1
     """Expert tensor parallelism: how many ranks of a tp group split each expert's hidden units, 1 or
-    tp (Megatron-LM's `--expert-tensor-parallel-size`, torchtitan's `expert_tensor_parallel_degree`).
+    tp (Megatron-LM's `--expert-tensor-parallel-size`; torchtitan 0.3.0 has no such degree).
     1 (the default, as Megatron-LM's published MoE runs use): every expert is whole on the rank that
     holds it, and under attention tp > 1 each tp rank sends its own 1 / tp of the tokens to the
     experts. tp: the tp ranks of a replica hold the same experts, each 1 / tp of every expert's

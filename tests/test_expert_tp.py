@@ -34,6 +34,7 @@ LAYOUTS = {
     "etp2-ep2-zero3": (DROPLESS, dict(tp=2, pp=1, dp=2, ep=2, expert_tp=2, zero=3)),
     "etp2-ep2-zero1": (SPEC, dict(tp=2, pp=1, dp=2, ep=2, expert_tp=2, zero=1)),
     "mixtral-etp2-ep2": (MIXTRAL, dict(tp=2, pp=1, dp=2, ep=2, expert_tp=2)),
+    "etp2-pp2": (DROPLESS, dict(tp=2, pp=2, dp=1, ep=1, expert_tp=2, schedule="1f1b")),
 }
 
 
@@ -235,9 +236,11 @@ def test_expert_tp_pins_are_checked_before_the_search(capsys):
     assert main([*base, "--model", "llama:num_layers=2,hidden_size=64,num_heads=4,vocab_size=256,max_seq_len=64",
                  "--tp", "2", "--expert-tp", "2"]) == 2
     assert "needs a mixture-of-experts model" in capsys.readouterr().err
-    # ep must divide dp under expert tp = tp (the positions are the replicas)
+    # ep must divide dp under expert tp = tp (the positions are the replicas), dp pinned or not
     assert main([*base, "--model", SPEC, "--tp", "2", "--dp", "2", "--ep", "4", "--expert-tp", "2"]) == 2
     assert "ep 4 must divide dp = 2 under expert tp 2" in capsys.readouterr().err
+    assert main([*base, "--model", SPEC, "--tp", "2", "--pp", "2", "--ep", "2", "--expert-tp", "2"]) == 2
+    assert "--ep 2 must divide dp under --expert-tp 2" in capsys.readouterr().err
 
 
 def test_the_cost_model_prices_expert_tp():

@@ -43,6 +43,10 @@ __all__ = ["ExpertLinks", "all_to_all_time_s", "dispatch_share", "expert_comm_ti
 # capacity, padding and all), dropless routing's routed (token, expert) copies, tokens x k of them
 # (graph/profile_extra.py `recording_expert_inputs`; GShard, arXiv:2006.16668, Sec. 2.2, for the
 # capacity; Gale et al. 2023, MegaBlocks, MLSys, Sec. 3, for dropless grouped GEMMs).
+# Under expert tp (`ParallelConfig.expert_tp` = tp, runtime/expert_tp.py) each tp rank holds 1/tp of
+# every expert's hidden units and runs all of the replica's tokens: the same FLOPs as a 1/tp share of
+# the tokens (`expert_work_split`), the weights divided by ep x tp, no token split for the all-to-all,
+# and an all-reduce of the partial outputs over tp (`expert_tp_reduce_times_s`).
 
 
 def expert_flops(block: Block, f: float, recomputed: bool) -> float:

@@ -251,7 +251,8 @@ def allowance_bytes(gpu: GPU) -> float:
 def param_counts(profile: ModelProfile, cfg: ParallelConfig) -> np.ndarray:
     """Parameters each block puts on one GPU (tied copies included; divided by `tp_divisor`). With
     expert parallelism a block's experts are split ep ways: they are part of what tp replicates
-    (the layout shards no expert), so 1 - 1/ep of them leave the GPU."""
+    (the layout shards no expert), so 1 - 1/ep of them leave the GPU; under expert tp each expert's
+    hidden units are split too, and 1 - 1/(ep x expert tp) leave it."""
     itemsize = 2 if profile.dtype in ("bfloat16", "float16") else 4
     counts = np.array([b.param_bytes / itemsize / tp_divisor(profile, i, cfg.tp) for i, b in enumerate(profile.blocks)])
     if cfg.holds_expert_slices:  # 1/ep of the experts, 1/expert tp of each one's hidden units

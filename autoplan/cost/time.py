@@ -158,6 +158,7 @@ def block_times(profile: ModelProfile, gpu: GPU, cluster: Cluster, cfg: Parallel
     by_fingerprint: dict[tuple, tuple[float, float, float]] = {}
     for i, b in enumerate(profile.blocks):
         shard = tp_divisor(profile, i, cfg.tp)
+        whole = False  # priced whole over its Amdahl share (operator profiles only, below)
         fwd_flops = b.fwd_flops * f / shard
         bwd_flops = b.bwd_flops * f / shard
         recompute_flops = 0.0

@@ -111,6 +111,8 @@ def plans_table(plans, title: str = "") -> Table:
             extras.append(f"hsdp{plan.dp_replicate}x{plan.dp_shard}")
         if getattr(plan, "ep", 1) > 1:
             extras.append(f"ep{plan.ep}")
+        if getattr(plan, "expert_tp", 1) > 1:
+            extras.append(f"etp{plan.expert_tp}")
         if plan.sequence_parallel:
             extras.append("sp")
         recompute = plan.recompute + (" +" + ",".join(extras) if extras else "")

@@ -263,10 +263,12 @@ def refuse_expert_parallel(model: nn.Module, traced: TracedModel, plan: Plan) ->
                              "routed by (tokens, expert indices, weights)) to split; re-plan it with `autoplan "
                              "suggest`")
     refuse_expert_tp(model, plan, grouped)
+    what = f"ep {plan.ep}" if plan.ep > 1 else f"expert tp {plan.expert_tp}"
     for path, module in routed.items():
         call = inlined_call(traced.gm, path)
         if isinstance(call, str):
-            raise PartitionError(f"the plan has ep {plan.ep} but {call}; re-plan it with `autoplan suggest` (ep 1)")
+            raise PartitionError(f"the plan has {what} but {call}; re-plan it with `autoplan suggest` "
+                                 f"({'ep 1' if plan.ep > 1 else 'expert tp 1'})")
         if module.num_experts % plan.ep:
             raise PartitionError(f"the plan has ep {plan.ep}, which does not divide the {module.num_experts} experts "
                                  f"of '{path}'; re-plan it with `autoplan suggest`")

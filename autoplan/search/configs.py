@@ -152,6 +152,17 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
             raise PlanningError(f"--{layout}; pin other degrees")
         if n_gpus % ep:
             raise PlanningError(f"--ep {ep} does not divide the {n_gpus} GPUs; experts are split over tp x dp ranks")
+        if etp and etp > 1 and tp is not None and dp is None:
+            # Under expert tp the ep groups are replicas (plan.py [Note: expert layout]): some dp the
+            # pinned degrees leave must take ep (under HSDP, its dp_shard).
+            pps = [pp] if pp is not None else [p for p in range(1, n_gpus // tp + 1) if (n_gpus // tp) % p == 0]
+            dps = sorted({n_gpus // (tp * p) for p in pps if n_gpus % (tp * p) == 0})
+            if not any(expert_layout_refusal(ep, tp, d, replicate or 1, etp) is None
+                       for d in dps if d % (replicate or 1) == 0):
+                over = "dp_shard" if replicate and replicate > 1 else "dp"
+                raise PlanningError(f"--ep {ep} must divide {over} under --expert-tp {etp} (the replicas the experts are "
+                                    f"split over), and the pinned degrees leave dp {', '.join(map(str, dps))}; pin "
+                                    "other degrees")
     if pins.get("sequence_parallel") and tp == 1:
         raise PlanningError("--sequence-parallel needs --tp of at least 2")
     if pins.get("sequence_parallel") and not _sequence_parallel_allowed(profile):

@@ -65,7 +65,7 @@ from autoplan.cost.config import ParallelConfig
 from autoplan.cost.experts import expert_links
 from autoplan.cost.memory import allowance_bytes, block_static_bytes
 from autoplan.graph.blocks import ModelProfile
-from autoplan.plan import RECOMPUTE, Job, Plan
+from autoplan.plan import RECOMPUTE, Job, Plan, expert_layout_refusal
 from autoplan.search._gc import gc_paused
 from autoplan.search.bounds import Dominated
 from autoplan.search.configs import (
@@ -388,7 +388,8 @@ def _config_key(cfg: ParallelConfig) -> tuple:
 def _sharding_refusal(cfg: ParallelConfig, pins: dict, profile: ModelProfile) -> str:
     """Why `_shardings` offers no data-parallel sharding for this configuration (one line)."""
     if cfg.ep > 1:
-        return "the runtime runs expert parallelism with zero 0, 2 or 3 and without HSDP"
+        return (expert_layout_refusal(cfg.ep, cfg.tp, cfg.dp, cfg.dp_replicate, cfg.expert_tp)
+                or "the runtime runs expert parallelism with zero 0, 2 or 3 and without HSDP")
     if cfg.schedule == "zb-h1":
         return "zb-h1 cannot run FSDP (its weight-gradient pass bypasses FSDP's gradient hooks)"
     return fsdp_refusal(profile, cfg.tp) or "FSDP (zero 2 / 3) needs more than one data-parallel rank"

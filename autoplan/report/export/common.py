@@ -96,7 +96,8 @@ def plan_summary(plan: Plan) -> list[str]:
     """Three lines: the plan, its layout, its prediction."""
     layout = (f"tp {plan.tp} x pp {plan.pp} x dp {plan.dp}"
               + (f" (cp {plan.cp}: {plan.replicas} replicas)" if plan.cp > 1 else "")
-              + (f" (ep {plan.ep})" if plan.ep > 1 else "") + f"; {plan.schedule}"
+              + (f" (ep {plan.ep})" if plan.ep > 1 else "")
+              + (f" (expert tp {plan.expert_tp})" if plan.expert_tp > 1 else "") + f"; {plan.schedule}"
               + (f" with {plan.virtual_stages} virtual stages per rank" if plan.virtual_stages > 1 else "")
               + f"; {plan.num_microbatches} micro-batches of {plan.micro_batch_size}; recompute {plan.recompute}; "
               f"zero {plan.zero}" + (f" (HSDP {plan.dp_replicate} x {plan.dp_shard})" if plan.dp_replicate > 1 else "")
