@@ -35,6 +35,9 @@ LAYOUTS = {
     "etp2-ep2-zero1": (SPEC, dict(tp=2, pp=1, dp=2, ep=2, expert_tp=2, zero=1)),
     "mixtral-etp2-ep2": (MIXTRAL, dict(tp=2, pp=1, dp=2, ep=2, expert_tp=2)),
     "etp2-pp2": (DROPLESS, dict(tp=2, pp=2, dp=1, ep=1, expert_tp=2, schedule="1f1b")),
+    # zero-bubble's split backward (the all-reduce of the inputs' gradients in the B pass), and cp
+    "etp2-pp2-zb": (DROPLESS, dict(tp=2, pp=2, dp=1, ep=1, expert_tp=2, schedule="zb-h1")),
+    "etp2-cp2": (DROPLESS, dict(tp=2, pp=1, dp=2, cp=2, ep=1, expert_tp=2)),
 }
 
 
