@@ -239,7 +239,12 @@ def fsdp_traffic_floor_s(run: PublishedRun, reduce_dtype: str = "float32") -> fl
     micro-batch's two all-gathers and one reduce-scatter of every unit ([Note: the reduce dtype a
     published run implies]). 0 for a run that is not ZeRO-3 at pp 1."""
     from autoplan.cost.comm import fsdp_groups
-    from autoplan.cost.memory import expert_params, gathered_bytes_per_param, param_counts, reduced_bytes_per_param
+    from autoplan.cost.memory import (
+        expert_params,
+        gathered_bytes_per_param,
+        param_counts,
+        reduced_bytes_per_param,
+    )
 
     pins = run.pins
     if pins.get("zero", 0) < 3 or pins.get("pp", 1) != 1 or "micro_batch_size" not in pins:

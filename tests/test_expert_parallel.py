@@ -59,9 +59,11 @@ def step_and_collect(pm, rank: int) -> dict:
                 expert_mesh=None if mesh is None else tuple(mesh.mesh.shape), expert_placements=placements)
 
 
-def check_against_reference(spec: str, name: str, plan, results: dict) -> None:
-    """The loss and every gradient of layout `name` (`step_and_collect` on every rank) against a
-    single process (tests/test_user_paths.py `_reference`), the experts' slices put back together."""
+def reference_and_slices(spec: str, name: str, plan, results: dict):
+    """(reference model, its gradients, the dense gradients of the ranks, the experts' slices by their
+    key) of layout `name`, each rank's results as `step_and_collect` gives them, the loss checked
+    against a single process (tests/test_user_paths.py `_reference`) and the copies of a slice
+    (ranks holding the same one) checked to agree."""
     inputs, target = results[0][name]["batch"]
     model, ref_loss, ref_grads = _reference(spec, plan, inputs, target)
     losses = [r[name]["loss"] for r in results.values() if r[name]["loss"] is not None]
@@ -69,13 +71,20 @@ def check_against_reference(spec: str, name: str, plan, results: dict) -> None:
     grads = {}
     for r in results.values():
         grads.update(r[name]["grads"])
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    pieces: dict[str, dict] = {}
     for r in results.values():
-        for n, (index, g) in r[name]["slices"].items():
-            if index in pieces.get(n, {}):  # the ranks holding the same experts end with the same gradient
-                torch.testing.assert_close(g, pieces[n][index], msg=lambda m, n=n: f"{name}: copies of {n}: {m}")
-            pieces.setdefault(n, {})[index] = g
+        for n, (key, g) in r[name]["slices"].items():
+            if key in pieces.get(n, {}):  # the ranks holding the same slice end with the same gradient
+                torch.testing.assert_close(g, pieces[n][key], msg=lambda m, n=n: f"{name}: copies of {n}: {m}")
+            pieces.setdefault(n, {})[key] = g
     assert pieces, f"{name}: no expert parameters were split"
+    return model, ref_grads, grads, pieces
+
+
+def check_against_reference(spec: str, name: str, plan, results: dict) -> None:
+    """The loss and every gradient of layout `name` (`step_and_collect` on every rank) against a
+    single process, the experts' slices put back together (`reference_and_slices`)."""
+    _, ref_grads, grads, pieces = reference_and_slices(spec, name, plan, results)
     _check_expert_layout(name, plan, results)
     for n, parts in pieces.items():
         assert sorted(parts) == list(range(plan.ep)), (name, n, sorted(parts))

@@ -13,11 +13,12 @@ import sys
 import pytest
 import torch
 from _dist import run_ranks
-from test_user_paths import GLOBAL_BATCH, MICRO_BATCH, _full, _reference
+from test_expert_parallel import reference_and_slices
+from test_user_paths import GLOBAL_BATCH, MICRO_BATCH, _full
 
 import autoplan
-from autoplan.graph.experts import is_routed_experts
 from autoplan.graph.expert_hidden import hidden_axes
+from autoplan.graph.experts import is_routed_experts
 
 SPEC = ("moe:num_layers=4,hidden_size=64,num_heads=4,num_kv_heads=2,ffn_hidden_size=96,vocab_size=256,max_seq_len=64,"
         "num_experts=4,experts_per_token=2,num_shared_experts=1")
@@ -87,20 +88,7 @@ def test_expert_tp_matches_a_single_process_reference():
         assert (plan.expert_tp, plan.ep, plan.expert_token_split) == (2, LAYOUTS[name][1]["ep"], 1), name
     results = run_ranks(_rank_job, 4, cases, timeout_s=550, pg_timeout_s=120)
     for name, (spec, plan) in cases.items():
-        inputs, target = results[0][name]["batch"]
-        model, ref_loss, ref_grads = _reference(spec, plan, inputs, target)
-        losses = [r[name]["loss"] for r in results.values() if r[name]["loss"] is not None]
-        assert losses and all(loss == pytest.approx(ref_loss, rel=1e-5) for loss in losses), (name, losses, ref_loss)
-        grads = {}
-        for r in results.values():
-            grads.update(r[name]["grads"])
-        pieces: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
-        for r in results.values():
-            for n, (key, g) in r[name]["slices"].items():
-                if key in pieces.get(n, {}):  # ranks holding the same slice end with the same gradient
-                    torch.testing.assert_close(g, pieces[n][key], msg=lambda m, n=n: f"{name}: copies of {n}: {m}")
-                pieces.setdefault(n, {})[key] = g
-        assert pieces, f"{name}: no expert parameters were split"
+        model, ref_grads, grads, pieces = reference_and_slices(spec, name, plan, results)
         for n, parts in pieces.items():
             assert sorted(parts) == [(e, t) for e in range(plan.ep) for t in range(plan.expert_tp)], (name, n)
             grads[n] = _whole(model, n, parts, plan.ep, plan.expert_tp)
@@ -183,7 +171,7 @@ def test_an_expert_tp_checkpoint_holds_every_expert_whole_and_restores_under_oth
     saved = {"zoo-zero3": (DROPLESS, plan(DROPLESS, tp=2, pp=1, dp=2, ep=2, expert_tp=2, zero=3)),
              "mixtral-zero1": (MIXTRAL, plan(MIXTRAL, tp=2, pp=1, dp=2, ep=2, expert_tp=2, zero=1))}
     results = run_ranks(_save, 4, saved, str(tmp_path), timeout_s=250, pg_timeout_s=60)
-    for name, (spec, p) in saved.items():
+    for name, (spec, _) in saved.items():
         model = autoplan.sources.parse_source(spec).build("meta") if spec.startswith("hf:") else None
         model = model if model is not None else autoplan.models.build_model(spec)
         pieces: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
@@ -200,7 +188,7 @@ def test_an_expert_tp_checkpoint_holds_every_expert_whole_and_restores_under_oth
         for target, (_, tplan) in targets.items():
             for r in restored.values():
                 assert r[target], (name, target)
-                for n, ((ep_index, tp_index), value) in r[target].items():
+                for n, ((ep_index, _), value) in r[target].items():
                     whole = ckpt.params[n]
                     if tplan.ep > 1:  # expert tp 1: position (dp, tp) holds experts position mod ep
                         rows = whole.shape[0] // tplan.ep

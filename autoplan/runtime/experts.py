@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from autoplan.graph.expert_hidden import hidden_axes, hidden_split_refusal
 from autoplan.graph.experts import (
     InlinedCall,
     expert_modules,
@@ -51,7 +52,6 @@ from autoplan.graph.experts import (
 )
 from autoplan.runtime.data_parallel import all_reduce_grads
 from autoplan.runtime.errors import PartitionError
-from autoplan.graph.expert_hidden import hidden_axes, hidden_split_refusal
 from autoplan.runtime.expert_tp import expert_tp_forward, split_hidden
 from autoplan.runtime.routed_experts import GatherRows, RoutedDispatch, TakeRows, exchange
 
@@ -257,13 +257,12 @@ def refuse_expert_parallel(model: nn.Module, traced: TracedModel, plan: Plan) ->
         return
     routed = routed_expert_modules(model)
     grouped = expert_modules(traced.gm)
+    what = f"ep {plan.ep}" if plan.ep > 1 else f"expert tp {plan.expert_tp}"
     if not grouped and not routed:
-        what = f"ep {plan.ep}" if plan.ep > 1 else f"expert tp {plan.expert_tp}"
         raise PartitionError(f"the plan has {what} but the model has no experts (graph/experts.py: grouped, or "
                              "routed by (tokens, expert indices, weights)) to split; re-plan it with `autoplan "
                              "suggest`")
     refuse_expert_tp(model, plan, grouped)
-    what = f"ep {plan.ep}" if plan.ep > 1 else f"expert tp {plan.expert_tp}"
     for path, module in routed.items():
         call = inlined_call(traced.gm, path)
         if isinstance(call, str):

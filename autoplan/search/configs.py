@@ -152,7 +152,7 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
             raise PlanningError(f"--{layout}; pin other degrees")
         if n_gpus % ep:
             raise PlanningError(f"--ep {ep} does not divide the {n_gpus} GPUs; experts are split over tp x dp ranks")
-        if etp and etp > 1 and tp is not None and dp is None:
+        if etp and etp > 1 and dp is None:  # tp is pinned with it (above)
             # Under expert tp the ep groups are replicas (plan.py [Note: expert layout]): some dp the
             # pinned degrees leave must take ep (under HSDP, its dp_shard).
             pps = [pp] if pp is not None else [p for p in range(1, n_gpus // tp + 1) if (n_gpus // tp) % p == 0]

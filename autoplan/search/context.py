@@ -22,9 +22,9 @@ from autoplan.cost.memory import (
     expert_params,
     fsdp_transient_bytes,
     gathered_bytes_per_param,
-    reduced_bytes_per_param,
     head_backward_bytes,
     param_counts,
+    reduced_bytes_per_param,
     stage_is_one_unit,
 )
 from autoplan.cost.time import BlockTimes, block_times, cut_transfer_times_s
