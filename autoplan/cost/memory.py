@@ -67,6 +67,12 @@ warm-up rank r holds 2 (p - r - 1) + (v - 1) p + 1 chunk-micro-batches (Megatron
 Narayanan et al. 2021, Sec. 2.2.2: the first stage holds L (1 + (p - 1) / (p v)) layers' worth);
 the sum of the chunks' peaks was 23-30% more at v >= 4 (p 8, v 4: 48 against 39 on rank 0).
 `rank_memory` takes the moments (search/inflight.py `interleaved_held`).
+Another runtime runs the same layer with other saved tensors: under a named stack that describes
+its own layer and loss (torchtitan, Megatron-Core), `block_act_bytes` counts them from the layer's
+shapes instead of the profile, and the loss's backward holds what that stack's loss holds
+(cost/memory_stacks.py [Note: memory per stack]; validated on published peaks by
+benchmarks/validate_memory.py, docs/published-memory.md). With no stack, or the default one, the
+profile's bytes stand: what autoplan's runtime holds.
 
 [Note: fused RMSNorm]
 The profile runs on CPU (fake tensors), where nn.RMSNorm's `_fused_rms_norm` has no kernel and
@@ -115,6 +121,7 @@ import numpy as np
 
 from autoplan.cluster import GPU
 from autoplan.cost.config import ParallelConfig
+from autoplan.cost.memory_stacks import loss_backward_factor, stack_saved_bytes
 from autoplan.cost.time import gathered_kv_bytes, tp_divisor, tp_sharded
 from autoplan.graph.blocks import Block, ModelProfile
 from autoplan.plan import MemoryBreakdown
@@ -391,13 +398,21 @@ def _fused_norm_surplus(block: Block, hidden_size: int | None = None) -> tuple[f
     return out[0], out[1]
 
 
-def block_act_bytes(profile: ModelProfile, cfg: ParallelConfig, cpu: bool = False) -> np.ndarray:
+def block_act_bytes(profile: ModelProfile, cfg: ParallelConfig, cpu: bool = False,
+                    stack: str | None = None) -> np.ndarray:
     """Activation bytes each block keeps per micro-batch in flight on one GPU (`cpu`: on a CPU rank,
-    where F.rms_norm runs its composite form, [Note: fused RMSNorm])."""
+    where F.rms_norm runs its composite form, [Note: fused RMSNorm]). `stack`: the software stack
+    whose runtime runs the model (cost/memory_stacks.py [Note: memory per stack]); None, autoplan's."""
     f = cfg.batch_share(profile.batch_size)
     out = np.zeros(profile.num_blocks)
     for i, b in enumerate(profile.blocks):
         total, hidden = float(b.saved_bytes), float(b.saved_bytes_replicated_tp)
+        own = None if stack is None or cpu else stack_saved_bytes(stack, profile, b, cfg)
+        if own is not None:
+            # The stack's own count of the block on one GPU: its norms, its selective policy, its
+            # tensor-parallel layout ([Note: memory per stack]).
+            out[i] = own * f
+            continue
         if not cpu:
             surplus_hidden, surplus_other = fused_norm_surplus(b, profile.hidden_size)
             total -= surplus_hidden + surplus_other
@@ -425,18 +440,21 @@ def block_act_bytes(profile: ModelProfile, cfg: ParallelConfig, cpu: bool = Fals
     return out
 
 
-def head_backward_bytes(profile: ModelProfile, acts: np.ndarray, blocks: Sequence[int]) -> float:
+def head_backward_bytes(profile: ModelProfile, acts: np.ndarray, blocks: Sequence[int], stack: str | None = None,
+                        tp: int = 1) -> float:
     """Transient bytes of the head's backward: the loss's gradient with respect to the logits and
     the log-softmax's gradient coexist, each the size of the logits, which dominate what the head
     saves (`acts`, per micro-batch): 2 x its activations. Measured: it is the gap between
     max_memory_allocated and the other terms that grows with the micro-batch on the H100 runs
     ([Note: allowance]; 0.38 GiB at micro-batch 1, 1.50 GiB at 4 for gpt3-1.3b, predicted 0.41 and
-    1.62)."""
-    return max((2 * float(acts[i]) for i in blocks if profile.blocks[i].kind == "head"), default=0.0)
+    1.62). A stack whose loss holds more in its backward says how many times (cost/memory_stacks.py
+    `loss_backward_factor`)."""
+    factor = loss_backward_factor(stack, tp)
+    return max((factor * float(acts[i]) for i in blocks if profile.blocks[i].kind == "head"), default=0.0)
 
 
 def _working_bytes(profile: ModelProfile, cfg: ParallelConfig, blocks: Sequence[int], acts: np.ndarray,
-                   cpu: bool = False) -> float:
+                   cpu: bool = False, stack: str | None = None) -> float:
     """Transient memory of one backward: the gradient of the largest block output exists next to
     its activation; then the larger of one layer's full activations brought back by full recompute
     and the head's backward transients (`head_backward_bytes`): they do not coexist."""
@@ -444,24 +462,26 @@ def _working_bytes(profile: ModelProfile, cfg: ParallelConfig, blocks: Sequence[
     largest_output = max((profile.blocks[i].output_bytes for i in blocks), default=0) * f
     recompute = 0.0
     if cfg.recompute == "full":
-        full = block_act_bytes(profile, dataclasses.replace(cfg, recompute="none"), cpu)
+        full = block_act_bytes(profile, dataclasses.replace(cfg, recompute="none"), cpu, stack)
         recompute = max((full[i] for i in blocks if profile.blocks[i].kind in _RECOMPUTED_KINDS), default=0.0)
-    return 2 * largest_output + max(recompute, head_backward_bytes(profile, acts, blocks))
+    return 2 * largest_output + max(recompute, head_backward_bytes(profile, acts, blocks, stack, cfg.tp))
 
 
 def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str,
                 stage_ranges: Sequence[tuple[int, int]], stage_inflight: Sequence[float],
                 static: np.ndarray | None = None, acts: np.ndarray | None = None,
-                params: np.ndarray | None = None, held: np.ndarray | None = None) -> MemoryBreakdown:
+                params: np.ndarray | None = None, held: np.ndarray | None = None,
+                stack: str | None = None) -> MemoryBreakdown:
     """Peak memory of one GPU holding the given stages (its virtual stages) with the given
     micro-batches in flight on each. `acts` and `params` (`block_act_bytes`, `param_counts`) may be
     passed when the caller has them. `held` (moments x stages): the micro-batches each stage holds
     at each moment its activations grow; the activations are then the largest moment's, not the
-    sum of each stage's own peak ([Note: activations]; search/inflight.py `interleaved_held`)."""
+    sum of each stage's own peak ([Note: activations]; search/inflight.py `interleaved_held`).
+    `stack`: whose runtime holds the activations (cost/memory_stacks.py [Note: memory per stack])."""
     weights_b, grads_b, optim_b = persistent_bytes_per_param(dtype, cfg.zero, cfg.dp, cfg.dp_replicate, cfg.tp)
     params = param_counts(profile, cfg) if params is None else params
     cpu = gpu.name == "cpu"
-    acts = block_act_bytes(profile, cfg, cpu) if acts is None else acts
+    acts = block_act_bytes(profile, cfg, cpu, stack) if acts is None else acts
     f = cfg.batch_share(profile.batch_size)
     num_params = held_params(profile, cfg, stage_ranges, params)
     surplus = expert_shard_surplus(profile, cfg, stage_ranges)
@@ -484,7 +504,7 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
         optimizer_bytes=num_params * optim_b + surplus * surplus_o,
         gathered_bytes=float(gathered),
         activations_bytes=float(activations),
-        buffers_bytes=float(recv + _working_bytes(profile, cfg, blocks, acts, cpu)
+        buffers_bytes=float(recv + _working_bytes(profile, cfg, blocks, acts, cpu, stack)
                             + reduction_buffer_bytes(cfg, num_params, [num_params] if one_unit else params[blocks])),
         allowance_bytes=allowance_bytes(gpu),
     )

@@ -260,7 +260,8 @@ def rank_memories(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[in
         # simulated per-chunk peaks or are not used.
         rows = held[p] if held is not None and list(held[p].max(axis=0)) == inflight else None
         memories.append(rank_memory(ctx.profile, cfg, pp_gpus[p], ctx.job.dtype, [ranges[k] for k in mine],
-                                    inflight, static=static, acts=acts, params=ctx.params(cfg), held=rows))
+                                    inflight, static=static, acts=acts, params=ctx.params(cfg), held=rows,
+                                    stack=ctx.calibrations.stack))
     return memories
 
 

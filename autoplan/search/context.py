@@ -103,7 +103,8 @@ class SearchContext:
         # A CPU rank runs F.rms_norm's composite form, which saves more (cost/memory.py [Note: fused
         # RMSNorm]); a cluster with any CPU rank is counted as one, the larger of the two.
         cpu = any(g.name == "cpu" for g in self.gpu_types)
-        return self.cached(key, lambda: block_act_bytes(self.profile, cfg, cpu))
+        # Counted as the stack's runtime holds them (cost/memory_stacks.py [Note: memory per stack]).
+        return self.cached(key, lambda: block_act_bytes(self.profile, cfg, cpu, self.calibrations.stack))
 
     def block_passes(self, t: BlockTimes) -> tuple[np.ndarray, np.ndarray]:
         """Per block: forward and backward seconds, TP communication included (fwd_s + tp_fwd_s,
@@ -174,7 +175,8 @@ class SearchContext:
             cut_bytes = np.array([0.0] + [nb * f for nb in self.cut_num_bytes] + [0.0])
             reserve = 2 * cfg.virtual_stages * cut_bytes.max() + 2 * (self.largest_output_bytes * f)
             recompute = float(np.max(self.act_bytes(_no_recompute(cfg)))) if cfg.recompute == "full" else 0.0
-            head = head_backward_bytes(self.profile, self.act_bytes(cfg), range(self.profile.num_blocks))
+            head = head_backward_bytes(self.profile, self.act_bytes(cfg), range(self.profile.num_blocks),
+                                       self.calibrations.stack, cfg.tp)
             # FSDP's few-units terms, for the largest units anywhere ([Note: FSDP gathered bytes]).
             fsdp = fsdp_transient_bytes(self.job.dtype, cfg.zero, cfg.pp, self.params(cfg),
                                         stage_is_one_unit(self.profile), reduced_bytes_per_param(cfg.reduce_dtype))

@@ -1,0 +1,174 @@
+"""What each software stack's runtime keeps for the backward: activation bytes per token of a layer and
+of the loss, by stack name (calibration.py [Note: software stacks]).
+
+[Note: memory per stack]
+A block's saved-for-backward bytes come from the profile (cost/memory.py [Note: activations]): what
+autoplan's own runtime keeps when it runs the profiled module. A run of another stack runs another
+implementation of the same layer, which keeps other tensors: priced with the profile's bytes,
+torchtitan's Llama 3.1 runs (benchmarks/data/published_memory.json) were predicted at 0.68x to 2.4x
+their published peaks (benchmarks/results/validate_memory.txt, "before"), in both directions by far
+more than any allowance. So a named stack that states its own layer replaces the profile's bytes
+for the blocks it describes, counted from the layer's shapes (not from today's zoo layer, which
+changes as autoplan's runtime does); every other block, and every stack not named here (the
+default `flash`, autoplan's runtime), keeps the profile's bytes.
+
+Which blocks: a dense Llama-style layer (RMSNorm, grouped-query attention with rotary embeddings,
+SwiGLU MLP; no biases), recognized from its parameter count, h the hidden size, d_kv = kv heads x
+head size: 2 h (norms) + 2 h^2 (q, o) + 2 h d_kv (k, v) + 3 h f (the MLP), so f = (params - 2 h -
+2 h^2 - 2 h d_kv) / 3 h must be a whole number; and the head (the output projection with the loss).
+Anything else (a GPT layer, a mixture-of-experts layer) keeps the profile.
+
+Per token, e bytes an element in the compute dtype (2 in bf16), in two parts: tensors every tp rank
+keeps whole (hidden-shaped tensors without sequence parallelism; under torchtitan's sequence
+parallelism also the all-gathered inputs of the projections) and the rest (split over tp).
+
+- `torchtitan` (pytorch/torchtitan at 9dec370ad26b, the commit of its Llama 3.1 H100 benchmarks;
+  torchtitan/models/llama/model.py):
+  - no recompute: each norm keeps its input (e h; the fused kernel also an fp32 rstd a row) and its
+    output is kept by the projections that read it (e h): 4 e h hidden-shaped for the two. That is the
+    fused RMSNorm: torchtitan's Triton `fused_rmsnorm` (the `norm_type` of its April 2024 Llama 2 13B and
+    Llama 3 8B configs, train_configs/*.toml at 0413364, whose runs are in modern_runs.json) and
+    `nn.RMSNorm` on CUDA since 2025 (torchtitan/models/llama3/model.py at e7c0cae; cost/memory.py
+    [Note: fused RMSNorm]). Its Python `RMSNorm` of late 2024 (`norm_type = "rmsnorm"`, norms.py at
+    9dec370: `self._norm(x.float()).type_as(x) * self.weight`) keeps an fp32 copy more, 4 h a norm;
+    every collected run that used it recomputed its layers, which keeps no norm. `apply_rotary_emb`'s
+    complex products save nothing (`freqs_cis` is a buffer, so autograd keeps only it); its bf16 q is
+    SDPA's input (e h); `repeat_kv` materializes k and v at the query heads when there are fewer key
+    heads (2 e h; else k and v themselves, 2 e d_kv); SDPA's output (e h) and log-sum-exp (4 fp32 per
+    head); the `.contiguous()` copy of the transposed output that `wo` saves (e h);
+    `w2(F.silu(w1(x)) * w3(x))` saves w1's output, silu's output, w3's output and their product (4 e f).
+  - selective (`selective_ac_option = "op"`, torchtitan/parallelisms/parallelize_llama.py `_save_list`):
+    a checkpoint per layer keeping its input (e h, hidden-shaped) and the outputs of every second
+    `mm` (the 1st, 3rd, 5th and 7th of wq, wk, wv, wo, w1, w3, w2: q, v, w1's and w2's outputs: e (2 h
+    + d_kv + f)) and of the flash-attention kernel (e h and the log-sum-exp); the rest is recomputed.
+  - the loss (train.py at 9dec370): `cross_entropy(pred.flatten(0, 1).float(), labels)` keeps the
+    fp32 log-softmax of the logits (4 V a token, V the vocabulary, split over tp under torchtitan's
+    loss parallelism), besides the output projection's input (e h). Its backward holds the log-softmax,
+    NLL's dense fp32 gradient and the log-softmax's gradient together: twice the saved bytes more,
+    which is `head_backward_bytes` (cost/memory.py); under tp, loss parallelism's backward holds three
+    times them more (`loss_backward_factor`). The bf16 logits are deleted before the backward
+    (`del pred`).
+- `megatron-core`, `megatron-core-deepep` (Korthikanti et al. 2022, "Reducing Activation Recomputation
+  in Large Transformer Models", Sec. 4.1, per-layer count 34 sbh, adapted to a Llama layer with
+  flash attention (no s x s scores), no dropout, grouped-query attention and SwiGLU): norm and linear
+  inputs of attention and MLP 4 e h (hidden-shaped); q (e h), k and v (e d_kv each), the attention
+  output (e h); the fused SwiGLU keeps fc1's output (2 e f) and its own output (e f) (Megatron-Core
+  `bias_swiglu_impl`). Selective recompute ("core_attn") recomputes the attention kernel, which with
+  flash attention saves nothing of its own: the same bytes. Its loss keeps the profile's. No collected
+  row measures a Megatron-Core dense run yet, so this count is cited, not validated.
+
+Counted as the profile counts a block: per batch of the profile (`ModelProfile.batch_size` x
+`seq_len` tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoplan.cost.config import ParallelConfig
+from autoplan.graph.blocks import Block, ModelProfile
+
+__all__ = ["STACK_MEMORY", "StackMemory", "dense_llama_ffn", "loss_backward_factor", "stack_memory", "stack_saved_bytes"]
+
+
+@dataclass(frozen=True)
+class StackMemory:
+    """How one stack's runtime keeps activations ([Note: memory per stack])."""
+
+    name: str
+    layer: str
+    """"profile" (the profiled module's bytes), "torchtitan" or "megatron-core"."""
+    loss: str
+    """"profile" or "fp32-log-softmax" (a full fp32 log-softmax of the logits saved for the backward)."""
+
+
+STACK_MEMORY: dict[str, StackMemory] = {
+    "torchtitan": StackMemory("torchtitan", layer="torchtitan", loss="fp32-log-softmax"),
+    "megatron-core": StackMemory("megatron-core", layer="megatron-core", loss="profile"),
+    "megatron-core-deepep": StackMemory("megatron-core-deepep", layer="megatron-core", loss="profile"),
+}
+"""Stacks whose runtime's activations differ from the profiled module's; every other name (the
+default `flash`, autoplan's runtime) keeps the profile's bytes."""
+
+_PROFILE = StackMemory("profile", layer="profile", loss="profile")
+
+
+def stack_memory(name: str | None) -> StackMemory:
+    """The activation accounting of stack `name` (None or a stack not listed: the profile's)."""
+    return STACK_MEMORY.get(name or "", _PROFILE)
+
+
+def dense_llama_ffn(profile: ModelProfile, block: Block) -> int | None:
+    """The MLP width f of a dense Llama-style layer, from its parameters; None for any other block
+    ([Note: memory per stack])."""
+    h, heads = profile.hidden_size, profile.num_heads
+    if block.kind != "layer" or not h or not heads or h % heads:
+        return None
+    experts = (profile.extra.get("experts") or {}).get("block_params")
+    if experts and any(experts):
+        return None
+    d_kv = (profile.num_kv_heads or heads) * (h // heads)
+    rest = block.num_params - 2 * h - 2 * h * h - 2 * h * d_kv
+    if rest <= 0 or rest % (3 * h):
+        return None
+    return rest // (3 * h)
+
+
+def _item(dtype: str) -> int:
+    return 4 if dtype in ("float32", "fp32") else 2
+
+
+def _per_gpu(tokens: int, whole: float, split: float, tp: int) -> float:
+    """Bytes on one GPU of `whole` bytes a token every tp rank keeps and `split` bytes a token split over tp."""
+    return tokens * (whole + split / tp)
+
+
+def stack_saved_bytes(stack: str | None, profile: ModelProfile, block: Block, cfg: ParallelConfig) -> float | None:
+    """Saved bytes of `block` on one GPU per batch of the profile (before `ParallelConfig.batch_share`)
+    under `stack`, at cfg's tp, sequence parallelism and recompute ("none" or "selective"; under full
+    recompute a layer keeps its input whatever the stack), or None where the stack keeps what the
+    profile measured ([Note: memory per stack])."""
+    how = stack_memory(stack)
+    tokens = profile.batch_size * profile.seq_len
+    e = _item(profile.dtype)
+    h = profile.hidden_size or 0
+    tp, sp = cfg.tp, cfg.sequence_parallel and cfg.tp > 1
+    if block.kind == "head" and how.loss == "fp32-log-softmax" and profile.vocab_size:
+        # The projection's input: whole on every tp rank (colwise, its input gathered); the log-softmax
+        # split over the vocabulary (loss parallelism).
+        return _per_gpu(tokens, e * h, 4.0 * profile.vocab_size, tp)
+    if how.layer == "profile" or cfg.recompute == "full":
+        return None
+    f = dense_llama_ffn(profile, block)
+    if f is None:
+        return None
+    heads = profile.num_heads or 1
+    d_kv = (profile.num_kv_heads or heads) * (h // heads)
+    lse = 4.0 * heads
+    if how.layer == "torchtitan":
+        # Under sequence parallelism (torchtitan's TP plan: SequenceParallel norms) the norms' tensors
+        # are split, and the all-gathered inputs of the attention and MLP projections (e h each) are
+        # kept whole by the linears that save them; the row-parallel w2's output is a whole partial
+        # sum before its reduce-scatter.
+        if cfg.recompute == "selective":
+            kept_whole = (e * h if not sp else 0) + (e * h if tp > 1 else 0)
+            split = e * (h + d_kv + f) + e * h + lse + (e * h if tp == 1 else 0) + (e * h if sp else 0)
+            return _per_gpu(tokens, kept_whole, split, tp)
+        kv = h if (profile.num_kv_heads or heads) < heads else d_kv
+        norms = 4 * e * h
+        other = e * h + 2 * e * kv + e * h + lse + e * h + 4 * e * f
+        if sp:  # the norms' inputs split, their outputs gathered whole for the projections
+            return _per_gpu(tokens, 2 * e * h, 2 * e * h + other, tp)
+        return _per_gpu(tokens, norms, other, tp)
+    # megatron-core: sequence parallelism splits everything (Korthikanti et al. 2022, Sec. 4.2.2).
+    hidden, other = 4 * e * h, e * (2 * h + 2 * d_kv) + lse + 3 * e * f
+    return _per_gpu(tokens, 0.0, hidden + other, tp) if sp else _per_gpu(tokens, hidden, other, tp)
+
+
+def loss_backward_factor(stack: str | None, tp: int) -> float:
+    """How many times the loss's saved bytes its backward allocates on top of them (`head_backward_bytes`
+    in cost/memory.py). 2 by default: the gradient of the log-softmax's output and its own gradient.
+    torchtitan under tp (loss parallelism, torch/distributed/tensor/parallel/loss.py
+    `_nll_loss_and_log_softmax_backward`: `(grad_input + torch.exp(x)) * grad_output`, fp32 tensors of
+    the logits' shape) holds three: the dense NLL gradient, exp(x) and their sum before the product."""
+    return 3.0 if stack_memory(stack).loss == "fp32-log-softmax" and tp > 1 else 2.0
