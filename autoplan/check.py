@@ -7,6 +7,12 @@ per GPU grows by more than `tolerance.memory` (relative), the plan no longer fit
 found, or the search takes longer than `tolerance.search_time_s` (absolute seconds). A case not in
 the baseline is "new": reported, not failed, unless `strict`.
 
+The baseline is checked for drift in both directions: a case whose tokens/s rose or whose memory fell
+by more than the tolerance is "improved", and fails too, with a line saying to refresh the baseline
+with `--update`. A baseline that lags the planner by 10% hides the next 10% regression (issue 44:
+`ci/plan_quality_baseline.json` was 9.7% tokens/s and 14.7% memory away from the predictions while
+every case passed). `--update` prints each case's old -> new figures before it rewrites the file.
+
 Every mistake in the suite or baseline file is a one-line `SuiteError` (a ValueError, so the CLI
 prints `autoplan: error: ...` and exits 2) naming the case and the field.
 """
@@ -35,11 +41,13 @@ __all__ = [
     "Tolerance",
     "compare",
     "load_baseline",
+    "load_previous_baseline",
     "load_suite",
     "plan_metrics",
     "report_table",
     "run_case",
     "run_check",
+    "run_command",
     "write_baseline",
     "write_json",
     "write_junit",
@@ -225,6 +233,17 @@ def load_baseline(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     return cases
 
 
+def load_previous_baseline(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """The baseline `--update` is about to replace, for its old -> new lines: {} when the file is
+    missing or unreadable (an update is how a damaged or outdated baseline is repaired)."""
+    if not Path(path).exists():
+        return {}
+    try:
+        return load_baseline(path)
+    except SuiteError:
+        return {}
+
+
 def write_baseline(path: str | os.PathLike, results: Sequence[CaseResult]) -> int:
     """Write the current metrics of every case that has a plan, atomically; returns how many."""
     from autoplan._version import __version__
@@ -279,24 +298,46 @@ def run_case(case: Case) -> tuple[dict[str, Any] | None, str | None, float]:
 class CaseResult:
     case: Case
     status: str
-    """pass, fail or new."""
+    """pass, fail, improved (past the tolerance: the baseline is stale), new, or under --update updated."""
     reasons: list[str]
+    """Why the case failed or improved (empty otherwise)."""
     current: dict[str, Any] | None
     baseline: dict[str, Any] | None
     search_time_s: float
+    changes: list[str] = field(default_factory=list)
+    """Old -> new of tokens/s, memory and the plan, against the baseline entry (`describe_changes`)."""
 
     @property
     def failed(self) -> bool:
-        return self.status == "fail"
+        return self.status in _FAILING
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.case.name, "status": self.status, "reasons": self.reasons, "case": asdict(self.case),
-                "current": self.current, "baseline": self.baseline, "search_time_s": self.search_time_s}
+        return {"name": self.case.name, "status": self.status, "reasons": self.reasons, "changes": self.changes,
+                "case": asdict(self.case), "current": self.current, "baseline": self.baseline,
+                "search_time_s": self.search_time_s}
+
+
+_FAILING = frozenset({"fail", "improved"})
+STATUSES = ("pass", "fail", "improved", "new", "updated")
+
+
+def describe_changes(baseline: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """Old -> new of tokens/s and peak memory (with the relative change), and of the plan when it changed."""
+    old_tps, new_tps = float(baseline["tokens_per_s"]), float(current["tokens_per_s"])
+    old_mem, new_mem = float(baseline["peak_memory_bytes"]), float(current["peak_memory_bytes"])
+    changes = [f"tokens/s {old_tps:,.0f} -> {new_tps:,.0f}" + (f" ({new_tps / old_tps - 1:+.1%})" if old_tps else ""),
+               f"memory {old_mem / 2**30:.2f} -> {new_mem / 2**30:.2f} GiB/GPU"
+               + (f" ({new_mem / old_mem - 1:+.1%})" if old_mem else "")]
+    if baseline.get("config") and current.get("config") and baseline["config"] != current["config"]:
+        changes.append(f"plan {baseline['config']} -> {current['config']}")
+    return changes
 
 
 def compare(case: Case, current: dict[str, Any] | None, error: str | None, search_time_s: float,
-            baseline: dict[str, Any] | None, tolerance: Tolerance, *, strict: bool = False) -> CaseResult:
-    """Judge one case against its baseline entry; see the module docstring."""
+            baseline: dict[str, Any] | None, tolerance: Tolerance, *, strict: bool = False,
+            update: bool = False) -> CaseResult:
+    """Judge one case against its baseline entry; see the module docstring. With `update` (the
+    baseline is being rewritten) a case that has a plan is "updated", its drift only described."""
     reasons: list[str] = []
     if current is None:
         reasons.append(f"no plan found: {error}")
@@ -309,6 +350,10 @@ def compare(case: Case, current: dict[str, Any] | None, error: str | None, searc
             reasons.append("case is not in the baseline (--strict)")
         status = "fail" if reasons else "new"
         return CaseResult(case, status, reasons, current, None, search_time_s)
+    changes = describe_changes(baseline, current) if current is not None else []
+    if update:
+        return CaseResult(case, "fail" if reasons else "updated", reasons, current, dict(baseline), search_time_s,
+                          changes)
     if current is not None:
         old_tps, new_tps = float(baseline["tokens_per_s"]), current["tokens_per_s"]
         if old_tps > 0 and new_tps < old_tps * (1 - tolerance.throughput):
@@ -318,7 +363,19 @@ def compare(case: Case, current: dict[str, Any] | None, error: str | None, searc
         if old_mem > 0 and new_mem > old_mem * (1 + tolerance.memory):
             reasons.append(f"peak memory grew {new_mem / old_mem - 1:.1%} ({old_mem / 2**30:.2f} -> "
                            f"{new_mem / 2**30:.2f} GiB/GPU; tolerance {tolerance.memory:.1%})")
-    return CaseResult(case, "fail" if reasons else "pass", reasons, current, dict(baseline), search_time_s)
+        if reasons:
+            return CaseResult(case, "fail", reasons, current, dict(baseline), search_time_s, changes)
+        # Drift the other way: the baseline no longer describes today's plans (module docstring).
+        if old_tps > 0 and new_tps > old_tps * (1 + tolerance.throughput):
+            reasons.append(f"tokens/s rose {new_tps / old_tps - 1:.1%} ({old_tps:,.0f} -> {new_tps:,.0f}; "
+                           f"tolerance {tolerance.throughput:.1%})")
+        if old_mem > 0 and new_mem < old_mem * (1 - tolerance.memory):
+            reasons.append(f"peak memory fell {1 - new_mem / old_mem:.1%} ({old_mem / 2**30:.2f} -> "
+                           f"{new_mem / 2**30:.2f} GiB/GPU; tolerance {tolerance.memory:.1%})")
+        if reasons:
+            reasons.append("the baseline is stale: refresh it with --update")
+            return CaseResult(case, "improved", reasons, current, dict(baseline), search_time_s, changes)
+    return CaseResult(case, "fail" if reasons else "pass", reasons, current, dict(baseline), search_time_s, changes)
 
 
 @dataclass
@@ -334,9 +391,12 @@ class CheckReport:
     def num_failed(self) -> int:
         return sum(r.failed for r in self.results)
 
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
     def to_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "tolerance": asdict(self.tolerance),
-                "counts": {s: sum(r.status == s for r in self.results) for s in ("pass", "fail", "new")},
+                "counts": {s: self.count(s) for s in STATUSES},
                 "cases": [r.to_dict() for r in self.results]}
 
 
@@ -344,13 +404,16 @@ Runner = Callable[[Case], tuple[dict[str, Any] | None, str | None, float]]
 
 
 def run_check(suite: Suite, baseline: Mapping[str, Mapping[str, Any]] | None, *, strict: bool = False,
-              runner: Runner = run_case, on_case: Callable[[CaseResult], None] | None = None) -> CheckReport:
-    """Run every case of `suite` and compare with `baseline` (None: every case is new)."""
+              runner: Runner = run_case, on_case: Callable[[CaseResult], None] | None = None,
+              update: bool = False) -> CheckReport:
+    """Run every case of `suite` and compare with `baseline` (None: every case is new); `update`:
+    the baseline is being rewritten (`compare`)."""
     baseline = baseline or {}
     results = []
     for case in suite.cases:
         current, error, search_s = runner(case)
-        result = compare(case, current, error, search_s, baseline.get(case.name), suite.tolerance, strict=strict)
+        result = compare(case, current, error, search_s, baseline.get(case.name), suite.tolerance, strict=strict,
+                         update=update)
         results.append(result)
         if on_case is not None:
             on_case(result)
@@ -370,6 +433,8 @@ def write_junit(path: str | os.PathLike, report: CheckReport, suite_name: str = 
         if r.failed:
             failure = ET.SubElement(tc, "failure", message="; ".join(r.reasons), type="PlanRegression")
             failure.text = "\n".join(r.reasons)
+            if r.status == "improved":
+                failure.set("type", "StaleBaseline")
         elif r.status == "new":
             ET.SubElement(tc, "system-out").text = "new case: not in the baseline"
     ET.indent(root)
@@ -391,7 +456,7 @@ def report_table(report: CheckReport, *, only_failures: bool = False):
     for name, justify in [("case", "left"), ("status", "left"), ("tokens/s", "right"), ("vs baseline", "right"),
                           ("mem/GPU", "right"), ("vs baseline", "right"), ("search", "right"), ("plan / reason", "left")]:
         table.add_column(name, justify=justify)
-    style = {"pass": "green", "fail": "bold red", "new": "yellow"}
+    style = _STYLE
     for r in report.results:
         if only_failures and not r.failed:
             continue
@@ -406,3 +471,50 @@ def report_table(report: CheckReport, *, only_failures: bool = False):
         table.add_row(r.case.name, f"[{style[r.status]}]{r.status.upper()}[/]", tps, d_tps, mem, d_mem,
                       f"{r.search_time_s:.2f} s", detail)
     return table
+
+
+_STYLE = {"pass": "green", "fail": "bold red", "improved": "bold cyan", "new": "yellow", "updated": "blue"}
+
+
+def case_line(result: CaseResult) -> str:
+    """The progress line of one case (rich markup): status, name, search time, and why it failed or
+    improved, or what changed."""
+    color = _STYLE[result.status].removeprefix("bold ")
+    detail = result.reasons if result.status != "updated" else result.changes
+    return (f"[{color}]{result.status.upper():4}[/] {result.case.name} ({result.search_time_s:.2f} s)"
+            + (f": {'; '.join(detail)}" if detail else ""))
+
+
+def run_command(args: Any, console: Any) -> int:
+    """`autoplan check` over its parsed arguments (report/commands.py): 0 when every case passes,
+    1 on a regression or a stale baseline, 2 (a SuiteError) on a bad suite or baseline file."""
+    suite = load_suite(args.suite)
+    validate_case_specs(suite)
+    if args.update and not args.baseline:
+        raise SuiteError("--update needs --baseline FILE to write")
+    baseline = None
+    if args.baseline:
+        baseline = load_previous_baseline(args.baseline) if args.update else load_baseline(args.baseline)
+    report = run_check(suite, baseline, strict=args.strict, update=args.update,
+                       on_case=lambda result: console.print(case_line(result)))
+    if args.junit:
+        write_junit(args.junit, report)
+    if args.json_out:
+        write_json(args.json_out, report)
+    console.print(report_table(report))
+    if args.update:
+        written = write_baseline(args.baseline, report.results)
+        missing = [r.case.name for r in report.results if r.current is None]
+        console.print(f"wrote {written} case(s) to {args.baseline} ({report.count('updated')} updated, "
+                      f"{report.count('new')} new)" + (f"; [red]no plan for {', '.join(missing)}[/red]" if missing else ""))
+        return 1 if missing else 0
+    if report.passed:
+        console.print(f"[green]PASS[/green]: {report.count('pass')} within the tolerance, {report.count('new')} new"
+                      + ("" if baseline is not None else " (no --baseline given)"))
+        return 0
+    regressed, improved = report.count("fail"), report.count("improved")
+    parts = ([f"{regressed} of {len(report.results)} case(s) regressed"] if regressed else []) + (
+        [f"{improved} of {len(report.results)} case(s) improved past the tolerance: refresh the baseline with "
+         f"`autoplan check {args.suite} --baseline {args.baseline} --update`"] if improved else [])
+    console.print(f"[red]FAIL[/red]: {'; '.join(parts)}")
+    return 1

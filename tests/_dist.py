@@ -68,8 +68,11 @@ def run_ranks(job: Callable, world_size: int, *args: Any, timeout_s: float = 60.
     Every process is killed after `timeout_s`. Unless `expect_failure`, a rank's exception fails
     the caller with its traceback. With `expect_failure`, returns {rank: (exitcode, status, msg)}.
     """
+    from conftest import scaled_timeout_s  # [Note: timeouts under load]
+
+    timeout_s, pg_timeout_s = scaled_timeout_s(timeout_s), scaled_timeout_s(pg_timeout_s)
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "autoplan.runtime"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "autoplan.runtime.api"])
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, job, args, queue, pg_timeout_s), daemon=True)

@@ -126,7 +126,10 @@ def _suite(**tol):
     (_metrics(fits=False), None, 1.0, "fail"),    # no longer fits
     (None, "no plan fits", 1.0, "fail"),
     (_metrics(), None, 31.0, "fail"),             # over the time budget
-    (_metrics(150.0, 0.5e9), None, 1.0, "pass"),  # improvements pass
+    (_metrics(101.0, 0.99e9), None, 1.0, "pass"),  # better, within the tolerance
+    (_metrics(150.0, 0.5e9), None, 1.0, "improved"),  # better past it: the baseline is stale (issue 44)
+    (_metrics(mem=0.9e9), None, 1.0, "improved"),
+    (_metrics(150.0, 1.05e9), None, 1.0, "fail"),     # a regression is named first, whatever else improved
 ])
 def test_compare_rules(current, error, seconds, status):
     report = check.run_check(_suite(), {"a": _metrics()}, runner=lambda case: (current, error, seconds))

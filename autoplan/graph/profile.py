@@ -252,7 +252,10 @@ def profile_traced(
         cache_file = profile_cache_dir(cache_dir) / f"{key}.json"
         cached = read_cached(cache_file, fingerprint, timed=True)
         if cached is not None:
-            return cached
+            # Said where it came from: times measured earlier, perhaps on a busier machine, are not
+            # re-measured unless the entry goes (`autoplan profile --refresh`; graph/timing.py
+            # [Note: noisy timings]). Not written back: the file itself stays as it was measured.
+            return dataclasses.replace(cached, extra={**cached.extra, "cached_from": str(cache_file)})
 
     # The same model at twice the batch, on fake tensors: which operator dimensions grow with the
     # batch ([Note: batch scaling]; graph/operators.py, `merge_batches`).
@@ -336,11 +339,16 @@ def profile_traced(
     # Timed after the pass over all blocks, which counts how often each one repeats.
     fixed: dict[str, tuple[float, float]] = {}
     spreads: list[float] = []  # of every timing at the profile's batch: how far its repeats disagree
+    spread_by_block: dict[str, float] = {}  # the worst of a block's (forward, forward + backward) spreads
     for done, (fp, (index, input_names, fake_inputs)) in enumerate(to_time.items()):
         if progress is not None:
             progress(traced.num_blocks + done, traced.num_blocks + len(to_time), f"timing {traced.block_names[index]}")
+        block_spreads: list[float] = []
         timed[fp] = time_block(traced, index, fake_inputs, device, timed_dtype, warmup, repeats, occurrences[fp],
-                               spreads)
+                               block_spreads)
+        spreads.extend(block_spreads)
+        if block_spreads:
+            spread_by_block[traced.block_names[index]] = round(max(block_spreads), 4)
         if doubled is not None:
             twice = time_block(traced, index, [doubled.values[n] for n in input_names], device, timed_dtype, warmup,
                                repeats, occurrences[fp])
@@ -376,7 +384,8 @@ def profile_traced(
                **({"batch_scaling": "affine" if fixed else "linear (the model rejects a doubled batch)",
                    "timing_spread": {"median": round(statistics.median(spreads), 4) if spreads else None,
                                      "max": round(max(spreads), 4) if spreads else None,
-                                     "of": "(max - min) / median of each block's repeats"}}
+                                     "of": "(max - min) / median of each block's repeats",
+                                     "by_block": spread_by_block}}
                   if timed else {}),
                **({"timing_dtype_note": timed_dtype_note} if timed and timed_dtype_note else {})},
     )

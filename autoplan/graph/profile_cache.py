@@ -23,7 +23,8 @@ from autoplan.graph.operators import RECORDER_VERSION
 from autoplan.graph.timing import TIMING_METHOD
 from autoplan.graph.trace import TracedModel
 
-__all__ = ["analytic_key", "profile_cache_dir", "read_cached", "timed_key", "write_cached"]
+__all__ = ["analytic_key", "cached_from", "forget_cached", "profile_cache_dir", "read_cached", "timed_key",
+           "write_cached"]
 
 _CACHED_FIELDS = f"ops-v{RECORDER_VERSION}-tp2"  # in both cache keys: profiles cached before a field existed are redone (tp2: fused_qkv)
 
@@ -46,6 +47,23 @@ def read_cached(path: Path, fingerprint: str, *, timed: bool) -> ModelProfile | 
     if "tensor_parallel" not in cached.extra:  # cached before layouts were recorded
         return None
     return cached
+
+
+def cached_from(profile: ModelProfile) -> Path | None:
+    """The cache file a timed profile was read from (graph/profile.py marks it), or None when it was
+    timed just now."""
+    path = profile.extra.get("cached_from")
+    return Path(path) if path else None
+
+
+def forget_cached(profile: ModelProfile) -> bool:
+    """Remove the cache entry `profile` was read from, so that profiling again re-times it
+    (`autoplan profile --refresh`); False when it was not read from the cache."""
+    path = cached_from(profile)
+    if path is None:
+        return False
+    path.unlink(missing_ok=True)
+    return True
 
 
 def write_cached(path: Path, profile: ModelProfile) -> None:

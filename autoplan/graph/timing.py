@@ -1,7 +1,8 @@
 """Timing blocks on a real device: random weights, warm-up, repeats, a median, a chain of copies.
 
 `time_block` materializes one block at a time on the cpu or a GPU and times its forward and
-backward ([Note: timing in context]); `timing_dtype` says which dtype a CPU can time in. Apart from
+backward ([Note: timing in context]); `timing_dtype` says which dtype a CPU can time in;
+`timing_warnings` says which timings of a profile not to trust ([Note: noisy timings]). Apart from
 the fake-tensor recording (graph/block_cost.py), which needs no device, and from the cache
 (graph/profile_cache.py), whose timed key names `TIMING_METHOD`.
 """
@@ -12,7 +13,7 @@ import copy
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from torch import nn
 from autoplan.graph.fake_run import dtype_name, tensors_in
 from autoplan.graph.trace import TracedModel, extract_submodule
 
-__all__ = ["TIMING_METHOD", "chain_length", "device_name", "last_level_cache_bytes", "time_block", "timing_dtype"]
+__all__ = ["NOISY_SPREAD", "TIMING_METHOD", "ZERO_TIME_S", "chain_length", "device_name", "last_level_cache_bytes",
+           "noisy_blocks", "time_block", "timing_dtype", "timing_warnings"]
 
 
 def device_name(device: str) -> str:
@@ -205,3 +207,54 @@ def time_block(traced: TracedModel, index: int, inputs: list[Any], device: str, 
     fwd_s = _time_fn(forward_autograd, device, warmup, repeats, spreads) / len(copies)
     total_s = _time_fn(forward_backward, device, warmup, repeats, spreads) / len(copies)
     return fwd_s, max(total_s - fwd_s, 0.0)
+
+
+# [Note: noisy timings]
+# A block's spread is (max - min) / median of its repeats. On a quiet machine it stays within tens of
+# percent (CPU) or a few percent (GPU); on a loaded one a repeat that lost its core to another process
+# takes many times the median: `autoplan profile --device cpu` at a load of 70 on 2 cores printed a
+# spread of 1,275,107% and a backward of 0.00 ms (issue 44). A backward is timed as (forward +
+# backward) - forward, kept at 0 or above, so when the forward's repeats were the slowed ones it
+# reads 0: a figure no kernel takes. Such a profile ranks plans by the machine's other load, and it
+# is cached, so it is not timed again unless asked (`autoplan profile --refresh`). It is kept (the
+# numbers may still be what the user wants) but every reading of it says which blocks and by how much.
+NOISY_SPREAD = 0.5
+"""A block whose repeats spread by more than this (50%) is named as noisy."""
+ZERO_TIME_S = 5e-6
+"""Below this a time prints as 0.00 ms: no forward or backward of a block with FLOPs takes so little."""
+
+
+def noisy_blocks(spread_by_block: Mapping[str, float], threshold: float = NOISY_SPREAD) -> list[tuple[str, float]]:
+    """(block, spread) of the blocks whose spread is over `threshold`, worst first."""
+    return sorted(((name, spread) for name, spread in spread_by_block.items() if spread > threshold),
+                  key=lambda item: -item[1])
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction:,.0%}"
+
+
+def timing_warnings(blocks: Sequence[Any], spread_by_block: Mapping[str, float], *,
+                    threshold: float = NOISY_SPREAD, rerun: str = "rerun it on an idle machine") -> list[str]:
+    """One line per kind of untrustworthy timing in a timed profile ([Note: noisy timings]): blocks
+    whose repeats spread over `threshold` (named, worst first, with their spread) and forward or
+    backward times that read 0.00 ms; each says what to do (`rerun`). `blocks` are the profile's
+    (`name`, `fwd_time_s`, `bwd_time_s`, `fwd_flops`, `bwd_flops`); `spread_by_block` its
+    `extra["timing_spread"]["by_block"]`."""
+    warnings = []
+    noisy = noisy_blocks(spread_by_block, threshold)
+    if noisy:
+        shown = ", ".join(f"{name} {_percent(spread)}" for name, spread in noisy[:5])
+        more = f" and {len(noisy) - 5} more" if len(noisy) > 5 else ""
+        warnings.append(f"noisy timings: the repeats of {len(noisy)} block{'s' if len(noisy) != 1 else ''} disagree by "
+                        f"more than {_percent(threshold)} ((max - min) / median: {shown}{more}), so this machine was "
+                        f"busy while timing; {rerun}, or with more repeats")
+    zero = [f"{b.name} {phase}" for b in blocks
+            for phase, time_s, flops in (("fwd", b.fwd_time_s, b.fwd_flops), ("bwd", b.bwd_time_s, b.bwd_flops))
+            if time_s is not None and flops > 0 and time_s < ZERO_TIME_S]
+    if zero:
+        shown = ", ".join(zero[:5]) + (f" and {len(zero) - 5} more" if len(zero) > 5 else "")
+        warnings.append(f"timed 0.00 ms: {shown} ({'it does' if len(zero) == 1 else 'they do'} FLOPs, so the time "
+                        f"is noise: a backward is (forward + backward) - forward, 0 when the forward's repeats were "
+                        f"slowed); {rerun}")
+    return warnings

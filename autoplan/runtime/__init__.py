@@ -1,7 +1,41 @@
-"""Run a plan: this rank's stages, the pipeline executor, DP reduction, and the launcher."""
+"""Run a plan: this rank's stages, the pipeline executor, DP reduction, and the launcher.
 
-from autoplan.runtime.api import PartitionedModel, PartitionError, partition
-from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
-from autoplan.runtime.launch import run_plan
+The public names load on first use (PEP 562 module `__getattr__`, as in autoplan/__init__.py):
+`autoplan run` imports `autoplan.runtime.machine` to refuse a plan this machine cannot hold before
+torch loads (machine.py [Note: the refusal before torch]); importing the package must not load it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY: dict[str, str] = {
+    "ActionRecord": "autoplan.runtime.executor",
+    "PipelineExecutor": "autoplan.runtime.executor",
+    "Stage": "autoplan.runtime.executor",
+    "PartitionError": "autoplan.runtime.api",
+    "PartitionedModel": "autoplan.runtime.api",
+    "partition": "autoplan.runtime.api",
+    "run_plan": "autoplan.runtime.launch",
+}
+
+if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
+    from autoplan.runtime.api import PartitionedModel, PartitionError, partition
+    from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
+    from autoplan.runtime.launch import run_plan
 
 __all__ = ["ActionRecord", "PartitionError", "PartitionedModel", "PipelineExecutor", "Stage", "partition", "run_plan"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cached: the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

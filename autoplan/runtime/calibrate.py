@@ -32,7 +32,7 @@ import torch
 from autoplan.cluster import GPU, GPUS, cpu_device, dtype_key, get_gpu
 from autoplan.cost.calibration import Calibration
 from autoplan.runtime.calibrate_collectives import COLLECTIVE_OPS, _collectives_rank, _measure_collectives
-from autoplan.runtime.calibrate_fit import _fit, _spreads
+from autoplan.runtime.calibrate_fit import _fit, _spreads, noisy_point_note, unstable_message, unstable_rows
 from autoplan.runtime.calibrate_kernels import (
     _GB,
     _TORCH_DTYPES,
@@ -154,9 +154,11 @@ def calibrate(out: str | os.PathLike, *, device: str | None = None, gpu: str | N
     for (default: guessed from the device name); `dtype`: comma-separated GEMM dtypes, the first
     also used for attention and memory (default bf16 on cuda, float32 on cpu); `quick`: a few
     small shapes; `collectives`: also measure collective curves over `nproc` local processes (default
-    the visible GPUs, 2 on CPU) or, under torchrun, the launched world. Returns the calibration
-    written, or None on a rank other than 0 (only rank 0 writes). User mistakes raise ValueError
-    before anything runs; a failed collective run raises CalibrationRunError.
+    the visible GPUs, 2 on CPU) or, under torchrun, the launched world; `force`: overwrite `out`, and
+    write a fit whose timings are unstable (calibrate_fit.py [Note: unstable calibrations]), which is
+    otherwise refused with a ValueError after measuring. Returns the calibration written, or None on
+    a rank other than 0 (only rank 0 writes). User mistakes raise ValueError before anything runs; a
+    failed collective run raises CalibrationRunError.
     """
     _check_arguments(out, device, gpu, dtype, quick, collectives, nproc, force, timeout_s, progress)
     path = _check_out(out, force)
@@ -237,6 +239,12 @@ def calibrate(out: str | os.PathLike, *, device: str | None = None, gpu: str | N
             rows.append({"quantity": f"{op} {'busbw' if op != 'p2p' else 'bw'} ({link})",
                          "value": last["bw_bytes_per_s"], "unit": "B/s",
                          "detail": f"at {_fmt_size(last['bytes'])}; curve of {len(pts)} sizes", **_spreads(pts)})
+    unstable = unstable_rows(rows)
+    if unstable and not force:  # calibrate_fit.py [Note: unstable calibrations]
+        raise ValueError(unstable_message(unstable))
+    note = noisy_point_note(rows)
+    if note is not None:
+        notes.append(note)
     cal = Calibration(gpu=target.name, gemm_efficiency=fitted["gemm_efficiency"],
                       attention_fwd_efficiency=fitted["attention_fwd_efficiency"],
                       attention_bwd_efficiency=fitted["attention_bwd_efficiency"],

@@ -49,6 +49,45 @@ def _fit_gemm(points: list[dict[str, Any]], base: Calibration, gpu: GPU, key: st
     return math.exp(_golden_min(loss, math.log(1e-4), math.log(100.0)))
 
 
+# [Note: unstable calibrations]
+# Each point's time is the median of its repeats, and its spread (max - min) / median says how far
+# they disagreed. One preempted repeat gives one point a large spread and leaves its median alone;
+# but when a fitted number's points disagree by more than their median time *typically* (the median
+# of their spreads over 100%), the medians themselves are the machine's other load: `autoplan
+# calibrate` on a 2-core machine at a load of 70 wrote spreads up to 14,002% (issue 44), and the
+# file would have priced every plan by that load. Such a fit is refused unless forced (--force);
+# a worst point over NOISY_POINT_SPREAD is a note.
+UNSTABLE_SPREAD = 1.0
+"""A fitted number whose points' median spread exceeds this is refused without --force."""
+NOISY_POINT_SPREAD = 0.5
+"""A fitted number with a point spread over this gets a note (same threshold as a profile's noisy block)."""
+
+
+def unstable_rows(rows: Sequence[dict[str, Any]], limit: float = UNSTABLE_SPREAD) -> list[dict[str, Any]]:
+    """The summary rows whose points' median spread is over `limit` ([Note: unstable calibrations])."""
+    return [row for row in rows if row.get("spread_median", 0.0) > limit]
+
+
+def unstable_message(rows: Sequence[dict[str, Any]], limit: float = UNSTABLE_SPREAD) -> str:
+    """The one-line refusal of a fit whose `rows` are unstable (`unstable_rows`)."""
+    worst = sorted(rows, key=lambda r: -r["spread_median"])
+    shown = ", ".join(f"{row['quantity']} {row['spread_median']:,.0%}" for row in worst[:3]) + (
+        f" and {len(worst) - 3} more" if len(worst) > 3 else "")
+    return (f"calibration not written: {len(rows)} fitted number{'s' if len(rows) != 1 else ''} rest on timings "
+            f"whose median point's repeats disagree by more than {limit:.0%} ({shown}), so this machine was "
+            f"busy; rerun `autoplan calibrate` on an idle machine, or pass --force to write it anyway")
+
+
+def noisy_point_note(rows: Sequence[dict[str, Any]], threshold: float = NOISY_POINT_SPREAD) -> str | None:
+    """A note naming the fitted numbers with a point spread over `threshold`, or None."""
+    noisy = sorted((row for row in rows if row.get("spread_max", 0.0) > threshold), key=lambda r: -r["spread_max"])
+    if not noisy:
+        return None
+    shown = ", ".join(f"{row['quantity']} {row['spread_max']:,.0%}" for row in noisy)
+    return (f"noisy points: some repeats disagree by more than {threshold:.0%} ((max - min) / median; worst: {shown}); "
+            f"each point is the median of its repeats, but an idle machine gives steadier numbers")
+
+
 def _spreads(points: Sequence[dict[str, Any]]) -> dict[str, float]:
     values = [p["spread"] for p in points]
     return {"points": len(values), "spread_median": statistics.median(values), "spread_max": max(values)}

@@ -17,18 +17,28 @@ The estimate is the plan's own per-GPU memory breakdown (cost/memory.py) without
 the tp x dp ranks that hold that pipeline rank's stages, plus `RANK_BASE_BYTES` per process. What is
 free is the kernel's MemAvailable (/proc/meminfo: what can be allocated without swapping), or a
 smaller cgroup limit's headroom (a container sees the host's /proc/meminfo).
+
+[Note: the refusal before torch]
+This module imports no torch (nor does `autoplan.plan`): `autoplan run` calls `refuse_early` before
+it imports the runtime, so a plan this machine cannot hold is refused in the ~2 s other refusals
+take, not after the 15-20 s that importing torch, building the model and tracing it took on a
+loaded 2-core machine (issue 44). Whether CUDA is present is torch's to say; without torch,
+`cuda_impossible` only answers "certainly not" (no GPU driver or device node at all), and where a
+driver exists the check waits for torch in `preflight.check_run`, which repeats it in any case.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from autoplan.plan import Plan
 
-__all__ = ["GIB", "MachineFit", "RANK_BASE_BYTES", "available_memory_bytes", "check_machine", "host_memory_bytes",
-           "oom_kills"]
+__all__ = ["GIB", "MachineFit", "RANK_BASE_BYTES", "available_memory_bytes", "check_machine", "cuda_impossible",
+           "host_memory_bytes", "oom_kills", "refuse_early"]
 
 GIB = 2**30
 RANK_BASE_BYTES = 0.5 * GIB
@@ -165,3 +175,33 @@ def check_machine(plan: Plan, nproc: int, *, allow_oversubscribe: bool = False, 
     if gpu != "cpu":
         note = f"no CUDA here: the {where} runs as {nproc} CPU ranks with gloo ({figures})"
     return MachineFit(estimate, free, total, note)
+
+
+_GPU_DEVICE_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+"""What a GPU torch could use leaves on Linux: the NVIDIA driver's /proc entry and device nodes, ROCm's
+kernel fusion driver (/dev/kfd) and WSL2's GPU paravirtualization (/dev/dxg)."""
+
+
+def cuda_impossible(device_paths: tuple[str, ...] = _GPU_DEVICE_PATHS) -> bool:
+    """True when torch certainly sees no GPU here: Linux with none of `device_paths` ([Note: the
+    refusal before torch]). False means "ask torch", not "there is a GPU"."""
+    return sys.platform.startswith("linux") and not any(Path(p).exists() for p in device_paths)
+
+
+def refuse_early(plan: Plan | str | os.PathLike, nproc: int | None, *, allow_oversubscribe: bool = False,
+                 memory: tuple[float, float] | None = None) -> None:
+    """`check_machine`'s refusal of a local CPU launch of `plan` (a Plan, or a plan file's path),
+    before torch is imported ([Note: the refusal before torch]): raises its one-line ValueError,
+    else returns. Anything it cannot decide without torch (CUDA may be present, torchrun, --nproc
+    not the plan's, a plan that does not load) is left to `preflight.check_run`, which reports it
+    in its own order."""
+    if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or not cuda_impossible():
+        return
+    if not isinstance(plan, Plan):
+        try:
+            plan = Plan.load(plan)
+        except Exception:  # noqa: BLE001 - every problem of the plan file is check_run's to name
+            return
+    if nproc is not None and nproc != plan.num_gpus:
+        return
+    check_machine(plan, plan.num_gpus, allow_oversubscribe=allow_oversubscribe, cuda=False, memory=memory)
