@@ -9,15 +9,18 @@ stacks]) and the published step time. `predict` evaluates one run with the searc
 (search/evaluate.py) at the published dimensions, so what is checked is what `suggest` ranks.
 
 [Note: the published fit]
-The calibration numbers fitted here, per GPU chip (A100, H100): the GEMM share of peak and the
-flash-attention share (forward and backward alike); shared by both chips: the overlap slowdown
+The calibration numbers fitted here, per GPU chip (A100, H100): the GEMM share of peak, the default
+stack's attention share (FlashAttention-2, what torch's SDPA runs) and the `llm-foundry` stack's
+(the Triton kernel those runs used), forward and backward alike, each bounded by what its kernel's
+published benchmarks reach on the chip (cost/calibration.py [Note: attention kernels]: no fitted
+number outside its physical range); shared by both chips: the overlap slowdown
 (cost/comm.py [Note: overlap slowdown]), the network efficiency and FSDP's host time per unit and
 pass. Megatron-LM 2021 runs under its
 own stack (unfused attention, priced from GEMM and memory-bandwidth shares: cost/ops.py), so the
 SC'21 table constrains the A100 GEMM share with every other run. The objective is the sum of
 squared log errors of the step time; Levenberg-Marquardt (Marquardt 1963, "An Algorithm for
 Least-Squares Estimation of Nonlinear Parameters", SIAM J. Appl. Math. 11(2)) on bounded
-parameters (a logistic map keeps each share in its range), with a finite-difference Jacobian. The
+parameters (a logistic map keeps each share in its range, `bounds`), with a finite-difference Jacobian. The
 SC'21 table does not publish micro-batch sizes or virtual stages: they are the search's choice at
 the current calibration, held fixed while fitting and chosen again after (two rounds).
 
@@ -42,7 +45,13 @@ import numpy as np
 
 from autoplan import models as zoo
 from autoplan.cluster import GPU, parse_cluster
-from autoplan.cost.calibration import Calibration, Calibrations, default_calibration
+from autoplan.cost.calibration import (
+    ATTENTION_SHARE_BOUNDS,
+    DEFAULT_STACK,
+    Calibration,
+    Calibrations,
+    default_calibration,
+)
 from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.profile import profile_model
@@ -50,8 +59,8 @@ from autoplan.plan import Job, Plan
 from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate
 
-__all__ = ["DATA_DIR", "FIT_PARAMETERS", "MEGATRON_CORE_STACKS", "SC21_STACK", "STACK_FIT_PARAMETERS", "fit_stacks",
-           "fsdp_traffic_floor_s", "implied_reduce_dtype", "stack_parameters_of", "unfitted_stacks", "with_stack_parameters", "Prediction", "PublishedRun", "apply_parameters",
+__all__ = ["DATA_DIR", "FIT_PARAMETERS", "LLM_FOUNDRY_STACK", "bounds", "MEGATRON_CORE_STACKS", "SC21_STACK", "STACK_FIT_PARAMETERS", "fit_stacks",
+           "fsdp_traffic_floor_s", "SETTING_REASONS", "STACK_REDUCE_DTYPE", "run_settings", "stack_parameters_of", "unfitted_stacks", "with_stack_parameters", "Prediction", "PublishedRun", "apply_parameters",
            "calibrations_for", "chip", "chosen_dimensions", "fit", "load_runs", "measured_start", "neutral", "parameters_of", "predict",
            "predict_all", "run_gpus", "shipped_by_chip", "summary"]
 
@@ -83,6 +92,8 @@ class PublishedRun:
     """Calibration stack (None: today's default)."""
     published: str = ""
     """The published figure, verbatim."""
+    assumed: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Pins the source does not state, each with why it has its value (`run_settings`)."""
 
     @property
     def fully_pinned(self) -> bool:
@@ -125,6 +136,7 @@ def _sc21_runs(data: dict) -> list[PublishedRun]:
         # al. 2022): a replicated optimizer, activations replicated over tp outside attention and MLP.
         pins = {"tp": row["tp"], "pp": row["pp"], "dp": dp, "recompute": "full", "zero": 0,
                 "sequence_parallel": False, "schedule": "interleaved-1f1b" if row["pp"] > 1 else "1f1b"}
+        assumed = {"sequence_parallel": "predates it", "zero": "predates it"}
         if row["pp"] == 1:
             pins["virtual_stages"] = 1
         regime = "TP x PP" if row["pp"] > 1 else ("TP" if row["tp"] > 1 else "DP")
@@ -133,13 +145,18 @@ def _sc21_runs(data: dict) -> list[PublishedRun]:
             model=(f"gpt:num_layers={layers},hidden_size={h},num_heads={row['heads']},vocab_size={vocab},"
                    f"max_seq_len={seq}"),
             cluster=f"{row['gpus'] // 8}x8xA100-80GB", seq_len=seq, global_batch=b, published_step_s=step,
-            pins=pins, stack=SC21_STACK, published=f"{row['tflops_per_gpu']} TFLOP/s per GPU"))
+            pins=pins, stack=SC21_STACK, published=f"{row['tflops_per_gpu']} TFLOP/s per GPU", assumed=assumed))
     return runs
 
 
-_STACK_OF_SOURCE = {"torchtitan": "torchtitan"}
+LLM_FOUNDRY_STACK = "llm-foundry"
+"""The stack of llm-foundry's benchmark runs: a Triton flash attention (every row's precision field
+says "triton flash-attn"; cost/calibration.py [Note: attention kernels])."""
+
+_STACK_OF_SOURCE = {"torchtitan": "torchtitan", "llm-foundry": LLM_FOUNDRY_STACK}
 """Sources whose runs used a named stack other than the default (calibration.py [Note: software
-stacks]): torchtitan's `selective` activation checkpointing is its operator-level policy."""
+stacks]): torchtitan's `selective` activation checkpointing is its operator-level policy;
+llm-foundry's attention is its Triton kernel."""
 
 
 MEGATRON_CORE_STACKS = {"A2A": "megatron-core", "DeepEP": "megatron-core-deepep"}
@@ -188,6 +205,13 @@ def _modern_runs(data: dict) -> list[PublishedRun]:
                 "schedule": r["schedule"] if r["pp"] > 1 else "1f1b",
                 "virtual_stages": r.get("virtual_stages", 1) or 1, "recompute": r["recompute"],
                 "sequence_parallel": bool(r.get("sequence_parallel", False))}
+        assumed = {}
+        if "sequence_parallel" not in r:
+            assumed["sequence_parallel"] = "stack default"
+        if "pure" in r.get("precision", "").lower():
+            # Composer's FSDP mixed_precision PURE: parameters, gradient reduction and buffers in
+            # bf16 ([Note: the reduce dtype a published run implies]); stated by the row.
+            pins["reduce_dtype"] = "bfloat16"
         regime = r["category"]
         if regime == "FSDP" and pins["dp_replicate"] > 1:
             regime = "HSDP"
@@ -199,8 +223,39 @@ def _modern_runs(data: dict) -> list[PublishedRun]:
             id=r["id"], source=_source_name(r["source"]), regime=regime, model=model,
             cluster=f"{r['nodes']}x{r['gpus_per_node']}x{r['cluster_kind']}", seq_len=r["seq"],
             global_batch=r["global_batch"], published_step_s=float(r["step_s"]), pins=pins, published=r["measured"],
-            stack=stack))
+            stack=stack, assumed=assumed))
     return runs
+
+
+SETTING_REASONS = {
+    "stack default": "what the run's stack does unless told otherwise ([Note: the reduce dtype a published run "
+                     "implies]; sequence parallelism is off in every stack unless asked for)",
+    "search's choice": "not published: the fastest that fits at the published dimensions, as the search "
+                       "would choose it ([Note: the published fit])",
+    "predates it": "Megatron-LM SC'21 ran before sequence parallelism and the distributed optimizer "
+                   "(Korthikanti et al. 2022): replicated optimizer, no sequence parallelism",
+}
+"""What each `run_settings` "assumed: ..." reason means (printed once under the table)."""
+
+
+def run_settings(run: PublishedRun, plan: Plan | None = None) -> list[tuple[str, str, str]]:
+    """(setting, value, how) for the settings a prediction depends on that a source may leave out:
+    how is "stated" or "assumed: <reason>", a key of SETTING_REASONS ([Note: the reduce dtype a
+    published run implies]). `plan`: the prediction's, for the micro-batch size and virtual stages
+    the search chose where the source does not state them."""
+    out = [("stack", run.stack or DEFAULT_STACK, "stated")]
+    reduce = run.pins.get("reduce_dtype")
+    out.append(("reduce", {"float32": "fp32", "bfloat16": "bf16"}.get(reduce or STACK_REDUCE_DTYPE, str(reduce)),
+                "stated" if reduce else "assumed: stack default"))
+    for name, label in (("micro_batch_size", "micro-batch"), ("virtual_stages", "virtual stages")):
+        if name in run.pins:
+            out.append((label, str(run.pins[name]), "stated"))
+        else:
+            out.append((label, str(getattr(plan, name)) if plan is not None else "?", "assumed: search's choice"))
+    why = run.assumed.get("sequence_parallel")
+    out.append(("sequence parallel", "on" if run.pins.get("sequence_parallel") else "off",
+                f"assumed: {why}" if why else "stated"))
+    return out
 
 
 def load_runs(data_dir: Path = DATA_DIR) -> list[PublishedRun]:
@@ -213,25 +268,28 @@ def load_runs(data_dir: Path = DATA_DIR) -> list[PublishedRun]:
 _PROFILES: dict[tuple[str, int], ModelProfile] = {}
 
 # [Note: the reduce dtype a published run implies]
-# No row states the dtype its FSDP gradients were reduced in. Megatron-LM reduces them in fp32 under
-# --bf16 unless --grad-reduce-in-bf16 is given (megatron/training/arguments.py, validate_args), and
-# Megatron-FSDP reduce-scatters every micro-batch's gradients under its ZeRO-3 strategy
-# (megatron/core/distributed/custom_fsdp/fully_sharded_data_parallel.py: `grad_reduce_every_bprop`
-# for optim_grads_params), as FSDP2 does at pp 1. So a ZeRO-3 run moves, per micro-batch and unit,
-# two all-gathers of the unit's parameters (forward, and backward with its recompute) and one
-# reduce-scatter of its gradient. `fsdp_traffic_floor_s` is the least time those bytes can take on
-# the row's stated links: what a node must bring in (or send out) over its NICs, every collective at
-# the stated per-GPU line rate with nothing lost to protocol, latency or contention, members of a
-# group on one node sharing what crosses the network once (the bandwidth bound of Thakur,
-# Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in MPICH", IJHPCA
-# 19(1), Sec. 2, per node). When that floor with fp32 reduce-scatters is at or above the published
-# step time, the run cannot have reduced in fp32 and is priced with the bf16 reduction
-# (`reduce_dtype="bfloat16"`, Megatron-LM's --grad-reduce-in-bf16, which Megatron-FSDP's README
-# recommends). One row meets it: Qwen3-235B at tp 2, ep 8, FSDP over 32 nodes (17.6 s published),
-# whose fp32 floor is printed by benchmarks/validate_published.py beside its prediction under fp32
-# reduction. The rule reads the published step time once, as a bound; nothing is fitted to it. It is
-# not out of sample: leave-one-source-out still prices that row with the dtype its own step implies.
-_REDUCE_DTYPES: dict[str, tuple[str, float]] = {}
+# A prediction never reads the figure it is checked against: a setting a row does not state takes
+# the default of the stack the row ran, never a value inferred from its published step time. (An
+# earlier rule priced the Qwen3-235B FSDP row with bf16 reduction because its fp32 traffic floor
+# exceeded its published step: that read the answer, and is gone; issue 40.) The reduce dtype of
+# FSDP / ZeRO gradients is such a setting. What the stacks here do unless told otherwise:
+# - Megatron-LM and Megatron-Core, Megatron-FSDP included (its DistributedDataParallelConfig is
+#   built from the same arguments), reduce in fp32 under --bf16: megatron/training/arguments.py,
+#   validate_args, sets `accumulate_allreduce_grads_in_fp32 = True` unless `--grad-reduce-in-bf16`
+#   is given (its default is False).
+# - torchtitan: `mixed_precision_reduce = "float32"` (torchtitan config, `Training`), FSDP2's
+#   `MixedPrecisionPolicy(reduce_dtype=float32)`.
+# - llm-foundry (Composer's FSDP `mixed_precision`): `DEFAULT` reduces in fp32, `PURE` keeps
+#   parameters, gradient reduction and buffers in bf16 (Composer docs, "FSDP: mixed_precision").
+#   Those rows state which in their precision field, so they are priced as stated.
+# `STACK_REDUCE_DTYPE` is that default; `run_settings` lists, per run, what it states and what was
+# assumed, and benchmarks/validate_published.py prints it. `fsdp_traffic_floor_s` remains as a
+# diagnostic (the least time a ZeRO-3 run's collectives can take on its stated links, the bandwidth
+# bound of Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective Communication
+# Operations in MPICH", IJHPCA 19(1), Sec. 2, per node): it is printed, never used to price a run.
+STACK_REDUCE_DTYPE = "float32"
+"""The gradient reduce dtype every stack here uses unless a run states another ([Note: the reduce
+dtype a published run implies])."""
 
 
 def fsdp_traffic_floor_s(run: PublishedRun, reduce_dtype: str = "float32") -> float:
@@ -273,15 +331,6 @@ def fsdp_traffic_floor_s(run: PublishedRun, reduce_dtype: str = "float32") -> fl
     return cfg.num_microbatches * per_microbatch
 
 
-def implied_reduce_dtype(run: PublishedRun) -> tuple[str, float]:
-    """(reduce dtype the run is priced with, its fp32 traffic floor in seconds); see [Note: the reduce
-    dtype a published run implies]."""
-    if run.id not in _REDUCE_DTYPES:
-        floor = fsdp_traffic_floor_s(run)
-        _REDUCE_DTYPES[run.id] = ("bfloat16" if floor >= run.published_step_s else "float32", floor)
-    return _REDUCE_DTYPES[run.id]
-
-
 def _profile(run: PublishedRun) -> ModelProfile:
     key = (run.model, run.seq_len)
     if key not in _PROFILES:
@@ -303,8 +352,7 @@ def predict(run: PublishedRun, calibrations: Calibrations | None = None,
     cluster = parse_cluster(run.cluster)
     job = Job(global_batch=run.global_batch, seq_len=run.seq_len, dtype="bfloat16")
     pins = {**run.pins, **(chosen or {})}
-    if pins.get("zero", 0) >= 2 and "reduce_dtype" not in pins:
-        pins["reduce_dtype"] = implied_reduce_dtype(run)[0]
+    pins.setdefault("reduce_dtype", STACK_REDUCE_DTYPE)  # [Note: the reduce dtype a published run implies]
     if "micro_batch_size" in pins and "virtual_stages" in pins:
         if "num_microbatches" not in pins:
             pins["num_microbatches"] = run.global_batch // (pins["dp"] // pins.get("cp", 1) * pins["micro_batch_size"])
@@ -335,7 +383,7 @@ def _unstated_choices(run: PublishedRun, num_blocks: int, pins: dict[str, Any]) 
     """Every micro-batch size (up to 8) and virtual stage count (up to 8) the published dimensions
     allow: the fastest that fits stands for the unpublished choice, as the search would make it. (The
     search itself prunes with a memory reserve taken before cutting, which can refuse a configuration
-    that fits once cut.) `pins`: the run's, with what `predict` adds (the implied reduce dtype)."""
+    that fits once cut.) `pins`: the run's, with what `predict` adds (the stack's reduce dtype)."""
     replicas = pins["dp"] // pins.get("cp", 1)
     per_replica = run.global_batch // replicas
     out = []
@@ -352,8 +400,15 @@ def _unstated_choices(run: PublishedRun, num_blocks: int, pins: dict[str, Any]) 
 
 
 def predict_all(runs: Sequence[PublishedRun], calibrations: Calibrations | None = None,
-                chosen: dict[str, dict[str, int]] | None = None) -> list[Prediction]:
-    return [predict(r, calibrations, (chosen or {}).get(r.id)) for r in runs]
+                chosen: dict[str, dict[str, int]] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> list[Prediction]:
+    """`predict` of every run; `progress(done, total)` after each (for a progress line)."""
+    out = []
+    for r in runs:
+        out.append(predict(r, calibrations, (chosen or {}).get(r.id)))
+        if progress:
+            progress(len(out), len(runs))
+    return out
 
 
 def chosen_dimensions(predictions: Sequence[Prediction]) -> dict[str, dict[str, int]]:
@@ -368,18 +423,44 @@ def chip(gpu_name: str) -> str:
     return {"H200": "H100"}.get(family, family)
 
 
-FIT_PARAMETERS = ("A100.gemm", "A100.attention", "H100.gemm", "H100.attention", "overlap_slowdown",
-                  "network_efficiency", "fsdp_unit_overhead_s")
-"""(The memory-bandwidth share was tried too: the runs cannot tell it from the others, and the
-leave-one-source-out fits sent it to its bound, 0.4; it stays at the calibration's value.)"""
-"""What [Note: the published fit] solves for."""
+FIT_PARAMETERS = ("A100.gemm", "A100.attention", "A100.triton", "H100.gemm", "H100.attention", "H100.triton",
+                  "overlap_slowdown", "network_efficiency", "fsdp_unit_overhead_s")
+"""What [Note: the published fit] solves for: per chip the GEMM share, the default stack's attention
+share (FlashAttention-2) and the `llm-foundry` stack's (its Triton kernel), each attention share
+within its kernel's published range (cost/calibration.py [Note: attention kernels]). A chip's
+attention share no run of that kernel constrains keeps its starting value (the H100's
+FlashAttention-2 share: no dense H100 run used it; it stays at this project's own block
+measurements, `measured_start`). (The memory-bandwidth share was tried too: the runs cannot tell it
+from the others, and the leave-one-source-out fits sent it to its bound, 0.4; it stays at the
+calibration's value.)"""
 
-_BOUNDS = {"gemm": (0.2, 0.95), "attention": (0.1, 0.9), "memory": (0.4, 1.0), "overlap_slowdown": (0.0, 0.6),
+_KERNEL_OF_PARAMETER = {"attention": "flash2", "triton": "triton"}
+"""The attention kernel each per-chip attention parameter describes."""
+
+_BOUNDS = {"gemm": (0.2, 0.95), "memory": (0.4, 1.0), "overlap_slowdown": (0.0, 0.6),
            "network_efficiency": (0.3, 1.0), "fsdp_unit_overhead_s": (0.0, 0.01)}
 
 
-def _bounds(name: str) -> tuple[float, float]:
-    return _BOUNDS[name.split(".")[-1]]
+def bounds(name: str) -> tuple[float, float]:
+    """Where the FIT_PARAMETERS `name` may lie: an attention share within its kernel's published
+    range on its chip (ATTENTION_SHARE_BOUNDS), every other number within a physical range."""
+    family, _, what = name.rpartition(".")
+    if what in _KERNEL_OF_PARAMETER:
+        return ATTENTION_SHARE_BOUNDS[(_KERNEL_OF_PARAMETER[what], family)]
+    return _BOUNDS[what]
+
+
+_bounds = bounds
+
+
+def _attention_parameter(run: PublishedRun) -> str | None:
+    """The per-chip attention parameter a run's stack prices its attention with (None: unfused, or a
+    stack fitted apart)."""
+    if run.stack == LLM_FOUNDRY_STACK:
+        return "triton"
+    if run.stack in (SC21_STACK, *MEGATRON_CORE_STACKS.values()):
+        return None
+    return "attention"
 
 
 def parameters_of(cals: dict[str, Calibration]) -> np.ndarray:
@@ -389,6 +470,9 @@ def parameters_of(cals: dict[str, Calibration]) -> np.ndarray:
         if "." in name:
             family, what = name.split(".")
             cal = cals[family]
+            if what == "triton":
+                out.append(float(cal.stacks[LLM_FOUNDRY_STACK]["attention_fwd_efficiency"]))
+                continue
             out.append({"gemm": cal.gemm("bf16"), "attention": cal.attention_fwd_efficiency,
                         "memory": cal.memory_bandwidth_efficiency}[what])
         else:
@@ -409,6 +493,11 @@ def apply_parameters(cals: dict[str, Calibration], values: Sequence[float]) -> d
                 cal = cal.replace(gemm_efficiency=gemm)
             elif what == "attention":
                 cal = cal.replace(attention_fwd_efficiency=float(value), attention_bwd_efficiency=float(value))
+            elif what == "triton":
+                stacks = {k: dict(v) for k, v in cal.stacks.items()}
+                stacks[LLM_FOUNDRY_STACK].update(attention_fwd_efficiency=float(value),
+                                                 attention_bwd_efficiency=float(value))
+                cal = cal.replace(stacks=stacks)
             elif what == "memory":
                 cal = cal.replace(memory_bandwidth_efficiency=float(value))
             else:
@@ -437,10 +526,11 @@ def shipped_by_chip(runs: Sequence[PublishedRun]) -> dict[str, Calibration]:
     return out
 
 
-NEUTRAL_START = {"gemm": 0.6, "attention": 0.5, "memory": 0.8, "overlap_slowdown": 0.1, "network_efficiency": 0.8,
+NEUTRAL_START = {"gemm": 0.6, "memory": 0.8, "overlap_slowdown": 0.1, "network_efficiency": 0.8,
                  "fsdp_unit_overhead_s": 0.0005}
-"""Where leave-one-source-out refits start: round figures, not the full fit (which has seen the source).
-A chip with measurements of this project's own starts from them instead (`MEASURED_START`)."""
+"""Where leave-one-source-out refits start: round figures, not the full fit (which has seen the source);
+an attention share starts in the middle of its kernel's published range. A chip with measurements of
+this project's own starts from them instead (`measured_start`)."""
 
 MEASURED_BLOCKS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "fit_measured_blocks_{chip}.json"
 """Block times this project measured on a GPU, fitted by benchmarks/fit_measured_blocks.py."""
@@ -465,7 +555,9 @@ def neutral(cals: dict[str, Calibration]) -> dict[str, Calibration]:
     values = []
     for name in FIT_PARAMETERS:
         family, what = name.split(".") if "." in name else ("", name)
-        values.append(measured_start(family).get(what, NEUTRAL_START[what]) if family else NEUTRAL_START[what])
+        # An attention share: the middle of its kernel's published range.
+        start = sum(bounds(name)) / 2 if what in _KERNEL_OF_PARAMETER else NEUTRAL_START[what]
+        values.append(measured_start(family).get(what, start) if family else start)
     return apply_parameters(cals, values)
 
 
@@ -487,7 +579,11 @@ def fit(runs: Sequence[PublishedRun], start: dict[str, Calibration], *, rounds: 
     chip none of the runs use keep their starting values."""
     gpus = run_gpus(runs)
     used = {chip(g.name) for g in gpus}
-    free = [i for i, n in enumerate(FIT_PARAMETERS) if "." not in n or n.split(".")[0] in used]
+    # An attention share is free only where some run prices attention with it (its kernel on its chip).
+    kernels = {(chip(g.name), _attention_parameter(r)) for r in runs for g in parse_cluster(r.cluster).gpu_types}
+    free = [i for i, n in enumerate(FIT_PARAMETERS)
+            if "." not in n or (n.split(".")[0] in used
+                                and (n.split(".")[1] not in _KERNEL_OF_PARAMETER or tuple(n.split(".")) in kernels))]
     cals = dict(start)
     chosen = chosen_dimensions(predict_all(runs, calibrations_for(cals, gpus)))
     target = np.log([r.published_step_s for r in runs])
@@ -532,11 +628,11 @@ STACK_FIT_PARAMETERS = ("attention", "host_sync_kernel_s")
 """What `fit_stacks` solves for, shared by the Megatron-Core stacks ([Note: Megatron-Core's MoE stack])."""
 
 
-STACK_ATTENTION_BOUNDS = (0.2, 0.75)
-"""Where the Megatron-Core stacks' attention share may lie: up to the best fused attention forward
-reported on an H100 (FlashAttention-3, Shah et al. 2024, Sec. 4.1: about 740 TFLOP/s in BF16, 0.75 of
-dense peak). One share serves forward and backward, as in the dense fit; a backward kernel reaches
-less than its forward, so at the bound the backward is priced optimistically."""
+STACK_ATTENTION_BOUNDS = ATTENTION_SHARE_BOUNDS[("cudnn", "H100")]
+"""Where the Megatron-Core stacks' attention share may lie: Transformer Engine's fused attention on
+an H100 is cuDNN's kernel (its `FusedAttention` backend), whose published BF16 forward and backward
+reach 0.27-0.62 of dense peak (cost/calibration.py [Note: attention kernels]: Shah et al. 2024,
+Figs. 5-6). One share serves forward and backward, as in the dense fit."""
 
 
 def stack_parameters_of(cals: dict[str, Calibration], family: str = "H100") -> tuple[float, float]:

@@ -13,9 +13,19 @@ declared out of memory is a false OOM).
     python benchmarks/validate_published.py --write         # refit on all runs, write the shipped files
     python benchmarks/validate_published.py --check ci/published_predictions.json    # the CI gate (fast)
     python benchmarks/validate_published.py --record ci/published_predictions.json   # after a deliberate refit
+    python benchmarks/validate_published.py --write-doc-tables   # docs/cost-model.md's tables from the files
 
 `--check` exits 1 when a run's predicted step time or memory moved past the recorded tolerance, a run
 leaves its tolerance against the published figure, or a run that trained is declared out of memory.
+
+How long: the plain run takes about 2 minutes on an idle 2-core machine and 10-12 minutes when other
+work shares it (leave-one-source-out refits the calibrations five times); `--no-loso` and `--check`
+take about 15 s; `--write` adds two full fits (about 5 minutes more). Progress ("predicting the
+published runs: 12/27 rows", "leave-one-source-out 3/5: ...", fit iterations) goes to stderr.
+
+Each run's table line is followed by what the run states and what its prediction assumed ("reduce fp32
+(assumed: stack default)"): no prediction reads the published figure it is checked against
+(autoplan/published.py [Note: the reduce dtype a published run implies]).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from pathlib import Path
 from autoplan.cost.calibration import Calibration
 from autoplan.published import (
     FIT_PARAMETERS,
+    SETTING_REASONS,
     STACK_FIT_PARAMETERS,
     Prediction,
     PublishedRun,
@@ -39,13 +50,12 @@ from autoplan.published import (
     chosen_dimensions,
     fit,
     fit_stacks,
-    implied_reduce_dtype,
     load_runs,
     neutral,
     parameters_of,
-    predict,
     predict_all,
     run_gpus,
+    run_settings,
     shipped_by_chip,
     stack_parameters_of,
     summary,
@@ -60,6 +70,14 @@ NOT_FITTED_REGIMES = ("MoE",)
 """Regimes left out of the dense fit. The mixture-of-experts runs ran Megatron-Core's stack: they fit
 only that stack's two numbers (autoplan/published.py [Note: Megatron-Core's MoE stack], `fit_stacks`),
 with every dense number held, so they move no dense run and no dense run moves them."""
+TOLERANCE_NOTES = {
+    "zoo_q235_tp2_ep8_fsdp": (
+        "priced with the stack's fp32 gradient reduction since issue 40 removed the rule that chose bf16 from "
+        "this row's own published step (autoplan/published.py [Note: the reduce dtype a published run "
+        "implies]); its error is the honest figure, kept as its tolerance (plus 2 points) until FSDP at "
+        "this scale is modelled better"),
+}
+"""Why a run's recorded tolerance is wider than its target, written beside it in the record."""
 STEP_DRIFT = 0.02
 """The gate's tolerance on a run's predicted step time against the recorded one (relative)."""
 MEMORY_DRIFT = 0.02
@@ -68,6 +86,11 @@ MEMORY_DRIFT = 0.02
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _rows(what: str):
+    """A `predict_all` progress callback: "<what>: 12/27 rows" on stderr."""
+    return lambda done, total: _log(f"{what}: {done}/{total} rows")
 
 
 def _describe(cals: dict[str, Calibration]) -> str:
@@ -86,6 +109,11 @@ def _line(p: Prediction, loso: float | None) -> str:
     left = f"{loso:>+9.1%}" if loso is not None else f"{'':>9}"
     return (f"{r.id:<27} {r.source:<16} {r.regime:<8} {dims:<22} {r.published_step_s:>9.3f} {p.step_s:>9.3f} "
             f"{p.error:>+7.1%} {left} {p.plan.predicted.peak_memory_bytes / 2**30:>6.1f}{held}")
+
+
+def _settings_line(p: Prediction) -> str:
+    """What the run states and what its prediction assumed, e.g. "reduce fp32 (assumed: stack default)"."""
+    return f"  {p.run.id:<27} " + "; ".join(f"{name} {value} ({how})" for name, value, how in run_settings(p.run, p.plan))
 
 
 def _group_summaries(predictions: list[Prediction], loso: dict[str, float], key) -> list[str]:
@@ -113,8 +141,10 @@ def leave_one_source_out(runs: list[PublishedRun], shipped: dict[str, Calibratio
     """Per run: its error when its source is left out of the fit. Also the fitted values per source."""
     errors: dict[str, float] = {}
     fitted: dict[str, list[float]] = {}
-    for source in dict.fromkeys(r.source for r in runs):
+    sources = list(dict.fromkeys(r.source for r in runs))
+    for index, source in enumerate(sources, 1):
         started = time.perf_counter()
+        _log(f"leave-one-source-out {index}/{len(sources)}: refitting without {source} ...")
         kept = [r for r in runs if r.source != source and r.regime not in NOT_FITTED_REGIMES]
         held = [r for r in runs if r.source == source]
         cals, _ = fit(kept, neutral(shipped), rounds=1, iterations=6)
@@ -129,7 +159,8 @@ def leave_one_source_out(runs: list[PublishedRun], shipped: dict[str, Calibratio
             errors[p.run.id] = p.error
         fitted[source] = [float(v) for v in parameters_of(cals)] + (list(stack_parameters_of(cals))
                                                                     if refit_stacks and "H100" in cals else [])
-        _log(f"left out {source}: refitted on {len(kept)} runs in {time.perf_counter() - started:.0f} s")
+        _log(f"leave-one-source-out {index}/{len(sources)}: left out {source}, refitted on {len(kept)} runs in "
+             f"{time.perf_counter() - started:.0f} s")
     return errors, fitted
 
 
@@ -146,8 +177,16 @@ def _write_calibrations(cals: dict[str, Calibration], runs: list[PublishedRun]) 
         new["source"] = (f"{cal.gpu}: GEMM and flash-attention shares, overlap slowdown, network efficiency and FSDP "
                          f"host time per unit fitted to published runs; memory bandwidth and kernel floor as before")
         new["gemm"]["source"] = note
-        new["attention"]["source"] = note + ("; forward and backward share one value; causal work fraction 0.5 "
-                                             "(flash attention skips masked tiles, Dao 2023)")
+        used = any(chip(g.name) == family and r.stack not in ("llm-foundry", "megatron-lm-2021")
+                   for r in runs for g in run_gpus([r]))
+        kernel = ("FlashAttention-2 (torch's SDPA flash backend), within its published range on this chip "
+                  "(autoplan/cost/calibration.py [Note: attention kernels])")
+        new["attention"]["source"] = (note if used else (
+            f"not fitted: no published run on this chip used {kernel.split(' (')[0]}; this project's block times "
+            "measured on the GPU (benchmarks/fit_measured_blocks.py), forward and backward combined as the fit "
+            "combines them (autoplan/published.py measured_start)")) + (
+            f"; {kernel}; forward and backward share one value; causal work fraction 0.5 (flash attention skips "
+            "masked tiles, Dao 2023)")
         new["memory"]["source"] = old["memory"].get("source", "")
         new["overlap"] = {"compute_slowdown": cal.overlap_slowdown, "source": note}
         new["network"] = {"efficiency": cal.network_efficiency, "source": note}
@@ -172,6 +211,59 @@ def _write_stacks(cals: dict[str, Calibration]) -> None:
         _log(f"wrote the Megatron-Core stacks of {path.relative_to(ROOT)} ({family})")
 
 
+def _doc_tables(text: str) -> str:
+    """docs/cost-model.md's calibration tables (per GPU; attention kernels per stack; the numbers shared
+    by both chips) rewritten from the shipped calibration files, everything else as it was.
+    tests/test_cost_docs.py checks that the doc prints the shipped numbers."""
+    import re
+
+    from autoplan.cost.calibration import ATTENTION_SHARE_BOUNDS, shipped_calibrations
+
+    cals = shipped_calibrations()
+    chips = {"A100": cals["A100-SXM4-80GB"], "H100": cals["H100-SXM-80GB"]}
+
+    def per_gpu(line: str) -> str:
+        for cal in chips.values():
+            if line.startswith(f"| {cal.gpu}"):
+                cells = line.split("|")
+                cells[2:7] = [f" {cal.gemm('bf16'):.3f} ",
+                              f" {cal.attention_fwd_efficiency:.3f} / {cal.attention_bwd_efficiency:.3f} ",
+                              f" {cal.causal_work_fraction:g} ", f" {cal.memory_bandwidth_efficiency:g} ",
+                              f" {cal.kernel_floor_s * 1e6:g} us "]
+                return "|".join(cells)
+        return line
+
+    def kernel_row(stack: str, label: str) -> str:
+        shares, ranges, kernel = [], [], "-"
+        for family, cal in chips.items():
+            if stack != cal.stack and stack not in cal.stacks:
+                shares.append("-")
+                ranges.append("-")
+                continue
+            under = cal.for_stack(stack)
+            kernel = under.attention_kernel
+            bounds = ATTENTION_SHARE_BOUNDS.get((kernel, family))
+            shares.append("-" if kernel == "unfused" else f"{under.attention_fwd_efficiency:.3f}")
+            ranges.append("-" if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}")
+        return f"| `{stack}`{label} | {kernel} | {shares[0]} | {shares[1]} | {ranges[0]} | {ranges[1]} |"
+
+    def replace_body(text: str, header: str, rows: list[str]) -> str:
+        pattern = re.compile(r"(" + re.escape(header) + r"[^\n]*\n\|[- |]*\n)((?:\|[^\n]*\n)*)")
+        return pattern.sub(lambda m: m.group(1) + "\n".join(rows) + "\n", text, count=1)
+
+    lines = text.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("| GPU | e_gemm (bf16) |"))
+    for i in range(start + 2, start + 4):
+        lines[i] = per_gpu(lines[i])
+    text = "\n".join(lines)
+    stacks = [("flash", " (default)"), ("torchtitan", " (as the default)"), ("llm-foundry", ""),
+              ("megatron-core", ""), ("megatron-core-deepep", ""), ("megatron-lm-2021", "")]
+    text = replace_body(text, "| stack | attention kernel |", [kernel_row(*s) for s in stacks])
+    a100 = chips["A100"]
+    shared = f"| {a100.overlap_slowdown:.3f} | {a100.network_efficiency:.3f} | {a100.fsdp_unit_overhead_s * 1e3:.2f} |"
+    return replace_body(text, "| overlap slowdown |", [shared])
+
+
 def _records(predictions: list[Prediction]) -> dict:
     rows = {}
     for p in predictions:
@@ -185,6 +277,8 @@ def _records(predictions: list[Prediction]) -> dict:
             # reaches it (docs/status.md says which and why), so the gate still catches drift.
             "tolerance": max(tolerance, abs(p.error) + 0.02),
         }
+        if p.run.id in TOLERANCE_NOTES and abs(p.error) + 0.02 > tolerance:
+            rows[p.run.id]["why"] = TOLERANCE_NOTES[p.run.id]
     return {"schema": 1, "step_drift": STEP_DRIFT, "memory_drift": MEMORY_DRIFT,
             "about": "predictions of the published runs under the shipped calibrations; regenerate with "
                      "`python benchmarks/validate_published.py --record ci/published_predictions.json` in the "
@@ -198,7 +292,7 @@ def check(path: Path, runs: list[PublishedRun]) -> int:
     chosen = {r.id: {"micro_batch_size": rows[r.id]["micro_batch_size"], "virtual_stages": rows[r.id]["virtual_stages"]}
               for r in runs if r.id in rows and not r.fully_pinned}
     failures = []
-    predictions = predict_all(runs, None, chosen)
+    predictions = predict_all(runs, None, chosen, progress=_rows("checking the published runs"))
     for p in predictions:
         row = rows.get(p.run.id)
         if row is None:
@@ -231,7 +325,10 @@ def check(path: Path, runs: list[PublishedRun]) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Takes about 2 minutes on an idle 2-core machine, 10-12 under load (--no-loso, --check: about "
+               "15 s; --write: about 5 minutes more); progress on stderr.")
     parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
     parser.add_argument("--write", action="store_true", help="refit on all runs and write the shipped calibrations")
     parser.add_argument("--check", type=Path, help="gate against recorded predictions (exit 1 on drift)")
@@ -239,8 +336,15 @@ def main() -> int:
     parser.add_argument("--write-stacks", action="store_true",
                         help="refit only the Megatron-Core stacks' numbers on the MoE runs and write them")
     parser.add_argument("--no-loso", action="store_true", help="skip leave-one-source-out (faster)")
+    parser.add_argument("--write-doc-tables", action="store_true",
+                        help="rewrite docs/cost-model.md's calibration tables from the shipped files and exit")
     parser.add_argument("--json", type=Path, help="write every row and summary as JSON")
     args = parser.parse_args()
+    if args.write_doc_tables:
+        doc = ROOT / "docs" / "cost-model.md"
+        doc.write_text(_doc_tables(doc.read_text()))
+        print(f"rewrote the calibration tables of {doc.relative_to(ROOT)} from the shipped files")
+        return 0
     runs = load_runs(args.data)
     if args.check:
         return check(args.check, runs)
@@ -264,7 +368,7 @@ def main() -> int:
     print("Megatron-Core stacks (MoE runs): " + ", ".join(
         f"{n} {v:.3g}" for n, v in zip(STACK_FIT_PARAMETERS, stack_parameters_of(shipped), strict=True)))
     gpus = run_gpus(runs)
-    first = predict_all(runs, calibrations_for(shipped, gpus))
+    first = predict_all(runs, calibrations_for(shipped, gpus), progress=_rows("predicting the published runs"))
     predictions = predict_all(runs, calibrations_for(shipped, gpus), chosen_dimensions(first))
     loso, fitted = ({}, {}) if args.no_loso else leave_one_source_out(runs, shipped)
 
@@ -272,14 +376,12 @@ def main() -> int:
           f"{'error':>7} {'left out':>9} {'GiB':>6}")
     for p in predictions:
         print(_line(p, loso.get(p.run.id)))
+    print("what each run states, and what was assumed (autoplan/published.py [Note: the reduce dtype a "
+          "published run implies]):")
     for p in predictions:
-        if p.plan.reduce_dtype == "bfloat16":  # [Note: the reduce dtype a published run implies]
-            floor = implied_reduce_dtype(p.run)[1]
-            as_fp32 = predict(p.run, calibrations_for(shipped, gpus), {**chosen_dimensions([p]).get(p.run.id, {}),
-                                                                          "reduce_dtype": "float32"})
-            print(f"  {p.run.id}: its FSDP collectives need {floor:.2f} s per step at the stated links with fp32 "
-                  f"reduce-scatters, >= the published {p.run.published_step_s:g} s, so it is priced with bf16 "
-                  f"reduction; priced with fp32 it would be {as_fp32.step_s:.2f} s ({as_fp32.error:+.1%})")
+        print(_settings_line(p))
+    for reason, meaning in SETTING_REASONS.items():
+        print(f"  assumed: {reason} = {meaning}")
     print("per source:")
     print("\n".join(_group_summaries(predictions, loso, lambda r: r.source)))
     print("per regime:")

@@ -172,12 +172,14 @@ def test_exports_write_the_bf16_reduction():
     assert any("mixed_precision_reduce" in d for d in export_plan(plan, "torchtitan", allow_approx=True).differences)
 
 
-def test_the_published_fsdp_row_whose_fp32_traffic_exceeds_its_step_is_priced_with_bf16_reduction():
-    """autoplan/published.py [Note: the reduce dtype a published run implies]: the Qwen3-235B FSDP
-    row's experts alone move (2 + 2 + 4) bytes per parameter per micro-batch over 32 nodes, as much
-    as its published step allows at 50 GB/s; with the dense units the fp32 floor is above it. Every
-    other ZeRO-3 row keeps fp32, its floor well under its step."""
-    from autoplan.published import fsdp_traffic_floor_s, implied_reduce_dtype, load_runs, predict
+def test_no_published_prediction_reads_its_published_step():
+    """autoplan/published.py [Note: the reduce dtype a published run implies] (issue 40): the
+    Qwen3-235B FSDP row states no reduce dtype, so it takes the stack's default, fp32, although its
+    fp32 traffic floor (a diagnostic, by hand below) exceeds its published step. The prediction is
+    the same whatever published step the row carries."""
+    import dataclasses
+
+    from autoplan.published import STACK_REDUCE_DTYPE, fsdp_traffic_floor_s, load_runs, predict, run_settings
 
     runs = {r.id: r for r in load_runs()}
     qwen = runs["zoo_q235_tp2_ep8_fsdp"]
@@ -185,14 +187,26 @@ def test_the_published_fsdp_row_whose_fp32_traffic_exceeds_its_step_is_priced_wi
     by_hand = experts_per_rank * (2 + 2 + 4) * (1 - 1 / 32) * 94 * 4 / 50e9
     floor = fsdp_traffic_floor_s(qwen)
     assert by_hand == pytest.approx(17.6, rel=0.01) and floor > by_hand and floor >= qwen.published_step_s
-    assert implied_reduce_dtype(qwen) == ("bfloat16", floor)
     assert fsdp_traffic_floor_s(qwen, "bfloat16") == pytest.approx(floor * 6 / 8, rel=1e-9)
-    assert predict(qwen).plan.reduce_dtype == "bfloat16"
-    others = [r for r in runs.values() if r.pins.get("zero", 0) >= 3 and r.id != qwen.id]
-    assert others
-    for run in others:
-        dtype, other_floor = implied_reduce_dtype(run)
-        assert dtype == "float32" and other_floor < 0.3 * run.published_step_s, run.id
+    assert STACK_REDUCE_DTYPE == "float32" and "reduce_dtype" not in qwen.pins
+    priced = predict(qwen)
+    assert priced.plan.reduce_dtype == "float32"
+    assert ("reduce", "fp32", "assumed: stack default") in run_settings(qwen, priced.plan)
+    for published in (0.5 * qwen.published_step_s, 100.0):
+        moved = predict(dataclasses.replace(qwen, published_step_s=published))
+        assert moved.step_s == priced.step_s and moved.plan.reduce_dtype == "float32"
+
+
+def test_a_published_row_that_states_pure_bf16_is_priced_with_bf16_reduction():
+    """llm-foundry rows whose precision says `PURE` (Composer's FSDP mixed precision: parameters,
+    gradient reduction and buffers in bf16) state their reduce dtype; `DEFAULT` rows state nothing
+    about it and keep the stack's fp32."""
+    from autoplan.published import load_runs, run_settings
+
+    runs = {r.id: r for r in load_runs()}
+    assert runs["mpt_a100_70b_2k_64g"].pins["reduce_dtype"] == "bfloat16"
+    assert ("reduce", "bf16", "stated") in run_settings(runs["mpt_a100_70b_2k_64g"])
+    assert "reduce_dtype" not in runs["mpt_a100_7b_2k_8g"].pins
 
 
 @pytest.mark.export

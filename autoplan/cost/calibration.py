@@ -19,7 +19,7 @@ File format (JSON, `schema` 1):
      "memory": {"bandwidth_efficiency": 0.8, "kernel_floor_s": 4e-6, "source": "..."},
      "overlap": {"compute_slowdown": 0.1, "source": "..."},        # optional (default 0)
      "network": {"efficiency": 0.8, "source": "..."},              # optional (default 1)
-     "stack": {"name": "flash", "attention_kernel": "flash", "source": "..."},   # optional
+     "stack": {"name": "flash", "attention_kernel": "flash2", "source": "..."},   # optional
      "stacks": {"megatron-lm-2021": {"attention_kernel": "unfused", "note": "..."}},  # optional
      "collectives": {...},           # optional, read by cluster/collectives.py
      "measurements": {...}}          # optional: the raw points `autoplan calibrate` measured, with spread
@@ -34,7 +34,11 @@ knob: a calibration describes one stack (`stack`, by default today's: flash atte
 list named variants (`stacks`) that override a few fields (`STACK_FIELDS`). `Calibration.for_stack`
 returns a variant; `autoplan suggest --stack NAME` selects it. Under `attention_kernel = "unfused"`
 attention is priced from its parts with the GEMM and memory-bandwidth shares (cost/ops.py
-`unfused_attention_time_s`), so no attention share is fitted for it.
+`unfused_attention_time_s`), so no attention share is fitted for it. A fused kernel is named too
+(FlashAttention-2 or -3, cuDNN, Triton: [Note: attention kernels]), and its share stays within what
+that kernel's published benchmarks reach on the chip: the default stack's is FlashAttention-2, what
+torch's SDPA runs for autoplan's runtime; llm-foundry's runs used a Triton kernel (stack
+`llm-foundry`), Megatron-Core's Transformer Engine cuDNN's (stacks `megatron-core*`).
 
 Two fields describe how a stack runs a mixture-of-experts layer under expert parallelism. How it
 dispatches (`expert_dispatch`): one row per (token, expert) pair, as torch's all-to-all with the
@@ -62,13 +66,56 @@ from typing import Any
 from autoplan._files import read_json
 from autoplan.cluster import GPU, Cluster
 
-__all__ = ["ATTENTION_KERNELS", "CALIBRATION_SCHEMA", "DEFAULT_STACK", "EXPERT_DISPATCH", "SELECTIVE_RECOMPUTE", "STACK_FIELDS", "Calibration",
+__all__ = ["ATTENTION_KERNELS", "ATTENTION_SHARE_BOUNDS", "attention_share_bounds", "CALIBRATION_SCHEMA", "DEFAULT_STACK", "EXPERT_DISPATCH", "SELECTIVE_RECOMPUTE", "STACK_FIELDS", "Calibration",
            "CalibrationError", "Calibrations", "default_calibration", "load_calibration", "shipped_calibrations"]
 
 CALIBRATION_SCHEMA = 1
 
-ATTENTION_KERNELS = ("flash", "unfused")
-"""How attention runs: one fused kernel (flash attention), or GEMM + softmax + dropout + GEMM."""
+ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
+"""How attention runs ([Note: attention kernels]): one fused kernel (FlashAttention-2, FlashAttention-3,
+cuDNN's fused attention, a Triton flash attention), or GEMM + softmax + dropout + GEMM."""
+_KERNEL_ALIASES = {"flash": "flash2"}
+"""Names older calibration files use: `flash` was FlashAttention-2, what torch's SDPA calls."""
+
+# [Note: attention kernels]
+# A fused attention kernel's share of dense peak is a property of the kernel on a chip, so it is
+# a named choice of the stack (`attention_kernel`) and every share of it, measured or fitted, lies
+# within what that kernel's published benchmarks reach on that chip (`ATTENTION_SHARE_BOUNDS`:
+# the lowest and highest TFLOP/s reported over sequence lengths 512-16k, head dimensions 64-256,
+# causal and not, forward and backward, in BF16, divided by the datasheet's dense BF16 peak, 312
+# TFLOP/s on an A100 and 989 on an H100 SXM: cluster/devices.py). The default stack's kernel is
+# what autoplan's runtime calls: torch's `scaled_dot_product_attention`, whose flash backend runs
+# FlashAttention-2's kernels on both chips (torch 2.2 release notes, "FlashAttention-2 in SDPA";
+# aten/src/ATen/native/transformers/cuda/flash_attn). Sources:
+# - A100, FlashAttention-2: Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism
+#   and Work Partitioning", arXiv 2307.08691, abstract and Sec. 4.1 (Figs. 4-6): 50-73% of the
+#   theoretical maximum FLOP/s.
+# - A100, Triton (the FlashAttention Triton kernel of 2023 that llm-foundry ran): the same Sec. 4.1,
+#   FlashAttention-2 is 1.3-2.5x faster than it, so 0.50 / 2.5 to 0.73 / 1.3.
+# - H100, FlashAttention-2, FlashAttention-3, cuDNN and Triton: Shah et al. 2024, "FlashAttention-3:
+#   Fast and Accurate Attention with Asynchrony and Low-precision", arXiv 2407.08608, Sec. 4.1,
+#   Fig. 5 (forward, BF16: FlashAttention-2 191-370 TFLOP/s, Triton 146-403, cuDNN 308-617,
+#   FlashAttention-3 292-756) and Fig. 6 (backward, BF16: FlashAttention-2 198-322, cuDNN 266-518,
+#   FlashAttention-3 272-561; Triton not shown). FlashAttention-2's own H100 figure (Dao 2023,
+#   Fig. 7: up to 335 TFLOP/s forward and backward) lies inside its range.
+# The unfused kernel has no share: it is priced from its GEMMs and its memory traffic (cost/ops.py).
+ATTENTION_SHARE_BOUNDS: dict[tuple[str, str], tuple[float, float]] = {
+    ("flash2", "A100"): (0.50, 0.73),
+    ("triton", "A100"): (0.20, 0.56),
+    ("flash2", "H100"): (0.19, 0.37),
+    ("flash3", "H100"): (0.27, 0.76),
+    ("cudnn", "H100"): (0.27, 0.62),
+    ("triton", "H100"): (0.15, 0.41),
+}
+"""(lowest, highest) share of dense BF16 peak each fused kernel's published benchmarks reach on a
+chip ([Note: attention kernels]), by (kernel, chip)."""
+
+
+def attention_share_bounds(kernel: str, gpu_name: str) -> tuple[float, float] | None:
+    """ATTENTION_SHARE_BOUNDS of `kernel` on the chip of `gpu_name` (an H200 is an H100's chip), or
+    None where no benchmark of it on that chip is collected (or the kernel is unfused)."""
+    family = gpu_name.split("-")[0]
+    return ATTENTION_SHARE_BOUNDS.get((_KERNEL_ALIASES.get(kernel, kernel), _SAME_CHIP.get(family, family)))
 DEFAULT_STACK = "flash"
 """The stack a calibration describes unless it names another: today's, with flash attention."""
 SELECTIVE_RECOMPUTE = ("attention", "op")
@@ -126,8 +173,8 @@ class Calibration:
     ahead of, the last reduce-scatter: Zhao et al. 2023, "PyTorch FSDP", VLDB 16(12), Sec. 4.3;
     cost/comm.py [Note: FSDP communication]); fitted to published runs, charged once per step
     (search/fsdp_exposed.py `fsdp_exposed`)."""
-    attention_kernel: str = "flash"
-    """`flash` or `unfused` ([Note: software stacks])."""
+    attention_kernel: str = "flash2"
+    """One of ATTENTION_KERNELS ([Note: software stacks], [Note: attention kernels])."""
     selective_recompute: str = "attention"
     """What selective recompute recomputes (`SELECTIVE_RECOMPUTE`, [Note: software stacks])."""
     p2p_blocking: bool = False
@@ -258,7 +305,7 @@ class Calibration:
         for flag in ("overlap_grad_reduce", "p2p_blocking", "tp_comm_overlap"):
             if not isinstance(stack.get(flag, False), bool):
                 raise CalibrationError(f"{where}: stack.{flag} must be true or false, got {stack[flag]!r}")
-        kernel = stack.get("attention_kernel", "flash")
+        kernel = _KERNEL_ALIASES.get(stack.get("attention_kernel", "flash2"), stack.get("attention_kernel", "flash2"))
         if kernel not in ATTENTION_KERNELS:
             raise CalibrationError(f"{where}: stack.attention_kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
         stacks = data.get("stacks") or {}
@@ -269,7 +316,11 @@ class Calibration:
             if unknown:
                 raise CalibrationError(f"{where}: stack {name!r} overrides {sorted(unknown)}; a stack may set "
                                        f"{', '.join(STACK_FIELDS)} (and a note)")
-            if variant.get("attention_kernel", "flash") not in ATTENTION_KERNELS:
+            if "attention_kernel" in variant:
+                variant = {**variant, "attention_kernel": _KERNEL_ALIASES.get(variant["attention_kernel"],
+                                                                              variant["attention_kernel"])}
+                stacks = {**stacks, name: variant}
+            if variant.get("attention_kernel", "flash2") not in ATTENTION_KERNELS:
                 raise CalibrationError(f"{where}: stack {name!r}: attention_kernel must be one of {ATTENTION_KERNELS}")
             for flag in ("overlap_grad_reduce", "p2p_blocking", "tp_comm_overlap"):
                 if not isinstance(variant.get(flag, True), bool):

@@ -12,7 +12,9 @@ each reading the GPU's datasheet (`cluster/devices.py`) and its calibration (`co
   so a skinny GEMM (k = 128, an attention score product) is priced by its bytes and a large one by
   its FLOPs. (Adding the two terms instead was tried: it charged large GEMMs 15-20% for traffic a
   tiled kernel hides, and the H100 fit pinned e_gemm at 1.)
-- **Fused attention** (flash attention): its FLOPs (torch's `sdpa_flop_count`, the full s x s score
+- **Fused attention** (FlashAttention-2 or -3, cuDNN's, a Triton kernel: whichever the stack names,
+  its share bounded by that kernel's published benchmarks, calibration.py [Note: attention kernels]):
+  its FLOPs (torch's `sdpa_flop_count`, the full s x s score
   matrix) times the share of that work the kernel does (about 1/2 when causal: masked tiles are
   skipped, Dao 2023, FlashAttention-2, Sec. 3.1.1), at the calibrated forward and backward shares of
   peak (the backward recomputes the scores and does 2.5x the forward's FLOPs, Dao 2023, Sec. 3.1.2).
