@@ -188,7 +188,9 @@ def suggest_with_stats(
     `autoplan calibrate` wrote (or several, one per GPU type) to use in place of the shipped ones.
     `stack`: a software stack the calibrations name (cost/calibration.py [Note: software stacks];
     None: today's, with flash attention). `explain`: also keep the best rejected configurations per
-    reason, with figures and a change checked to fit (`SearchResult.rejections`; the CLI's --explain)."""
+    reason, with figures and a change checked to fit (`SearchResult.rejections`; the CLI's --explain).
+    When no configuration gives a plan it raises `NoPlanError` (search/configs.py, a ValueError) whose
+    `result` is the SearchResult of what the search did (no plans; the rejections, kept with `explain`)."""
     require_int("global_batch", global_batch, high=MAX_JOB_SIZE)
     require_int("seq_len", seq_len, high=MAX_JOB_SIZE, optional=True)  # None: the model's own length
     require("top", top, int, "an integer")

@@ -64,6 +64,8 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None) -> No
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from autoplan import api
+    from autoplan.graph.profile_cache import cached_from, forget_cached
+    from autoplan.graph.timing import timing_warnings
     from autoplan.report.tables import profile_table
 
     progress, callback = _progress_callback(not args.json and sys.stderr.isatty())
@@ -71,13 +73,26 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if progress is not None:
         progress.start()
     try:
-        result = api.profile_with_graph(args.model, batch_size=args.batch, seq_len=args.seq_len, dtype=args.dtype,
-                                        device=args.device, leaf_modules=leaf, tracer=args.tracer,
-                                        progress=callback)
+        def profile():
+            return api.profile_with_graph(args.model, batch_size=args.batch, seq_len=args.seq_len, dtype=args.dtype,
+                                          device=args.device, leaf_modules=leaf, tracer=args.tracer, progress=callback)
+
+        result = profile()
+        if args.refresh and forget_cached(result.profile):  # timed earlier: drop that entry and time again
+            result = profile()
     finally:
         if progress is not None:
             progress.stop()
+    cache_file = cached_from(result.profile)
+    cached = " (cached: timed earlier; --refresh times it again)" if cache_file else ""
+    spread = result.profile.extra.get("timing_spread") or {}
+    # graph/timing.py [Note: noisy timings]; on stderr, so that --json output stays one JSON document.
+    for warning in timing_warnings(result.profile.blocks, spread.get("by_block") or {},
+                                   rerun="rerun it on an idle machine with --refresh"):
+        print(f"autoplan: warning: {warning}", file=sys.stderr)
     if args.json:
+        if cached:
+            print(f"autoplan: profile{cached}", file=sys.stderr)
         print(result.profile.to_json())
         return 0
     console = _console()
@@ -85,10 +100,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     console.print(profile_table(result.profile))
     if result.profile.extra.get("timing_dtype_note"):
         console.print(f"note: {result.profile.extra['timing_dtype_note']}")
-    spread = result.profile.extra.get("timing_spread") or {}
     if spread.get("median") is not None:  # a timed profile: how far each block's repeats disagreed
         console.print(f"timing spread ((max - min) / median of each block's repeats): median {spread['median']:.1%}, "
-                      f"worst {spread['max']:.1%}")
+                      f"worst {spread['max']:.1%}{cached}")
+    elif cached:
+        console.print(f"timings{cached}")
     return 0
 
 
@@ -102,10 +118,28 @@ def _pins(args: argparse.Namespace) -> dict:
             if getattr(args, k) is not None}
 
 
+def _no_plan_output(args: argparse.Namespace, exc: Exception) -> None:
+    """When nothing fits, what --json and --explain still owe (issue 44: both were dropped for the
+    one-line error): a JSON document on stdout ({"plans": [], "error", "search"}: the counts, and with
+    --explain the closest rejected configurations and why), or the --explain table."""
+    from autoplan.report.explain import rejections_table, search_summary
+
+    result = getattr(exc, "result", None)
+    message = str(exc).strip().splitlines()[0]
+    if args.json:
+        search = result.to_dict()["search"] if result is not None else {}
+        print(dump_json({"plans": [], "error": message, "search": search}))
+    elif args.explain and result is not None:
+        console = _console()
+        console.print(rejections_table(result))
+        console.print(f"[dim]{search_summary(result)}[/dim]")
+
+
 def cmd_suggest(args: argparse.Namespace) -> int:
     from autoplan import api
     from autoplan.report.explain import rejections_table, search_summary
     from autoplan.report.tables import fmt_count, plans_table, stages_table
+    from autoplan.search.configs import NoPlanError
 
     if args.seq_len is None and args.model == DEFAULT_SUGGEST["model"]:
         args.seq_len = DEFAULT_SUGGEST["seq_len"]  # the default job (README): llama3-8b at 4096 tokens
@@ -132,6 +166,11 @@ def cmd_suggest(args: argparse.Namespace) -> int:
             dtype=args.dtype, intra_node_bw_gbps=args.intra_node_bw, inter_node_bw_gbps=args.inter_node_bw,
             leaf_modules=leaf, tracer=args.tracer, progress=callback, search_progress=search_callback,
             calibration=args.calibration or None, stack=args.stack, explain=args.explain, **_pins(args))
+    except NoPlanError as exc:
+        if progress is not None:
+            progress.stop()  # before anything is printed (stopping twice is harmless)
+        _no_plan_output(args, exc)
+        raise  # main() prints the one-line error, exit 2
     finally:
         if progress is not None:
             progress.stop()
@@ -169,13 +208,24 @@ def cmd_export_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from autoplan.plan import Plan
+
+    # A file that is not a usable plan is refused before torch loads (one line in under 2 s, issue 43);
+    # `suggest --json` output gives its best plan, or the one --plan-index names (issue 44).
+    plan = Plan.load(args.plan, plan_index=args.plan_index)
+    from autoplan.runtime.machine import refuse_early
+
+    # A plan this machine cannot hold is refused before torch loads (machine.py [Note: the refusal before torch]).
+    refuse_early(plan, args.nproc, allow_oversubscribe=args.allow_oversubscribe)
     from autoplan.runtime import run_plan
 
-    return run_plan(args.plan, model=args.model, steps=args.steps, nproc=args.nproc, trace_path=args.trace,
+    return run_plan(plan, model=args.model, steps=args.steps, nproc=args.nproc, trace_path=args.trace,
                     metrics_path=args.metrics, seed=args.seed, timeout_s=args.timeout,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
                     skip_nonfinite=args.skip_nonfinite,
-                    data=args.data, allow_oversubscribe=args.allow_oversubscribe)
+                    data=args.data, allow_oversubscribe=args.allow_oversubscribe,
+                    **({"clip_grad": args.clip_grad} if args.clip_grad is not None else {}),
+                    **({"overwrite": True} if args.overwrite else {}))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -210,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's own length)")
     p.add_argument("--device", default="meta", help="meta (analytic, no memory), cpu or cuda (time every block)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.add_argument("--refresh", action="store_true",
+                   help="with --device cpu or cuda: time the blocks again instead of reusing the cached timings "
+                        "(taken on this machine earlier, perhaps while it was busy)")
     p.set_defaults(func=cmd_profile)
     p = sub.add_parser("suggest", help="search parallel plans for a model on a cluster and rank them",
                        description="With no arguments, plans llama3-8b on 2x8xH100-80GB (global batch 512, seq 4096).")
@@ -264,7 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     pins.add_argument("--cp", type=int, metavar="N",
                       help="context parallelism (long sequences): N data-parallel ranks split each sequence into "
                            "2N load-balanced chunks and all-gather keys and values; dp counts them")
-    pins.add_argument("--sequence-parallel", action="store_true", default=None)
+    pins.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                      help="with tp > 1: shard the activations tp leaves whole (norms, dropout) along the sequence, "
+                           "with reduce-scatter + all-gather in place of tp's all-reduce (Korthikanti et al. 2022); "
+                           "--no-sequence-parallel keeps them whole (default: searched)")
     pins.add_argument("--reduce-dtype", choices=["float32", "bfloat16"],
                       help="the dtype FSDP reduces gradients in (default float32); bfloat16 with --zero 2/3 halves the "
                            "reduce-scatter's bytes (FSDP2's MixedPrecisionPolicy reduce_dtype, Megatron-LM's "
@@ -275,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Trains on synthetic data (fixed seed; --data for your own) and prints the loss and the measured and "
                                    "predicted step time. --nproc N spawns N local processes (gloo on CPU); under "
                                    "`torchrun ... -m autoplan run plan.json` each process runs one rank.")
-    p.add_argument("plan", help="plan JSON written by `autoplan suggest --out`")
+    p.add_argument("plan", help="plan JSON written by `autoplan suggest --out` (or `suggest --json` output: its best plan)")
+    p.add_argument("--plan-index", type=int, metavar="N",
+                   help="with `autoplan suggest --json` output: run its N-th plan (0, the default, is the best)")
     p.add_argument("--model", help="model spec to build (default: the one the plan names)")
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--data", metavar="FILE.py:FUNCTION",
@@ -292,6 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint every K steps (and after the last; default 500 "
                    "with --checkpoint-dir)")
     p.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --checkpoint-dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the checkpoints already in --checkpoint-dir before training (without it, or --resume, "
+                        "a directory holding checkpoints is refused: one job per directory)")
+    p.add_argument("--clip-grad", type=float, metavar="MAX_NORM",
+                   help="clip the gradients' global norm (over every rank: tp, pp, dp, shards, experts) to MAX_NORM "
+                        "each step, as torch.nn.utils.clip_grad_norm_ on one process; the norm goes to --metrics "
+                        "(grad_norm). Megatron-LM and torchtitan use 1.0 (default: no clipping)")
     p.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
                    help="skip the optimizer step of up to N steps whose loss or gradients are not finite (default 0: "
                         "the first such step stops the run)")
@@ -314,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--collectives all-reduce, all-gather, reduce-scatter and p2p), fits the cost "
                                    "model's numbers and writes them for `autoplan suggest --calibration FILE`.")
     p.add_argument("--out", required=True, metavar="FILE", help="calibration JSON to write")
-    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite --out if it exists, and write the fit even when its timings are unstable (a busy "
+                        "machine: the median point's repeats disagree by more than 100%%)")
     p.add_argument("--device", choices=["cuda", "cpu"], help="what to measure (default cuda when available, else cpu)")
     p.add_argument("--gpu", help="the GPU type the numbers are for, e.g. H100-SXM-80GB (default: guessed from the "
                                  "device name; cpu for --device cpu)")

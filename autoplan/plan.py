@@ -4,8 +4,11 @@ A plan names the model (spec and structural fingerprint), the cluster, the job, 
 choice, the stages as block ranges, and the prediction. `validate(plan)` is pure: it checks the
 plan's own consistency (degrees multiply to the GPU count, TP inside a node, every block placed
 once and in order, the schedule buildable, memory within capacity when the plan says it fits,
-every predicted time, size and byte count finite and not negative, and the figures derived from
-others agreeing with them) without torch or a search. `Plan.load` refuses a file that fails it.
+every predicted time, size and byte count finite and not negative, shares (MFU, HFU, bubble) in
+their range, and the figures derived from others agreeing with them) without torch or a search, every
+size checked before anything is built on it (a schedule is O(micro-batches x stages)). `Plan.load` and
+`Plan.from_dict` refuse a plan that fails it; `Plan.load` also reads `autoplan suggest --json` output
+(its best plan, or `plan_index`).
 
 [Note: rank layout]
 Ranks are numbered with tp innermost, so a TP group is always consecutive ranks inside one node.
@@ -57,6 +60,7 @@ from typing import Any
 from autoplan._files import read_json
 
 __all__ = [
+    "MAX_MICROBATCHES",
     "PLAN_SCHEMA_VERSION",
     "RANK_ORDERS",
     "REDUCE_DTYPES",
@@ -349,8 +353,11 @@ class Plan:
             "model": [self.model, self.model_fingerprint, self.model_digest],
             "cluster": self.cluster,
             "job": [self.job.global_batch, self.job.seq_len, self.job.dtype],
+            # Degrees added after the first plans (reduce dtype, expert tp) enter only away from their
+            # default, so plans and traces recorded before them keep their fingerprints.
             "layout": [self.tp, self.pp, self.dp, self.cp, self.ep, self.zero, self.dp_replicate, self.rank_order,
-                       self.sequence_parallel, self.recompute, *([self.reduce_dtype] if self.reduce_dtype != "float32" else [])],
+                       self.sequence_parallel, self.recompute, *([self.reduce_dtype] if self.reduce_dtype != "float32" else []),
+                       *([f"expert_tp={self.expert_tp}"] if self.expert_tp != 1 else [])],
             "schedule": [self.schedule, self.virtual_stages, self.micro_batch_size, self.num_microbatches],
             "cuts": list(self.boundaries),
         }
@@ -392,10 +399,23 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """The plan `data` describes (`to_dict`'s form), every field checked: types, ranges and names
+        (`_typed`), then the plan's own consistency (`validate`); PlanError names the first problem."""
+        plan = cls._from_dict_unchecked(data)
+        problems = validate(plan)
+        if problems:
+            raise PlanError(f"the plan is inconsistent: {problems[0]}; re-create it with `autoplan suggest --out`")
+        return plan
+
+    @classmethod
+    def _from_dict_unchecked(cls, data: Mapping[str, Any]) -> Plan:
+        """`data` as a Plan, each field of the type its annotation names; not yet `validate`d."""
         if not isinstance(data, Mapping):
             raise PlanError("a plan must be a JSON object")
         version = data.get("schema_version")
-        if version not in READABLE_SCHEMA_VERSIONS:
+        if type(version) is not int or version not in READABLE_SCHEMA_VERSIONS:  # True == 1 and 2.0 == 2 are not versions
+            if version is None and isinstance(data.get("plans"), list):
+                raise PlanError(_SUGGEST_JSON_HINT)
             raise PlanError(f"plan schema version {version!r} is not supported (this autoplan reads versions "
                             f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}); re-create the plan with `autoplan suggest`")
         d = _typed(cls, data, "plan", nested={"job", "predicted", "stages", "cluster"})
@@ -405,6 +425,9 @@ class Plan:
             raise PlanError("plan.stages must be a list of stages")
         stages = []
         for i, raw in enumerate(d["stages"]):
+            if isinstance(raw, Mapping) and "memory" not in raw:  # to_dict always writes it; its default is for Python
+                raise PlanError(f"plan.stages[{i}] is missing field 'memory'; re-create the plan with "
+                                "`autoplan suggest --out`")
             stage = _typed(StagePlan, raw, f"plan.stages[{i}]", nested={"memory"})
             stage["memory"] = MemoryBreakdown(**_typed(MemoryBreakdown, stage["memory"], f"plan.stages[{i}].memory"))
             stages.append(StagePlan(**stage))
@@ -415,16 +438,50 @@ class Plan:
         return cls(**d)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Plan:
+    def load(cls, path: str | os.PathLike, *, plan_index: int | None = None) -> Plan:
+        """The plan in the JSON file at `path`: one written by `autoplan suggest --out` (or `save`), or
+        one of the plans of `autoplan suggest --json` output (`plan_index`, default 0: the best).
+        PlanError (one line) for a file that is not a usable plan."""
         if not isinstance(path, str | os.PathLike):
             raise TypeError(f"a plan is loaded from a path (a plan JSON file), got {type(path).__name__}")
+        if plan_index is not None and (type(plan_index) is not int or plan_index < 0):
+            raise PlanError(f"--plan-index {plan_index!r} must be an integer, 0 or more")
         data = read_json(path, "plan file", PlanError, f"create one with `autoplan suggest --out {str(path)!r}`")
-        plan = cls.from_dict(data)
+        data = _one_plan(data, str(path), plan_index)
+        plan = cls._from_dict_unchecked(data)
         problems = validate(plan)
         if problems:
             raise PlanError(f"plan file {str(path)!r} is inconsistent: {problems[0]}; re-create it with "
                             f"`autoplan suggest ... --out {str(path)!r}`")
         return plan
+
+
+_SUGGEST_JSON_HINT = ("this is `autoplan suggest --json` output, not a plan: take one of its `plans`, or write a plan "
+                      "with `autoplan suggest ... --out p.json`")
+
+
+def _one_plan(data: Any, path: str, plan_index: int | None) -> Any:
+    """The plan dict in a plan file's JSON: the file itself, or `plans[plan_index]` (default 0) of
+    `autoplan suggest --json` output ({"plans": [...], "search": {...}}). A list (`suggest
+    --sweep-gpus --json`) is refused in one line."""
+    if isinstance(data, list) and data and all(isinstance(row, Mapping) and "num_gpus" in row for row in data):
+        raise PlanError(f"plan file {path!r} is `autoplan suggest --sweep-gpus --json` output (one row per GPU count), "
+                        "not a plan; write one with `autoplan suggest --cluster NODESxGPUSxGPU ... --out p.json`")
+    suggest_json = isinstance(data, Mapping) and "schema_version" not in data and isinstance(data.get("plans"), list)
+    if not suggest_json:
+        if plan_index not in (None, 0):
+            raise PlanError(f"--plan-index {plan_index} picks one of the plans of `autoplan suggest --json` output, but "
+                            f"{path!r} holds one plan; drop --plan-index")
+        return data
+    plans = data["plans"]
+    index = 0 if plan_index is None else plan_index
+    if not plans:
+        raise PlanError(f"plan file {path!r} is `autoplan suggest --json` output with no plans; write a plan with "
+                        "`autoplan suggest ... --out p.json`")
+    if index >= len(plans):
+        raise PlanError(f"--plan-index {index} is past the {len(plans)} plan{'s' if len(plans) > 1 else ''} of "
+                        f"`autoplan suggest --json` output {path!r}; use 0 to {len(plans) - 1}")
+    return plans[index]
 
 
 _SCALARS = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
@@ -481,32 +538,33 @@ def validate(plan: Plan) -> list[str]:
     except (ValueError, TypeError) as exc:  # TypeError: a curve point that is not a number (float([]))
         return [f"plan.cluster is malformed: {(str(exc).splitlines() or [type(exc).__name__])[0]}"]
     num_gpus, gpus_per_node = cluster.num_gpus, cluster.gpus_per_node
-    for name in ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "num_microbatches"):
-        if not isinstance(getattr(plan, name), int) or getattr(plan, name) < 1:
-            problems.append(f"{name} = {getattr(plan, name)!r} must be a positive integer")
-    job = plan.job
-    for name, value in (("job.global_batch", job.global_batch), ("job.seq_len", job.seq_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_JOB_SIZE:
-            problems.append(f"{name} = {value!r} must be an integer from 1 to {MAX_JOB_SIZE:,}")
-    if job.dtype not in JOB_DTYPES:
-        problems.append(f"job.dtype {job.dtype!r} is not one of {', '.join(JOB_DTYPES)}")
+    problems += _check_types(plan)
     if problems:
         return problems
+    # Every loop below, and every one `show`, `export` and `run` make, is bounded by the plan's own
+    # sizes: pp by the GPU count, stages by the blocks listed, micro-batches by the global batch and
+    # MAX_MICROBATCHES. Each bound is checked before anything is built on it (a plan with 10^12
+    # micro-batches built a schedule for minutes, issue 43).
     if plan.tp * plan.pp * plan.dp != num_gpus:
         problems.append(f"tp*pp*dp = {plan.tp}*{plan.pp}*{plan.dp} = {plan.tp * plan.pp * plan.dp} "
                         f"but the cluster has {num_gpus} GPUs")
     if gpus_per_node % plan.tp != 0:
         problems.append(f"tp = {plan.tp} does not divide the {gpus_per_node} GPUs of a node, so a TP group would span nodes")
-    if not isinstance(plan.cp, int) or isinstance(plan.cp, bool) or plan.cp < 1 or plan.dp % plan.cp:
+    if plan.cp < 1 or plan.dp % plan.cp:
         problems.append(f"cp = {plan.cp!r} must be a positive integer dividing dp = {plan.dp} (sequences are split "
                         "over data-parallel ranks)")
         return problems
     if plan.micro_batch_size * plan.num_microbatches * plan.replicas != plan.job.global_batch:
         problems.append(f"micro_batch_size*num_microbatches*(dp/cp) = {plan.micro_batch_size}*{plan.num_microbatches}*"
                         f"{plan.replicas} != global batch {plan.job.global_batch}")
+    if plan.num_microbatches > MAX_MICROBATCHES:
+        problems.append(f"num_microbatches = {plan.num_microbatches:,} is more than the {MAX_MICROBATCHES:,} a plan may "
+                        "hold (MAX_MICROBATCHES); a larger micro_batch_size or more replicas")
     if plan.cp > 1 and plan.job.seq_len % (2 * plan.cp):
         problems.append(f"seq_len {plan.job.seq_len} is not divisible by 2 * cp = {2 * plan.cp} (each rank holds two "
                         "chunks of every sequence)")
+    if plan.sequence_parallel and plan.tp == 1:  # it splits the tp group's activations (search/configs.py)
+        problems.append("sequence_parallel needs tp of at least 2, not tp 1")
     if plan.recompute not in RECOMPUTE:
         problems.append(f"recompute {plan.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if plan.zero not in (0, 1, 2, 3):
@@ -527,18 +585,19 @@ def validate(plan: Plan) -> list[str]:
         problems.append(f"tracer {plan.tracer!r} is not one of auto, fx, export, modules")
     if plan.rank_order not in RANK_ORDERS:
         problems.append(f"rank_order {plan.rank_order!r} is not one of {', '.join(RANK_ORDERS)}")
+    if len(plan.stages) != plan.num_stages:
+        problems.append(f"{len(plan.stages)} stages listed but pp*virtual_stages = {plan.num_stages}")
+        return problems  # virtual_stages is bounded by the stages listed: nothing is built on it before
     from autoplan.schedule import SCHEDULES, make_schedule
 
     if plan.schedule not in SCHEDULES:
         problems.append(f"schedule {plan.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    else:
+    elif not problems:  # only on sizes checked above (micro-batches, stages): a schedule is O(their product)
         try:  # the schedule's own rules (virtual stages, micro-batches per rank): what show and run build
             make_schedule(plan.schedule, plan.pp, plan.num_microbatches, plan.virtual_stages)
         except ValueError as exc:
             problems.append(f"schedule {plan.schedule!r} with pp {plan.pp}, {plan.num_microbatches} micro-batches and "
                             f"virtual_stages {plan.virtual_stages}: {str(exc).splitlines()[0]}")
-    if len(plan.stages) != plan.num_stages:
-        problems.append(f"{len(plan.stages)} stages listed but pp*virtual_stages = {plan.num_stages}")
     expected_start = 0
     for i, stage in enumerate(plan.stages):
         if stage.index != i or stage.pp_rank != i % plan.pp:
@@ -548,6 +607,12 @@ def validate(plan: Plan) -> list[str]:
                             "placed in order, each once")
         if stage.end_block <= stage.first_block:
             problems.append(f"stage {i} is empty (blocks {stage.first_block}..{stage.end_block})")
+        elif stage.end_block <= len(plan.block_names):  # names are optional (a plan built by hand leaves them "")
+            for label, name, at in (("first", stage.first_block_name, stage.first_block),
+                                    ("last", stage.last_block_name, stage.end_block - 1)):
+                if name and at >= 0 and plan.block_names[at] != name:
+                    problems.append(f"stage {i}'s {label} block is named {name!r} but block {at} is "
+                                    f"{plan.block_names[at]!r}")
         expected_start = stage.end_block
     if plan.stages and expected_start != len(plan.block_names):
         problems.append(f"stages cover {expected_start} blocks but the model has {len(plan.block_names)}")
@@ -561,6 +626,58 @@ def validate(plan: Plan) -> list[str]:
     return problems
 
 
+MAX_MICROBATCHES = 4096
+"""Most micro-batches per replica a plan may hold: schedules are lists of O(micro-batches x stages)
+actions that `show`, `export` and `run` build, and real runs use far fewer (Megatron-LM's published
+runs: <= 512). The search considers no more (search/configs.py)."""
+_INT_FIELDS = ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "num_microbatches")
+"""Degrees and sizes: positive integers (each one's relation to the others is checked in `validate`)."""
+_OTHER_DEGREES = ("cp", "ep", "expert_tp", "dp_replicate")
+"""Integers whose range `validate` checks against the degrees they divide."""
+
+
+def _check_types(plan: Plan) -> list[str]:
+    """Fields of the wrong type or out of their own range, before any is combined with another (a
+    Plan built in Python skips `from_dict`'s type checks; bools are not integers here)."""
+    problems = []
+    if type(plan.schema_version) is not int or plan.schema_version not in READABLE_SCHEMA_VERSIONS:
+        problems.append(f"schema_version {plan.schema_version!r} is not one of "
+                        f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
+    for name in _INT_FIELDS:
+        value = getattr(plan, name)
+        if type(value) is not int or value < 1:
+            problems.append(f"{name} = {value!r} must be a positive integer")
+    for name in _OTHER_DEGREES:
+        if type(getattr(plan, name)) is not int:
+            problems.append(f"{name} = {getattr(plan, name)!r} must be a positive integer")
+    if type(plan.zero) is not int:
+        problems.append(f"zero {plan.zero!r} must be 0, 1, 2 or 3")
+    for name in ("sequence_parallel", "fits"):
+        if not isinstance(getattr(plan, name), bool):
+            problems.append(f"{name} = {getattr(plan, name)!r} must be true or false")
+    for name in ("model", "model_fingerprint", "schedule", "recompute", "rank_order", "reduce_dtype", "tracer"):
+        if not isinstance(getattr(plan, name), str):
+            problems.append(f"{name} = {getattr(plan, name)!r} must be a string")
+    if not isinstance(plan.model, str) or not plan.model.strip():
+        problems.append("model is empty: a plan names the model it was made for")
+    job = plan.job
+    for name, value in (("job.global_batch", job.global_batch), ("job.seq_len", job.seq_len)):
+        if type(value) is not int or not 1 <= value <= MAX_JOB_SIZE:
+            problems.append(f"{name} = {value!r} must be an integer from 1 to {MAX_JOB_SIZE:,}")
+    if job.dtype not in JOB_DTYPES:
+        problems.append(f"job.dtype {job.dtype!r} is not one of {', '.join(JOB_DTYPES)}")
+    if not isinstance(plan.stages, tuple | list) or not all(isinstance(s, StagePlan) for s in plan.stages):
+        problems.append("stages must be a list of stages")
+    else:
+        for stage in plan.stages:
+            for name in ("index", "pp_rank", "first_block", "end_block"):
+                if type(getattr(stage, name)) is not int:
+                    problems.append(f"stages[...].{name} = {getattr(stage, name)!r} must be an integer")
+    if not isinstance(plan.block_names, tuple | list) or not all(isinstance(b, str) for b in plan.block_names):
+        problems.append("block_names must be a list of strings")
+    return problems
+
+
 _RELATIVE_TOLERANCE = 1e-6
 """How far a derived figure may differ from what it is derived from (float rounding in JSON)."""
 
@@ -570,14 +687,17 @@ def _bad_number(value: Any) -> bool:
     return isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0
 
 
+_PREDICTED_FIGURES = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "hfu",
+                      "peak_memory_bytes", "bubble_fraction")
+
+
 def _check_numbers(plan: Plan) -> list[str]:
     """The prediction's figures and each stage's times, sizes and bytes: finite and not negative;
     and what the search derives from them agrees (tokens per second from the step time and the job,
     the peak memory from the stages'). A plan built by hand may carry no prediction (all zeros)."""
     problems: list[str] = []
     predicted = plan.predicted
-    for name in ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu", "hfu",
-                 "peak_memory_bytes", "bubble_fraction"):
+    for name in _PREDICTED_FIGURES:
         value = getattr(predicted, name)
         if _bad_number(value):
             problems.append(f"predicted.{name} = {value!r} must be a finite number, 0 or more")
@@ -586,9 +706,16 @@ def _check_numbers(plan: Plan) -> list[str]:
         if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or \
                 value < -1e-9 * max(1.0, abs(predicted.step_time_s) if math.isfinite(predicted.step_time_s) else 1.0):
             problems.append(f"predicted.breakdown[{name!r}] = {value!r} must be a finite number of seconds, 0 or more")
-    if not problems and predicted.bubble_fraction > 1:
-        problems.append(f"predicted.bubble_fraction = {predicted.bubble_fraction!r} must be at most 1 (a share of "
-                        "the step)")
+    if not problems:
+        # Shares of the step and of the GPU's peak (PaLM's MFU, Chowdhery et al. 2022, App. B): a bubble
+        # is idle time between work, never the whole step; no GPU runs above its peak.
+        for name in ("mfu", "hfu"):
+            if getattr(predicted, name) > 1:
+                problems.append(f"predicted.{name} = {getattr(predicted, name)!r} must be at most 1 (a share of the "
+                                "GPU's peak)")
+        if predicted.bubble_fraction >= 1:
+            problems.append(f"predicted.bubble_fraction = {predicted.bubble_fraction!r} must be below 1 (a share of "
+                            "the step)")
     for stage in plan.stages:
         where = f"stages[{stage.index}]"
         for name in ("fwd_time_s", "bwd_time_s", "num_params"):
@@ -598,8 +725,37 @@ def _check_numbers(plan: Plan) -> list[str]:
             value = getattr(stage.memory, f.name)
             if _bad_number(value):
                 problems.append(f"{where}.memory.{f.name} = {value!r} must be a finite number of bytes, 0 or more")
-    if problems or predicted.step_time_s == 0:
-        return problems  # no prediction (a plan built by hand): nothing derived to compare
+    if problems:
+        return problems
+    if predicted.step_time_s == 0:
+        # No prediction (a plan built by hand) is all zeros; a step that takes no time is not a prediction.
+        figures = [name for name in _PREDICTED_FIGURES if name != "step_time_s" and getattr(predicted, name)]
+        if figures or any(predicted.breakdown.values()):
+            problems.append(f"predicted.step_time_s = 0 but the plan predicts {(figures or ['a breakdown'])[0]}: a "
+                            "predicted step takes time (the prediction was edited)")
+        return problems
+    # MFU and HFU share one peak (model or hardware TFLOP/s over it), and the hardware's FLOPs include
+    # the model's (recompute adds to them).
+    if predicted.model_tflops_per_gpu > predicted.hardware_tflops_per_gpu * (1 + _RELATIVE_TOLERANCE):
+        problems.append(f"predicted.model_tflops_per_gpu = {predicted.model_tflops_per_gpu:.6g} is above "
+                        f"hardware_tflops_per_gpu = {predicted.hardware_tflops_per_gpu:.6g} (recompute only adds FLOPs)")
+    elif predicted.mfu and predicted.hfu and not math.isclose(
+            predicted.model_tflops_per_gpu * predicted.hfu, predicted.hardware_tflops_per_gpu * predicted.mfu,
+            rel_tol=_RELATIVE_TOLERANCE):
+        problems.append(f"predicted.mfu = {predicted.mfu:.6g} and hfu = {predicted.hfu:.6g} do not share a peak with "
+                        f"model and hardware TFLOP/s {predicted.model_tflops_per_gpu:.6g} and "
+                        f"{predicted.hardware_tflops_per_gpu:.6g} (the prediction was edited)")
+    # Parts of one step: each cause's seconds, and one micro-batch's forward and backward of one stage
+    # (the step runs every stage's at least once).
+    step_s = predicted.step_time_s * (1 + _RELATIVE_TOLERANCE)
+    for name, value in predicted.breakdown.items():
+        if value > step_s:
+            problems.append(f"predicted.breakdown[{name!r}] = {value:.6g} s is longer than the step "
+                            f"({predicted.step_time_s:.6g} s)")
+    for stage in plan.stages:
+        if stage.fwd_time_s + stage.bwd_time_s > step_s:
+            problems.append(f"stages[{stage.index}] forward + backward = {stage.fwd_time_s + stage.bwd_time_s:.6g} s "
+                            f"is longer than the step ({predicted.step_time_s:.6g} s)")
     tokens = plan.job.global_batch * plan.job.seq_len
     expected = tokens / predicted.step_time_s
     if not math.isclose(predicted.tokens_per_s, expected, rel_tol=_RELATIVE_TOLERANCE):

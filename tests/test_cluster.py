@@ -94,7 +94,9 @@ def test_cpu_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu.name == "cpu"
     assert cpu.peak("float32") == pytest.approx(cores * 50e9)
     assert cpu.peak("bfloat16") == cpu.peak("float32")
-    assert not cpu.supports("float16")
+    # fp16 is planned on CPU ranks too (the runtime trains it with a loss scale): at the fp32 figure
+    # with native fp16 matmul instructions, else at 1/16 of it (devices.py [Note: cpu fp16]).
+    assert cpu.peak("float16") in (pytest.approx(cpu.peak("float32")), pytest.approx(cpu.peak("float32") / 16))
     assert cpu.mem_bytes == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     monkeypatch.setenv("AUTOPLAN_CPU_GFLOPS_PER_CORE", "10")
     assert get_gpu("cpu").peak("fp32") == pytest.approx(cores * 10e9)

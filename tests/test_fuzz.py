@@ -532,7 +532,7 @@ _EDITED_NUMBERS = [
     (("predicted", "peak_memory_bytes"), -1.0, "predicted.peak_memory_bytes = -1.0"),  # run exited 0
     (("predicted", "step_time_s"), -0.5, "predicted.step_time_s = -0.5"),
     (("predicted", "tokens_per_s"), 1.0, "the job or the prediction was edited"),
-    (("predicted", "bubble_fraction"), 1.5, "bubble_fraction = 1.5 must be at most 1"),
+    (("predicted", "bubble_fraction"), 1.5, "bubble_fraction = 1.5 must be below 1"),
     (("predicted", "breakdown", "compute_s"), -1.0, "predicted.breakdown['compute_s'] = -1.0"),
     (("stages", 0, "fwd_time_s"), -1.0, "stages[0].fwd_time_s = -1.0"),
     (("stages", 0, "num_params"), -5, "stages[0].num_params = -5"),

@@ -45,8 +45,8 @@ def test_a_long_model_type_spec_is_planned_not_read_as_a_path(tmp_path):
 
 @pytest.mark.parametrize("spec, match", [
     (f"hf:{_LONG}", "is neither a model type nor an existing path"),
-    (f"hf:./{_LONG}", "holds no config.json"),
-    (f"hf:{_LONG}.json", "holds no config.json"),
+    (f"hf:./{_LONG}", "does not exist; hf: takes a local config.json"),  # nothing there: not "holds no config.json"
+    (f"hf:{_LONG}.json", "does not exist; hf: takes a local config.json"),
     (f"{_LONG}.py:build", "does not exist"),
     ("hf:llama:num_hidden_layers=2,bogus_field=3", "no field 'bogus_field'"),
     ("hf:qwen3_moe:head_dimm=16", "no field 'head_dimm' \\(did you mean 'head_dim'\\?\\)"),

@@ -151,7 +151,7 @@ def test_cpu_plan_shows_gflops_and_memory_columns_that_add_up(tmp_path, capsys):
         total = _bytes(row[stages.index("total mem")])
         assert sum(parts) == pytest.approx(total, rel=0.01)
         assert total == pytest.approx(stage.memory.total_bytes, rel=0.01)
-    assert "other: buffers" in out and "allowance 256.00 MiB" in out
+    assert "other (autoplan/cost/memory.py): buffers" in out and "allowance 256.00 MiB (gloo" in out
 
 
 def test_interleaved_rows_show_the_ranks_memory_once(capsys):

@@ -7,6 +7,7 @@ tests/test_fp16.py's (its note line is asserted there)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import signal
@@ -78,10 +79,12 @@ def test_a_small_gpu_plan_that_fits_runs_on_cpu_ranks_with_a_note(tiny_a100, sma
     fit = check_machine(Plan.load(tiny_a100), 2)
     assert fit.estimate_bytes < 3 * GIB
     assert fit.note.startswith("no CUDA here: the A100-SXM4-80GB plan runs as 2 CPU ranks with gloo"), fit.note
-    bad = Plan.load(tiny_a100).to_dict()
-    bad["stages"][0]["memory"]["activations_bytes"] = -1e9
+    good = Plan.load(tiny_a100)
+    first = dataclasses.replace(good.stages[0], memory=dataclasses.replace(good.stages[0].memory,
+                                                                           activations_bytes=-1e9))
+    bad = dataclasses.replace(good, stages=(first, *good.stages[1:]))  # Plan.from_dict would refuse it itself
     with pytest.raises(ValueError, match="activations_bytes = -1000000000.0 must be a finite number of bytes"):
-        run_plan(Plan.from_dict(bad), nproc=2)  # a Plan object is validated before any estimate
+        run_plan(bad, nproc=2)  # a Plan object is validated before any estimate
 
 
 def test_under_cuda_each_local_rank_needs_its_own_gpu(tiny_a100):

@@ -252,12 +252,33 @@ def _cpu_gflops_per_core() -> float:
     return value
 
 
+# [Note: cpu fp16] `autoplan run` trains an fp16 plan on CPU ranks (fp16 weights and activations,
+# fp32 masters, the dynamic loss scale), so fp16 is planned there too (issue 44: "cpu has no fp16
+# support" refused a job the runtime runs). A CPU without native fp16 matmul instructions
+# (AVX512-FP16 or AMX-FP16 in /proc/cpuinfo's flags) runs torch's fp16 GEMM far slower than fp32:
+# 2.29 s against 0.118 s for a 1024^3 matmul on this project's 2-core AMD EPYC test machine (19x;
+# `python -c "import torch,time; a=torch.randn(1024,1024,dtype=torch.float16); t=time.time(); a@a;
+# print(time.time()-t)"` and the same in float32). Such a CPU gets 1/16 of the fp32 figure, one
+# with the instructions the fp32 figure.
+_CPU_FP16_SLOWDOWN = 16.0
+
+
+def _cpu_has_fp16_matmul() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:  # not Linux: assume the common case, no native fp16 matmul
+        return False
+    return "avx512_fp16" in flags or "amx_fp16" in flags
+
+
 def cpu_device(num_ranks: int = 1) -> GPU:
     """This machine as a device, shared by `num_ranks` processes (each gets 1/num_ranks of it).
 
     Memory is total RAM (`os.sysconf`), compute is `os.cpu_count()` cores x the per-core estimate
     (`CPU_GFLOPS_PER_CORE_DEFAULT`, or AUTOPLAN_CPU_GFLOPS_PER_CORE). bf16 gets the fp32 figure: without
-    AMX, CPU bf16 GEMMs run at roughly fp32 speed. The name stays "cpu" whatever the share.
+    AMX, CPU bf16 GEMMs run at roughly fp32 speed; fp16 see [Note: cpu fp16]. The name stays "cpu"
+    whatever the share.
     """
     if not (isinstance(num_ranks, int) and num_ranks >= 1):
         raise ClusterSpecError(f"cpu ranks per node must be a positive integer, got {num_ranks!r}")
@@ -267,7 +288,8 @@ def cpu_device(num_ranks: int = 1) -> GPU:
     share = "" if num_ranks == 1 else f", shared by {num_ranks} ranks"
     return GPU(
         name="cpu",
-        peak_flops={"fp32": flops, "bf16": flops},
+        peak_flops={"fp32": flops, "bf16": flops,
+                    "fp16": flops if _cpu_has_fp16_matmul() else flops / _CPU_FP16_SLOWDOWN},  # [Note: cpu fp16]
         mem_bytes=max(1, _total_ram_bytes() // num_ranks),
         mem_bw_bytes_per_s=mem_bw,
         source=f"this machine: {cores} cores x {flops * num_ranks / cores / 1e9:g} GFLOP/s per core (estimate){share}",

@@ -74,6 +74,25 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def _normalised(name: str) -> str:
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
+def _hub_id_message(name: str, presets: list[str]) -> str:
+    """`--model meta-llama/Meta-Llama-3-8B`: the preset of that architecture if one matches (its
+    normalised name inside the id's, the longest such; else difflib on the id's last part), and
+    how to plan the hub model itself: autoplan downloads nothing, `hf:` takes a local config."""
+    tail = name.rstrip("/").rsplit("/", 1)[-1]
+    inside = [p for p in presets if _normalised(p) in _normalised(tail)]
+    prefixed = [p for p in presets if _normalised(p).startswith(_normalised(tail))]  # gpt2 -> gpt2-small
+    close = ((max(inside, key=len),) if inside else prefixed[:1] if prefixed
+             else tuple(difflib.get_close_matches(tail.lower(), presets, n=1)))
+    guess = f"; did you mean the preset {close[0]!r}?" if close else ";"
+    return (f"unknown model {name!r}{guess} A Hugging Face hub id is not downloaded: for that model give its "
+            f"config, hf:path/to/config.json (or the directory holding it), or hf:MODEL_TYPE:key=value,...; "
+            f"`autoplan list models` lists the presets")
+
+
 def parse_model_spec(text: str) -> ModelSpec:
     """Parse `NAME[:key=value,...]` (NAME a family or preset) or `path/to/file.py:function`."""
     if not isinstance(text, str) or not text.strip():
@@ -84,8 +103,12 @@ def parse_model_spec(text: str) -> ModelSpec:
     name, sep, rest = text.partition(":")
     name = name.strip()
     known = sorted(_FAMILIES) + list(PRESETS)
+    # Names are case-insensitive, as GPU names are (issue 44: `LLAMA3-8B` was refused).
+    name = next((k for k in known if k.lower() == name.lower()), name)
     if name not in known:
-        raise ModelSpecError(f"unknown model {name!r}{_did_you_mean(name, known)} known: {', '.join(known)}")
+        if "/" in name:  # a Hugging Face hub id (org/model), or a path: neither is a preset
+            raise ModelSpecError(_hub_id_message(name, list(PRESETS)))
+        raise ModelSpecError(f"unknown model {name!r}{_did_you_mean(name.lower(), known)} known: {', '.join(known)}")
     base = PRESETS.get(name)
     family = _family_of(base) if base is not None else name
     cls = _FAMILIES[family]

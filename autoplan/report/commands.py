@@ -14,6 +14,7 @@ from typing import Any
 
 __all__ = ["cmd_check", "cmd_export", "cmd_show", "register", "run_sweep"]
 
+_PLAN_INDEX_HELP = "with `autoplan suggest --json` output: its N-th plan (0, the default, is the best)"
 ConsoleFactory = Callable[..., Any]
 """`console_factory(stderr: bool = False) -> rich.console.Console` (cli.py's `_console`)."""
 
@@ -34,14 +35,16 @@ def register(subparsers: argparse._SubParsersAction, console_factory: ConsoleFac
     p.set_defaults(func=lambda args: cmd_check(args, console_factory))
 
     p = subparsers.add_parser("show", help="summarize a plan and draw its timeline (SVG, PNG or Chrome trace)")
-    p.add_argument("plan", help="plan JSON written by `autoplan suggest --out`")
+    p.add_argument("plan", help="plan JSON written by `autoplan suggest --out` (or `suggest --json` output: its best plan)")
+    p.add_argument("--plan-index", type=int, metavar="N", help=_PLAN_INDEX_HELP)
     p.add_argument("--trace", help="measured Chrome trace from `autoplan run --trace`, drawn under the prediction")
     p.add_argument("--step", type=int, help="which step of --trace to draw (default: the last)")
     p.add_argument("--out", help="timeline file: .svg, .png (needs autoplan[plot]) or .json (Chrome trace)")
     p.set_defaults(func=lambda args: cmd_show(args, console_factory))
 
     p = subparsers.add_parser("export", help="write a plan as a torchtitan, Megatron-LM or DeepSpeed configuration")
-    p.add_argument("plan", help="plan JSON written by `autoplan suggest --out`")
+    p.add_argument("plan", help="plan JSON written by `autoplan suggest --out` (or `suggest --json` output: its best plan)")
+    p.add_argument("--plan-index", type=int, metavar="N", help=_PLAN_INDEX_HELP)
     p.add_argument("--to", required=True, dest="target", metavar="{torchtitan,megatron,deepspeed}",
                    help="torchtitan (config-registry Python file, 0.3), megatron (Megatron-LM arguments, "
                         "core 0.16), deepspeed (JSON config and PipelineModule arguments, 0.19)")
@@ -56,39 +59,7 @@ def register(subparsers: argparse._SubParsersAction, console_factory: ConsoleFac
 def cmd_check(args: argparse.Namespace, console_factory: ConsoleFactory) -> int:
     from autoplan import check
 
-    suite = check.load_suite(args.suite)
-    check.validate_case_specs(suite)
-    baseline = None
-    if args.baseline and not args.update:
-        baseline = check.load_baseline(args.baseline)
-    elif args.update and not args.baseline:
-        raise check.SuiteError("--update needs --baseline FILE to write")
-    console = console_factory()
-
-    def progress(result: check.CaseResult) -> None:
-        color = {"pass": "green", "fail": "red", "new": "yellow"}[result.status]
-        console.print(f"[{color}]{result.status.upper():4}[/] {result.case.name} ({result.search_time_s:.2f} s)"
-                      + (f": {'; '.join(result.reasons)}" if result.reasons else ""))
-
-    report = check.run_check(suite, baseline, strict=args.strict, on_case=progress)
-    if args.junit:
-        check.write_junit(args.junit, report)
-    if args.json_out:
-        check.write_json(args.json_out, report)
-    console.print(check.report_table(report))
-    if args.update:
-        written = check.write_baseline(args.baseline, report.results)
-        missing = [r.case.name for r in report.results if r.current is None]
-        console.print(f"wrote {written} case(s) to {args.baseline}"
-                      + (f"; [red]no plan for {', '.join(missing)}[/red]" if missing else ""))
-        return 1 if missing else 0
-    if report.passed:
-        counts = report.to_dict()["counts"]
-        console.print(f"[green]PASS[/green]: {counts['pass']} unchanged, {counts['new']} new"
-                      + ("" if baseline is not None else " (no --baseline given)"))
-        return 0
-    console.print(f"[red]FAIL[/red]: {report.num_failed} of {len(report.results)} case(s) regressed")
-    return 1
+    return check.run_command(args, console_factory())
 
 
 def cmd_show(args: argparse.Namespace, console_factory: ConsoleFactory) -> int:
@@ -96,7 +67,7 @@ def cmd_show(args: argparse.Namespace, console_factory: ConsoleFactory) -> int:
     from autoplan.report import timeline
     from autoplan.report.tables import plans_table, stages_table
 
-    plan = Plan.load(args.plan)
+    plan = Plan.load(args.plan, plan_index=args.plan_index)
     timelines = [timeline.predicted_timeline(plan)]
     if args.trace:
         # Checked before anything is printed: a trace of another plan would compare two unrelated
@@ -136,7 +107,7 @@ def cmd_export(args: argparse.Namespace, console_factory: ConsoleFactory) -> int
     from autoplan.plan import Plan
     from autoplan.report.export import export_plan
 
-    plan = Plan.load(args.plan)
+    plan = Plan.load(args.plan, plan_index=args.plan_index)
     export = export_plan(plan, args.target, allow_approx=args.allow_approx, filename=args.out)
     err = console_factory(stderr=True)
     for difference in export.differences:
@@ -167,10 +138,19 @@ def run_sweep(*, model: str, cluster: str, gpu_counts: str | Sequence[int], glob
     import sys
     import time
 
-    from autoplan.report.sweep import no_plan_lines, parse_gpu_counts, plot_sweep, sweep, sweep_table
+    from autoplan.report.sweep import (
+        check_plot_path,
+        no_plan_lines,
+        parse_gpu_counts,
+        plot_sweep,
+        sweep,
+        sweep_table,
+    )
     from autoplan.report.tables import layout_label
 
     counts = parse_gpu_counts(gpu_counts)
+    if plot:
+        check_plot_path(plot)  # before minutes of planning, not after
     start = time.monotonic()
     progress = task = None
     # One count is one `suggest`, which prints no progress off a terminal: its stderr stays the error alone.

@@ -37,13 +37,21 @@ def rejections_table(result: SearchResult) -> Table:
 def search_summary(result: SearchResult) -> str:
     """What the search did, in the numbers the JSON's `search` object holds under the same names."""
     counts = result.rejections.counts
-    dropped = counts["memory"] + counts["layout"] + counts["bound"]
-    parts = [f"searched {result.configs_considered:,} configurations (tp x pp x dp x micro-batch x schedule) in "
-             f"{result.time_s:.2f} s: {result.configs_considered - dropped:,} gave a plan, "
-             f"{counts['bound']:,} pruned by a bound, {counts['memory']:,} over memory"]
+    planned, listed = result.configs_planned, len(result.plans)
+    # The count is the search's own (issue 43: derived from the rejections it read "0 gave a plan"
+    # above the plan written); more can give a plan than the top k lists.
+    gave = f"{planned:,} gave a plan" + (f" (the best {listed} listed)" if planned > listed else "")
+    parts = [f"searched {_n(result.configs_considered, 'configuration')} (tp x pp x dp x micro-batch x schedule) in "
+             f"{result.time_s:.2f} s: {gave}, {counts['bound']:,} pruned by a bound, {counts['memory']:,} over memory"]
     if counts["layout"]:
         parts.append(f"{counts['layout']:,} refused by the runtime")
-    text = ", ".join(parts) + f"; {result.configs_evaluated:,} memory variants (recompute x ZeRO/FSDP) cut and simulated"
+    text = (", ".join(parts) + f"; {_n(result.configs_evaluated, 'memory variant')} (recompute x ZeRO/FSDP) cut and "
+            "simulated")
     if counts["batch"]:
-        text += f"; {counts['batch']:,} splits skipped (batch not divisible)"
+        text += f"; {_n(counts['batch'], 'split')} skipped (batch not divisible)"
     return text
+
+
+def _n(count: int, noun: str) -> str:
+    """"1 split", "2 splits"."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"

@@ -15,7 +15,7 @@ from typing import Any
 
 from autoplan.plan import Plan
 
-__all__ = ["SweepRow", "cluster_for_count", "no_plan_lines", "parse_gpu_counts", "plot_sweep", "sweep",
+__all__ = ["SweepRow", "check_plot_path", "cluster_for_count", "no_plan_lines", "parse_gpu_counts", "plot_sweep", "sweep",
            "sweep_table"]
 
 
@@ -148,12 +148,25 @@ def no_plan_lines(rows: Sequence[SweepRow]) -> list[str]:
     return [f"no plan at {r.num_gpus} GPUs: {r.error}" for r in rows if r.plan is None]
 
 
+def check_plot_path(path: str | os.PathLike) -> None:
+    """Refuse, before any planning, a plot `plot_sweep` could not draw: a suffix other than .png or
+    .svg, or a .png without matplotlib (issue 43: `--plot x.bmp` was refused after the sweep ran)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".svg", ".png"):
+        raise ValueError(f"cannot plot to {str(path)!r}: use a .png or .svg file")
+    if suffix == ".png":
+        from autoplan.report.timeline.png import _pyplot
+
+        _pyplot()
+
+
 def plot_sweep(rows: Sequence[SweepRow], path: str | os.PathLike) -> None:
     """Throughput and scaling efficiency against GPU count: .png (matplotlib) or .svg (built in)."""
     path = Path(path)
     ok = [r for r in rows if r.plan is not None]
     if not ok:
         raise ValueError("no GPU count has a plan; nothing to plot")
+    check_plot_path(path)
     suffix = path.suffix.lower()
     if suffix == ".svg":
         text = _sweep_svg(ok)

@@ -141,8 +141,12 @@ def stages_table(plan, max_rows: int = 12) -> Table:
     title += (f", {v} per rank; memory is the rank's, all its stages, on its first row)" if v > 1 else ")")
     gathered = any(s.memory.gathered_bytes > 0 for s in plan.stages)
     allowance = max(s.memory.allowance_bytes for s in plan.stages)
-    caption = (f"other: buffers (P2P receives, the backward's working set, the gradient bucket) + allowance "
-               f"{fmt_bytes(allowance)} (CUDA context, NCCL, fragmentation); autoplan/cost/memory.py")
+    # The source first: a caption wider than its table wraps at the end, which left the path alone on
+    # a line (issue 44). A CPU rank's allowance holds no CUDA context or NCCL (cost/memory.py
+    # `allowance_bytes`), so it is not labelled with them (issue 43).
+    held = "gloo buffers, allocator slack" if _on_cpu(plan) else "CUDA context, NCCL, fragmentation"
+    caption = (f"other (autoplan/cost/memory.py): buffers (P2P receives, the backward's working set, the gradient "
+               f"bucket) + allowance {fmt_bytes(allowance)} ({held})")
     table = Table(title=title, caption=caption, caption_justify="left")
     columns = [("stage", "right"), ("rank", "right"), ("blocks", "left"), ("fwd", "right"), ("bwd", "right"),
                ("params", "right"), ("weights+grads+optim", "right"), ("activations", "right")]
@@ -175,6 +179,14 @@ def stages_table(plan, max_rows: int = 12) -> Table:
         seen_ranks.add(s.pp_rank)
         table.add_row(*row, *memory)
     return table
+
+
+def _on_cpu(plan) -> bool:
+    """Whether every rank of the plan's cluster is a CPU (`1x4xcpu`)."""
+    try:
+        return all(g.name == "cpu" for g in plan.cluster_obj().gpu_types)
+    except (AttributeError, ValueError):  # a plan-like object without a cluster: GPU wording
+        return False
 
 
 def calibration_table(cal) -> Table:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import time
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from autoplan.plan import Plan
+from autoplan.runtime.comm import P2PTimeout
 from autoplan.runtime.machine import GIB, MachineFit, available_memory_bytes, oom_kills
 from autoplan.runtime.preflight import _note, check_run
 from autoplan.runtime.ranks import LocalJob, free_port, one_line
@@ -46,8 +48,8 @@ from autoplan.runtime.training import _train
 
 __all__ = ["run_plan"]
 
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "autoplan.runtime",
-                      "autoplan.runtime.checkpoint")
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint",
+                      "autoplan.runtime.api", "autoplan.runtime.launch", "autoplan.runtime.checkpoint")
 """Imported once by a forkserver (tests launching many short runs), not by every rank."""
 DEFAULT_CHECKPOINT_EVERY = 500
 """Steps between checkpoints when only --checkpoint-dir is given: torchtitan's default interval
@@ -312,10 +314,51 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
 
 
 def _run_this_rank(plan: Plan, payload: dict) -> int:
-    """Under torchrun: train as the rank the environment names; one line on failure."""
+    """Under torchrun: train as the rank the environment names; one line on failure, naming the rank
+    to blame ([Note: blame under torchrun])."""
     try:
         _train(plan, **payload)
     except Exception as exc:
-        _error(f"rank {os.environ['RANK']} failed: {one_line(exc)}")
+        _error(_torchrun_failure(exc, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
         return 1
     return 0
+
+
+_PEER_GONE = ("connection reset", "connection closed", "broken pipe", "connection refused", "end of file")
+"""Words (lower case) of the errors a wait raises when the rank at the other end died."""
+_PEER_SILENT = ("timed out", "timeout")
+"""... and when it is alive but does not answer (hung, stopped, or far slower)."""
+_PEER_RANK = re.compile(r"\b(?:from|to) rank (\d+)\b")
+"""The peer a P2P wait names (runtime/comm.py: "receive of F values ... from rank 1 failed: ...")."""
+
+
+def _torchrun_failure(exc: BaseException, rank: int, world_size: int) -> str:
+    """The line a rank prints under torchrun when its training failed.
+
+    [Note: blame under torchrun] Under `--nproc` the launcher sees every rank end and names the one to
+    blame (ranks.py [Note: blame]); under torchrun each rank only knows its own error. When a rank
+    dies, its peers fail in their next wait on it ("Connection reset by peer"), and a peer that said
+    "rank 0 failed: P2PTimeout ... Connection reset by peer" blamed itself while torchrun's summary
+    named the dead rank (issue 43). A wait on a peer is never the cause: the line names the peer (the
+    rank a P2P wait names, or the other rank of a world of 2) as the rank that failed first, and this
+    rank as stopped because of it. A rank killed by a signal prints nothing; torchrun's summary gives
+    its exit."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:  # the P2P error and what it was raised from
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    text = " ".join(str(e).lower() for e in chain)
+    # Only a wait on a peer: the runtime's P2P errors, torch.distributed's (DistBackendError, ...),
+    # gloo's and NCCL's; a TimeoutError of the user's --data function is this rank's own failure.
+    on_peer = any(isinstance(e, P2PTimeout) or type(e).__name__.startswith("Dist") for e in chain) or \
+        any(word in text for word in ("gloo", "nccl", "by peer"))
+    gone = on_peer and any(word in text for word in _PEER_GONE)
+    if not gone and not (on_peer and any(word in text for word in _PEER_SILENT)):
+        return f"rank {rank} failed: {one_line(exc)}"
+    named = _PEER_RANK.search(str(exc))
+    peer = int(named.group(1)) if named else (1 - rank if world_size == 2 else None)
+    what = ("its connection was reset: it crashed or was killed, torchrun's summary gives how" if gone
+            else "it did not answer in time: hung, stopped or slow")
+    who = f"rank {peer}" if peer is not None and peer != rank else f"a peer of rank {rank}"
+    return f"{who} failed first ({what}); rank {rank} stopped waiting on it: {one_line(exc)}"

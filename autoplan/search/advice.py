@@ -68,7 +68,9 @@ def _bigger(cluster: Cluster, num_nodes: int) -> Cluster | None:
 
 
 def _plan_line(plan) -> str:
-    return (f"tp {plan.tp} pp {plan.pp} dp {plan.dp}, micro-batch {plan.micro_batch_size}, {plan.schedule}, recompute "
+    # dp as the table shows it (the replicas; `plan.dp` also counts cp ranks), cp its own degree.
+    cp = f" cp {plan.cp}" if plan.cp > 1 else ""
+    return (f"tp {plan.tp} pp {plan.pp} dp {plan.replicas}{cp}, micro-batch {plan.micro_batch_size}, {plan.schedule}, recompute "
             f"{plan.recompute}, zero {plan.zero}: {plan.predicted.step_time_s:.4g} s per step, "
             f"{plan.predicted.peak_memory_bytes / 2**30:.1f} GiB per GPU")
 

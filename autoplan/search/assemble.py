@@ -213,7 +213,8 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
             for p in range(cfg.pp))
     peak_mem = max(m.total_bytes for m in memories)
     capacity = min(g.mem_bytes for g in pp_gpus)
-    bound = _bound(sim.bubble_fraction, fwd_s, bwd_s, breakdown, step, peak_mem / capacity, fits, cfg)
+    devices = "CPU ranks" if all(g.name == "cpu" for g in pp_gpus) else "GPUs"
+    bound = _bound(sim.bubble_fraction, fwd_s, bwd_s, breakdown, step, peak_mem / capacity, fits, cfg, devices)
     predicted = Predicted(
         step_time_s=step,
         tokens_per_s=tokens / step,
@@ -266,8 +267,8 @@ def rank_memories(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[in
 
 
 def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dict[str, float], step: float,
-           mem_ratio: float, fits: bool, cfg: ParallelConfig) -> str:
-    """One line on what limits the plan most."""
+           mem_ratio: float, fits: bool, cfg: ParallelConfig, devices: str = "GPUs") -> str:
+    """One line on what limits the plan most (`devices`: what the ranks run on, for the wording)."""
     if not fits:
         return f"memory: needs {mem_ratio:.0%} of the GPU's memory; does not fit"
     stage = [a + b for a, b in zip(fwd_s, bwd_s, strict=True)]
@@ -285,5 +286,5 @@ def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dic
     if mem_ratio > 0.9 and weight < 0.1:
         return f"memory: {mem_ratio:.0%} of the GPU's memory in use, little room for larger micro-batches"
     if weight < 0.05:
-        return "compute: the GPUs are busy most of the step"
+        return f"compute: the {devices} are busy most of the step"
     return cause

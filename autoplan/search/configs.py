@@ -18,26 +18,35 @@ from collections.abc import Iterator
 from autoplan.cluster import Cluster
 from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
-from autoplan.plan import RECOMPUTE, REDUCE_DTYPES, Job, expert_layout_refusal
+from autoplan.plan import MAX_MICROBATCHES, RECOMPUTE, REDUCE_DTYPES, Job, expert_layout_refusal
 from autoplan.schedule import SCHEDULES
 from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate
 from autoplan.search.rejections import Rejection, Rejections
 
-__all__ = ["MAX_MICROBATCHES", "PINS", "PlanningError", "config_pins", "cp_refusal", "ep_refusal", "fsdp_allowed",
-           "fsdp_refusal", "tp_refusal"]
+__all__ = ["MAX_MICROBATCHES", "PINS", "NoPlanError", "PlanningError", "config_pins", "cp_refusal", "ep_refusal", "fsdp_allowed",
+           "fsdp_refusal", "tp_degrees_possible", "tp_refusal"]
 
 PINS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero",
         "dp_replicate", "sequence_parallel", "rank_order", "ep", "cp", "reduce_dtype", "expert_tp")
 _DEFAULT_MBS = (1, 2, 4, 8)
-MAX_MICROBATCHES = 4096
-"""Micro-batches per replica per step above which a configuration is not considered: schedules are
-lists of O(m) actions per rank, and real runs use far fewer (Megatron-LM's published runs: <= 512)."""
+# MAX_MICROBATCHES (autoplan/plan.py): micro-batches per replica per step above which a configuration is
+# not considered, the same bound a plan file is checked against.
 _DEFAULT_V = (2, 3, 4, 6)
 
 
 class PlanningError(ValueError):
     """The job cannot be planned as asked (impossible pins, a model too large, ...)."""
+
+
+class NoPlanError(PlanningError):
+    """A search ran and no configuration gave a plan. `result` is what it did (space.SearchResult with
+    no plans: the counts, and with `explain` the closest rejected configurations and why), so that
+    `--explain` and `--json` still answer when nothing fits (issue 44)."""
+
+    def __init__(self, message: str, result: object = None):
+        super().__init__(message)
+        self.result = result
 
 
 
@@ -268,7 +277,7 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
     n_gpus, per_node = cluster.num_gpus, cluster.gpus_per_node
     tps = [pins["tp"]] if pins.get("tp") else [t for t in _divisors(per_node) if tp_refusal(profile, t) is None]
     if reject is not None and not pins.get("tp"):
-        for t in _divisors(per_node):
+        for t in tp_degrees_possible(profile, cluster, pins):
             why = tp_refusal(profile, t)
             if why is not None:
                 reject.add("layout", t, ("tp", t), functools.partial(
@@ -320,6 +329,21 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
                                                      schedule=schedule, virtual_stages=v, rank_order=order, ep=ep,
                                                      cp=cp, reduce_dtype=pins.get("reduce_dtype", "float32"),
                                                      expert_tp=pins.get("expert_tp") or 1)
+
+
+def tp_degrees_possible(profile: ModelProfile, cluster: Cluster, pins: dict) -> list[int]:
+    """The tp degrees (within a node) for which the GPU count and the pinned pp and dp leave a split:
+    only these are worth saying the model refuses (issue 43: "tp 4 not considered: ... key/value heads"
+    on 4 GPUs with --dp 4 pinned, where no tp 4 split exists anyway)."""
+    n_gpus = cluster.num_gpus
+    out = []
+    for t in _divisors(cluster.gpus_per_node):
+        if n_gpus % t:
+            continue
+        pps = [pins["pp"]] if pins.get("pp") else [p for p in _divisors(n_gpus // t) if p <= profile.num_blocks]
+        if any((n_gpus // t) % p == 0 and pins.get("dp") in (None, n_gpus // (t * p)) for p in pps):
+            out.append(t)
+    return out
 
 
 def _schedules(profile: ModelProfile, pp: int, m: int, pins: dict) -> list[tuple[str, int]]:

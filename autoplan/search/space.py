@@ -71,10 +71,10 @@ from autoplan.search.bounds import Dominated
 from autoplan.search.configs import (
     _DEFAULT_MBS,
     MAX_MICROBATCHES,
+    NoPlanError,
     PlanningError,
     _base_configs,
     _check_pins,
-    _divisors,
     _frugal,
     _gib,
     _memory_fix,
@@ -83,13 +83,14 @@ from autoplan.search.configs import (
     _with_memory_options,
     config_pins,
     fsdp_refusal,
+    tp_degrees_possible,
     tp_refusal,
 )
 from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate, min_memory_bytes
 from autoplan.search.rejections import REASONS, Rejection, Rejections
 
-__all__ = ["PlanningError", "SearchResult", "search_plans"]
+__all__ = ["NoPlanError", "PlanningError", "SearchResult", "search_plans"]
 
 @dataclass
 class SearchResult:
@@ -104,6 +105,11 @@ class SearchResult:
     rejections: Rejections = field(default_factory=Rejections)
     """Base configurations dropped, per reason ([Note: recording rejections] in search/rejections.py);
     with `explain`, the best few of each with figures."""
+    configs_planned: int = 0
+    """Base configurations that gave a plan (at least `len(plans)`: the top k keeps the fastest, one
+    per configuration without its rank layout). Counted, not derived from the rejections: those also
+    count splits `_base_configs` refused before enumerating them (issue 43: "0 gave a plan" printed
+    above the plan it wrote)."""
 
     def kept_rejections(self) -> list[Rejection]:
         """The kept rejections, reason by reason (empty unless the search ran with `explain`)."""
@@ -111,7 +117,8 @@ class SearchResult:
 
     def to_dict(self) -> dict:
         search = {"time_s": self.time_s, "configs_evaluated": self.configs_evaluated,
-                  "configs_considered": self.configs_considered, "rejected": dict(self.rejections.counts),
+                  "configs_considered": self.configs_considered, "configs_planned": self.configs_planned,
+                  "rejected": dict(self.rejections.counts),
                   "notes": list(self.notes)}
         if self.rejections.detailed:
             search["rejections"] = [r.to_dict() for r in self.kept_rejections()]
@@ -147,8 +154,9 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     ctx = SearchContext(profile, cluster, job, model_spec, calibrations)
     sp_allowed = _sequence_parallel_allowed(profile)
     notes = []
-    if "tp" not in pins and cluster.gpus_per_node > 1 and tp_refusal(profile, cluster.gpus_per_node) is not None:
-        refused = [t for t in _divisors(cluster.gpus_per_node) if tp_refusal(profile, t) is not None]
+    # Only degrees the GPU count and the pins leave a split for: the others were never possible.
+    refused = [t for t in tp_degrees_possible(profile, cluster, pins) if tp_refusal(profile, t) is not None]
+    if "tp" not in pins and refused:
         why = tp_refusal(profile, refused[0])
         notes.append(f"tp {', '.join(map(str, refused))} not considered: "
                      + (f"tp {refused[0]} {why}" if why.startswith("does not") else why))
@@ -212,24 +220,31 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         ramp = (cfg.pp - 1) / cfg.virtual_stages / (3 if cfg.schedule == "zb-h1" else 1)
         estimate = bound * (cfg.num_microbatches + ramp) / cfg.num_microbatches
         candidates.append((estimate, bound, len(candidates), cfg, fastest))
+    def so_far() -> SearchResult:
+        """What the search did until it found nothing (NoPlanError.result); with `explain` the
+        over-memory rejections kept get their figures and fixes first."""
+        if explain:
+            explain_memory(ctx, rejections, pins, sp_allowed)
+        return SearchResult([], evaluated, considered, time.perf_counter() - started, notes, rejections, planned)
+
+    evaluated = planned = 0
     if considered == 0 and not pins:
-        raise PlanningError(f"no tp x pp x dp split of {cluster.num_gpus} GPUs (tp <= {cluster.gpus_per_node} per node, "
-                            f"pp <= {profile.num_blocks} blocks) has a data-parallel degree dividing the global batch "
-                            f"{job.global_batch}; use a global batch that is a multiple of the data-parallel degree, "
-                            "or fewer GPUs")
+        raise NoPlanError(f"no tp x pp x dp split of {cluster.num_gpus} GPUs (tp <= {cluster.gpus_per_node} per node, "
+                          f"pp <= {profile.num_blocks} blocks) has a data-parallel degree dividing the global batch "
+                          f"{job.global_batch}; use a global batch that is a multiple of the data-parallel degree, "
+                          "or fewer GPUs", so_far())
     if not candidates:
         per_replica_min = job.global_batch * cluster.gpus_per_node // cluster.num_gpus
         if per_replica_min > MAX_MICROBATCHES * max(_DEFAULT_MBS):
-            raise PlanningError(f"global batch {job.global_batch} needs more than {MAX_MICROBATCHES} micro-batches "
-                                "per replica on this cluster; use a smaller batch or more GPUs")
-        _raise_no_plan(ctx, cluster, pins, sp_allowed, advise)
+            raise NoPlanError(f"global batch {job.global_batch} needs more than {MAX_MICROBATCHES} micro-batches "
+                              "per replica on this cluster; use a smaller batch or more GPUs", so_far())
+        _raise_no_plan(ctx, cluster, pins, sp_allowed, advise, so_far())
     candidates.sort()
 
     best: list[tuple[float, tuple, Plan]] = []  # the top plans, fastest first ([Note: an exact top k])
     best_by_kind: dict[bool, Plan] = {}  # FSDP (zero >= 2) or not -> the fastest plan that fits
     best_by_ep: dict[bool, Plan] = {}  # expert parallelism (ep > 1) or not -> the fastest plan that fits
     best_by_cp: dict[bool, Plan] = {}  # context parallelism (cp > 1) or not -> the fastest plan that fits
-    evaluated = 0
 
     def ladder(cfg: ParallelConfig, options: list[tuple[int, int]], stop: dict[tuple[int, int], int]) -> str | None:
         """Descend the recompute ladder of each sharding option until a rung fits or is dominated;
@@ -316,6 +331,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
             continue
         options = _shardings(cfg, pins, cluster.gpus_per_node, profile)
         outcome = ladder(cfg, options, {})
+        planned += outcome is None
         if outcome is not None and not explain:
             rejections.counts[outcome] += 1
         elif outcome == "bound":
@@ -335,10 +351,10 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         if progress is not None:
             progress(index + 1, len(candidates), cfg.describe())
     plans = [p for _, _, p in best]
+    if not plans:
+        _raise_no_plan(ctx, cluster, pins, sp_allowed, advise, so_far())
     if explain:
         explain_memory(ctx, rejections, pins, sp_allowed)
-    if not plans:
-        _raise_no_plan(ctx, cluster, pins, sp_allowed, advise)
     considered_cp = plans[0].cp > 1 or True in best_by_cp or pins.get("cp", 1) > 1  # long sequences only
     note = _context_note(ctx, plans[0], best_by_cp, pins) if considered_cp else None
     if note:
@@ -352,7 +368,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     if note:
         notes.append(note)
         plans[0] = dataclasses.replace(plans[0], notes=(*plans[0].notes, note))
-    return SearchResult(plans, evaluated, considered, time.perf_counter() - started, notes, rejections)
+    return SearchResult(plans, evaluated, considered, time.perf_counter() - started, notes, rejections, planned)
 
 
 def _plan_key(plan: Plan) -> tuple:
@@ -432,24 +448,47 @@ def explain_memory(ctx: SearchContext, rejections: Rejections, pins: dict, sp_al
 
 
 def _split(plan: Plan) -> str:
+    """The plan's degrees as the table shows them (report/tables.py `layout_label`): dp is the
+    replicas the batch is split over (`plan.replicas`; `plan.dp` also counts the cp ranks), and cp its
+    own degree, so tp x pp x dp x cp is the GPU count (issue 44: "dp 2" and "cp 2" in one note, 64
+    GPUs on a 32-GPU cluster, against the table's 8/2/1/2)."""
     extras = [plan.schedule + (f" v={plan.virtual_stages}" if plan.virtual_stages > 1 else ""),
               f"recompute {plan.recompute}", f"micro-batch {plan.micro_batch_size}"]
-    return f"tp {plan.tp} pp {plan.pp} dp {plan.dp}, " + ", ".join(extras)
+    cp = f" cp {plan.cp}" if plan.cp > 1 else ""
+    return f"tp {plan.tp} pp {plan.pp} dp {plan.replicas}{cp}, " + ", ".join(extras)
+
+
+def _slower(other: Plan, chosen: Plan) -> str:
+    """"N% slower", with the digits the gap needs: a 0.27% gap reads "0.3% slower", not "0% slower"."""
+    gap = other.predicted.step_time_s / chosen.predicted.step_time_s - 1
+    if gap >= 0.095:
+        return f"{gap:.0%} slower"
+    if gap >= 0.0005:
+        return f"{gap:.1%} slower"
+    return "less than 0.1% slower" if gap > 0 else "as fast"
 
 
 def _sharding(plan: Plan) -> str:
+    # ZeRO and FSDP shard over every data-parallel rank, the cp ranks of a replica included: said as
+    # the table's degrees, so "over 4 ranks" is not read against a table that shows dp 2.
+    ranks = f"{plan.dp} ranks" + (f" (dp {plan.replicas} x cp {plan.cp})" if plan.cp > 1 else "")
     if plan.zero >= 2:
         over = (f"HSDP: FSDP over {plan.dp_shard} ranks, {plan.dp_replicate} replicas" if plan.dp_replicate > 1
-                else f"FSDP over {plan.dp} ranks")
+                else f"FSDP over {ranks}")
         reduced = ", gradients reduced in bf16" if plan.reduce_dtype == "bfloat16" else ""
         return f"zero {plan.zero} ({over}{reduced})"
     if plan.zero == 1:
-        return f"zero 1 (optimizer states and fp32 masters sharded over {plan.dp} ranks)"
+        return f"zero 1 (optimizer states and fp32 masters sharded over {ranks})"
     return "zero 0 (replicated)"
 
 
 def _fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.2f} ms"
+
+
+def _fmt_share(share: float) -> str:
+    """A share of the step: "5%", "0.4%" (not "0%" for a share that is there)."""
+    return f"{share:.0%}" if share >= 0.095 or share == 0 else f"{share:.1%}" if share >= 0.0005 else "<0.1%"
 
 
 def _fmt_bytes(num_bytes: float) -> str:
@@ -470,8 +509,7 @@ def _sharding_note(ctx: SearchContext, chosen: Plan, best_by_kind: dict[bool, Pl
     capacity = min(g.mem_bytes for g in ctx.cluster.gpu_types)
     fsdp = chosen.zero >= 2
     other = best_by_kind.get(not fsdp)
-    slower = (f"{other.predicted.step_time_s / chosen.predicted.step_time_s - 1:.0%} slower" if other is not None
-              else None)
+    slower = _slower(other, chosen) if other is not None else None
     parts = [_sharding(chosen) + (" (pinned)" if pinned else "")]
     if fsdp:
         memory = _peak_stage(chosen)
@@ -498,13 +536,13 @@ def _sharding_note(ctx: SearchContext, chosen: Plan, best_by_kind: dict[bool, Pl
                 parts.append("no zero-0/1 plan fit or came within the search's step-time cutoff")
         exposed = chosen.predicted.breakdown.get("fsdp_comm_exposed_s", 0.0) + \
             chosen.predicted.breakdown.get("dp_comm_exposed_s", 0.0)
-        parts.append(f"all-gathers and reduce-scatters hidden behind compute except {exposed * 1e3:.0f} ms per step "
-                     f"({exposed / chosen.predicted.step_time_s:.0%})")
+        parts.append(f"all-gathers and reduce-scatters hidden behind compute except {_fmt_ms(exposed)} per step "
+                     f"({_fmt_share(exposed / chosen.predicted.step_time_s)})")
     elif other is not None:
         exposed = other.predicted.breakdown.get("fsdp_comm_exposed_s", 0.0) + \
             other.predicted.breakdown.get("dp_comm_exposed_s", 0.0)
         parts.append(f"the best FSDP plan, {_sharding(other)} with {_split(other)}, is {slower}: its all-gathers and "
-                     f"reduce-scatters leave {exposed * 1e3:.0f} ms per step exposed")
+                     f"reduce-scatters leave {_fmt_ms(exposed)} per step exposed")
     else:
         parts.append("no FSDP plan (zero 2/3) beat it: where zero 1 fits, FSDP only adds parameter all-gathers")
     return "; ".join(parts)
@@ -519,18 +557,16 @@ def _context_note(ctx: SearchContext, chosen: Plan, best_by_cp: dict[bool, Plan]
         gathers = chosen.predicted.breakdown.get("cp_comm_s", 0.0)
         parts = [f"cp {chosen.cp}{' (pinned)' if 'cp' in pins else ''}: each GPU holds {seq // chosen.cp:,} of the "
                  f"{seq:,} tokens of its sequences (activations / {chosen.cp}) for {_fmt_ms(gathers)} of key/value "
-                 f"all-gathers per step ({gathers / chosen.predicted.step_time_s:.0%}); {chosen.dp // chosen.cp} "
+                 f"all-gathers per step ({_fmt_share(gathers / chosen.predicted.step_time_s)}); {chosen.replicas} "
                  f"replica{'s' if chosen.dp // chosen.cp > 1 else ''} take{'' if chosen.dp // chosen.cp > 1 else 's'} "
                  "distinct batches"]
         if other is not None:
-            parts.append(f"the best plan without context parallelism ({_split(other)}) is "
-                         f"{other.predicted.step_time_s / chosen.predicted.step_time_s - 1:.0%} slower")
+            parts.append(f"the best plan without context parallelism ({_split(other)}) is {_slower(other, chosen)}")
         else:
             parts.append("no plan without context parallelism fit or came within the search's step-time cutoff")
         return "; ".join(parts)
     if other is not None:
-        return (f"cp 1: the best plan with context parallelism ({_split(other)}, cp {other.cp}) is "
-                f"{other.predicted.step_time_s / chosen.predicted.step_time_s - 1:.0%} slower")
+        return f"cp 1: the best plan with context parallelism ({_split(other)}) is {_slower(other, chosen)}"
     return "cp 1 (pinned)" if pins.get("cp") == 1 else "cp 1: no plan with cp > 1 fit or came within the cutoff"
 
 
@@ -544,7 +580,7 @@ def _expert_note(ctx: SearchContext, chosen: Plan, best_by_ep: dict[bool, Plan],
         return (f"ep 1, expert tp {chosen.expert_tp}{' (pinned)' if 'expert_tp' in pins else ''}: each GPU holds "
                 f"1/{chosen.expert_tp} of the hidden units of all {experts['num_experts']} experts of its layers and "
                 f"runs them on its replica's tokens, for {_fmt_ms(exchange)} of all-reduces of their outputs per step "
-                f"({exchange / chosen.predicted.step_time_s:.0%})")
+                f"({_fmt_share(exchange / chosen.predicted.step_time_s)})")
     if chosen.ep > 1:
         exchange = chosen.predicted.breakdown.get("ep_comm_s", 0.0)
         cfg = ParallelConfig.of_plan(chosen)
@@ -554,7 +590,7 @@ def _expert_note(ctx: SearchContext, chosen: Plan, best_by_ep: dict[bool, Plan],
         parts = [f"ep {chosen.ep}{' (pinned)' if 'ep' in pins else ''}: each GPU computes 1/{chosen.ep} of the "
                  f"{experts['num_experts']} experts of its layers{hidden} for {tokens}, "
                  f"for {_fmt_ms(exchange)} of expert communication per step "
-                 f"({exchange / chosen.predicted.step_time_s:.0%})", expert_links(ctx.cluster, cfg).describe()]
+                 f"({_fmt_share(exchange / chosen.predicted.step_time_s)})", _links_line(ctx.cluster, cfg)]
         if chosen.zero >= 2 and chosen.dp_replicate > 1:
             parts.append(f"HSDP shards those experts over {cfg.expert_dp // chosen.dp_replicate} of the "
                          f"{cfg.expert_dp} ranks holding the same ones and replicates them {chosen.dp_replicate} times")
@@ -566,19 +602,35 @@ def _expert_note(ctx: SearchContext, chosen: Plan, best_by_ep: dict[bool, Plan],
             parts.append(f"zero 1 shards their optimizer state over the {cfg.expert_dp} ranks holding the same ones")
         else:
             total = sum(experts["block_params"]) * (1 - 1 / (chosen.ep * chosen.expert_tp)) / chosen.pp
-            parts.append(f"about {total / 1e9:.2f}B fewer parameters per GPU than without ep (zero 0)")
+            parts.append(f"about {_fmt_params(total)} fewer parameters per GPU than without ep (zero 0)")
         if other is not None:
             parts.append(f"the best plan without expert parallelism ({_sharding(other)}, {_split(other)}) is "
-                         f"{other.predicted.step_time_s / chosen.predicted.step_time_s - 1:.0%} slower")
+                         f"{_slower(other, chosen)}")
         return "; ".join(parts)
     if other is not None:
         return (f"ep 1: the best plan with expert parallelism ({_split(other)}, ep {other.ep}, {_sharding(other)}) is "
-                f"{other.predicted.step_time_s / chosen.predicted.step_time_s - 1:.0%} slower")
+                f"{_slower(other, chosen)}")
     why = "pinned" if pins.get("ep") == 1 else (
         "no plan with ep > 1 fit or came within the search's step-time cutoff (under the pinned HSDP ep must "
         "divide tp x dp_shard)" if (pins.get("dp_replicate") or 1) > 1 else
         "no plan with ep > 1 fit or came within the search's step-time cutoff")
     return f"ep 1: {why}"
+
+
+def _fmt_params(count: float) -> str:
+    """A parameter count in the unit it reads in: "1.20B", "52.3K" (a small model's "0.00B" said nothing)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{unit}"
+    return f"{count:,.0f}"
+
+
+def _links_line(cluster: Cluster, cfg: ParallelConfig) -> str:
+    """`ExpertLinks.describe`, with the cluster's own intra-node link named: a CPU node's ranks talk
+    over shared memory, not NVLink (issue 43: "1 peer over NVLink" on a CPU cluster)."""
+    line = expert_links(cluster, cfg).describe()
+    kind = cluster.intra_node.kind
+    return line if kind == "NVLink" else line.replace("over NVLink", f"over {kind}" if kind else "inside the node")
 
 
 def pre_cut_bound(cfg: ParallelConfig, total_s: float, fwd_share: float) -> float:
@@ -636,7 +688,8 @@ def _same_but_layout(a: Plan, b: Plan) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
-def _raise_no_plan(ctx: SearchContext, cluster: Cluster, pins: dict, sp_allowed: bool, advise: bool) -> None:
+def _raise_no_plan(ctx: SearchContext, cluster: Cluster, pins: dict, sp_allowed: bool, advise: bool,
+                   result: SearchResult) -> None:
     from autoplan.search.advice import no_plan_message  # the error path only
 
-    raise PlanningError(no_plan_message(ctx, cluster, pins, sp_allowed, advise, search=search_plans))
+    raise NoPlanError(no_plan_message(ctx, cluster, pins, sp_allowed, advise, search=search_plans), result)

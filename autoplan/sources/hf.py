@@ -313,6 +313,12 @@ class HFSource(ModelSource):
     def _from_path(cls, spec: str, path: Path) -> HFSource:
         transformers = _transformers()
         file = path / "config.json" if path_kind(path) == "dir" else path
+        if path_kind(path) is None:
+            # Most often a hub id (hf:meta-llama/Meta-Llama-3-8B): autoplan downloads nothing (issue 44:
+            # this said "holds no config.json" of a path that does not exist).
+            raise SourceError(f"hf: {_clip(str(path))!r} does not exist; hf: takes a local config.json or its directory "
+                              "(a Hugging Face hub id is not downloaded: download the model's config.json and point "
+                              "hf: at it), or hf:MODEL_TYPE:key=value,...")
         if path_kind(file) != "file":
             raise SourceError(f"hf: {_clip(str(path))!r} holds no config.json; point hf: at a model directory or its config.json")
         data = read_json(file, "hf: config", SourceError, "point hf: at a model directory or its config.json")

@@ -99,7 +99,7 @@ def plan_summary(plan: Plan) -> list[str]:
               + (f" (ep {plan.ep})" if plan.ep > 1 else "")
               + (f" (expert tp {plan.expert_tp})" if plan.expert_tp > 1 else "") + f"; {plan.schedule}"
               + (f" with {plan.virtual_stages} virtual stages per rank" if plan.virtual_stages > 1 else "")
-              + f"; {plan.num_microbatches} micro-batches of {plan.micro_batch_size}; recompute {plan.recompute}; "
+              + f"; {plan.num_microbatches} micro-batch{'es' if plan.num_microbatches != 1 else ''} of {plan.micro_batch_size}; recompute {plan.recompute}; "
               f"zero {plan.zero}" + (f" (HSDP {plan.dp_replicate} x {plan.dp_shard})" if plan.dp_replicate > 1 else "")
               + ("; sequence parallel" if plan.sequence_parallel else "") + f"; {plan.job.dtype}")
     return [f"autoplan plan for {plan.model} on {plan.cluster.get('name', '?')} ({plan.num_gpus} GPUs)",

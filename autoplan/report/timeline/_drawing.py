@@ -37,6 +37,28 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} us"
 
 
+SHARED_SCALE_MAX_RATIO = 2.0
+"""Timelines whose steps differ by at most this factor share one time axis (their widths compare
+directly); beyond it each is drawn on its own axis, its step over the full width, or the shorter one
+is a sliver at the left edge (issue 44: a CPU run of a GPU-calibrated plan measured 54x the
+prediction, whose rows were then 2% of the picture)."""
+
+
+def _spans(timelines: Sequence[Timeline]) -> tuple[list[float], str | None]:
+    """The time each timeline's rows span (seconds), and, when they are not one shared axis, the line
+    the legend says it with (each timeline's step against the first's)."""
+    steps = [t.step_time_s if t.step_time_s > 0 else 0.0 for t in timelines]
+    longest = max(steps, default=0.0) or 1.0
+    shortest = min((s for s in steps if s > 0), default=longest)
+    if len(timelines) < 2 or longest <= SHARED_SCALE_MAX_RATIO * shortest:
+        return [longest] * len(timelines), None
+    first = timelines[0]
+    ratios = ", ".join(f"{t.label} {t.step_time_s / first.step_time_s:.3g}x {first.label}" for t in timelines[1:]
+                       if first.step_time_s > 0)
+    note = "each timeline on its own time scale (its step is the full width)" + (f": {ratios}" if ratios else "")
+    return [s or longest for s in steps], note
+
+
 def _time_unit(span_s: float) -> tuple[str, float]:
     """One unit for a whole axis, chosen by its span: (name, units per second)."""
     if span_s >= 1.0:

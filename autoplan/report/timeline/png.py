@@ -8,7 +8,14 @@ import os
 from collections.abc import Sequence
 
 from autoplan.plan import Plan
-from autoplan.report.timeline._drawing import _box_label, _fmt_s, _tick_labels, _time_unit, _title_lines
+from autoplan.report.timeline._drawing import (
+    _box_label,
+    _fmt_s,
+    _spans,
+    _tick_labels,
+    _time_unit,
+    _title_lines,
+)
 from autoplan.report.timeline._kinds import _COLORS, _LEGEND, _OTHER_COLOR, _THIN_KINDS
 from autoplan.report.timeline.model import Timeline, TimelineError
 
@@ -38,14 +45,16 @@ def to_png(timelines: Sequence[Timeline], path: str | os.PathLike, plan: Plan | 
     from matplotlib.patches import Patch
 
     num_rows = sum(t.num_ranks for t in timelines)
-    span = max((t.step_time_s for t in timelines), default=0.0) or 1.0
-    unit, per_s = _time_unit(span)
+    spans, scale_note = _spans(timelines)  # one shared axis, or each timeline its own (svg.py's rule)
+    own = scale_note is not None
     dpi, fig_w = 120, 14.0
     title_lines = _title_lines(plan, (), int(fig_w * dpi / 10.5)) if plan is not None else []
     title_h = 0.3 * len(title_lines)
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(fig_w, 1.2 + title_h + 0.55 * num_rows + 0.4 * len(timelines)),
-                             sharex=True, squeeze=False, dpi=dpi)
-    for ax, t in zip(axes[:, 0], timelines):
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(fig_w, 1.2 + title_h + 0.55 * num_rows
+                                                         + (0.8 if own else 0.4) * len(timelines)),
+                             sharex=not own, squeeze=False, dpi=dpi)
+    for ax, t, span in zip(axes[:, 0], timelines, spans):
+        unit, per_s = _time_unit(span)
         groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for b in t.boxes:
             groups.setdefault((b.rank, b.kind), []).append((b.start_s * per_s, b.duration_s * per_s))
@@ -64,11 +73,13 @@ def to_png(timelines: Sequence[Timeline], path: str | os.PathLike, plan: Plan | 
         ax.set_xlim(0, span * per_s * 1.01)
         ax.set_title(f"{t.label}: step {_fmt_s(t.step_time_s)}, bubble {t.bubble_fraction:.1%}", fontsize=10)
         ax.set_facecolor("#f4f4f4")
-    ticks, labels, _ = _tick_labels(span)
-    axes[-1, 0].set_xticks([tick * per_s for tick in ticks], labels)
-    axes[-1, 0].set_xlabel(f"time ({unit})")
+        if own or ax is axes[-1, 0]:  # shared: the bottom axis names the unit once
+            ticks, labels, _ = _tick_labels(span)
+            ax.set_xticks([tick * per_s for tick in ticks], labels)
+            ax.set_xlabel(f"{t.label} time ({unit})" if own else f"time ({unit})")
     handles = [Patch(color=_COLORS[k], label=label) for k, label in _LEGEND]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False,
+               title=scale_note, title_fontsize=8)
     if title_lines:
         fig.suptitle("\n".join(title_lines), fontsize=11, y=1 - 0.1 / fig.get_figheight(), va="top")
     top = 1 - (0.15 + title_h) / fig.get_figheight() if title_lines else 1
@@ -76,7 +87,8 @@ def to_png(timelines: Sequence[Timeline], path: str | os.PathLike, plan: Plan | 
     # Labels go in after the layout, where a box's width in pixels is known: only those that fit.
     font_pt = 7
     font_px = font_pt * dpi / 72
-    for ax, t in zip(axes[:, 0], timelines):
+    for ax, t, span in zip(axes[:, 0], timelines, spans):
+        unit, per_s = _time_unit(span)
         px_per_unit = ax.get_window_extent().width / (span * per_s * 1.01)
         for b in t.boxes:
             if not b.is_compute:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from xml.sax.saxutils import escape, quoteattr
 
 from autoplan.plan import Plan
-from autoplan.report.timeline._drawing import _box_label, _fmt_s, _tick_labels, _title, _title_lines
+from autoplan.report.timeline._drawing import _box_label, _fmt_s, _spans, _tick_labels, _title, _title_lines
 from autoplan.report.timeline._kinds import _COLORS, _LEGEND, _OTHER_COLOR, _THIN_KINDS
 from autoplan.report.timeline.model import Timeline
 
@@ -20,19 +20,21 @@ def to_svg(timelines: Sequence[Timeline], plan: Plan | None = None, *, width: in
     Every box is `<rect class="box" data-timeline=... data-rank=... data-action=... data-kind=...
     data-start-s=... data-end-s=...>` with a `<title>` tooltip; compute boxes are full height,
     transfers a thin bar at the bottom of the receiving row, the tail (DP, OPT) half height.
-    Compute boxes carry the label that fits them (`_box_label`); the time axis has one unit.
+    Compute boxes carry the label that fits them (`_box_label`); the time axis has one unit. Steps
+    within `SHARED_SCALE_MAX_RATIO` of each other share one axis; otherwise each timeline has its own
+    under its rows, and the legend says so (`_spans`).
     """
     title_px = 13
     # Bold 13 px sans-serif averages under 8.5 px a character: wrap to what the width holds.
     title_lines = _title_lines(plan, timelines, max(20, int((width - 40) / 8.5)))
     left, right, row_h, gap = 110, 20, 28, 6
     top = 14 + 18 * len(title_lines)
-    span = max((t.step_time_s for t in timelines), default=0.0) or 1.0
+    spans, scale_note = _spans(timelines)
     plot_w = width - left - right
-    scale = plot_w / span
     y = top
     parts: list[str] = []
-    for t in timelines:
+    for t, span in zip(timelines, spans):
+        scale = plot_w / span
         parts.append(f'<g class="timeline" data-timeline={quoteattr(t.label)}>')
         parts.append(f'<text x="4" y="{y + 12}" font-weight="bold">{escape(t.label)}</text>')
         y += 18
@@ -62,23 +64,22 @@ def to_svg(timelines: Sequence[Timeline], plan: Plan | None = None, *, width: in
                                  f'text-anchor="middle" fill="white" font-size="10">{escape(label)}</text>')
             parts.append("</g>")
         y += t.num_ranks * (row_h + gap) + 12
+        if scale_note is not None:  # its own axis, under its rows
+            parts += _axis(left, plot_w, y, span, f"{t.label} time", t.label)
+            y += 44
         parts.append("</g>")
-    # Time axis: one unit for every tick, named once under it.
-    ticks, labels, unit = _tick_labels(span)
-    axis = [f'<line class="axis" x1="{left}" y1="{y}" x2="{left + plot_w}" y2="{y}" stroke="#333"/>']
-    for tick_s, label in zip(ticks, labels):
-        x = left + tick_s * scale
-        axis.append(f'<line x1="{x:.2f}" y1="{y}" x2="{x:.2f}" y2="{y + 4}" stroke="#333"/>')
-        axis.append(f'<text class="tick" x="{x:.2f}" y="{y + 16}" text-anchor="middle" font-size="10">{label}</text>')
-    axis.append(f'<text class="axis-label" x="{left + plot_w / 2:.2f}" y="{y + 30}" text-anchor="middle" '
-                f'font-size="11">time ({unit})</text>')
-    y += 40
+    # One shared time axis: one unit for every tick, named once under it.
+    axis = _axis(left, plot_w, y, spans[0], "time", None) if scale_note is None else []
+    y += 40 if scale_note is None else 0
     legend = []
     lx = left
     for kind, label in _LEGEND:
         legend.append(f'<rect x="{lx}" y="{y}" width="12" height="12" fill="{_COLORS[kind]}"/>'
                       f'<text x="{lx + 16}" y="{y + 10}" font-size="11">{label}</text>')
         lx += 110
+    if scale_note is not None:
+        y += 20
+        legend.append(f'<text class="scale-note" x="{left}" y="{y + 10}" font-size="11">{escape(scale_note)}</text>')
     height = y + 24
     heading = [f'<text class="title" x="{width / 2}" y="{22 + 18 * k}" text-anchor="middle" font-size="{title_px}" '
                f'font-weight="bold">{escape(line)}</text>' for k, line in enumerate(title_lines)]
@@ -88,3 +89,18 @@ def to_svg(timelines: Sequence[Timeline], plan: Plan | None = None, *, width: in
         f"<title>{escape(_title(plan, timelines))}</title>",
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
         *heading, *parts, *axis, *legend, "</svg>", ""])
+
+
+def _axis(left: float, plot_w: float, y: float, span_s: float, name: str, timeline: str | None) -> list[str]:
+    """A time axis `plot_w` wide for `span_s` seconds at height `y`: ticks in one unit, named once."""
+    ticks, labels, unit = _tick_labels(span_s)
+    scale = plot_w / span_s
+    of = f" data-timeline={quoteattr(timeline)}" if timeline is not None else ""
+    axis = [f'<line class="axis"{of} x1="{left}" y1="{y}" x2="{left + plot_w}" y2="{y}" stroke="#333"/>']
+    for tick_s, label in zip(ticks, labels):
+        x = left + tick_s * scale
+        axis.append(f'<line x1="{x:.2f}" y1="{y}" x2="{x:.2f}" y2="{y + 4}" stroke="#333"/>')
+        axis.append(f'<text class="tick"{of} x="{x:.2f}" y="{y + 16}" text-anchor="middle" font-size="10">{label}</text>')
+    axis.append(f'<text class="axis-label"{of} x="{left + plot_w / 2:.2f}" y="{y + 30}" text-anchor="middle" '
+                f'font-size="11">{escape(name)} ({unit})</text>')
+    return axis
