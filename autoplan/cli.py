@@ -200,9 +200,16 @@ def cmd_suggest(args: argparse.Namespace) -> int:
 
 
 def cmd_export_checkpoint(args: argparse.Namespace) -> int:
-    from autoplan.runtime.checkpoint import export_torch_save
+    if args.format == "hf":
+        from autoplan.runtime.hf_export import export_hf
 
-    out = export_torch_save(args.checkpoint, args.out, model_only=not args.everything)
+        if args.everything:
+            raise ValueError("--everything writes a torch.save file; --format hf writes the model's weights only")
+        out = export_hf(args.checkpoint, args.out)
+    else:
+        from autoplan.runtime.checkpoint import export_torch_save
+
+        out = export_torch_save(args.checkpoint, args.out, model_only=not args.everything)
     print(f"wrote {out}")
     return 0
 
@@ -224,8 +231,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
                     skip_nonfinite=args.skip_nonfinite,
                     data=args.data, allow_oversubscribe=args.allow_oversubscribe,
-                    **({"clip_grad": args.clip_grad} if args.clip_grad is not None else {}),
-                    **({"overwrite": True} if args.overwrite else {}))
+                    clip_grad=args.clip_grad, overwrite=args.overwrite, init=args.init)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -353,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="delete the checkpoints already in --checkpoint-dir before training (without it, or --resume, "
                         "a directory holding checkpoints is refused: one job per directory)")
+    p.add_argument("--init", metavar="PATH",
+                   help="start from pretrained weights: a Hugging Face directory (config.json + safetensors, one file "
+                        "or shards), a torch.save state dict or an autoplan checkpoint; each rank reads only its slices "
+                        "(a resumed checkpoint takes precedence)")
     p.add_argument("--clip-grad", type=float, metavar="MAX_NORM",
                    help="clip the gradients' global norm (over every rank: tp, pp, dp, shards, experts) to MAX_NORM "
                         "each step, as torch.nn.utils.clip_grad_norm_ on one process; the norm goes to --metrics "
@@ -364,12 +374,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run even when the ranks' estimated host memory (CPU ranks, no CUDA) exceeds what is free")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("export-checkpoint", help="write a checkpoint as one torch.save file (one process)",
+    p = sub.add_parser("export-checkpoint", help="write a checkpoint as one torch.save file or a Hugging Face "
+                                                 "directory (one process)",
                        description="Reads a checkpoint of `autoplan run --checkpoint-dir` (a step-N directory, or the "
                                    "newest complete one under DIR; torch.distributed.checkpoint format) and writes the "
                                    "full model's state dict: `model.load_state_dict(torch.load(FILE))`.")
     p.add_argument("checkpoint", help="a step-N directory or a --checkpoint-dir")
-    p.add_argument("--out", required=True, metavar="FILE", help="torch.save file to write")
+    p.add_argument("--out", required=True, metavar="FILE|DIR", help="torch.save file (or, with --format hf, directory) "
+                                                                   "to write")
+    p.add_argument("--format", choices=("torch", "hf"), default="torch",
+                   help="torch: one torch.save file; hf: a directory transformers loads with from_pretrained "
+                        "(config.json + safetensors, sharded past 5 GB with an index), for hf: models")
     p.add_argument("--everything", action="store_true",
                    help="also the optimizer state and per-rank extras (torch's dcp_to_torch_save)")
     p.set_defaults(func=cmd_export_checkpoint)
@@ -411,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         for flag in ("out", "plot"):  # an output nobody could write is refused before any work
+            if flag == "out" and getattr(args, "format", None) == "hf":
+                continue  # a directory: hf_export.py checks it
             if getattr(args, flag, None) is not None:
                 check_output_file(f"--{flag}", getattr(args, flag))
         return int(args.func(args) or 0)

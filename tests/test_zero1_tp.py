@@ -108,7 +108,8 @@ def _rank_job(rank, world_size, plans, root):
             "state_numel": sum(_local(s[k]).numel() for s in state.values() for k in ("exp_avg", "exp_avg_sq")),
             "params": _values(pm),
             "held": sorted(n for n, p in pm.named_parameters() if pm.holds_values(p)),
-            "grads_numel": sum(_local(p.grad).numel() for p in pm.parameters() if p.grad is not None),
+            # the gradients are the fp32 masters' (a released one's too: `named_masters`)
+            "grads_numel": sum(_local(p.grad).numel() for _, p in pm.named_masters() if p.grad is not None),
             "bytes": held_state_bytes(pm, optimizer),
             "coords": plan.coords(rank),
         }

@@ -25,10 +25,11 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 from autoplan.graph.blocks import Op
 
 __all__ = ["RECORDER_VERSION", "Call", "FusedAttention", "FusedRMSNorm", "GpuKernels", "OperatorRecorder", "UnpricedOperator",
-           "merge_batches"]
+           "merge_batches", "record_as_composite"]
 
-RECORDER_VERSION = 7
-"""In the profile cache's key: a change to what is recorded re-profiles."""
+RECORDER_VERSION = 8
+"""In the profile cache's key: a change to what is recorded re-profiles (8: the zoo's SwiGLU operator,
+[Note: lean SwiGLU] in models/ops.py, recorded as its eager kernels)."""
 
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm_fallback", "grouped_mm_fallback_backward"}
 # Kernels with no memory traffic worth a time: allocations, metadata, shape queries.
@@ -76,6 +77,23 @@ def _nbytes(t: torch.Tensor) -> int:
 # NotImplementedError ("no rule registered for HigherOrderOperator cond") came out as a traceback.
 
 
+_COMPOSITES: dict = {}
+"""Custom operator -> the Python function of ATen calls its eager kernel runs ([Note: composite operators])."""
+
+
+def record_as_composite(op, composite) -> None:
+    """Record calls of the custom operator `op` as the ATen calls of `composite` (same arguments)."""
+    _COMPOSITES[op] = composite
+
+
+# [Note: composite operators]
+# A custom operator (torch.library.custom_op) reaches the recorder as one call, and below it the
+# fake mode runs its fake kernel: its own ATen calls are never seen. Where the operator exists to
+# change what autograd saves, not to fuse kernels (the zoo's SwiGLU, models/ops.py), a GPU runs
+# eagerly the ATen kernels its Python body calls, one launch each: the recorder records those
+# (`record_as_composite`), re-entering itself around the body, so the operator list prices what runs.
+
+
 class UnpricedOperator(RuntimeError):
     """A higher-order operator reached the recorder ([Note: higher-order operators])."""
 
@@ -119,6 +137,10 @@ class OperatorRecorder(TorchDispatchMode):
         if isinstance(func, torch._ops.HigherOrderOperator):
             raise UnpricedOperator(func.name())
         kwargs = kwargs or {}
+        composite = _COMPOSITES.get(func)
+        if composite is not None and not self.paused:
+            with self:  # [Note: composite operators]: record the kernels of its body
+                return composite(*args, **kwargs)
         out = func(*args, **kwargs)
         if self.paused:
             return out

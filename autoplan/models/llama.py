@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from autoplan.graph.positions import sequence_positions
 from autoplan.models.common import INIT_STD, _embedding
 from autoplan.models.config import LlamaConfig
+from autoplan.models.ops import swiglu
 
 __all__ = ["LlamaAttention", "LlamaLayer", "LlamaMLP", "LlamaModel", "RotaryEmbedding"]
 
@@ -102,16 +103,11 @@ class LlamaAttention(nn.Module):
         k = self.wk(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         v = self.wv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         q, k = self.rope(q, k)
-        if self.num_rep > 1 and sequence_positions() is not None:
-            # Under context parallelism the kernel reads each key/value head for its num_rep query
-            # heads (`enable_gqa`), so the runtime gathers keys and values at their own size, as
-            # Llama 3 does (runtime/context.py).
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            if self.num_rep > 1:  # grouped-query attention (Ainslie et al. 2023)
-                k = k.repeat_interleave(self.num_rep, dim=1)
-                v = v.repeat_interleave(self.num_rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query attention (Ainslie et al. 2023) with the kernel reading each key/value head
+        # for its num_rep query heads (`enable_gqa`): keys and values are kept for backward at their
+        # own num_kv_heads, not repeated to the query heads (num_rep times the bytes), and context
+        # parallelism gathers them at their own size, as Llama 3 does (runtime/context.py).
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_rep > 1)
         return self.wo(out.transpose(1, 2).flatten(2))
 
 
@@ -126,7 +122,7 @@ class LlamaMLP(nn.Module):
         self.w2.init_std = INIT_STD / math.sqrt(2 * config.num_layers)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))  # [Note: lean SwiGLU] in models/ops.py
 
 
 class LlamaLayer(nn.Module):

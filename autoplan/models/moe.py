@@ -9,7 +9,6 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoplan.graph.aux_loss import attach_aux_loss
@@ -18,6 +17,7 @@ from autoplan.graph.positions import sum_over_sequence
 from autoplan.models.common import INIT_STD, _embedding
 from autoplan.models.config import MoEConfig
 from autoplan.models.llama import LlamaAttention, LlamaMLP, LlamaModel
+from autoplan.models.ops import swiglu
 
 __all__ = ["GroupedExperts", "MoEFeedForward", "MoELayer", "MoEModel", "RoutedExperts", "expert_capacity"]
 
@@ -73,7 +73,7 @@ class GroupedExperts(nn.Module):
         self.init_stds = {"w2": INIT_STD / math.sqrt(2 * num_layers)}
 
     def forward(self, tokens: Tensor) -> Tensor:
-        return torch.bmm(F.silu(torch.bmm(tokens, self.w1)) * torch.bmm(tokens, self.w3), self.w2)
+        return torch.bmm(swiglu(torch.bmm(tokens, self.w1), torch.bmm(tokens, self.w3)), self.w2)
 
 
 class RoutedExperts(GroupedExperts):
@@ -90,7 +90,7 @@ class RoutedExperts(GroupedExperts):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
         counts = counts.scatter_add(0, flat, torch.ones_like(flat))  # a fixed shape, unlike bincount
         offs = counts.cumsum(0)
-        done = grouped_mm(F.silu(grouped_mm(rows, self.w1, offs)) * grouped_mm(rows, self.w3, offs), self.w2, offs)
+        done = grouped_mm(swiglu(grouped_mm(rows, self.w1, offs), grouped_mm(rows, self.w3, offs)), self.w2, offs)
         done = done * weights.reshape(-1).index_select(0, order).to(done.dtype).unsqueeze(1)
         return tokens.new_zeros(tokens.shape).index_add(0, source, done)
 

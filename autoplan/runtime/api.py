@@ -1,8 +1,9 @@
 """`partition(model, plan)`: this rank's piece of a model, trained by the pipeline executor.
 
     pm = partition(model, plan, example_inputs=(ids,), loss_fn=loss)
-    opt = torch.optim.AdamW(pm.parameters())
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=3e-4)   # sharded as the plan's ZeRO stage says
     loss = pm.step(ids, target=targets)   # the loss on the last pipeline stage, else None
+    norm = pm.clip_grad_norm_(1.0)        # optional: the global norm over every rank (clipping.py)
     opt.step()
 
 Only this rank's stages are materialized (see split.py); parameters keep their names in the model.
@@ -205,6 +206,7 @@ def partition(
     timeout: timedelta = DEFAULT_TIMEOUT,
     leaf_modules: Sequence[str] | None = None,
     tracer: str | None = None,
+    init: str | os.PathLike | None = None,
 ) -> PartitionedModel:
     """This rank's stages of `model` under `plan`: a spec string (a zoo model, `file.py:function`,
     `hf:...`; built here on meta), a `ModelSource`, or an nn.Module with `example_inputs`.
@@ -216,7 +218,8 @@ def partition(
     without one, the source's loss (the default: cross entropy on the logits, see
     [Note: the default loss] in sources/base.py). `example_target` is optional: the target's shape
     follows the model's output. The default process group is initialized from the torchrun
-    environment when none exists.
+    environment when none exists. `init`: pretrained weights (a Hugging Face safetensors directory, a
+    torch.save state dict or an autoplan checkpoint), each rank reading only its slices (weights.py).
     """
     _check_partition_arguments(example_inputs, loss_fn, example_target, device, seed, timeout, leaf_modules, tracer)
     plan = _load_plan(plan)
@@ -255,12 +258,17 @@ def partition(
     run_in_dtensor(build, plan, layout)
     apply_data_parallel(build, plan, layout)
     executor = build_executor(build, plan, layout, device=device, timeout=timeout)
-    return PartitionedModel(plan=plan, layout=layout, stages=build.stages, executor=executor,
-                            input_names=traced.input_names, aliases=aliases, device=device,
-                            batch_size_of_example=batch_size_of(graph_inputs), precision=build.precision,
-                            compute_dtype=build.compute_dtype, source=source, expert_params=build.expert_params,
-                            context=build.context, output_template=whole_sequence_output(output_template, plan),
-                            expert_hidden=build.expert_hidden)
+    pm = PartitionedModel(plan=plan, layout=layout, stages=build.stages, executor=executor,
+                          input_names=traced.input_names, aliases=aliases, device=device,
+                          batch_size_of_example=batch_size_of(graph_inputs), precision=build.precision,
+                          compute_dtype=build.compute_dtype, source=source, expert_params=build.expert_params,
+                          context=build.context, output_template=whole_sequence_output(output_template, plan),
+                          expert_hidden=build.expert_hidden)
+    if init is not None:
+        from autoplan.runtime.weights import load_weights
+
+        load_weights(pm, init)
+    return pm
 
 
 def _check_plan_for(model: nn.Module, plan: Plan) -> None:

@@ -44,7 +44,7 @@ from autoplan.runtime.machine import GIB, MachineFit, available_memory_bytes, oo
 from autoplan.runtime.preflight import _note, check_run
 from autoplan.runtime.ranks import LocalJob, free_port, one_line
 from autoplan.runtime.rendezvous import _loopback_interface, _loopback_process_group, startup_timeout
-from autoplan.runtime.training import _train
+from autoplan.runtime.training import _train, check_clip_grad
 
 __all__ = ["run_plan"]
 
@@ -240,7 +240,8 @@ def _sigterm_stops_the_job():
 def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps: int = 10, nproc: int | None = None,
              trace_path: str | None = None, metrics_path: str | None = None, seed: int = 0, timeout_s: float = 60.0,
              lr: float = 1e-3, checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-             resume: bool = False, data: str | None = None, skip_nonfinite: int = 0,
+             resume: bool = False, data: str | None = None, skip_nonfinite: int = 0, clip_grad: float | None = None,
+             overwrite: bool = False, init: str | os.PathLike | None = None,
              allow_oversubscribe: bool = False,
              _fail_at: tuple[int, int] | None = None, _fault: str | None = None,
              _grace_s: float = 10.0, _start_method: str = "spawn") -> int:
@@ -261,21 +262,30 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
     [Note: start-up and step timeouts]). `checkpoint_dir` saves a checkpoint every `checkpoint_every` steps (default
     DEFAULT_CHECKPOINT_EVERY) and after the last; `resume` continues from the newest good checkpoint
     in `checkpoint_dir` (`steps` is the total, so a run resumed at step 3 with steps=6 trains steps
-    3, 4, 5). A step whose loss or gradients are not finite stops the run (exit 1, naming the step
-    and the stages), unless fewer than `skip_nonfinite` such steps were skipped so far: then its
+    3, 4, 5); without it, a `checkpoint_dir` that holds checkpoints is refused, unless `overwrite`
+    deletes them first (checkpoint/identity.py [Note: one job per checkpoint directory]). A step
+    whose loss or gradients are not finite stops the run (exit 1, naming the step and the stages),
+    unless fewer than `skip_nonfinite` such steps were skipped so far: then its
     optimizer step is skipped. An fp16 plan scales its loss (precision.py [Note: fp16 loss
     scaling]): a step whose gradients overflow is skipped and the scale halved, which is not counted
-    against `skip_nonfinite`. `metrics_path` is appended to, one JSON record per step tagged with
+    against `skip_nonfinite`. `clip_grad`: clip the gradients' global norm to it every step
+    (`PartitionedModel.clip_grad_norm_`; the norm goes to the metrics as grad_norm, and a non-finite
+    norm is a non-finite step). `init`: pretrained weights to start from (a Hugging Face safetensors
+    directory, a torch.save state dict or an autoplan checkpoint; each rank reads its slices,
+    weights.py), checked against the model before any rank starts; a resumed checkpoint takes
+    precedence. `metrics_path` is appended to, one JSON record per step tagged with
     this run's id. `_fail_at=(rank, step)` makes that rank raise before that step; `_fault`
     (default: $AUTOPLAN_FAULT) injects other faults (faults.py). `_grace_s`: how long the
     launcher lets the other ranks fail by themselves before it terminates them. `_start_method`:
     "spawn" (default) or "forkserver".
     """
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    check_clip_grad(clip_grad)
     checked = check_run(plan, model=model, steps=steps, nproc=nproc, trace_path=trace_path, metrics_path=metrics_path,
                         seed=seed, timeout_s=timeout_s, lr=lr, checkpoint_dir=checkpoint_dir,
                         checkpoint_every=checkpoint_every, resume=resume, data=data, skip_nonfinite=skip_nonfinite,
-                        allow_oversubscribe=allow_oversubscribe, fault=_fault, torchrun=torchrun)
+                        allow_oversubscribe=allow_oversubscribe, fault=_fault, torchrun=torchrun, overwrite=overwrite,
+                        init=init)
     plan, spec, nproc, faults, fit = checked.plan, checked.spec, checked.nproc, checked.faults, checked.fit
     checkpoint_dir, lock, resume_from = checked.checkpoint_dir, checked.lock, checked.resume_from
     if checkpoint_dir is not None and checkpoint_every is None:
@@ -287,7 +297,8 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
     payload = dict(spec=spec, steps=steps, seed=seed, timeout_s=float(timeout_s), trace_path=trace_path, data=data,
                    metrics_path=metrics_path, lr=lr, fail_at=_fail_at, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, resume=resume, faults=faults, skip_nonfinite=skip_nonfinite,
-                   run_id=run_id, resume_from=resume_from)
+                   run_id=run_id, resume_from=resume_from, clip_grad=clip_grad,
+                   init=None if init is None else str(init))
     try:
         if torchrun:  # this process is one rank
             return _run_this_rank(plan, payload)

@@ -56,7 +56,7 @@ def held_state_bytes(pm, optimizer: torch.optim.Optimizer | None = None) -> dict
     from autoplan.runtime.checkpoint import local_optimizer
 
     seen: set[int] = set()
-    masters = list(pm.parameters())
+    masters = [p for _, p in pm.named_masters()]  # a released ZeRO-1 master keeps its fp32 gradient
     working = [p for stage in pm.stages.values() for p in stage.module.parameters()]
     out = {"weights": storage_bytes([*masters, *working], seen),
            "grads": storage_bytes([p.grad for p in [*masters, *working] if p.grad is not None], seen),

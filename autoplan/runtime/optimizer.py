@@ -125,6 +125,9 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
     rank alone holds them). Collective: every rank of `group` builds it with the same parameters
     (by size and order, experts apart) and calls `step` together."""
 
+    _autoplan_zero_one = True
+    """The optimizer of the released masters (runtime/precision.py [Note: writes under ZeRO-1])."""
+
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], *,
                  group: dist.ProcessGroup, working: Mapping[int, torch.Tensor] | None = None,
                  experts: Iterable[torch.Tensor] = (), expert_group: dist.ProcessGroup | None = None,
@@ -142,12 +145,16 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                          "params": [p for p in g["params"] if id(p) in mine]}
                         for g in self.param_groups]
         self.optim = optimizer_class(inner_groups, **defaults)
+        self.optim._autoplan_zero_one = True  # steps the masters this rank owns (precision.py [Note: writes under ZeRO-1])
         """torch's optimizer over the parameters this rank owns: it holds their state."""
         for outer, inner in zip(self.param_groups, self.optim.param_groups):  # the full hyperparameters
             for k, v in inner.items():
                 if k != "params":
                     outer.setdefault(k, v)
         self.defaults = {**self.optim.defaults, **defaults}
+        self.after_step: Callable[[], None] | None = None
+        """Called after each step's broadcast (`PartitionedModel.make_optimizer` records the versions
+        of the values it wrote: runtime/precision.py [Note: writes under ZeRO-1])."""
 
     def owned_parameters(self) -> list[torch.Tensor]:
         """The parameters this rank steps and keeps state for."""
@@ -170,6 +177,8 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                 _local(working).copy_(_local(p))
         for shard in self._shards:
             shard.broadcast(self.working)
+        if self.after_step is not None:
+            self.after_step()
         return loss
 
     def state_dict(self) -> dict[str, Any]:

@@ -74,6 +74,7 @@ class PartitionedModel:
         self.last_reductions: list[tuple[str, float, float]] = []
         """(phase, start, end) of the last step's gradient reductions after the pipeline (perf_counter)."""
         self._params = self._collect_params()
+        self._norm_counter = None  # clipping.py's GradNormCounter, made on the first clip_grad_norm_
         self.loss_scaler = LossScaler() if compute_dtype == torch.float16 else None
         """fp16 plans: the dynamic loss scale (precision.py [Note: fp16 loss scaling]); `step` scales
         the backward by it and unscales the gradients, the caller skips the optimizer step on an
@@ -93,18 +94,32 @@ class PartitionedModel:
         return out
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their names in the model (a tied copy under its own name).
+        """This rank's parameters under their names in the model (a tied copy under its own name):
+        their values, never a placeholder.
 
         With tp > 1 a sharded parameter is a DTensor: `.to_local()` holds this rank's 1/tp slice
         (rows of a column-parallel weight and its bias, columns of a row-parallel weight). In a bf16
-        plan these are the fp32 masters; once `make_optimizer` has made a ZeRO-1 optimizer, a master
-        another dp rank owns holds no values here (NaN; `holds_values` is False), only its fp32
-        gradient: this rank's values of it are the bf16 working copy, which `state_dict` returns
-        (runtime/precision.py `release_masters`)."""
-        return iter(self._params)
+        plan these are the fp32 masters, with their fp32 gradients. Once `make_optimizer` has made a
+        ZeRO-1 optimizer, a master another dp rank owns holds no values on this rank (runtime/
+        precision.py `release_masters`): it is given as its bf16 working copy (`holds_values` is
+        False), the values this rank computes with, whose gradient is on the master
+        (`named_masters`). Under ZeRO-1 write weights with `load_state_dict` and step with the
+        optimizer `make_optimizer` returned: a write in between is refused by the next `step`
+        (precision.py [Note: writes under ZeRO-1])."""
+        if self.precision is None:
+            return iter(self._params)
+        return ((name, self.precision.readable(p)) for name, p in self._params)
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        return (p for _, p in self._params)
+        """The parameters of `named_parameters`."""
+        return (p for _, p in self.named_parameters())
+
+    def named_masters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """What the optimizer steps, under the names of `named_parameters`: the parameters, or in a
+        bf16 / fp16 plan the fp32 masters, which hold the gradients (`.grad`, fp32, reduced). Under a
+        bf16 ZeRO-1 optimizer a master another dp rank owns holds no values here (a NaN placeholder;
+        `holds_values` is False), only its gradient: read values from `named_parameters`."""
+        return iter(self._params)
 
     def nonfinite_stages(self) -> list[int]:
         """This rank's stages whose gradients hold a NaN or an infinity (after `step`, before the
@@ -122,6 +137,27 @@ class PartitionedModel:
                 bad.append(index)
         return bad
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the whole model by their global norm and return that norm (before
+        clipping): what `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`
+        returns and does on one process, counting each parameter once over every rank of the plan
+        (tp shards, pipeline stages, dp replicas, ZeRO-1 and FSDP shards, experts, tied copies:
+        clipping.py [Note: the global gradient norm]). Call it after `step` (fp16: the gradients are
+        unscaled by then) and before the optimizer's step, on every rank: it is collective. A
+        non-finite norm (a NaN or an infinity in any gradient) is returned as it is, the gradients
+        are then multiplied by NaN as torch's would be: check `torch.isfinite(norm)` and skip the
+        optimizer step (`autoplan run --clip-grad` does)."""
+        from autoplan.runtime.clipping import GradNormCounter, clip_grads_with_norm_
+
+        if not (isinstance(max_norm, int | float) and not isinstance(max_norm, bool) and max_norm > 0):
+            raise ValueError(f"max_norm must be a number above 0, got {max_norm!r}")
+        if self._norm_counter is None:
+            self._norm_counter = GradNormCounter(self)
+        grads = [p.grad for _, p in self._params]
+        total = self._norm_counter.total_norm(grads, float(norm_type), self.device)
+        clip_grads_with_norm_(grads, float(max_norm), total)
+        return total
+
     def zero_grad(self) -> None:
         for _, p in self._params:
             p.grad = None
@@ -130,9 +166,14 @@ class PartitionedModel:
                 p.grad = None
 
     def holds_values(self, param: torch.Tensor) -> bool:
-        """Whether this rank holds the values of `param` (one of `parameters()`): False only for an
-        fp32 master another dp rank owns under a bf16 ZeRO-1 optimizer (see `named_parameters`)."""
-        return self.precision is None or self.precision.holds(param)
+        """Whether this rank holds the fp32 values of `param` (one of `parameters()` or
+        `named_masters()`): False only for a parameter another dp rank owns under a bf16 ZeRO-1
+        optimizer, given as its bf16 working copy by `parameters()` and as its NaN master by
+        `named_masters()` (see `named_parameters`)."""
+        if self.precision is None:
+            return True
+        master = self.precision.master_of.get(id(param), param)
+        return self.precision.holds(master)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (as `named_parameters`) and persistent buffers by name. A master
@@ -152,33 +193,14 @@ class PartitionedModel:
                     out.setdefault(name, buf.detach())
         return out
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = False) -> list[str]:
-        """Copy this rank's part of a full-model state dict; returns the local names not found
-        (raises on any when `strict`)."""
-        missing = []
-        local = self.state_dict()
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        """Copy this rank's slices of a full-model state dict, in every layout (expert slices under ep
+        and expert tp included: runtime/weights.py); returns the local names not found. With `strict`,
+        a missing parameter or an entry the model has none for is a one-line WeightsError (a
+        PartitionError); a tensor of another shape is one in any case."""
+        from autoplan.runtime.weights import load_state_dict_slices
 
-        for name, tensor in local.items():
-            source = state_dict.get(name)
-            if source is None and name in self.aliases:
-                source = state_dict.get(self.aliases[name])
-            if source is None:
-                missing.append(name)
-                continue
-            if isinstance(source, DTensor):
-                source = source.full_tensor()
-            source = source.to(tensor.device, tensor.dtype)
-            if isinstance(tensor, DTensor):  # a tp shard: this rank's slice of the full tensor
-                source = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
-                tensor = tensor.to_local()
-            tensor.copy_(source)
-        if self.precision is not None:
-            self.precision.refresh()
-        if strict and missing:
-            raise KeyError(f"state dict has no entry for {len(missing)} local tensors, e.g. {missing[0]!r}")
-        return missing
+        return load_state_dict_slices(self, state_dict, strict=strict)
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                        **kwargs: Any) -> torch.optim.Optimizer:
@@ -204,6 +226,7 @@ class PartitionedModel:
                                      expert_group=self.layout.expert_dp_group, **kwargs)
         if self.precision is not None:  # the other dp ranks' masters: no fp32 values here
             self.precision.release_masters({id(p) for p in optimizer.owned_parameters()})
+            optimizer.after_step = self.precision.mark_versions  # [Note: writes under ZeRO-1]
         return optimizer
 
     def _param_groups(self) -> list[dict[str, Any]]:
@@ -213,7 +236,7 @@ class PartitionedModel:
         from torch.distributed.tensor import DTensor
 
         groups: dict[Any, list[nn.Parameter]] = {}  # by mesh: one kernel's DTensors share one (FSDP x tp: 2-D)
-        for p in self.parameters():
+        for _, p in self._params:
             key = (id(p.device_mesh), p.device_mesh.ndim) if isinstance(p, DTensor) else None
             groups.setdefault(key, []).append(p)
         return [{"params": group} for group in groups.values()]
@@ -279,6 +302,15 @@ class PartitionedModel:
         if zero_grad:
             self.zero_grad()
         if self.precision is not None:
+            changed = self.precision.changed_master()
+            if changed is not None:  # precision.py [Note: writes under ZeRO-1]
+                name = next(n for n, p in self._params if p is changed)
+                raise PartitionError(
+                    f"parameter {name!r} was written outside the ZeRO-1 optimizer's step (an in-place write or another "
+                    f"optimizer over pm.parameters()); under ZeRO-1 each dp rank holds the fp32 values of 1/dp of the "
+                    f"parameters, so such a write reaches one rank only: step with the optimizer pm.make_optimizer() "
+                    f"returned, and set weights with pm.load_state_dict(state_dict) on every rank (or before "
+                    f"make_optimizer)")
             self.precision.refresh()  # the optimizer stepped the fp32 masters since the last step
         microbatches = self._microbatches(inputs, target)
         self.executor.grad_scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale

@@ -9,8 +9,8 @@ backward), and fp32 residual streams:
 - The stage modules compute with bf16 *working* parameters and buffers; activations, the values sent
   between stages and their gradients are bf16.
 - Each working parameter has an fp32 *master* (Micikevicius et al. 2018, "Mixed Precision Training",
-  Sec. 3.1). The masters are what the user sees: `PartitionedModel.named_parameters()`, what the
-  optimizer steps, what `state_dict` and checkpoints hold.
+  Sec. 3.1). The masters are what the user sees (`PartitionedModel.named_parameters()`, but see
+  ZeRO-1 below), what the optimizer steps, what `state_dict` and checkpoints hold.
 - Gradients accumulate over micro-batches in fp32 on the master (`master.grad`), as Megatron-LM's
   `main_grad` with `accumulate_allreduce_grads_in_fp32`: a post-accumulate-grad hook adds each bf16
   gradient as soon as autograd produces it and frees it; weight gradients that zb-h1 computes
@@ -23,9 +23,25 @@ backward), and fp32 residual streams:
   same nn.Parameter (its name, shape, placement and identity: the optimizer's groups and the
   checkpoints key by it) and keeps its full fp32 gradient (`.grad`, the accumulation buffer that is
   all-reduced over dp, Megatron-LM's `main_grad`), but its values are one shared NaN expanded to
-  its shape (4 bytes for them all; reading it gives NaN, writing into it raises): this rank's values
-  of that parameter are the bf16 working copy, which the owner writes after its step and broadcasts
-  (`ZeroOneOptimizer`), and which `PartitionedModel.state_dict` returns for it.
+  its shape (4 bytes for them all): this rank's values of that parameter are the bf16 working
+  copy, which the owner writes after its step and broadcasts (`ZeroOneOptimizer`), and which
+  `PartitionedModel.named_parameters`, `parameters` and `state_dict` give for it (the released
+  master itself only through `PartitionedModel.named_masters`, never where a user reads weights).
+- [Note: writes under ZeRO-1] Then a parameter's values live on one rank in fp32 and reach the
+  others only through the owner's step, so a write made outside that step (an in-place
+  initialisation, a plain torch optimizer over `parameters()`) would reach this rank's copy only,
+  and be lost or make the replicas differ. Rather than let that pass, both are refused in one line
+  naming ZeRO-1 and the calls that do it right:
+  - another optimizer's step over any of these parameters, by a global optimizer step pre-hook
+    (torch.optim.optimizer `register_optimizer_step_pre_hook`, `_refuse_other_optimizers`), exact
+    whatever the optimizer's implementation;
+  - an in-place write, at the start of the next step (`PartitionedModel.step`): the values a user
+    sees (the held masters and the released masters' working copies) have their version counters
+    recorded after every write the runtime makes (`mark_versions`: after a release, a `refresh`,
+    an owner's step) and compared (`changed_master`). A DTensor's own counter and its local
+    tensor's are both read, since an op on the DTensor bumps the first and one on `.to_local()`
+    the second. (torch's foreach and fused kernels bump neither on a DTensor: the optimizers,
+    which the hook covers.)
 
 Bytes per parameter: 2 (bf16 weight) + 4 (fp32 gradient) + 4 (fp32 master) + 8 (Adam's moments) = 18,
 Megatron-LM's figure for this setup, and the cost model's (cost/memory.py); under ZeRO-1, 2 + 4 +
@@ -52,6 +68,7 @@ non-finite gradient, not a too-large scale, and the run treats it as one (--skip
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -110,6 +127,9 @@ class MixedPrecision:
         self._released: set[int] = set()
         """id(master) of the masters whose values this rank does not hold (`release_masters`)."""
         self._placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._versions: dict[int, int] = {}
+        """id(master) -> the version counter of what a user sees of it, at the runtime's last write
+        (only once masters are released: [Note: writes under ZeRO-1])."""
         working_of: dict[int, nn.Parameter] = {}
         seen_modules: set[int] = set()
         for root in modules:
@@ -156,6 +176,28 @@ class MixedPrecision:
         """Whether this rank holds the fp32 values of `master` (not released)."""
         return id(master) not in self._released
 
+    def readable(self, master: nn.Parameter) -> nn.Parameter:
+        """What a user reads of `master`: itself, or its working copy once released."""
+        return self.working_of[id(master)] if id(master) in self._released else master
+
+    def mark_versions(self) -> None:
+        """Record the version counters of what a user sees of every master ([Note: writes under
+        ZeRO-1]); nothing to record before a release."""
+        if self._released:
+            self._versions = {id(master): _versions(self.readable(master)) for master, _ in self._pairs}
+
+    def changed_master(self) -> nn.Parameter | None:
+        """A master whose visible values were written since `mark_versions`, or None."""
+        for master, _ in self._pairs:
+            recorded = self._versions.get(id(master))
+            if recorded is not None and _versions(self.readable(master)) != recorded:
+                return master
+        return None
+
+    def visible_ids(self) -> set[int]:
+        """id() of what a user sees of every master (`readable`)."""
+        return {id(self.readable(master)) for master, _ in self._pairs}
+
     @torch.no_grad()
     def release_masters(self, keep: set[int]) -> None:
         """Drop the fp32 values of every master whose id is not in `keep` (module docstring): its
@@ -173,6 +215,10 @@ class MixedPrecision:
             else:
                 master.data = placeholder
             self._released.add(id(master))
+        if self._released:
+            _RELEASED.add(self)
+            _install_optimizer_hook()
+        self.mark_versions()
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -181,6 +227,42 @@ class MixedPrecision:
         for master, working in self._pairs:
             if id(master) not in self._released:
                 working.copy_(master)
+        self.mark_versions()
+
+
+def _versions(t: torch.Tensor) -> tuple[int, int]:
+    """(the tensor's version counter, its local tensor's): [Note: writes under ZeRO-1]."""
+    return t._version, _local(t)._version
+
+
+_RELEASED: weakref.WeakSet[MixedPrecision] = weakref.WeakSet()
+"""The live `MixedPrecision`s with released masters: the parameters another optimizer may not step."""
+_hook: object | None = None
+
+
+def _install_optimizer_hook() -> None:
+    global _hook
+    if _hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _hook = register_optimizer_step_pre_hook(_refuse_other_optimizers)
+
+
+def _refuse_other_optimizers(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Global optimizer step pre-hook: an optimizer other than the ZeRO-1 one (and the torch
+    optimizer inside it, both marked `_autoplan_zero_one`) that steps the parameters of a model
+    whose masters are released is refused ([Note: writes under ZeRO-1])."""
+    if not _RELEASED or getattr(optimizer, "_autoplan_zero_one", False):
+        return
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for precision in list(_RELEASED):
+        if mine & precision.visible_ids():
+            raise PartitionError(
+                f"{type(optimizer).__name__} is stepping parameters of a bf16 ZeRO-1 model: under ZeRO-1 each dp rank "
+                f"holds the fp32 values of 1/dp of the parameters (pm.parameters() gives the others as bf16 copies "
+                f"without gradients), so another optimizer would update them on one rank only; step with the "
+                f"optimizer pm.make_optimizer({type(optimizer).__name__}, ...) returns, and set weights with "
+                f"pm.load_state_dict(state_dict)")
 
 
 def cast_buffers(modules: Sequence[nn.Module], dtype: torch.dtype) -> None:

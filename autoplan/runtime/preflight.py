@@ -152,11 +152,12 @@ def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, 
               trace_path: str | None, metrics_path: str | None, seed: int, timeout_s: float, lr: float,
               checkpoint_dir: str | os.PathLike | None, checkpoint_every: int | None, resume: bool,
               data: str | None, skip_nonfinite: int, allow_oversubscribe: bool, fault: str | None,
-              torchrun: bool) -> RunChecks:
+              torchrun: bool, overwrite: bool = False, init: str | os.PathLike | None = None) -> RunChecks:
     """Every check of `run_plan` before a process is spawned (module docstring); the arguments are
     `run_plan`'s (`fault`: its `_fault`). A mistake raises ValueError with one line, after releasing
     the checkpoint directory's lock if it was taken."""
     from autoplan.plan import validate
+    from autoplan.runtime.checkpoint.identity import check_fresh_directory, remove_checkpoints
 
     lock = None
     resume_from: str | None = None  # the launcher's (or torchrun rank 0's) verified choice; "": none
@@ -177,7 +178,7 @@ def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, 
                              f"plan's ({plan.model})")
         spec = model or plan.model
         _check_run_arguments(steps, timeout_s, lr, seed, skip_nonfinite, checkpoint_every, nproc)
-        for flag, value in (("allow_oversubscribe", allow_oversubscribe), ("resume", resume)):
+        for flag, value in (("allow_oversubscribe", allow_oversubscribe), ("resume", resume), ("overwrite", overwrite)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
         for flag, value in (("--metrics", metrics_path), ("--trace", trace_path), ("--checkpoint-dir", checkpoint_dir)):
@@ -189,6 +190,14 @@ def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, 
             if path is not None:
                 check_output_file(flag, path)
         _check(plan, spec)
+        if init is not None:  # every tensor's name and shape, from the files' headers (weights.py)
+            from autoplan.runtime.weights import check_weights
+            from autoplan.sources import parse_source
+
+            if not isinstance(init, str | os.PathLike) or not str(init).strip():
+                raise ValueError(f"--init {init!r} must be a path: a Hugging Face directory, a torch.save file or a "
+                                 "checkpoint")
+            check_weights(parse_source(spec), init)
         if data is not None:
             load_data_function(data, plan)
         faults = _parse_faults(os.environ.get(FAULT_ENV) if fault is None else fault)
@@ -196,6 +205,10 @@ def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, 
             raise ValueError("--resume needs --checkpoint-dir DIR")
         if checkpoint_every is not None and not checkpoint_dir:
             raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
+        if overwrite and not checkpoint_dir:
+            raise ValueError("--overwrite needs --checkpoint-dir DIR (it deletes that directory's checkpoints)")
+        if overwrite and resume:
+            raise ValueError("--overwrite deletes the checkpoints --resume would continue; give one of them")
         if torchrun:
             world_size = os.environ["WORLD_SIZE"]
             if world_size != str(plan.num_gpus):
@@ -222,6 +235,14 @@ def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, 
                 lock.acquire()
             if resume and torchrun_rank == 0:  # verified once (a full read); rank 0 shares the choice
                 resume_from = str(_check_resumable(plan, checkpoint_dir) or "")
+            # One job per directory (checkpoint/identity.py [Note: one job per checkpoint directory]):
+            # a fresh run neither overwrites nor mixes with another job's steps.
+            if not resume and overwrite and torchrun_rank == 0:  # under the lock: no job is using them
+                removed = remove_checkpoints(checkpoint_dir)
+                if removed:
+                    _note(f"--overwrite: deleted {removed} checkpoint{'s' if removed > 1 else ''} in {checkpoint_dir}")
+            elif not resume and not overwrite:
+                check_fresh_directory(checkpoint_dir)
     except (ValueError, TypeError) as exc:  # PlanError and PartitionError are ValueErrors
         if lock is not None:
             lock.release()

@@ -1,5 +1,7 @@
 """One rank's training loop (`_train`): build the rank's stages, resume, run the steps with AdamW,
-check the loss and gradients, write metrics, traces and checkpoints.
+check the loss and gradients, clip the gradients' global norm (`clip_grad`: `PartitionedModel.
+clip_grad_norm_`, a non-finite norm handled as a non-finite step), write metrics, traces and
+checkpoints.
 
 Checkpoints and resume (docs/reliability.md): with `checkpoint_dir` and `checkpoint_every=K`,
 every K steps (and after the last step) the ranks save their stages' parameters and AdamW state
@@ -29,11 +31,20 @@ from autoplan.runtime.faults import _Fault, _inject, _poison, _sigkill_self
 from autoplan.runtime.ranks import current_heartbeat, one_line
 from autoplan.runtime.rendezvous import bound_waits, startup_timeout
 
-__all__ = ["NonFiniteError", "load_data_function", "synthetic_batch"]
+__all__ = ["NonFiniteError", "check_clip_grad", "load_data_function", "synthetic_batch"]
 
 
 class NonFiniteError(RuntimeError):
     """A step's loss or gradients hold a NaN or an infinity (and --skip-nonfinite is used up)."""
+
+
+def check_clip_grad(clip_grad: float | None) -> None:
+    """`--clip-grad MAX_NORM` before any rank starts: a finite number above 0, else one line."""
+    if clip_grad is None:
+        return
+    if isinstance(clip_grad, bool) or not isinstance(clip_grad, int | float) or not 0 < clip_grad < math.inf:
+        raise ValueError(f"--clip-grad {clip_grad!r} must be a number above 0: the global gradient norm to clip to "
+                         "(Megatron-LM and torchtitan use 1.0)")
 
 
 def synthetic_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +104,7 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
            metrics_path: str | None, lr: float, fail_at: tuple[int, int] | None = None, data: str | None = None,
            checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = False,
            faults: tuple[_Fault, ...] = (), skip_nonfinite: int = 0, run_id: str = "", resume_from: str | None = None,
-           on_phase=None) -> None:
+           on_phase=None, clip_grad: float | None = None, init: str | None = None) -> None:
     import torch.distributed as dist
 
     from autoplan.runtime import checkpoint as ckpt
@@ -107,7 +118,8 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     beat = current_heartbeat()
     where = beat.at if beat is not None else (lambda step, action: None)
     where(None, "building its stages")
-    pm = partition(spec, plan, device=device, seed=seed, timeout=startup)
+    # Pretrained weights (`init`), each rank reading its slices; a checkpoint resumed below replaces them.
+    pm = partition(spec, plan, device=device, seed=seed, timeout=startup, init=init)
     bound_waits(pm, timeout)
     if on_phase is not None:
         on_phase("built")
@@ -119,10 +131,12 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     make_batch = _batch_fn(pm, data, plan, seed)
     loss_src = plan.rank(plan.pp - 1, 0, 0)
 
-    start_step = 0
+    start_step, job_id = 0, run_id  # a fresh start is a job of its own (checkpoint/identity.py)
     if resume and checkpoint_dir:
         where(None, "loading a checkpoint")
-        start_step = _resume(ckpt, checkpoint_dir, resume_from, pm, optimizer, rank)
+        start_step, resumed_job = _resume(ckpt, checkpoint_dir, resume_from, pm, optimizer, rank)
+        job_id = resumed_job or run_id
+    run_identity = {"job_id": job_id, "run_id": run_id, "run_fingerprint": plan.run_fingerprint}
 
     step_box = [start_step]
     mid_step = [f for f in faults if f.kind == "kill-mid-step" and (f.rank is None or f.rank == rank)]
@@ -158,6 +172,14 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
             _poison(pm, "grad")
         where(step, "checking the loss and gradients")
         loss_value, nonfinite = _loss_and_nonfinite(pm, loss if rank == loss_src else None, device)
+        grad_norm = None
+        if clip_grad is not None and not nonfinite:
+            # The global norm over every rank (clipping.py [Note: the global gradient norm]); every
+            # rank reads the same value, so all skip a non-finite one together.
+            where(step, "clipping the gradients")
+            grad_norm = float(pm.clip_grad_norm_(clip_grad))
+            if not math.isfinite(grad_norm):
+                nonfinite = f"non-finite gradient norm ({grad_norm})"
         optimizer_start = time.perf_counter()
         scaler = pm.loss_scaler
         step_scale = scaler.scale if scaler is not None else None  # the scale this step's backward used
@@ -194,6 +216,7 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
         if rank == 0 and not nonfinite:
             print(f"step {step}  loss {loss_value:.4f}  step {step_time_s:.3f} s  "
                   f"predicted {plan.predicted.step_time_s:.3f} s" +
+                  (f"  grad norm {grad_norm:.4g}" if grad_norm is not None else "") +
                   (f"  loss scale {step_scale:g}" if scaler is not None else ""), flush=True)
         if rank == 0 and metrics_path:  # appended per step: a run that dies later keeps what it measured
             record = {"run": run_id, "step": step, "loss": loss_value if not nonfinite else None,
@@ -202,6 +225,9 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
                 record["skipped"] = "gradient overflow" if overflow else nonfinite
             if scaler is not None:
                 record["loss_scale"] = step_scale
+            if clip_grad is not None:  # the norm before clipping, as torch's clip_grad_norm_ returns it
+                record["grad_norm"] = grad_norm if grad_norm is None or math.isfinite(grad_norm) else str(grad_norm)
+                record["clip_grad"] = clip_grad
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         done = step + 1
@@ -212,6 +238,7 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
                 extra={"seed": seed, "model": spec, "model_fingerprint": plan.model_fingerprint, "pp": plan.pp,
                        "dp": plan.dp, "tp": plan.tp,
                        **({"loss_scale": pm.loss_scaler.state_dict()} if pm.loss_scaler is not None else {})},
+                run=run_identity,
                 _kill_midway=any(f.hits("kill-in-checkpoint", rank, done) for f in faults))
             if rank == 0:
                 print(f"checkpoint {path}", flush=True)
@@ -225,10 +252,11 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     dist.destroy_process_group()
 
 
-def _resume(ckpt, checkpoint_dir: str, chosen_by_launcher: str | None, pm, optimizer, rank: int) -> int:
+def _resume(ckpt, checkpoint_dir: str, chosen_by_launcher: str | None, pm, optimizer,
+            rank: int) -> tuple[int, str | None]:
     """Restore the checkpoint the launcher verified (`_check_resumable`; rank 0 chooses where no
     launcher did, and shares the choice so every rank resumes from the same one); returns the step
-    to start at."""
+    to start at and the job the checkpoint records (None: none, or no checkpoint)."""
     import torch.distributed as dist
 
     chosen = [chosen_by_launcher]
@@ -242,7 +270,7 @@ def _resume(ckpt, checkpoint_dir: str, chosen_by_launcher: str | None, pm, optim
     if not chosen[0]:
         if rank == 0:
             print(f"no complete checkpoint in {checkpoint_dir}; starting from step 0", flush=True)
-        return 0
+        return 0, None
     loaded = ckpt.load_checkpoint(chosen[0], checksums=False)  # every file's sha256 was just checked
     same_layout = loaded.manifest.get("world_size") == dist.get_world_size()
     start_step = ckpt.restore(loaded, pm, optimizer, strict=True, rank=rank if same_layout else None)
@@ -251,7 +279,7 @@ def _resume(ckpt, checkpoint_dir: str, chosen_by_launcher: str | None, pm, optim
         pm.loss_scaler.load_state_dict(scale)
     if rank == 0:
         print(f"resumed from {chosen[0]} (step {start_step})", flush=True)
-    return start_step
+    return start_step, ckpt.job_id_of(loaded.manifest)
 
 
 def _loss_and_nonfinite(pm, loss: torch.Tensor | None, device: torch.device) -> tuple[float, str]:

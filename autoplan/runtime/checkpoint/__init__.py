@@ -30,6 +30,7 @@ writes and reads it (`autoplan.runtime.checkpoint` is the public API: the names 
 - `state`      what one rank holds, as named state dicts ([Note: why not get_state_dict])
 - `planners`   DCP planners for shards DCP cannot describe as one chunk ([Note: strided shards in DCP])
 - `integrity`  sizes, sha256s and the other checks of a saved directory (`verify_checkpoint`)
+- `identity`   which job wrote a checkpoint; one job per directory (`check_fresh_directory`)
 - `reader`     an opened checkpoint (`Checkpoint`) and DCP reads into this process
 - `save`       `save_checkpoint`: durable, atomic writes (and the `kill-in-checkpoint` fault)
 - `load`       finding the newest checkpoint that verifies, `load_checkpoint`, whole-model loads
@@ -38,7 +39,7 @@ writes and reads it (`autoplan.runtime.checkpoint` is the public API: the names 
 
 A package rather than `runtime/checkpoint_*.py` files: callers use the checkpoint as one API
 (`from autoplan.runtime import checkpoint as ckpt; ckpt.save_checkpoint(...)`, as
-`torch.distributed.checkpoint` is used), and nine sibling files would crowd `runtime/`, whose other
+`torch.distributed.checkpoint` is used), and ten sibling files would crowd `runtime/`, whose other
 modules are the steps of `partition`.
 """
 
@@ -46,6 +47,12 @@ from __future__ import annotations
 
 from autoplan.runtime.checkpoint.export import export_torch_save
 from autoplan.runtime.checkpoint.format import CHECKPOINT_FORMAT, CheckpointError, checkpoint_fingerprint
+from autoplan.runtime.checkpoint.identity import (
+    check_fresh_directory,
+    job_id_of,
+    mixed_jobs,
+    remove_checkpoints,
+)
 from autoplan.runtime.checkpoint.integrity import verify_checkpoint
 from autoplan.runtime.checkpoint.load import (
     choose_checkpoint,
@@ -65,17 +72,21 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "Checkpoint",
     "CheckpointError",
+    "check_fresh_directory",
     "checkpoint_fingerprint",
     "choose_checkpoint",
     "export_torch_save",
+    "job_id_of",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "load_full_optimizer_state",
     "load_full_state_dict",
     "local_optimizer",
+    "mixed_jobs",
     "other_format_checkpoints",
     "named_optimizer_state",
+    "remove_checkpoints",
     "restore",
     "save_checkpoint",
     "verify_checkpoint",

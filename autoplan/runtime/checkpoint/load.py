@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from autoplan.runtime.checkpoint.format import _STEP_DIR, CHECKPOINT_FORMAT, MANIFEST, CheckpointError
+from autoplan.runtime.checkpoint.identity import refuse_mixed
 from autoplan.runtime.checkpoint.integrity import _check_structure, _Damaged, _open, verify_checkpoint
 from autoplan.runtime.checkpoint.reader import Checkpoint
 
@@ -50,7 +51,10 @@ def choose_checkpoint(directory: str | os.PathLike) -> tuple[Path | None, list[t
 
     A `step-N` directory without a manifest (a save that did not finish) is skipped silently, as
     `.tmp-*` directories are. Reads the files of the checkpoints it tries, newest first, up to the
-    first that verifies; older ones are not read."""
+    first that verifies; older ones are not read. A directory whose checkpoints record more than
+    one job is refused (CheckpointError, one line: identity.py [Note: one job per checkpoint
+    directory]): its newest step may be another job's."""
+    refuse_mixed(directory)
     skipped: list[tuple[Path, str]] = []
     for _, entry in reversed(_step_dirs(directory)):
         if not os.path.lexists(entry / MANIFEST):

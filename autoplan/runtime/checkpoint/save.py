@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from autoplan.runtime.checkpoint.format import CHECKPOINT_FORMAT, MANIFEST, step_dir_name
+from autoplan.runtime.checkpoint.format import CHECKPOINT_FORMAT, MANIFEST, CheckpointError, step_dir_name
+from autoplan.runtime.checkpoint.identity import write_failure
 from autoplan.runtime.checkpoint.integrity import _file_entry
 from autoplan.runtime.checkpoint.planners import _Pieces, _save_planner, _with_pieces
 from autoplan.runtime.checkpoint.state import _rank_state
@@ -133,22 +134,46 @@ def _layout_of(pm) -> dict[str, Any]:
 
 def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torch.optim.Optimizer | None = None, *,
                     extra: Mapping[str, Any] | None = None, timeout: timedelta = timedelta(seconds=60),
-                    _kill_midway: bool = False) -> Path:
+                    run: Mapping[str, Any] | None = None, _kill_midway: bool = False) -> Path:
     """Save this rank's part of the model and optimizer as checkpoint `step` (steps completed).
 
     Collective: every rank of the default process group calls it (a single process works too, with
     or without a process group). Returns the final directory `DIR/step-NNNNNN`. `extra` (JSON-able
-    values) is stored in the manifest and with this rank's state. `_kill_midway` SIGKILLs this rank
-    halfway through its DCP data file.
+    values) is stored in the manifest and with this rank's state. `run` (JSON-able: `job_id`,
+    `run_id`, `run_fingerprint`) is the manifest's record of the job that saved it (identity.py
+    [Note: one job per checkpoint directory]). A write that fails (a full disk, the file-size limit)
+    raises CheckpointError naming its cause in one line (`identity.write_failure`), and the
+    unfinished directory is removed. `_kill_midway` SIGKILLs this rank halfway through its DCP data
+    file.
     """
+    import torch.distributed as dist
+
+    root = Path(directory)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    name = step_dir_name(step)
+    try:
+        return _save(root, name, step, pm, optimizer, extra, timeout, run, _kill_midway)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, KeyboardInterrupt | SystemExit | CheckpointError) or not _is_write_failure(exc):
+            raise
+        if rank == 0:
+            shutil.rmtree(root / f".tmp-{name}", ignore_errors=True)
+        raise write_failure(exc, f"checkpoint {str(root / name)!r}") from exc
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return isinstance(exc, OSError | CheckpointException)
+
+
+def _save(root: Path, name: str, step: int, pm, optimizer, extra, timeout: timedelta, run, _kill_midway: bool) -> Path:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    root = Path(directory)
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world_size = dist.get_world_size() if distributed else 1
-    name = step_dir_name(step)
     final = root / name
     tmp = root / f".tmp-{name}"
     if rank == 0:
@@ -178,7 +203,8 @@ def save_checkpoint(directory: str | os.PathLike, step: int, pm, optimizer: torc
         manifest = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": world_size, "files": files,
                     "time": time.time(), "model_fingerprint": getattr(plan, "model_fingerprint", None),
                     "model": getattr(plan, "model", None), "layout": _layout_of(pm),
-                    "aliases": dict(getattr(pm, "aliases", {})), "extra": dict(extra or {})}
+                    "aliases": dict(getattr(pm, "aliases", {})), "extra": dict(extra or {}),
+                    **({"run": dict(run)} if run else {})}
         _atomic_write(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         if final.exists():  # saving the same step again: swap, never leave no complete copy behind
             old = root / f".tmp-old-{name}"

@@ -55,8 +55,15 @@ def _canonical(pm, name: str) -> str:
     return getattr(pm, "aliases", {}).get(name, name)
 
 
+def _named_masters(pm):
+    """(name, tensor the optimizer steps) of `pm`: its fp32 masters in a bf16 plan, which its
+    optimizer's groups hold (`PartitionedModel.named_masters`; a model without it: its parameters)."""
+    named = getattr(pm, "named_masters", None)
+    return named() if named is not None else pm.named_parameters()
+
+
 def _param_names(pm) -> dict[int, str]:
-    return {id(p): name for name, p in pm.named_parameters()}
+    return {id(p): name for name, p in _named_masters(pm)}
 
 
 @dataclass(frozen=True)
@@ -118,7 +125,7 @@ def expert_slices(pm) -> ExpertSlices:
     held = {id(p) for p in getattr(pm, "expert_params", ())}
     if ep * etp == 1 or not held:
         return ExpertSlices(frozenset(), 0, 1)
-    names = frozenset(_canonical(pm, name) for name, p in pm.named_parameters() if id(p) in held)
+    names = frozenset(_canonical(pm, name) for name, p in _named_masters(pm) if id(p) in held)
     hidden = {_canonical(pm, name): where for name, where in getattr(pm, "expert_hidden", {}).items()}
     return ExpertSlices(names, pm.layout.ep_index, ep, hidden, pm.layout.tp_index if etp > 1 else 0, etp)
 
@@ -138,7 +145,7 @@ def _unheld_names(pm) -> set[str]:
     holds = getattr(pm, "holds_values", None)
     if holds is None:
         return set()
-    return {name for name, p in pm.named_parameters() if not holds(p)}
+    return {name for name, p in _named_masters(pm) if not holds(p)}
 
 
 def named_optimizer_state(pm, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -194,7 +201,7 @@ def _rank_state(pm, optimizer, rank: int, step: int, extra: Mapping[str, Any] | 
             state[key] = experts.pieces(held[0], key) if key in experts.names else held[0]
     if optimizer is not None:
         state[OPTIMIZER_KEY] = named_optimizer_state(pm, optimizer)
-        shapes = {_canonical(pm, name): tuple(p.shape) for name, p in pm.named_parameters()}
+        shapes = {_canonical(pm, name): tuple(p.shape) for name, p in _named_masters(pm)}
         for name, entries in state[OPTIMIZER_KEY]["state"].items():
             if name in experts.names:  # the moments have the slice's shape; the step count is a scalar
                 state[OPTIMIZER_KEY]["state"][name] = {k: _expert_state(experts, name, k, v, shapes[name])
