@@ -202,7 +202,8 @@ def test_rules_the_cases_do_not_reach():
     assert fp16["fp16"] == {"enabled": True} and "bf16" not in fp16
     fp32 = json.loads(write(dataclasses.replace(base, job=dataclasses.replace(base.job, dtype="float32"))).text)
     assert "fp16" not in fp32 and "bf16" not in fp32
-    autotp = write(dataclasses.replace(base, tp=2, dp=4, num_microbatches=4, sequence_parallel=True))
+    autotp = write(dataclasses.replace(base, tp=2, dp=4, sequence_parallel=True,  # the same global batch over dp 4
+                                        num_microbatches=base.job.global_batch // (4 * base.micro_batch_size)))
     assert json.loads(autotp.text)["tensor_parallel"] == {"autotp_size": 2}
     assert [d[:22] for d in autotp.differences] == ["sequence parallelism: "]
     full = write(dataclasses.replace(base, recompute="full"))  # pp 1: the user's model checkpoints
