@@ -12,7 +12,11 @@ FALSE-OOM when the prediction exceeds the GPU's memory for a run that trained. `
 either, except the rows of `KNOWN_UNDER` (each with the reason the model cannot yet explain it; strict). The figure compared
 is what the source measured: a torchtitan row's "Memory" is the allocator's peak reserved bytes, so
 it is compared with the prediction's total, which includes the allowance for what the allocator
-reserves beyond what it allocates ([Note: allowance] in cost/memory.py).
+reserves beyond what it allocates ([Note: allowance] in cost/memory.py). A Megatron row's figure is
+`max_memory_allocated` (its memory report), which leaves the allowance's share out: the gate still
+compares the total, the figure the planner refuses layouts with (a run that trained needed at least
+the allocated bytes), and the table also prints the ratio of the prediction without the allowance
+("alloc") so an allocated-bytes shortfall shows.
 
     python benchmarks/validate_memory.py                 # the table
     python benchmarks/validate_memory.py --check         # exit 1 on any UNDER or FALSE-OOM
@@ -164,7 +168,9 @@ def memory_rows(rows: list[dict] | None = None) -> list[dict]:
                     "capacity_gib": capacity, "measured_gib": measured, "predicted_gib": predicted,
                     "ratio": predicted / measured, "terms_gib": terms, "flags": flags,
                     "features": row.get("features", []), "assumed": sorted(row.get("assumed", {})),
-                    "measured_what": row["measured_what"].split(":")[0]})
+                    "measured_what": row["measured_what"].split(":")[0],
+                    "allocated_ratio": ((mem.total_bytes - mem.allowance_bytes) / GIB / measured
+                                        if row["measured_what"].startswith("max allocated") else None)})
     return out
 
 
@@ -184,7 +190,7 @@ def gate_failures(rows: list[dict]) -> list[str]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'run':<44} {'stack':<11} {'measured':>8} {'predicted':>9} {'ratio':>6}  "
+    lines = [f"{'run':<44} {'stack':<16} {'measured':>8} {'predicted':>9} {'ratio':>6}  "
              f"{'largest terms (GiB)':<46} flags / assumed"]
     for r in rows:
         top = sorted(r["terms_gib"].items(), key=lambda kv: -kv[1])[:3]
@@ -192,7 +198,9 @@ def format_table(rows: list[dict]) -> str:
         extra = " ".join(r["flags"]) or "ok"
         if r["ratio"] > OVER_TARGET:
             extra += " (over +15%)"
-        lines.append(f"{r['id']:<44} {str(r['stack']):<11} {r['measured_gib']:>8.1f} {r['predicted_gib']:>9.1f} "
+        if r.get("allocated_ratio") is not None:
+            extra += f" (max allocated; alloc {r['allocated_ratio']:.2f})"
+        lines.append(f"{r['id']:<44} {str(r['stack']):<16} {r['measured_gib']:>8.1f} {r['predicted_gib']:>9.1f} "
                      f"{r['ratio']:>6.2f}  {terms:<46} {extra}; assumed: {', '.join(r['assumed']) or '-'}"
                      + (f"; not modelled: {', '.join(r['features'])}" if r["features"] else ""))
     for why in gate_failures(rows):

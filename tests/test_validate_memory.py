@@ -128,3 +128,33 @@ def test_a_collected_run_is_not_refused_by_suggest():
     assert plan.fits
     peak = plan.predicted.peak_memory_bytes / GIB
     assert vm.UNDER_RATIO * row["measured_gib"] <= peak <= 141
+
+
+def test_megatron_lm_2023_layer_and_loss_follow_its_source():
+    """Megatron-LM of 2023 (the Llama 2 7B rows of pull request #482): Megatron-Core's per-layer count plus two
+    one-byte dropout masks of the hidden shape (its default --hidden-dropout 0.1), whole on every tp rank without
+    sequence parallelism and split with it; its loss keeps the fp32 softmax over the vocabulary split by tp and the
+    output projection's input, and its backward holds half the softmax's bytes more."""
+    prof = _llama_profile("llama2-7b", 128)
+    layer = next(b for b in prof.blocks if b.kind == "layer")
+    head = next(b for b in prof.blocks if b.kind == "head")
+    tokens, h, vocab = prof.batch_size * prof.seq_len, 4096, 32000
+    for cfg in (_cfg(), _cfg(tp=2), _cfg(tp=2, sequence_parallel=True)):
+        core = stack_saved_bytes("megatron-core", prof, layer, cfg)
+        masks = 2 * h * tokens / (cfg.tp if cfg.sequence_parallel else 1)
+        assert stack_saved_bytes("megatron-lm-2023", prof, layer, cfg) == core + masks
+    assert stack_saved_bytes("megatron-lm-2023", prof, head, _cfg(tp=2)) == tokens * (2 * h + 4 * vocab / 2)
+    assert stack_saved_bytes("megatron-lm-2023", prof, head, _cfg(tp=2, sequence_parallel=True)) == \
+        tokens * (2 * h + 4 * vocab) / 2
+    assert loss_backward_factor("megatron-lm-2023", 8) == 0.5
+
+
+def test_megatron_rows_compare_max_allocated(rows):
+    """The Megatron-LM rows measured max allocated: the table says so and prints the prediction without the
+    allowance beside the total."""
+    mlm = [r for r in rows if r["stack"] == "megatron-lm-2023"]
+    assert len(mlm) == 4
+    for r in mlm:
+        assert r["measured_what"] == "max allocated" and r["allocated_ratio"] < r["ratio"]
+        assert vm.UNDER_RATIO <= r["ratio"] <= vm.OVER_TARGET
+    assert "(max allocated; alloc " in vm.format_table(mlm)

@@ -74,6 +74,23 @@ shapes instead of the profile, and the loss's backward holds what that stack's l
 benchmarks/validate_memory.py, docs/published-memory.md). With no stack, or the default one, the
 profile's bytes stand: what autoplan's runtime holds.
 
+[Note: ZB-H1's pending W]
+Under ZB-H1 a stage that splits its backward (every stage but the first, runtime/executor.py) runs B
+with torch's `stage_backward_input` (torch/distributed/pipelining/_backward.py), which keeps the graph
+and the gradients of the outputs of every op that uses a weight, for `stage_backward_weight` at W. So
+a micro-batch between its B and its W holds its activations (counted among the p in flight,
+search/inflight.py) and those intermediate gradients, which the in-flight count does not see. They
+are fewer bytes than one micro-batch's activations (each weight's output gradient has the output's
+shape: a Llama layer's linears' outputs are 3 h + 2 d_kv + 2 f a token, 0.62 of Megatron-Core's saved
+6 h + 2 d_kv + 3 f at Llama 3 8B's shapes), so one micro-batch's activations are added. Measured on 2 gloo ranks
+(benchmarks/memory_layouts_cpu.py, case pp2-zb-h1; autoplan's zb-h1 at pp 2 runs W0 after B1, so two
+micro-batches wait for their W at the peak, each with about 0.6 of a micro-batch in gradients): without
+this term the last stage's peak was predicted at 0.94 x measured in bf16 (0.96 in fp32), the only
+layout kind under 0.95; with it 1.05 / 1.12. Not validated deeper: at pp 4 the last stage runs all p
+B's before its first W (autoplan/schedule's zb-h1; Qi et al. 2024, "Zero Bubble Pipeline
+Parallelism", Sec. 3.1, Fig. 3), so up to p micro-batches keep their gradients, about 0.6 p
+micro-batches' activations: more than this term adds from pp 3 on.
+
 [Note: fused RMSNorm]
 The profile runs on CPU (fake tensors), where nn.RMSNorm's `_fused_rms_norm` has no kernel and
 runs its composite form (torch/_decomp/decompositions.py `_fused_rms_norm`): it saves the fp32
@@ -128,6 +145,7 @@ from autoplan.plan import MemoryBreakdown
 
 __all__ = ["ALLOWANCE_FIXED_BYTES", "ALLOWANCE_FRACTION", "BYTES_PER_PARAM", "MIN_BYTES_PER_PARAM",
            "allowance_bytes", "block_act_bytes", "block_static_bytes", "expert_shard_surplus", "surplus_bytes_per_param",
+           "zb_pending_weight_bytes",
            "fsdp_transient_bytes", "fused_norm_surplus", "gathered_bytes_per_param", "head_backward_bytes",
            "reduced_bytes_per_param",
            "held_params", "param_counts", "persistent_bytes_per_param", "rank_memory",
@@ -467,6 +485,16 @@ def _working_bytes(profile: ModelProfile, cfg: ParallelConfig, blocks: Sequence[
     return 2 * largest_output + max(recompute, head_backward_bytes(profile, acts, blocks, stack, cfg.tp))
 
 
+def zb_pending_weight_bytes(cfg: ParallelConfig, stage_ranges: Sequence[tuple[int, int]],
+                            stage_acts: np.ndarray) -> float:
+    """What the micro-batch whose W is pending keeps beyond its activations, at most ([Note: ZB-H1's
+    pending W]): one micro-batch's activations of the largest stage of the rank that splits its backward."""
+    if cfg.schedule != "zb-h1" or cfg.num_microbatches < 2:
+        return 0.0
+    split = [float(stage_acts[k]) for k, (a, _) in enumerate(stage_ranges) if a > 0]
+    return max(split, default=0.0)
+
+
 def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str,
                 stage_ranges: Sequence[tuple[int, int]], stage_inflight: Sequence[float],
                 static: np.ndarray | None = None, acts: np.ndarray | None = None,
@@ -491,6 +519,7 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
         activations = float(np.max(np.asarray(held, dtype=float) @ stage_acts))
     else:
         activations = float(stage_acts @ np.asarray(stage_inflight, dtype=float))
+    activations += zb_pending_weight_bytes(cfg, stage_ranges, stage_acts)
     blocks = [i for a, b in stage_ranges for i in range(a, b)]
     # Two receive buffers per boundary (activation in, gradient in), one micro-batch each.
     recv = sum(2 * profile.cuts[a - 1].num_bytes * f for a, _ in stage_ranges if a > 0)

@@ -56,6 +56,21 @@ parallelism also the all-gathered inputs of the projections) and the rest (split
   `bias_swiglu_impl`). Selective recompute ("core_attn") recomputes the attention kernel, which with
   flash attention saves nothing of its own: the same bytes. Its loss keeps the profile's. No collected
   row measures a Megatron-Core dense run yet, so this count is cited, not validated.
+- `megatron-lm-2023` (Megatron-LM's `pretrain_gpt.py` with `--use-flash-attn --swiglu
+  --use-distributed-optimizer --bf16` and its argument defaults of 2023, the runs of NVIDIA/Megatron-LM
+  pull request #482, docs/published-memory.md): the layer above plus one-byte dropout masks. Its
+  `--hidden-dropout` defaults to 0.1 (megatron/arguments.py `_add_regularization_args`), and
+  `bias_dropout_add_fused_train` (megatron/model/transformer.py) runs F.dropout after the attention's
+  and the MLP's output projections, each keeping a bool mask of the hidden shape (Korthikanti et al.
+  2022, Sec. 4.1, count them: the "sbh" of each of the two dropout masks in 34 sbh); the attention's own
+  dropout runs inside the flash kernel, which keeps only its RNG state. Its loss is
+  `vocab_parallel_cross_entropy(output.float(), labels)` (megatron/model/gpt_model.py
+  `post_language_model_processing`; megatron/core/tensor_parallel/cross_entropy.py): the softmax is
+  computed in place in the fp32 copy of the logits and saved (4 V / tp bytes a token), the bf16 logits
+  are freed; the output projection keeps its input (e h, whole without sequence parallelism, where
+  Megatron's linears save the un-gathered input and gather it again in the backward). The backward
+  edits the saved softmax in place into the gradient and `.float()`'s backward casts it to bf16:
+  half the saved bytes more (`loss_backward_factor` 0.5).
 
 Counted as the profile counts a block: per batch of the profile (`ModelProfile.batch_size` x
 `seq_len` tokens).
@@ -79,13 +94,18 @@ class StackMemory:
     layer: str
     """"profile" (the profiled module's bytes), "torchtitan" or "megatron-core"."""
     loss: str
-    """"profile" or "fp32-log-softmax" (a full fp32 log-softmax of the logits saved for the backward)."""
+    """"profile", "fp32-log-softmax" (a full fp32 log-softmax of the logits saved for the backward, torchtitan)
+    or "vocab-parallel-ce" (Megatron's fp32 softmax, edited in place by its backward)."""
+    dropout_masks: int = 0
+    """One-byte dropout masks of the hidden shape a layer keeps (Megatron-LM's default hidden dropout)."""
 
 
 STACK_MEMORY: dict[str, StackMemory] = {
     "torchtitan": StackMemory("torchtitan", layer="torchtitan", loss="fp32-log-softmax"),
     "megatron-core": StackMemory("megatron-core", layer="megatron-core", loss="profile"),
     "megatron-core-deepep": StackMemory("megatron-core-deepep", layer="megatron-core", loss="profile"),
+    "megatron-lm-2023": StackMemory("megatron-lm-2023", layer="megatron-core", loss="vocab-parallel-ce",
+                                    dropout_masks=2),
 }
 """Stacks whose runtime's activations differ from the profiled module's; every other name (the
 default `flash`, autoplan's runtime) keeps the profile's bytes."""
@@ -137,6 +157,10 @@ def stack_saved_bytes(stack: str | None, profile: ModelProfile, block: Block, cf
         # The projection's input: whole on every tp rank (colwise, its input gathered); the log-softmax
         # split over the vocabulary (loss parallelism).
         return _per_gpu(tokens, e * h, 4.0 * profile.vocab_size, tp)
+    if block.kind == "head" and how.loss == "vocab-parallel-ce" and profile.vocab_size:
+        # The projection's input, split under sequence parallelism (Megatron saves it un-gathered);
+        # the fp32 softmax split over the vocabulary.
+        return _per_gpu(tokens, 0.0 if sp else e * h, 4.0 * profile.vocab_size + (e * h if sp else 0.0), tp)
     if how.layer == "profile" or cfg.recompute == "full":
         return None
     f = dense_llama_ffn(profile, block)
@@ -161,7 +185,7 @@ def stack_saved_bytes(stack: str | None, profile: ModelProfile, block: Block, cf
             return _per_gpu(tokens, 2 * e * h, 2 * e * h + other, tp)
         return _per_gpu(tokens, norms, other, tp)
     # megatron-core: sequence parallelism splits everything (Korthikanti et al. 2022, Sec. 4.2.2).
-    hidden, other = 4 * e * h, e * (2 * h + 2 * d_kv) + lse + 3 * e * f
+    hidden, other = 4 * e * h + how.dropout_masks * h, e * (2 * h + 2 * d_kv) + lse + 3 * e * f
     return _per_gpu(tokens, 0.0, hidden + other, tp) if sp else _per_gpu(tokens, hidden, other, tp)
 
 
@@ -170,5 +194,11 @@ def loss_backward_factor(stack: str | None, tp: int) -> float:
     in cost/memory.py). 2 by default: the gradient of the log-softmax's output and its own gradient.
     torchtitan under tp (loss parallelism, torch/distributed/tensor/parallel/loss.py
     `_nll_loss_and_log_softmax_backward`: `(grad_input + torch.exp(x)) * grad_output`, fp32 tensors of
-    the logits' shape) holds three: the dense NLL gradient, exp(x) and their sum before the product."""
-    return 3.0 if stack_memory(stack).loss == "fp32-log-softmax" and tp > 1 else 2.0
+    the logits' shape) holds three: the dense NLL gradient, exp(x) and their sum before the product.
+    Megatron's vocab-parallel cross entropy: 0.5."""
+    loss = stack_memory(stack).loss
+    if loss == "vocab-parallel-ce":
+        # Megatron's backward turns the saved softmax into the gradient in place; `.float()`'s backward
+        # casts it to the compute dtype: half the fp32 bytes ([Note: memory per stack]).
+        return 0.5
+    return 3.0 if loss == "fp32-log-softmax" and tp > 1 else 2.0
