@@ -103,12 +103,17 @@ same (x, weight, rstd). So on a GPU a norm keeps 2 bytes an element in bf16, not
 count is 6 bytes an element over per norm, two norms a layer (`fused_norm_surplus` takes it off;
 a CPU rank keeps it: benchmarks/results/memory_cpu.json measures it exactly). What is left is
 Korthikanti et al. 2022's per-layer count (Sec. 4.1) adapted to a Llama layer with flash attention
-(no s x s term) and no dropout: norm inputs 2 x 2sbh, the q/k/v projections' input 2sbh, q, k, v
-and the attention output 2sbh each (k and v at their own heads under grouped-query attention,
-repeated to the query heads where the model repeats them), the MLP's input 2sbh and SwiGLU's four
-tensors of the FFN width 4 x 2sbf: for Llama 2 13B, (8 + 4 f / h) 2sbh = 18.8 x 2sbh a layer,
-against 24.8 before. An HF model's own RMSNorm module (fp32 arithmetic in Python) saves what
-it saves on every device and is not touched.
+(no s x s term) and no dropout (benchmarks/lean_layer.py `korthikanti_terms` names every term): norm
+inputs 2 x 2sbh, the q/k/v projections' input 2sbh, q 2sbh, k and v 2sbh x num_kv_heads / num_heads
+each (the zoo's attention passes them to the kernel at their own heads, `enable_gqa`; a model that
+repeats them to the query heads keeps the repeats), the attention output 2sbh (flash attention's
+saved output, also the output projection's input), the MLP's input 2sbh and SwiGLU's three tensors of
+the FFN width 3 x 2sbf (gate and up, kept by the zoo's `autoplan::swiglu`, which recomputes silu as
+Megatron-Core's fused SwiGLU does, [Note: lean SwiGLU] in models/ops.py; and their product, the down
+projection's input), plus an fp32 rstd a token per norm and flash attention's fp32 log-sum-exp a head
+and token: llama3-8b 34.0 sbh, llama3-70b 33.5 sbh, as the profile measures them
+(benchmarks/results/lean_layer.json). An HF model's own RMSNorm module (fp32 arithmetic in
+Python) saves what it saves on every device and is not touched.
 
 Never under-predict (DESIGN.md): receive buffers and the backward's transient gradients are added,
 and the allowance (CUDA context, NCCL, allocator fragmentation, and whatever the allocator holds
