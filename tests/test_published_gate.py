@@ -34,6 +34,10 @@ def test_gate_passes_as_shipped_through_the_script():
     from autoplan.published import load_runs
 
     assert f"{len(load_runs())} runs checked" in result.stdout
+    # Progress goes to stderr, row by row (issue 44: a long run is not silent), and --help states how long.
+    assert f"checking the published runs: {len(load_runs())}/{len(load_runs())} rows" in result.stderr
+    usage = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "minutes" in usage.stdout and "progress on stderr" in usage.stdout
     # A false out-of-memory verdict fails the gate unless the record lists it as a known gap.
     import json
 
