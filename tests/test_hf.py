@@ -146,7 +146,7 @@ def test_config_path_spec_round_trips_with_its_digest(tmp_path):
     ("hf:llama:num_hidden_layers=two", "not a valid int"),
     ("hf:llama:num_hidden_layers", "not key=value"),
     ("hf:lama:num_hidden_layers=2", "did you mean 'llama'"),
-    ("hf:/no/such/dir", "no config.json"),
+    ("hf:/no/such/dir", "does not exist"),
     ("hf:llama:hidden_size=64,num_attention_heads=5", "refuses .*not a multiple"),
     # Sizes transformers accepts whatever their sign (issue 29: num_hidden_layers=-1 planned "1 blocks").
     ("hf:llama:num_hidden_layers=-1", "num_hidden_layers=-1 must be at least 1.*set num_hidden_layers to 1 or more"),
