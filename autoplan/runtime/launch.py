@@ -317,7 +317,7 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
                 return code
             except _Terminated:
                 job.failed = True
-                _error(f"stopped by SIGTERM; every rank was killed (logs: {job.logs})")
+                _error(f"stopped by SIGTERM; every rank was killed ({job.logs})")
                 return 143
     finally:
         if lock is not None:

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HEARTBEAT_S", "Heartbeat", "LocalJob", "current_heartbeat", "fail_rank", "free_port", "one_line"]
+__all__ = ["HEARTBEAT_S", "Heartbeat", "LocalJob", "current_heartbeat", "fail_rank", "free_port", "logs_note", "one_line"]
 
 HEARTBEAT_S = 0.5
 """How often a rank's heartbeat thread writes where the rank is."""
@@ -74,6 +74,16 @@ def current_heartbeat() -> Heartbeat | None:
 
 # ---- the rank's side ------------------------------------------------------------------------------
 
+
+
+def logs_note(run_dir: str | Path) -> str:
+    """Where the ranks' logs are, or that there are none to read: ranks killed before their first line
+    (while importing torch) leave empty files, and a folder of empty logs sends a user looking for
+    nothing (issue 44)."""
+    logs = sorted(Path(run_dir).glob("rank-*.log"))
+    if any(p.stat().st_size > 0 for p in logs if p.exists()):
+        return f"logs: {Path(run_dir) / 'rank-*.log'}"
+    return "the ranks wrote no log (they were stopped before their first line, e.g. while importing torch)"
 
 class Heartbeat:
     """Where this rank is, written by a daemon thread every HEARTBEAT_S (the main thread only
@@ -257,7 +267,7 @@ class LocalJob:
 
     @property
     def logs(self) -> str:
-        return str(Path(self.run_dir) / "rank-*.log")
+        return logs_note(self.run_dir)
 
     def start(self, target: Callable[..., None], args: tuple) -> None:
         """Start rank r as `target(r, *args)` (a module-level function: spawn pickles it)."""
@@ -360,7 +370,7 @@ def supervise(procs: list, run_dir: str, grace_s: float, poll_s: float = 0.05,
     others = [f"rank {r}: {reason(r)}" for r in range(len(procs)) if r != primary and r in first_seen]
     ok = [r for r in range(len(procs)) if r not in first_seen]
     tail = "; ".join(others + ([f"ranks {', '.join(map(str, ok))} exited cleanly"] if ok else []))
-    _error(head + (f" (then {tail})" if tail else "") + f"; logs: {Path(run_dir) / 'rank-*.log'}")
+    _error(head + (f" (then {tail})" if tail else "") + "; " + logs_note(run_dir))
     return 1
 
 
