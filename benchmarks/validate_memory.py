@@ -7,7 +7,7 @@ counted under the stack the source ran (cost/memory_stacks.py). The prediction r
 configuration, never `measured_gib`; settings the source does not state come from the stack's
 defaults, and the table prints which (the row's `assumed`).
 
-Flags: UNDER when the prediction is below 0.95 x the measured peak (DESIGN.md: never under-predict);
+Flags: UNDER when the prediction is below 0.95 x the measured peak (docs/architecture.md, "Never under-predict");
 FALSE-OOM when the prediction exceeds the GPU's memory for a run that trained. `--check` fails on
 either, except the rows of `KNOWN_UNDER` (each with the reason the model cannot yet explain it; strict). The figure compared
 is what the source measured: a torchtitan row's "Memory" is the allocator's peak reserved bytes, so

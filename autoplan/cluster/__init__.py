@@ -1,4 +1,4 @@
-"""Devices, cluster topology and collective communication costs (see DESIGN.md, "cluster/")."""
+"""Devices, cluster topology and collective communication costs (see docs/architecture.md, "cluster/")."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ and token: llama3-8b 34.0 sbh, llama3-70b 33.5 sbh, as the profile measures them
 (benchmarks/results/lean_layer.json). An HF model's own RMSNorm module (fp32 arithmetic in
 Python) saves what it saves on every device and is not touched.
 
-Never under-predict (DESIGN.md): receive buffers and the backward's transient gradients are added,
+Never under-predict (docs/architecture.md, "Never under-predict"): receive buffers and the backward's transient gradients are added,
 and the allowance (CUDA context, NCCL, allocator fragmentation, and whatever the allocator holds
 beyond the terms above) is fitted to be an upper bound on every GPU measurement ([Note: allowance]).
 

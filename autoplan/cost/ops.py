@@ -1,6 +1,6 @@
 """Operator-level time: what each recorded operator (graph/operators.py) takes on one GPU.
 
-A block's time is the sum of its operators' times (DESIGN.md, "Operator-level cost"). Three models,
+A block's time is the sum of its operators' times (docs/architecture.md, "Operator-level cost"). Three models,
 each reading the GPU's datasheet (`cluster/devices.py`) and its calibration (`cost/calibration.py`):
 
 - **GEMM** (m x k times k x n, `batch` of them): the roofline (Williams, Waterman & Patterson 2009,

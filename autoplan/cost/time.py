@@ -79,7 +79,7 @@ class BlockTimes:
 
 
 def _scale(profile: ModelProfile, cfg: ParallelConfig) -> float:
-    """Everything in a profile is linear in the batch (DESIGN.md): scale to the micro-batch size."""
+    """Everything in a profile is linear in the batch (docs/architecture.md, "Linear in the batch"): scale to the micro-batch size."""
     return cfg.batch_share(profile.batch_size)
 
 

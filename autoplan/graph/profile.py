@@ -78,7 +78,7 @@ def fake_output(traced: TracedModel, example_inputs: Sequence[Any], dtype: torch
 
 
 # [Note: batch scaling]
-# The cost model scales a profile to each micro-batch size. Linear scaling (DESIGN.md) holds for
+# The cost model scales a profile to each micro-batch size. Linear scaling (docs/architecture.md, "Linear in the batch") holds for
 # compute-bound blocks, not for a block whose weights dominate its traffic: a 256k-vocabulary
 # embedding's backward writes its dense 262 MB weight gradient whatever the batch (186 ms at batch 1
 # and 188 ms at batch 2 on this 2-core machine, one thread), so linear scaling counted it twice at

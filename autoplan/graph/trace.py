@@ -1,6 +1,6 @@
 """Trace an `nn.Module` into an ordered fx graph whose nodes are grouped into blocks.
 
-Three tracers, tried in order (DESIGN.md, "graph.trace"):
+Three tracers, tried in order (docs/architecture.md, "graph.trace"):
 
 1. `torch.fx` symbolic tracing, with the model's repeated layers (and any user-named modules) kept
    as leaf `call_module` nodes. Works on most hand-written models.

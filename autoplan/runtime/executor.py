@@ -1,6 +1,6 @@
 """The pipeline executor: walks this rank's list from `Schedule.with_comms()` and runs it.
 
-These are the very lists the simulator scores (DESIGN.md, "a schedule is data"), so a measured
+These are the very lists the simulator scores (docs/architecture.md, "A schedule is data"), so a measured
 timeline can be compared with the prediction action by action: every action is recorded as
 (action, start, end) in `time.perf_counter()` seconds.
 

@@ -1,6 +1,6 @@
 """`run_plan`: train a plan for a few steps (synthetic data, or `--data`), locally spawned or under torchrun.
 
-Two ways in (DESIGN.md, "Launch"):
+Two ways in (docs/architecture.md, "Launch"):
 - torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment): this process is one rank.
 - `--nproc N`: spawn N local processes (gloo on CPU, NCCL with one GPU each) on a free loopback
   port (`ranks.LocalJob`: the ranks die with the launcher, log to files, beat). The launcher polls

@@ -1,6 +1,6 @@
 """The schedule IR: actions, per-rank action lists, generators and a pure validator.
 
-A schedule is data (see DESIGN.md, "a schedule is data"): for every rank, the compute actions
+A schedule is data (see docs/architecture.md, "A schedule is data"): for every rank, the compute actions
 (F, B, W) it runs, in order. The simulator walks these lists to predict time; the executor walks
 the lowered lists from `Schedule.with_comms()` to run them.
 

@@ -1,6 +1,6 @@
 """Score one parallel configuration: cut the blocks into stages, simulate the schedule, count memory.
 
-This is where the parts meet (DESIGN.md, "The search"): block times and bytes from `cost/`, stage
+This is where the parts meet (docs/architecture.md, "The search"): block times and bytes from `cost/`, stage
 cutting from `search/partition.py`, the schedule from `schedule/` walked by its simulator, and the
 result written down as a `Plan`.
 

@@ -10,7 +10,7 @@ reduce-scatter + all-gather moves what an all-reduce moves, and sequence paralle
 reduce-scatter + all-gather replaces TP's all-reduce, Korthikanti et al. 2022 Sec. 4.2.2). The
 first rung that fits is the base configuration's plan: later rungs are never faster.
 
-Two bounds prune before any cutting (DESIGN.md):
+Two bounds prune before any cutting (docs/architecture.md, "The search"):
 - memory: weights + gradients + optimizer states spread perfectly over pp stages and tp ranks
   must fit a GPU, otherwise no cutting can fit;
 - time: a base configuration cannot beat m * (sum of block times) / pp (perfect balance, no

@@ -1,7 +1,7 @@
 """Model sources: every way a user names a model, as one object that rebuilds it anywhere.
 
-A `ModelSource` is what the planner and the runtime ask about a model (DESIGN.md, "Second wave:
-model sources"). It is made from a spec string, and the spec is what a plan records, so
+A `ModelSource` is what the planner and the runtime ask about a model (docs/architecture.md, "Model
+sources"). It is made from a spec string, and the spec is what a plan records, so
 `autoplan run plan.json` rebuilds the very model `suggest` planned, on every rank:
 
     gpt2-small, llama:num_layers=4,...     the built-in zoo (`ZooSource`)
