@@ -212,3 +212,20 @@ def test_a_cpu_plan_does_not_say_the_gpus_are_busy(tmp_path):
 
     bound = json.loads(out.read_text())["predicted"]["bound"]
     assert bound == "compute: the CPU ranks are busy most of the step"
+
+
+def test_an_export_of_one_micro_batch_says_micro_batch(tmp_path):
+    """44.11: "1 micro-batches of 8" in an export's summary reads "1 micro-batch of 8"."""
+    from autoplan.cli import main
+
+    out = tmp_path / "p.json"
+    assert main(["suggest", "--model", "gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=256,max_seq_len=64",
+                 "--cluster", "1x1xcpu", "--global-batch", "4", "--seq-len", "64", "--micro-batch-size", "4",
+                 "--dtype", "fp32", "--out", str(out)]) == 0
+    from autoplan.plan import Plan
+    from autoplan.report.export.common import plan_summary
+
+    plan = Plan.load(out)
+    assert plan.num_microbatches == 1
+    text = " ".join(plan_summary(plan))
+    assert "1 micro-batch of 4" in text and "micro-batches" not in text
