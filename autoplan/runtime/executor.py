@@ -17,10 +17,19 @@ timeline can be compared with the prediction action by action: every action is r
 - SEND_*: `isend`, waited for at the end of the step; RECV_*: `irecv` into a buffer allocated from
   the graph's shapes, waited on (with a timeout) inside the RECV action, so the timeline shows
   waiting time on the receive.
+
+[Note: forward-only steps]
+`run(..., forward_only=True)` (an evaluation: `PartitionedModel.evaluate`) walks the same list
+without its backward (schedule/actions.py `forward_only`: F, SEND_F and RECV_F in the training
+order, which cannot deadlock where the full list cannot) under `torch.no_grad()`: no autograd graph
+is recorded, received values are not made leaves, and a micro-batch's state is dropped as soon as
+its output is sent on (or its loss added), so nothing is kept for a backward. It leaves gradients
+and `last_trace` (the last training step's) alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +43,7 @@ from autoplan.graph.aux_loss import aux_loss_scale
 from autoplan.runtime.comm import P2P
 from autoplan.runtime.split import StageSpec
 from autoplan.schedule import make_schedule
-from autoplan.schedule.actions import Action, ActionKind
+from autoplan.schedule.actions import Action, ActionKind, forward_only
 
 if TYPE_CHECKING:
     from autoplan.plan import Plan
@@ -176,6 +185,8 @@ class PipelineExecutor:
                  on_weight_grads: Callable[[], None] | None = None):
         self.stages = dict(stages)
         self.actions = tuple(actions)
+        self.forward_actions = forward_only(self.actions)
+        """`actions` without the backward ([Note: forward-only steps])."""
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         self.rank_of_stage = rank_of_stage
@@ -192,15 +203,19 @@ class PipelineExecutor:
         itself: mixed precision moves them to the fp32 masters (precision.py)."""
         self.on_action: Callable[[Action], None] | None = None
         """Called before each action (the launcher's heartbeat records where the rank is)."""
+        self._forward_only = False
 
     # ------------------------------------------------------------------------------------------
-    def run(self, microbatches: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
+    def run(self, microbatches: Sequence[Mapping[str, Any]], *, forward_only: bool = False) -> torch.Tensor | None:
         """One pipelined forward and backward over `microbatches` (model input name -> value).
 
         Gradients accumulate into the stages' `.grad`. Returns the summed scaled loss (the mean
-        over micro-batches) on the rank holding the last stage, else None.
+        over micro-batches) on the rank holding the last stage, else None. With `forward_only`, the
+        forward alone, without autograd and touching no gradient ([Note: forward-only steps]).
         """
         assert len(microbatches) == self.num_microbatches
+        actions = self.forward_actions if forward_only else self.actions
+        self._forward_only = forward_only
         self._data = microbatches
         self._state: dict[tuple[int, int], _MicroBatchState] = {}
         self._local_fwd: dict[tuple[int, int], list[Any]] = {}
@@ -213,15 +228,20 @@ class PipelineExecutor:
             ActionKind.SEND_B: self._send_b, ActionKind.RECV_B: self._recv_b,
         }
         # Auxiliary losses inside the stages (graph/aux_loss.py) get the loss's own 1 / M.
-        with aux_loss_scale(self.loss_scale * self.grad_scale):
-            for action in self.actions:
-                if self.on_action is not None:
-                    self.on_action(action)
-                start = time.perf_counter()
-                handlers[action.kind](action.stage, action.microbatch)
-                trace.append(ActionRecord(action, start, time.perf_counter()))
-        self.comm.wait_sends()
-        self.last_trace = trace
+        no_grad = torch.no_grad() if forward_only else contextlib.nullcontext()
+        try:
+            with aux_loss_scale(self.loss_scale * self.grad_scale), no_grad:
+                for action in actions:
+                    if self.on_action is not None:
+                        self.on_action(action)
+                    start = time.perf_counter()
+                    handlers[action.kind](action.stage, action.microbatch)
+                    trace.append(ActionRecord(action, start, time.perf_counter()))
+            self.comm.wait_sends()
+        finally:
+            self._forward_only = False
+        if not forward_only:
+            self.last_trace = trace
         self._state.clear()
         return self._loss
 
@@ -236,7 +256,7 @@ class PipelineExecutor:
                 state.received = [v.detach() if isinstance(v, torch.Tensor) else v for v in raw]
             # else: filled by RECV_F
             for cv, v in zip(spec.recv, state.received):
-                if isinstance(v, torch.Tensor) and cv.requires_grad:
+                if isinstance(v, torch.Tensor) and cv.requires_grad and not self._forward_only:
                     v.requires_grad_(True)
         env: dict[str, Any] = {cv.name: (v if cv.is_tensor else cv.constant) for cv, v in zip(spec.recv, state.received)}
         data = self._data[m]
@@ -248,20 +268,28 @@ class PipelineExecutor:
             loss = produced[spec.outputs[0]] * self.loss_scale
             detached = loss.detach().float()  # a bf16 loss is summed over micro-batches in fp32
             self._loss = detached if self._loss is None else self._loss + detached
+            if self._forward_only:  # nothing to run a backward from
+                del self._state[(s, m)]
+                return
             # fp32: an fp16 loss times the scale can pass fp16's range; its gradient S / M does not
             state.sent = [loss.float() * self.grad_scale if self.grad_scale != 1.0 else loss]
         else:
             state.sent = [produced[cv.name] if cv.name in produced else env[cv.name] for cv in spec.send]
-            if self.split_backward:  # torch's split backward detaches outputs in place, which a view refuses
+            if self.split_backward and not self._forward_only:
+                # torch's split backward detaches outputs in place, which a view refuses
                 state.sent = [v.clone() if isinstance(v, torch.Tensor) and v._is_view() and v.requires_grad else v
                               for v in state.sent]
             if self.rank_of_stage(s + 1) == self.rank_of_stage(s):
                 self._local_fwd[(s + 1, m)] = state.sent
+                if self._forward_only:
+                    del self._state[(s, m)]
 
     def _send_f(self, s: int, m: int) -> None:
         spec = self.stages[s].spec
         tensors = [v if cv.is_tensor else None for cv, v in zip(spec.send, self._state[(s, m)].sent)]
         self.comm.send("F", s, m, tensors, dst=self.rank_of_stage(s + 1))
+        if self._forward_only:  # sent on: this micro-batch has no backward here
+            del self._state[(s, m)]
 
     def _recv_f(self, s: int, m: int) -> None:
         spec = self.stages[s].spec

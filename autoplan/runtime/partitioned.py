@@ -1,8 +1,8 @@
 """`PartitionedModel`: this rank's stages of a model under a plan, trained by the pipeline executor.
 
 What `partition` (api.py) returns: the built stages and executor, with what a training loop calls
-(`step`, `parameters`, `make_optimizer`, `state_dict`). Apart from api.py because it is the running
-model, while api.py builds it; see api.py's docstring for its use.
+(`step`, `evaluate`, `parameters`, `make_optimizer`, `state_dict`). Apart from api.py because it is
+the running model, while api.py builds it; see api.py's docstring for its use.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from autoplan.graph.aux_loss import recording_aux_losses
 from autoplan.graph.positions import holding_positions
@@ -30,6 +31,64 @@ from autoplan.runtime.tensor_parallel import grad_like_param
 from autoplan.sources import ModelSource, OutputTemplate
 
 __all__ = ["PartitionedModel"]
+
+# [Note: evaluation mode in traced graphs]
+# `module.eval()` reaches the modules a stage's graph calls whole (fx keeps torch.nn modules and the
+# repeated layers as `call_module`), but a graph traced by torch.export (transformers models) or an
+# fx trace of a functional call has the mode fixed in its nodes: `aten.dropout(x, 0.1, True)`,
+# `aten.scaled_dot_product_attention(..., dropout_p=0.1)`, `aten.batch_norm(..., training=True)`
+# (measured on hf:gpt2 with resid_pdrop=0.1 and on a BatchNorm2d traced with export). `evaluate`
+# runs the stages under `_EvalMode`, a TorchFunctionMode that calls these ops as eval mode would:
+# dropout with training off, attention with dropout_p 0, and batch norm with its running statistics
+# (where it has them) instead of the batch's, so an evaluation neither drops activations nor moves
+# running statistics. What it cannot reach: a BatchNorm's `num_batches_tracked` counter, which an
+# exported graph increments in a node of its own (it matters only with momentum=None).
+_ATEN = torch.ops.aten
+_F = torch.nn.functional
+_TRAINING_ARG: dict[Any, tuple[int, str]] = {
+    # op -> (position, keyword) of its training flag
+    **{op: (2, "train") for op in (
+        _ATEN.dropout.default, _ATEN.native_dropout.default, _ATEN.feature_dropout.default,
+        _ATEN.alpha_dropout.default, _ATEN.feature_alpha_dropout.default, torch.dropout,
+        torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout)},
+    **{op: (2, "training") for op in (
+        _F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d, _F.alpha_dropout, _F.feature_alpha_dropout)},
+}
+_DROPOUT_P_ARG = {op: (4, "dropout_p") for op in (_F.scaled_dot_product_attention,
+                                                   _ATEN.scaled_dot_product_attention.default)}
+_BATCH_NORM_ARGS = {  # op -> (training flag, running mean): eval mode needs the running statistics
+    _ATEN.batch_norm.default: ((5, "training"), (3, "running_mean")),
+    torch.batch_norm: ((5, "training"), (3, "running_mean")),
+    _F.batch_norm: ((5, "training"), (1, "running_mean")),
+}
+
+
+def _arg(args: tuple, kwargs: dict, where: tuple[int, str]) -> Any:
+    position, keyword = where
+    return args[position] if len(args) > position else kwargs.get(keyword)
+
+
+def _with_arg(args: tuple, kwargs: dict, where: tuple[int, str], value: Any) -> tuple[tuple, dict]:
+    position, keyword = where
+    if len(args) > position:
+        return (*args[:position], value, *args[position + 1:]), kwargs
+    return args, {**kwargs, keyword: value}
+
+
+class _EvalMode(TorchFunctionMode):
+    """Runs the ops of [Note: evaluation mode in traced graphs] as eval mode does."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _TRAINING_ARG:
+            args, kwargs = _with_arg(args, kwargs, _TRAINING_ARG[func], False)
+        elif func in _DROPOUT_P_ARG:
+            args, kwargs = _with_arg(args, kwargs, _DROPOUT_P_ARG[func], 0.0)
+        elif func in _BATCH_NORM_ARGS:
+            training, running_mean = _BATCH_NORM_ARGS[func]
+            if _arg(args, kwargs, running_mean) is not None:
+                args, kwargs = _with_arg(args, kwargs, training, False)
+        return func(*args, **kwargs)
 
 
 class PartitionedModel:
@@ -251,7 +310,7 @@ class PartitionedModel:
         return self.layout.pp_index == self.plan.pp - 1
 
     # ---- training --------------------------------------------------------------------------------
-    def _microbatches(self, inputs: Sequence[Any], target: Any) -> list[dict[str, Any]]:
+    def _microbatches(self, inputs: Sequence[Any], target: Any, caller: str = "step") -> list[dict[str, Any]]:
         plan = self.plan
         local = plan.micro_batch_size * plan.num_microbatches
         names = self.input_names
@@ -261,7 +320,7 @@ class PartitionedModel:
         needed = [n for n in names if n not in values]
         used = {n for s in self.stages.values() for n in s.spec.data_inputs}
         if any(n in used for n in needed):
-            raise PartitionError(f"step() needs inputs {names} (target=... for the loss), got {list(values)}")
+            raise PartitionError(f"{caller}() needs inputs {names} (target=... for the loss), got {list(values)}")
         out: list[dict[str, Any]] = [{} for _ in range(plan.num_microbatches)]
         compute_dtype = None if self.compute_dtype == torch.float32 else self.compute_dtype
         for name, value in values.items():
@@ -301,17 +360,7 @@ class PartitionedModel:
         """
         if zero_grad:
             self.zero_grad()
-        if self.precision is not None:
-            changed = self.precision.changed_master()
-            if changed is not None:  # precision.py [Note: writes under ZeRO-1]
-                name = next(n for n, p in self._params if p is changed)
-                raise PartitionError(
-                    f"parameter {name!r} was written outside the ZeRO-1 optimizer's step (an in-place write or another "
-                    f"optimizer over pm.parameters()); under ZeRO-1 each dp rank holds the fp32 values of 1/dp of the "
-                    f"parameters, so such a write reaches one rank only: step with the optimizer pm.make_optimizer() "
-                    f"returned, and set weights with pm.load_state_dict(state_dict) on every rank (or before "
-                    f"make_optimizer)")
-            self.precision.refresh()  # the optimizer stepped the fp32 masters since the last step
+        self._refresh_working_copies()
         microbatches = self._microbatches(inputs, target)
         self.executor.grad_scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
         start_step(self._fsdp_roots, self.plan.pp)
@@ -354,9 +403,84 @@ class PartitionedModel:
             self.loss_scaler.unscale_([p.grad for _, p in self._params if p.grad is not None])
         if loss is not None and aux is not None:
             loss = loss + aux
+        return self._mean_over_replicas(loss)
+
+    def _refresh_working_copies(self) -> None:
+        """Before a forward: bf16 / fp16 working copies <- the fp32 masters the optimizer stepped,
+        refusing a write under ZeRO-1 that reached one rank only."""
+        if self.precision is None:
+            return
+        changed = self.precision.changed_master()
+        if changed is not None:  # precision.py [Note: writes under ZeRO-1]
+            name = next(n for n, p in self._params if p is changed)
+            raise PartitionError(
+                f"parameter {name!r} was written outside the ZeRO-1 optimizer's step (an in-place write or another "
+                f"optimizer over pm.parameters()); under ZeRO-1 each dp rank holds the fp32 values of 1/dp of the "
+                f"parameters, so such a write reaches one rank only: step with the optimizer pm.make_optimizer() "
+                f"returned, and set weights with pm.load_state_dict(state_dict) on every rank (or before "
+                f"make_optimizer)")
+        self.precision.refresh()  # the optimizer stepped the fp32 masters since the last step
+
+    def _mean_over_replicas(self, loss: torch.Tensor | None) -> torch.Tensor | None:
+        """A last-stage rank's mean loss over its replica's micro-batches -> the global batch's
+        (the mean over the dp group, whose ranks hold equal shares); None elsewhere."""
         if loss is not None and self.layout.dp_group is not None:
             dist.all_reduce(loss, group=self.layout.dp_group)
             loss /= self.plan.dp
+        return loss
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    def evaluate(self, *inputs: Any, target: Any = None) -> torch.Tensor:
+        """The mean loss over one global batch, forward only: what `step` returns for it, without a
+        backward and touching no gradient. Call it on every rank with the same arguments as `step`
+        (the global batch, or this replica's rows, and `target=`); it is collective.
+
+        Returns the loss on EVERY rank (fp32, 0-dim, on `self.device`): the last pipeline stage
+        broadcasts it over its pipeline group, so a loop can log it from any rank (`step` returns
+        it on the last stage only).
+
+        - The pipeline runs this rank's training action list without its backward
+          (runtime/executor.py [Note: forward-only steps]) under `torch.no_grad()`: no activation
+          is kept, no gradient is written, and FSDP units are resharded afterwards, so a following
+          `step` computes what it would have without the evaluation (gradients accumulated by
+          `step(..., zero_grad=False)` survive it too).
+        - The stages run in eval mode, as Megatron-LM's and torchtitan's evaluation loops put the
+          model: `module.eval()` (each submodule's mode restored after), and the dropout, attention
+          dropout and batch norm a traced graph fixed in training mode run as in eval mode
+          ([Note: evaluation mode in traced graphs]): no dropout, running statistics untouched.
+        - The loss is the model's loss function's output: auxiliary losses attached with
+          `autoplan.attach_aux_loss` (a router's load-balancing loss), which `step` adds, are not
+          part of it (they exist only for gradients), as Megatron-LM's evaluation reports the LM
+          loss; a loss function that adds an auxiliary term itself (a transformers MoE model's
+          `router_aux_loss_coef * aux_loss`, sources/hf_loss.py) keeps it, as transformers does.
+        - bf16 / fp16 plans compute in their dtype (working copies refreshed from the fp32 masters
+          first, as `step` does); the loss is summed over micro-batches in fp32, unscaled.
+        """
+        self._refresh_working_copies()
+        microbatches = self._microbatches(inputs, target, "evaluate")
+        modes = {m: m.training for stage in self.stages.values() for m in _stage_modules(stage)}
+        for m in modes:
+            m.training = False  # per module, so each one's own mode comes back below
+        try:
+            with torch.no_grad():
+                if self.context is not None:  # this rank's chunks of every sequence (runtime/context.py)
+                    with holding_positions(self.context.positions, self.context.group), self.context, _EvalMode():
+                        loss = self.executor.run(microbatches, forward_only=True)
+                else:
+                    with _EvalMode():
+                        loss = self.executor.run(microbatches, forward_only=True)
+        finally:
+            for m, mode in modes.items():
+                m.training = mode
+            _reshard_after_forward_only(self._fsdp_roots)
+        loss = self._mean_over_replicas(loss)
+        if self.layout.pp_group is None:
+            assert loss is not None
+            return loss
+        if loss is None:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        last = self.layout.stage_rank[self.plan.num_stages - 1]  # this rank's dp and tp coordinates
+        dist.broadcast(loss, src=last, group=self.layout.pp_group)
         return loss
 
     def _aux_loss(self, recorded: list[torch.Tensor]) -> torch.Tensor | None:
@@ -374,3 +498,34 @@ class PartitionedModel:
         if self.layout.pp_group is not None:
             dist.all_reduce(mine, group=self.layout.pp_group)
         return mine
+
+
+def _stage_modules(stage: Stage) -> Iterator[nn.Module]:
+    """Every module a stage runs: its module's and its runner's (an FSDP root wraps the module)."""
+    yield from stage.module.modules()
+    if isinstance(stage.runner, nn.Module):
+        yield from stage.runner.modules()
+
+
+def _reshard_after_forward_only(roots: Sequence[nn.Module]) -> None:
+    """After forwards with no backward (an evaluation), put FSDP units back as a step leaves them:
+    each unit resharded (zero 2 keeps its parameters gathered after a forward, for the backward that
+    does not come) and the forward order FSDP records for the backward's prefetching cleared (it is
+    cleared at the end of a backward, so an evaluation's records would precede the next step's and
+    prefetch a wrong unit). `FSDPModule.reset_iter_state`, where torch has it, does both (after a
+    whole `step` no reduction is in flight, so it discards nothing); older torch: the same by hand."""
+    for root in roots:
+        reset = getattr(root, "reset_iter_state", None)
+        if reset is not None:
+            reset()
+            continue
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        state = fully_shard.state(root)
+        state._comm_ctx.post_forward_order.clear()
+        for unit_state in state._state_ctx.all_states:
+            for group in unit_state._fsdp_param_groups:
+                group._post_forward_indices.clear()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,6 +35,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "compute_deps",
+    "forward_only",
     "make_schedule",
     "validate",
 ]
@@ -375,6 +376,25 @@ def compute_deps(action: Action, num_stages: int) -> tuple[Action, ...]:
     if action.kind is ActionKind.W:
         return (Action(ActionKind.B, s, mb),)
     raise ValueError(f"{action} is not a compute action")
+
+
+FORWARD_KINDS = frozenset({ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F})
+
+
+def forward_only(actions: Sequence[Action]) -> tuple[Action, ...]:
+    """One rank's lowered list (`Schedule.with_comms()[rank]`) without its backward: the F, SEND_F
+    and RECV_F actions, in their order. What an evaluation runs (runtime/executor.py `run(...,
+    forward_only=True)`): the training schedule's forward order, so no second schedule is needed.
+
+    It cannot deadlock when the full lists cannot: every blocking wait left is a RECV_F, and the
+    actions before any action in the filtered list are a subset of those before it in the full one.
+    Were the filtered run stuck, take the stuck RECV_F that finished first in the full run; its
+    SEND_F was posted before that in the full run, so the peer is stuck at a RECV_F that precedes
+    the send in its list, which finished even earlier in the full run: a contradiction. Peers'
+    messages keep their relative order (B messages leave both sides), so posting-order matching
+    (NCCL) pairs them as before.
+    """
+    return tuple(a for a in actions if a.kind in FORWARD_KINDS)
 
 
 def validate(schedule: Schedule) -> None:
