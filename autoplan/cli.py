@@ -143,6 +143,8 @@ def cmd_suggest(args: argparse.Namespace) -> int:
 
     if args.seq_len is None and args.model == DEFAULT_SUGGEST["model"]:
         args.seq_len = DEFAULT_SUGGEST["seq_len"]  # the default job (README): llama3-8b at 4096 tokens
+    if args.sweep_gpus and args.target:
+        raise ValueError(f"--target plans one search; drop --sweep-gpus, or --target {args.target}")
     if args.sweep_gpus and args.explain:
         raise ValueError("--explain lists what one search rejected; drop --sweep-gpus, or --explain")
     if args.sweep_gpus:
@@ -165,7 +167,8 @@ def cmd_suggest(args: argparse.Namespace) -> int:
             args.model, args.cluster, global_batch=args.global_batch, seq_len=args.seq_len, top=args.top,
             dtype=args.dtype, intra_node_bw_gbps=args.intra_node_bw, inter_node_bw_gbps=args.inter_node_bw,
             leaf_modules=leaf, tracer=args.tracer, progress=callback, search_progress=search_callback,
-            calibration=args.calibration or None, stack=args.stack, explain=args.explain, **_pins(args))
+            calibration=args.calibration or None, stack=args.stack, explain=args.explain, target=args.target,
+            **_pins(args))
     except NoPlanError as exc:
         if progress is not None:
             progress.stop()  # before anything is printed (stopping twice is harmless)
@@ -192,6 +195,16 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         console.print(f"note: {note}")
     if args.explain:
         console.print(rejections_table(result))
+        kept = result.rejections.kept("target") if args.target else []  # beside search/rejections.py's REASONS
+        if kept:
+            console.print(f"not run by {args.target} as planned ({result.rejections.counts['target']:,}), the first "
+                          "few:")
+        for rejection, _ in kept:
+            console.print(f"  {rejection.config}: {rejection.why.removeprefix(args.target + ': ')}")
+    if args.target:
+        console.print(f"[dim]--target {args.target}: {result.rejections.counts.get('target', 0):,} "
+                      f"configurations not run by {args.target} as planned were left out; the plans listed export "
+                      f"with `autoplan export --to {args.target}` as planned[/dim]")
     console.print(f"[dim]{search_summary(result)}; MFU counts model FLOPs without recompute (PaLM, Chowdhery et al. "
                   "2022, App. B)[/dim]")
     if args.out:
@@ -214,9 +227,26 @@ def cmd_export_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _betas(text: str) -> tuple[float, float]:
+    """--betas B1,B2."""
+    parts = text.split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return float(parts[0]), float(parts[1])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be two numbers B1,B2, e.g. 0.9,0.95") from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from autoplan.plan import Plan
+    from autoplan.runtime.job_file import merge_run_args
 
+    # The command line over the job file (--config) over the defaults (job_file.py), before torch loads.
+    args = merge_run_args(args)
+    for flag in ("metrics", "trace"):  # outputs a job file names are checked as the flags are
+        if getattr(args, flag) is not None:
+            check_output_file(f"--{flag}", getattr(args, flag))
     # A file that is not a usable plan is refused before torch loads (one line in under 2 s, issue 43);
     # `suggest --json` output gives its best plan, or the one --plan-index names (issue 44).
     plan = Plan.load(args.plan, plan_index=args.plan_index)
@@ -225,13 +255,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     # A plan this machine cannot hold is refused before torch loads (machine.py [Note: the refusal before torch]).
     refuse_early(plan, args.nproc, allow_oversubscribe=args.allow_oversubscribe)
     from autoplan.runtime import run_plan
+    from autoplan.runtime.optim_config import OptimizerConfig
 
+    optimizer = OptimizerConfig(lr=args.lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
+                                no_decay_embeddings=args.no_decay_embeddings, warmup_steps=args.warmup_steps,
+                                lr_schedule=args.lr_schedule, min_lr=args.min_lr, decay_steps=args.decay_steps)
     return run_plan(plan, model=args.model, steps=args.steps, nproc=args.nproc, trace_path=args.trace,
                     metrics_path=args.metrics, seed=args.seed, timeout_s=args.timeout,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
                     skip_nonfinite=args.skip_nonfinite,
                     data=args.data, allow_oversubscribe=args.allow_oversubscribe,
-                    clip_grad=args.clip_grad, overwrite=args.overwrite, init=args.init)
+                    clip_grad=args.clip_grad, overwrite=args.overwrite, init=args.init, optimizer=optimizer,
+                    eval_every=args.eval_every, eval_data=args.eval_data, eval_batches=args.eval_batches)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -286,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "would fit, batch not divisible, layout refused, pruned by a bound); in --json under "
                         "search.rejections")
     p.add_argument("--out", help="write the best plan to this JSON file (for `autoplan run`)")
+    p.add_argument("--target", choices=["torchtitan", "megatron", "deepspeed"],
+                   help="search only plans this trainer runs as planned, so that `autoplan export --to` it writes "
+                        "the plan with no difference (search/targets.py)")
     p.add_argument("--sweep-gpus", help="what-if: best plan per GPU count, e.g. 64,128,256 (nodes of the --cluster GPU)")
     p.add_argument("--plot", help="with --sweep-gpus: write the sweep as a picture (.svg, or .png with matplotlib)")
     p.add_argument("--intra-node-bw", type=float, help="override intra-node bandwidth, GB/s per GPU per direction")
@@ -334,29 +372,66 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_suggest)
 
     p = sub.add_parser("run", help="train N steps of a plan through autoplan's pipeline executor",
-                       description="Trains on synthetic data (fixed seed; --data for your own) and prints the loss and the measured and "
-                                   "predicted step time. --nproc N spawns N local processes (gloo on CPU); under "
-                                   "`torchrun ... -m autoplan run plan.json` each process runs one rank.")
-    p.add_argument("plan", help="plan JSON written by `autoplan suggest --out` (or `suggest --json` output: its best plan)")
+                       description="Trains on synthetic data (fixed seed; --data for yours) with AdamW and prints the loss and the "
+                                   "measured and predicted step time. --nproc N spawns N local processes (gloo on CPU); under "
+                                   "`torchrun ... -m autoplan run plan.json` each process runs one rank. Every setting can "
+                                   "come from a job file (--config job.toml, docs/training.md); flags override it.")
+    # Every default is None here and applied after the job file (job_file.py RUN_DEFAULTS): a flag
+    # given on the command line, even at its default value, overrides the file.
+    p.add_argument("plan", nargs="?",
+                   help="plan JSON written by `autoplan suggest --out` (or `suggest --json` output: its best plan); "
+                        "or a job file (.toml), as --config")
+    p.add_argument("--config", metavar="JOB.toml",
+                   help="a job file recording the plan, data, optimizer, schedule, steps, checkpoints and evaluation "
+                        "(docs/training.md); flags given here override it")
     p.add_argument("--plan-index", type=int, metavar="N",
                    help="with `autoplan suggest --json` output: run its N-th plan (0, the default, is the best)")
     p.add_argument("--model", help="model spec to build (default: the one the plan names)")
-    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    p.add_argument("--data", metavar="FILE.py:FUNCTION",
-                   help="real data: FUNCTION(step, batch_size, seq_len) returns (inputs, target) of the global batch "
-                        "(default: synthetic batches shaped like the model's example inputs)")
+    p.add_argument("--steps", type=int, help="training steps (default 10)")
+    p.add_argument("--data", metavar="PATH",
+                   help="real data (docs/training.md): a token file (nanoGPT's uint16 train.bin; train.bin:uint32 for "
+                        "larger vocabularies; .npy), a Megatron-LM PREFIX.bin/.idx, a Hugging Face datasets directory "
+                        "(save_to_disk, an input_ids column), or FILE.py:FUNCTION, FUNCTION(step, batch_size, seq_len) "
+                        "returning (inputs, target) of the global batch (default: synthetic batches shaped like the "
+                        "model's example inputs)")
     p.add_argument("--nproc", type=int, help="spawn this many local processes (must equal the plan's GPU count)")
     p.add_argument("--trace", help="write the measured per-action timeline (Chrome trace JSON)")
-    p.add_argument("--metrics", help="append one JSON object per step (run, step, loss, step_time_s, predicted_step_time_s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=60.0,
+    p.add_argument("--metrics", help="append one JSON object per step (run, step, loss, lr, step_time_s, "
+                                     "predicted_step_time_s; eval_loss records with --eval-every)")
+    p.add_argument("--seed", type=int, help="seed of the weights, the synthetic data and a dataset's order (default 0)")
+    p.add_argument("--timeout", type=float,
                    help="seconds any rank waits on another before failing, once the ranks run steps (default 60; "
                         "while they start: importing torch, tracing the model, at least 300)")
+    opt = p.add_argument_group("optimizer and schedule (AdamW; docs/training.md)")
+    opt.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
+    opt.add_argument("--betas", type=_betas, metavar="B1,B2", help="AdamW's betas (default 0.9,0.999)")
+    opt.add_argument("--eps", type=float, help="AdamW's epsilon (default 1e-8)")
+    opt.add_argument("--weight-decay", type=float, metavar="WD",
+                     help="decoupled weight decay of the matrices (default 0.01, torch's AdamW default); norms, biases "
+                          "and other 1-D parameters are never decayed (nanoGPT, Megatron-LM)")
+    opt.add_argument("--no-decay-embeddings", action="store_true", default=None,
+                     help="do not decay the embeddings either (nor a head tied to them)")
+    opt.add_argument("--warmup-steps", type=int, metavar="W",
+                     help="linear warmup: step k < W uses lr * (k+1)/(W+1) (default 0)")
+    opt.add_argument("--lr-schedule", choices=["constant", "cosine", "linear"],
+                     help="after the warmup: constant (default), or a cosine or linear decay to --min-lr")
+    opt.add_argument("--min-lr", type=float, help="the learning rate the decay ends at (default 0)")
+    opt.add_argument("--decay-steps", type=int, metavar="D",
+                     help="the step the decay reaches --min-lr at, counted from step 0 (default --steps); after it "
+                          "the rate stays at --min-lr")
+    p.add_argument("--eval-every", type=int, metavar="N",
+                   help="every N steps, print and record the mean loss of --eval-batches batches of --eval-data "
+                        "(forward only)")
+    p.add_argument("--eval-data", metavar="PATH", help="evaluation data: as --data (a token file, a datasets directory "
+                                                        "or FILE.py:FUNCTION, called with the batch's index)")
+    p.add_argument("--eval-batches", type=int, metavar="K", help="global batches per evaluation (default 10)")
     p.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (step-N/ dirs; shared by all ranks)")
     p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint every K steps (and after the last; default 500 "
                    "with --checkpoint-dir)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --checkpoint-dir")
-    p.add_argument("--overwrite", action="store_true",
+    p.add_argument("--resume", action="store_true", default=None,
+                   help="continue from the newest good checkpoint in --checkpoint-dir (the schedule and the data "
+                        "position too)")
+    p.add_argument("--overwrite", action="store_true", default=None,
                    help="delete the checkpoints already in --checkpoint-dir before training (without it, or --resume, "
                         "a directory holding checkpoints is refused: one job per directory)")
     p.add_argument("--init", metavar="PATH",
@@ -367,10 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clip the gradients' global norm (over every rank: tp, pp, dp, shards, experts) to MAX_NORM "
                         "each step, as torch.nn.utils.clip_grad_norm_ on one process; the norm goes to --metrics "
                         "(grad_norm). Megatron-LM and torchtitan use 1.0 (default: no clipping)")
-    p.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
+    p.add_argument("--skip-nonfinite", type=int, metavar="N",
                    help="skip the optimizer step of up to N steps whose loss or gradients are not finite (default 0: "
                         "the first such step stops the run)")
-    p.add_argument("--allow-oversubscribe", action="store_true",
+    p.add_argument("--allow-oversubscribe", action="store_true", default=None,
                    help="run even when the ranks' estimated host memory (CPU ranks, no CUDA) exceeds what is free")
     p.set_defaults(func=cmd_run)
 

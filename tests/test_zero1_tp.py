@@ -244,7 +244,10 @@ def _reference(plan, steps: int):
     torch.manual_seed(0)
     model = source.build("cpu")
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)  # as `autoplan run`
+    # As `autoplan run`: norms and biases (1-D parameters) are not decayed (runtime/optim_config.py).
+    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2]},
+                                   {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=LR, fused=True)
     rows = plan["micro_batch_size"]
     chunks = GLOBAL_BATCH // rows
     grads, losses = [], []

@@ -1,4 +1,4 @@
-"""`run_plan`: train a plan for a few steps (synthetic data, or `--data`), locally spawned or under torchrun.
+"""`run_plan`: train a plan (synthetic data, or `--data`), locally spawned or under torchrun.
 
 Two ways in (docs/architecture.md, "Launch"):
 - torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment): this process is one rank.
@@ -41,6 +41,7 @@ import torch
 from autoplan.plan import Plan
 from autoplan.runtime.comm import P2PTimeout
 from autoplan.runtime.machine import GIB, MachineFit, available_memory_bytes, oom_kills
+from autoplan.runtime.optim_config import OptimizerConfig
 from autoplan.runtime.preflight import _note, check_run
 from autoplan.runtime.ranks import LocalJob, free_port, one_line
 from autoplan.runtime.rendezvous import _loopback_interface, _loopback_process_group, startup_timeout
@@ -242,7 +243,8 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
              lr: float = 1e-3, checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
              resume: bool = False, data: str | None = None, skip_nonfinite: int = 0, clip_grad: float | None = None,
              overwrite: bool = False, init: str | os.PathLike | None = None,
-             allow_oversubscribe: bool = False,
+             allow_oversubscribe: bool = False, optimizer: OptimizerConfig | None = None,
+             eval_every: int | None = None, eval_data: str | None = None, eval_batches: int = 10,
              _fail_at: tuple[int, int] | None = None, _fault: str | None = None,
              _grace_s: float = 10.0, _start_method: str = "spawn") -> int:
     """Train `plan` for `steps` steps with AdamW; returns the exit code (0, or 1 when a rank failed).
@@ -250,9 +252,15 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
     A mistake found before any process starts (preflight.py) raises ValueError with one line;
     `autoplan run` prints it and exits 2.
 
-    Data: synthetic batches from the model source (training.py), or `data`, a
-    `file.py:function` with function(step, batch_size, seq_len) -> (inputs, target) of the global
-    batch (`load_data_function`).
+    Data: synthetic batches from the model source (training.py), or `data`: a token file or a
+    Hugging Face datasets directory (runtime/datasets.py `open_dataset`, checked against the model's
+    vocabulary here), or a `file.py:function` with function(step, batch_size, seq_len) -> (inputs,
+    target) of the global batch (`load_data_function`).
+
+    The optimizer: AdamW with `optimizer`'s settings, weight-decay groups and learning-rate schedule
+    (optim_config.py `OptimizerConfig`; default: `OptimizerConfig(lr=lr)`). `eval_every`: every N
+    steps, the mean loss of `eval_batches` batches of `eval_data` (a dataset path or a function, as
+    `data`), forward only, printed and written to the metrics as eval_loss.
 
     `model` overrides the plan's model spec. Without RANK/WORLD_SIZE in the environment, spawns
     `nproc` (default: the plan's GPU count) local processes, after checking that this machine holds
@@ -281,11 +289,16 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
     """
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     check_clip_grad(clip_grad)
+    if optimizer is None:
+        optimizer = OptimizerConfig(lr=lr)
+    elif not isinstance(optimizer, OptimizerConfig):
+        raise TypeError(f"optimizer must be an OptimizerConfig, got {type(optimizer).__name__}")
+    optimizer = optimizer.for_steps(steps) if _is_count(steps) else optimizer  # a bad --steps: check_run says so
     checked = check_run(plan, model=model, steps=steps, nproc=nproc, trace_path=trace_path, metrics_path=metrics_path,
                         seed=seed, timeout_s=timeout_s, lr=lr, checkpoint_dir=checkpoint_dir,
                         checkpoint_every=checkpoint_every, resume=resume, data=data, skip_nonfinite=skip_nonfinite,
                         allow_oversubscribe=allow_oversubscribe, fault=_fault, torchrun=torchrun, overwrite=overwrite,
-                        init=init)
+                        init=init, eval_every=eval_every, eval_data=eval_data, eval_batches=eval_batches)
     plan, spec, nproc, faults, fit = checked.plan, checked.spec, checked.nproc, checked.faults, checked.fit
     checkpoint_dir, lock, resume_from = checked.checkpoint_dir, checked.lock, checked.resume_from
     if checkpoint_dir is not None and checkpoint_every is None:
@@ -298,7 +311,8 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
                    metrics_path=metrics_path, lr=lr, fail_at=_fail_at, checkpoint_dir=checkpoint_dir,
                    checkpoint_every=checkpoint_every, resume=resume, faults=faults, skip_nonfinite=skip_nonfinite,
                    run_id=run_id, resume_from=resume_from, clip_grad=clip_grad,
-                   init=None if init is None else str(init))
+                   init=None if init is None else str(init), optim=optimizer, data_identity=checked.data_identity,
+                   eval_every=eval_every, eval_data=eval_data, eval_batches=eval_batches)
     try:
         if torchrun:  # this process is one rank
             return _run_this_rank(plan, payload)
@@ -322,6 +336,10 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _run_this_rank(plan: Plan, payload: dict) -> int:

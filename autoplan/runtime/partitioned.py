@@ -262,7 +262,7 @@ class PartitionedModel:
         return load_state_dict_slices(self, state_dict, strict=strict)
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                       **kwargs: Any) -> torch.optim.Optimizer:
+                       param_groups: list[dict[str, Any]] | None = None, **kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer over this rank's parameters, sharded as the plan's ZeRO stage says.
 
         zero = 0 (or dp = 1): `optimizer_class(self.parameters(), **kwargs)`, replicated on the dp
@@ -274,13 +274,17 @@ class PartitionedModel:
         values of the masters it owns only (`holds_values`), and owners broadcast the bf16 working
         copies. Under expert parallelism the experts' state is split over the replicas holding the
         same experts (optimizer.py). zero >= 2: the parameters are FSDP shards (fsdp.py), so a plain
-        optimizer over them holds and steps only this rank's shard."""
+        optimizer over them holds and steps only this rank's shard. `param_groups`: this rank's
+        parameters in groups of their own settings (weight decay: runtime/optim_config.py), each
+        group holding plain tensors or DTensors of one mesh, as `_param_groups` splits them; default
+        one group per kind."""
+        groups = self._param_groups() if param_groups is None else param_groups
         if self.plan.zero != 1 or self.layout.dp_group is None:
-            return optimizer_class(self._param_groups(), **kwargs)
+            return optimizer_class(groups, **kwargs)
         from autoplan.runtime.optimizer import ZeroOneOptimizer
 
         working = self.precision.working_of if self.precision is not None else None
-        optimizer = ZeroOneOptimizer(self._param_groups(), optimizer_class, group=self.layout.dp_group,
+        optimizer = ZeroOneOptimizer(groups, optimizer_class, group=self.layout.dp_group,
                                      working=working, experts=self.expert_params,
                                      expert_group=self.layout.expert_dp_group, **kwargs)
         if self.precision is not None:  # the other dp ranks' masters: no fp32 values here

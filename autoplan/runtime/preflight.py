@@ -1,7 +1,9 @@
 """What `autoplan run` checks before it spawns a process (`check_run`): the arguments' types and
-ranges, the plan, the model it was made for, the data function, the outputs, the checkpoint
-directory (locked for the job: `CheckpointDirLock`; on resume, the checkpoint to resume from), and
-whether this machine holds the ranks (machine.py [Note: a GPU plan on a CPU machine]).
+ranges, the plan, the model it was made for, the data (a function, or a dataset: its files and its
+token ids against the model's vocabulary; `check_data`) and the evaluation data, the outputs, the
+checkpoint directory (locked for the job: `CheckpointDirLock`; on resume, the checkpoint to resume
+from, of the same data), and whether this machine holds the ranks (machine.py [Note: a GPU plan on a
+CPU machine]).
 
 Each mistake raises ValueError (or TypeError) with one line; `autoplan run` prints it and exits 2.
 Apart from the launcher (launch.py) so that what is validated reads in one place, before anything
@@ -24,9 +26,9 @@ from autoplan._files import check_output_file
 from autoplan.plan import Plan, PlanError
 from autoplan.runtime.faults import FAULT_ENV, _Fault, _parse_faults
 from autoplan.runtime.machine import MachineFit, check_machine
-from autoplan.runtime.training import load_data_function
+from autoplan.runtime.training import is_data_function, load_data_function, token_inputs
 
-__all__ = ["MAX_STEPS", "MAX_TIMEOUT_S", "CheckpointDirLock", "RunChecks", "check_run"]
+__all__ = ["MAX_STEPS", "MAX_TIMEOUT_S", "CheckpointDirLock", "RunChecks", "check_data", "check_run"]
 
 MAX_STEPS = 100_000_000
 """More steps than any published pre-training run (Llama 3 405B: about 1.2 M steps, arXiv:2407.21783)."""
@@ -146,13 +148,16 @@ class RunChecks:
     """Held by the launcher (or torchrun's rank 0) for the job; the caller releases it."""
     resume_from: str | None
     """The launcher's (or torchrun rank 0's) verified choice; "": none."""
+    data_identity: dict | None = None
+    """What the data is (`data_identity`), recorded in checkpoints and compared on resume."""
 
 
 def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, nproc: int | None,
               trace_path: str | None, metrics_path: str | None, seed: int, timeout_s: float, lr: float,
               checkpoint_dir: str | os.PathLike | None, checkpoint_every: int | None, resume: bool,
               data: str | None, skip_nonfinite: int, allow_oversubscribe: bool, fault: str | None,
-              torchrun: bool, overwrite: bool = False, init: str | os.PathLike | None = None) -> RunChecks:
+              torchrun: bool, overwrite: bool = False, init: str | os.PathLike | None = None,
+              eval_every: int | None = None, eval_data: str | None = None, eval_batches: int = 10) -> RunChecks:
     """Every check of `run_plan` before a process is spawned (module docstring); the arguments are
     `run_plan`'s (`fault`: its `_fault`). A mistake raises ValueError with one line, after releasing
     the checkpoint directory's lock if it was taken."""
@@ -184,8 +189,10 @@ def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, 
         for flag, value in (("--metrics", metrics_path), ("--trace", trace_path), ("--checkpoint-dir", checkpoint_dir)):
             if value is not None and not isinstance(value, str | os.PathLike):
                 raise TypeError(f"{flag} must be a path, got {type(value).__name__}")
-        if data is not None and not isinstance(data, str):
-            raise TypeError(f"--data must be FILE.py:FUNCTION, got {type(data).__name__}")
+        for flag, value in (("--data", data), ("--eval-data", eval_data)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise TypeError(f"{flag} must be a dataset's path or FILE.py:FUNCTION, got {value!r}")
+        _check_eval_arguments(eval_every, eval_data, eval_batches)
         for flag, path in (("--metrics", metrics_path), ("--trace", trace_path)):
             if path is not None:
                 check_output_file(flag, path)
@@ -198,8 +205,9 @@ def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, 
                 raise ValueError(f"--init {init!r} must be a path: a Hugging Face directory, a torch.save file or a "
                                  "checkpoint")
             check_weights(parse_source(spec), init)
-        if data is not None:
-            load_data_function(data, plan)
+        data_identity = check_data(data, plan, spec, seed)
+        if eval_data is not None:
+            check_data(eval_data, plan, spec, seed, flag="--eval-data")
         faults = _parse_faults(os.environ.get(FAULT_ENV) if fault is None else fault)
         if resume and not checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR")
@@ -234,7 +242,7 @@ def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, 
                 lock = CheckpointDirLock(checkpoint_dir)
                 lock.acquire()
             if resume and torchrun_rank == 0:  # verified once (a full read); rank 0 shares the choice
-                resume_from = str(_check_resumable(plan, checkpoint_dir) or "")
+                resume_from = str(_check_resumable(plan, checkpoint_dir, data_identity) or "")
             # One job per directory (checkpoint/identity.py [Note: one job per checkpoint directory]):
             # a fresh run neither overwrites nor mixes with another job's steps.
             if not resume and overwrite and torchrun_rank == 0:  # under the lock: no job is using them
@@ -248,7 +256,80 @@ def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, 
             lock.release()
         raise ValueError(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
     return RunChecks(plan=plan, spec=spec, nproc=nproc, faults=faults, fit=fit, checkpoint_dir=checkpoint_dir,
-                     lock=lock, resume_from=resume_from)
+                     lock=lock, resume_from=resume_from, data_identity=data_identity)
+
+
+def _check_eval_arguments(eval_every, eval_data, eval_batches) -> None:
+    for flag, value in (("--eval-every", eval_every), ("--eval-batches", eval_batches)):
+        if value is not None and not _is_int(value):
+            raise TypeError(f"{flag} must be an integer, got {value!r}")
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} must be at least 1")
+    if eval_every is not None and eval_data is None:
+        raise ValueError("--eval-every needs --eval-data PATH (a token file, a datasets directory or FILE.py:FUNCTION)")
+    if eval_data is not None and eval_every is None:
+        raise ValueError("--eval-data needs --eval-every N (evaluate every N steps)")
+
+
+def check_data(data: str | None, plan: Plan, spec: str, seed: int, *, flag: str = "--data") -> dict:
+    """`--data` (or `--eval-data`) before any rank starts, and what it is (its identity, for
+    checkpoints): synthetic (None), a `file.py:function` (`load_data_function` calls it for step
+    0), or a dataset (runtime/datasets.py `open_dataset`: the files, then every token id below the
+    model's vocabulary, and a model fed by token ids: `training.token_inputs`)."""
+    if data is None:
+        return {"format": "synthetic", "seed": seed}
+    if is_data_function(data):
+        load_data_function(data, plan)
+        return {"format": "function", "function": data}
+    from autoplan.runtime.datasets import open_dataset
+    from autoplan.sources import parse_source
+
+    def named(exc: Exception) -> ValueError:  # the dataset's own line, naming the flag it came from
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if text.startswith(flag):
+            return ValueError(text)
+        return ValueError(f"{flag} {text}" if text.startswith(data) else f"{flag} {data}: {text}")
+
+    try:
+        dataset = open_dataset(data, seq_len=plan.job.seq_len, seed=seed)
+    except (ValueError, OSError) as exc:
+        raise named(exc) from None
+    source = parse_source(spec)
+    templates = source.input_templates()
+    try:
+        token_inputs(templates, torch.zeros(1, 1, dtype=torch.int64))
+    except ValueError as exc:
+        raise ValueError(f"{flag} {data!r} is a token dataset but the model {spec} cannot take one: {exc}") from None
+    vocab = (getattr(source, "info", None) or {}).get("vocab_size") or templates[0].high
+    try:
+        dataset.check_vocab(int(vocab))
+    except ValueError as exc:
+        raise named(exc) from None
+    return dict(dataset.identity)
+
+
+def _same_data(saved: dict | None, current: dict | None) -> bool:
+    """Whether a checkpoint's data is this run's: a dataset by everything but where it lies (a moved
+    file is the same data); synthetic data and functions as before (a resume may change their seed)."""
+    def dataset(identity) -> bool:
+        return isinstance(identity, dict) and identity.get("format") not in (None, "synthetic", "function")
+
+    if not dataset(saved) and not dataset(current):
+        return True
+    strip = lambda identity: {k: v for k, v in (identity or {}).items() if k != "path"}  # noqa: E731
+    return strip(saved) == strip(current)
+
+
+def _describe_data(identity: dict | None) -> str:
+    if not isinstance(identity, dict):
+        return "no recorded data"
+    if identity.get("format") == "synthetic":
+        return "synthetic data"
+    if identity.get("format") == "function":
+        return f"--data {identity.get('function')}"
+    details = ", ".join(f"{k} {str(identity[k])[:12] if k == 'fingerprint' else identity[k]}"
+                        for k in ("tokens", "seq_len", "seed", "fingerprint") if k in identity)
+    return f"{identity.get('path', 'a dataset')} ({details})"
 
 
 def _is_int(value) -> bool:
@@ -278,11 +359,12 @@ def _check_run_arguments(steps, timeout_s, lr, seed, skip_nonfinite, checkpoint_
         raise ValueError(f"--timeout {timeout_s:g} is more than {MAX_TIMEOUT_S:g} s (11 days); give at most that")
 
 
-def _check_resumable(plan: Plan, checkpoint_dir: str) -> Path | None:
+def _check_resumable(plan: Plan, checkpoint_dir: str, data_identity: dict | None = None) -> Path | None:
     """The checkpoint to resume from: the newest that verifies (`checkpoint.choose_checkpoint`: sizes,
     sha256s, names, step; a damaged newer one is named on stderr and skipped), or None to start at
     step 0. Refuses, before spawning (one line, exit 2), a checkpoint of another model, a directory
-    whose every checkpoint is damaged, or one holding only checkpoints of an older format."""
+    whose every checkpoint is damaged, one holding only checkpoints of an older format, or one of
+    other data (a dataset's identity: `_same_data`; the data position is the step)."""
     from autoplan.runtime.checkpoint import (
         CHECKPOINT_FORMAT,
         checkpoint_fingerprint,
@@ -304,8 +386,14 @@ def _check_resumable(plan: Plan, checkpoint_dir: str) -> Path | None:
         return None
     for path, reason in skipped:
         _note(f"checkpoint {path} is damaged ({reason}); resuming from {chosen}")
-    fingerprint = checkpoint_fingerprint(load_checkpoint(chosen, checksums=False).manifest)  # just verified
+    manifest = load_checkpoint(chosen, checksums=False).manifest  # just verified
+    fingerprint = checkpoint_fingerprint(manifest)
     if fingerprint != plan.model_fingerprint:  # None included: a manifest without a fingerprint is refused
         raise ValueError(f"checkpoint {str(chosen)!r} is of model fingerprint {fingerprint}, the plan's model is "
                          f"{plan.model_fingerprint}; use another --checkpoint-dir or drop --resume")
+    extra = manifest.get("extra") or {}
+    if "data" in extra and not _same_data(extra["data"], data_identity):
+        raise ValueError(f"checkpoint {str(chosen)!r} was trained on {_describe_data(extra['data'])}, this run "
+                         f"reads {_describe_data(data_identity)}; resume with the same --data (and --seed), or "
+                         "start a new --checkpoint-dir")
     return chosen

@@ -1,7 +1,8 @@
-"""One rank's training loop (`_train`): build the rank's stages, resume, run the steps with AdamW,
-check the loss and gradients, clip the gradients' global norm (`clip_grad`: `PartitionedModel.
-clip_grad_norm_`, a non-finite norm handled as a non-finite step), write metrics, traces and
-checkpoints.
+"""One rank's training loop (`_train`): build the rank's stages, resume, run the steps with AdamW
+(the settings, weight-decay groups and learning-rate schedule of `optim`: optim_config.py), check
+the loss and gradients, clip the gradients' global norm (`clip_grad`: `PartitionedModel.
+clip_grad_norm_`, a non-finite norm handled as a non-finite step), evaluate every `eval_every`
+steps (`PartitionedModel.evaluate`), write metrics, traces and checkpoints.
 
 Checkpoints and resume (docs/reliability.md): with `checkpoint_dir` and `checkpoint_every=K`,
 every K steps (and after the last step) the ranks save their stages' parameters and AdamW state
@@ -10,7 +11,11 @@ shards as shards, replicated tensors once); with `resume`, training continues fr
 complete checkpoint, saved under this plan or any other plan of the same model. Synthetic data
 comes from the model source (`ModelSource.batch`: inputs of the shapes, dtypes and value ranges of
 the model's example inputs, and a target for its loss) and is a pure function of (seed, step), so
-a resumed run sees exactly the batches a straight run would.
+a resumed run sees exactly the batches a straight run would. So is real data (`data`): a token file
+or a datasets directory (runtime/datasets.py `open_dataset`, whose `batch(step, global_batch)` is
+step k's global batch), or the user's `file.py:function`. A checkpoint records the data's identity,
+the samples consumed, the optimizer settings and the scheduler's state; a resume continues the
+schedule at its step (optim_config.py [Note: the schedule]).
 
 Apart from the launcher (launch.py), which spawns the processes that run it, and from the checks
 before spawning (preflight.py): this is what runs inside a rank.
@@ -28,10 +33,12 @@ import torch
 
 from autoplan.plan import Plan
 from autoplan.runtime.faults import _Fault, _inject, _poison, _sigkill_self
+from autoplan.runtime.optim_config import OptimizerConfig
 from autoplan.runtime.ranks import current_heartbeat, one_line
 from autoplan.runtime.rendezvous import bound_waits, startup_timeout
 
-__all__ = ["NonFiniteError", "check_clip_grad", "load_data_function", "synthetic_batch"]
+__all__ = ["NonFiniteError", "check_clip_grad", "is_data_function", "load_data_function", "synthetic_batch",
+           "token_inputs"]
 
 
 class NonFiniteError(RuntimeError):
@@ -52,6 +59,34 @@ def synthetic_batch(seed: int, step: int, batch: int, seq_len: int, vocab: int) 
     from autoplan.sources import token_batch
 
     return token_batch(seed, step, batch, seq_len, vocab)
+
+
+def is_data_function(data: str) -> bool:
+    """Whether `--data` names a Python function (`file.py:function`), not a dataset's path."""
+    return ".py:" in data
+
+
+def token_inputs(templates, ids: torch.Tensor) -> tuple:
+    """The model's forward arguments for a batch of token ids from a dataset: the ids as its first
+    input, each position input (`InputTemplate.positions`: what context parallelism cuts with the
+    ids) the positions of the sequence, the arguments in between as the source makes them (None).
+    Raises ValueError where the model takes another tensor input (a dataset has none to give)."""
+    rows, seq_len = ids.shape
+    inputs = []
+    for index, template in enumerate(templates):
+        if index == 0:
+            if template.dtype is None or template.dtype.is_floating_point or template.seq_dim is None:
+                raise ValueError("its first input is not token ids; a token dataset feeds language models "
+                                 "(use --data FILE.py:FUNCTION for other inputs)")
+            inputs.append(ids)
+        elif template.positions:
+            inputs.append(torch.arange(seq_len).unsqueeze(0).expand(rows, seq_len).contiguous())
+        elif template.shape is None:
+            inputs.append(template.constant)
+        else:
+            raise ValueError(f"it takes a tensor input ({index + 1} of {len(templates)}) besides its token ids "
+                             "and positions, which a token dataset cannot give; use --data FILE.py:FUNCTION")
+    return tuple(inputs)
 
 
 def load_data_function(data: str, plan: Plan, *, check: bool = True):
@@ -86,7 +121,19 @@ def load_data_function(data: str, plan: Plan, *, check: bool = True):
 
 
 def _batch_fn(pm, data: str | None, plan: Plan, seed: int):
-    """step -> (inputs tuple, target) of the global batch: the user's data, else the source's."""
+    """step -> (inputs tuple, target) of the global batch: a dataset's, the user's function's, else
+    the source's (synthetic)."""
+    if data is not None and not is_data_function(data):
+        from autoplan.runtime.datasets import open_dataset
+
+        dataset = open_dataset(data, seq_len=plan.job.seq_len, seed=seed)  # the launcher checked it
+        templates = pm.source.input_templates()
+
+        def dataset_batch(step: int):
+            ids, targets = dataset.batch(step, plan.job.global_batch)
+            return token_inputs(templates, ids), targets
+
+        return dataset_batch
     if data is not None:
         fn = load_data_function(data, plan, check=False)  # the launcher checked it
 
@@ -104,11 +151,16 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
            metrics_path: str | None, lr: float, fail_at: tuple[int, int] | None = None, data: str | None = None,
            checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = False,
            faults: tuple[_Fault, ...] = (), skip_nonfinite: int = 0, run_id: str = "", resume_from: str | None = None,
-           on_phase=None, clip_grad: float | None = None, init: str | None = None) -> None:
+           on_phase=None, clip_grad: float | None = None, init: str | None = None,
+           optim: OptimizerConfig | None = None, data_identity: dict | None = None, eval_every: int | None = None,
+           eval_data: str | None = None, eval_batches: int = 10) -> None:
     import torch.distributed as dist
 
     from autoplan.runtime import checkpoint as ckpt
     from autoplan.runtime.api import default_device, init_distributed, partition
+    from autoplan.runtime.optim_config import make_optimizer, make_scheduler, restore_scheduler
+
+    optim = (optim or OptimizerConfig(lr=lr)).for_steps(steps)
 
     timeout = timedelta(seconds=timeout_s)
     startup = startup_timeout(timeout)
@@ -127,15 +179,27 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     # foreach version measured 3.5x the memory-bound time on an H100 (docs/status.md); on CPU the
     # default per-tensor loop took 8-9x the fused step for 65M parameters on one thread (0.56-0.63 s
     # against 0.062-0.075 s, `python benchmarks/optimizer_cpu.py`): the step's tail, on the critical path.
-    optimizer = pm.make_optimizer(torch.optim.AdamW, lr=lr, fused=True)
+    # The groups (optim_config.py [Note: weight-decay groups]) by the whole model's names, on meta.
+    optimizer = make_optimizer(pm, optim, fused=True)
+    scheduler = make_scheduler(optimizer, optim)
     make_batch = _batch_fn(pm, data, plan, seed)
+    make_eval_batch = _batch_fn(pm, eval_data, plan, seed) if eval_every else None
     loss_src = plan.rank(plan.pp - 1, 0, 0)
 
     start_step, job_id = 0, run_id  # a fresh start is a job of its own (checkpoint/identity.py)
     if resume and checkpoint_dir:
         where(None, "loading a checkpoint")
-        start_step, resumed_job = _resume(ckpt, checkpoint_dir, resume_from, pm, optimizer, rank)
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        start_step, resumed_job, saved = _resume(ckpt, checkpoint_dir, resume_from, pm, optimizer, rank)
         job_id = resumed_job or run_id
+        # This run's settings, not the checkpoint's hyperparameters; the schedule at the resumed step.
+        for group, values in zip(optimizer.param_groups, settings):
+            group.update(values)
+        restore_scheduler(scheduler, saved.get("lr_scheduler"), start_step)
+        changed = _changed_settings(saved.get("optimizer"), optim.to_dict())
+        if changed and rank == 0:
+            print(f"resumed with other optimizer settings than the checkpoint's ({changed}); this run's apply "
+                  f"from step {start_step}", flush=True)
     run_identity = {"job_id": job_id, "run_id": run_id, "run_fingerprint": plan.run_fingerprint}
 
     step_box = [start_step]
@@ -180,6 +244,7 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
             grad_norm = float(pm.clip_grad_norm_(clip_grad))
             if not math.isfinite(grad_norm):
                 nonfinite = f"non-finite gradient norm ({grad_norm})"
+        step_lr = optimizer.param_groups[0]["lr"]  # the learning rate of this step (the schedule's)
         optimizer_start = time.perf_counter()
         scaler = pm.loss_scaler
         step_scale = scaler.scale if scaler is not None else None  # the scale this step's backward used
@@ -205,6 +270,9 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
             optimizer.step()
             if scaler is not None:
                 scaler.update(overflow=False)
+        # The schedule is a function of the step (torchtitan's too): a skipped step advances it as
+        # it advances the data.
+        scheduler.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time_s = time.perf_counter() - start
@@ -217,10 +285,11 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
             print(f"step {step}  loss {loss_value:.4f}  step {step_time_s:.3f} s  "
                   f"predicted {plan.predicted.step_time_s:.3f} s" +
                   (f"  grad norm {grad_norm:.4g}" if grad_norm is not None else "") +
+                  (f"  lr {step_lr:.3g}" if optim.lr_schedule != "constant" or optim.warmup_steps else "") +
                   (f"  loss scale {step_scale:g}" if scaler is not None else ""), flush=True)
         if rank == 0 and metrics_path:  # appended per step: a run that dies later keeps what it measured
             record = {"run": run_id, "step": step, "loss": loss_value if not nonfinite else None,
-                      "step_time_s": step_time_s, "predicted_step_time_s": plan.predicted.step_time_s}
+                      "step_time_s": step_time_s, "predicted_step_time_s": plan.predicted.step_time_s, "lr": step_lr}
             if nonfinite:
                 record["skipped"] = "gradient overflow" if overflow else nonfinite
             if scaler is not None:
@@ -231,12 +300,23 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         done = step + 1
+        if make_eval_batch is not None and done % eval_every == 0:
+            where(step, "evaluating")
+            eval_loss = _evaluate(pm, make_eval_batch, eval_batches, device)
+            if rank == 0:
+                print(f"eval step {step}  loss {eval_loss:.4f}", flush=True)
+                if metrics_path:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps({"run": run_id, "step": step, "eval_loss": eval_loss,
+                                            "eval_batches": eval_batches}) + "\n")
         if checkpoint_dir and checkpoint_every and (done % checkpoint_every == 0 or done == steps):
             where(step, f"saving the checkpoint of step {done}")
             path = ckpt.save_checkpoint(
                 checkpoint_dir, done, pm, optimizer, timeout=timeout,
                 extra={"seed": seed, "model": spec, "model_fingerprint": plan.model_fingerprint, "pp": plan.pp,
-                       "dp": plan.dp, "tp": plan.tp,
+                       "dp": plan.dp, "tp": plan.tp, "optimizer": optim.to_dict(),
+                       "lr_scheduler": scheduler.state_dict(), "data": data_identity,
+                       "samples_seen": done * plan.job.global_batch,
                        **({"loss_scale": pm.loss_scaler.state_dict()} if pm.loss_scaler is not None else {})},
                 run=run_identity,
                 _kill_midway=any(f.hits("kill-in-checkpoint", rank, done) for f in faults))
@@ -253,10 +333,10 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
 
 
 def _resume(ckpt, checkpoint_dir: str, chosen_by_launcher: str | None, pm, optimizer,
-            rank: int) -> tuple[int, str | None]:
+            rank: int) -> tuple[int, str | None, dict]:
     """Restore the checkpoint the launcher verified (`_check_resumable`; rank 0 chooses where no
     launcher did, and shares the choice so every rank resumes from the same one); returns the step
-    to start at and the job the checkpoint records (None: none, or no checkpoint)."""
+    to start at, the job the checkpoint records (None: none, or no checkpoint) and its extras."""
     import torch.distributed as dist
 
     chosen = [chosen_by_launcher]
@@ -270,7 +350,7 @@ def _resume(ckpt, checkpoint_dir: str, chosen_by_launcher: str | None, pm, optim
     if not chosen[0]:
         if rank == 0:
             print(f"no complete checkpoint in {checkpoint_dir}; starting from step 0", flush=True)
-        return 0, None
+        return 0, None, {}
     loaded = ckpt.load_checkpoint(chosen[0], checksums=False)  # every file's sha256 was just checked
     same_layout = loaded.manifest.get("world_size") == dist.get_world_size()
     start_step = ckpt.restore(loaded, pm, optimizer, strict=True, rank=rank if same_layout else None)
@@ -279,7 +359,34 @@ def _resume(ckpt, checkpoint_dir: str, chosen_by_launcher: str | None, pm, optim
         pm.loss_scaler.load_state_dict(scale)
     if rank == 0:
         print(f"resumed from {chosen[0]} (step {start_step})", flush=True)
-    return start_step, ckpt.job_id_of(loaded.manifest)
+    return start_step, ckpt.job_id_of(loaded.manifest), dict(loaded.manifest.get("extra") or {})
+
+
+def _changed_settings(saved: dict | None, current: dict) -> str:
+    """"lr 0.001 -> 0.0003, ..." for each optimizer setting a resumed run changes ("" if none, or
+    a checkpoint that records none)."""
+    if not isinstance(saved, dict):
+        return ""
+    return ", ".join(f"{k} {saved[k]} -> {v}" for k, v in current.items() if k in saved and saved[k] != v)
+
+
+def _evaluate(pm, make_batch, num_batches: int, device: torch.device) -> float:
+    """The mean loss of batches 0..num_batches-1 of the evaluation data, forward only
+    (`PartitionedModel.evaluate`, collective: every rank calls it); every rank returns it. The ranks
+    holding a loss (the last stage's) sum theirs; one MAX all-reduce gives it to all (as
+    `_loss_and_nonfinite`: flags, since gloo's MAX of -inf and NaN is -inf)."""
+    import torch.distributed as dist
+
+    total, held = 0.0, False
+    for k in range(num_batches):
+        inputs, targets = make_batch(k)
+        loss = pm.evaluate(*inputs, target=targets)
+        if loss is not None:
+            total, held = total + float(loss), True
+    report = torch.tensor([total if held and math.isfinite(total) else -float("inf"),
+                           1.0 if held and not math.isfinite(total) else 0.0], device=device)
+    dist.all_reduce(report, op=dist.ReduceOp.MAX)
+    return float("nan") if report[1] > 0 else float(report[0]) / num_batches
 
 
 def _loss_and_nonfinite(pm, loss: torch.Tensor | None, device: torch.device) -> tuple[float, str]:
