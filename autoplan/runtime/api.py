@@ -209,7 +209,10 @@ def partition(
     init: str | os.PathLike | None = None,
 ) -> PartitionedModel:
     """This rank's stages of `model` under `plan`: a spec string (a zoo model, `file.py:function`,
-    `hf:...`; built here on meta), a `ModelSource`, or an nn.Module with `example_inputs`.
+    `hf:...`; built here on meta), a `ModelSource`, an nn.Module with `example_inputs`, or a
+    transformers model object (as its `hf:` spec, with the object's weights; `example_inputs`
+    optional: without them `step` takes the spec's inputs, e.g. `(input_ids, None, position_ids)`
+    where cp is offered, as `pm.input_names` lists them; sources/hf_object.py).
 
     A model on meta is materialized stage by stage, initialized by parameter name with `seed` (the
     values the whole model would get); a model with real weights has only this rank's parameters

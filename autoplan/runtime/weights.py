@@ -12,7 +12,8 @@ tensor or an FSDP DTensor of the slice, placed by its ep and tp indices (`Expert
 [Note: experts in a checkpoint]). Loading reads each box from the source and copies it into its
 view, so the expert slices that `PartitionedModel.load_state_dict` used to copy whole (issue 41:
 "size of tensor a (2) must match the size of tensor b (4)" at ep 2) land where they belong, and a
-safetensors file is read box by box (`safe_open(...).get_slice(name)[...]`), never whole.
+safetensors file is read box by box, never whole, and never mapped whole into the rank's memory
+([Note: reading a box without holding the file]).
 
 [Note: transformers' checkpoint conversions]
 transformers 5 builds a MoE model with stacked experts (`mlp.experts.gate_up_proj`, (E, 2F, H)) but
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,26 +108,112 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 
 def _safetensors_source(directory: Path, model_type: str | None) -> WeightSource:
-    from safetensors import safe_open
-
     where = f"weights {str(directory)!r}"
-    handles: dict[str, Any] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    opened = []
-    for file in _safetensors_files(directory):
-        handle = safe_open(str(file), framework="pt", device="cpu")
-        opened.append(handle)
-        for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-            handles[name] = handle
-            shapes[name] = tuple(handle.get_slice(name).get_shape())
-
-    def read(name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-        if not sizes:
-            return handles[name].get_tensor(name)
-        return handles[name].get_slice(name)[_slices(offsets, sizes)]
-
-    source = WeightSource(where, shapes, read)
+    files = [_SafetensorsFile(file) for file in _safetensors_files(directory)]
+    by_name = {name: f for f in files for name in f.entries}
+    source = WeightSource(where, {name: f.shape(name) for name, f in by_name.items()},
+                          lambda name, offsets, sizes: by_name[name].read(name, offsets, sizes),
+                          [f.close for f in files])
     return _converted(source, model_type)
+
+
+# [Note: reading a box without holding the file]
+# safetensors' own reader (`safe_open`) maps each file into memory; a box read through its lazy
+# slices copies only the box, but every page the box spans stays resident in the process while the
+# file is open: a rank reading its columns of a row-parallel weight (every row holds some) keeps the
+# whole tensor's pages, and with every shard open at once its resident memory grew by 130-150 MB
+# reading its 100 MB half of a 200 MB checkpoint at tp 2 (tests/test_sharded_load_memory.py). So the
+# files are read with plain unbuffered reads (the pages pass through the kernel's page cache, which
+# is not the process's and is reclaimed under pressure) into fresh tensors, by the format's own
+# layout (huggingface/safetensors README, "Format": an 8-byte little-endian header length, a JSON
+# header naming each tensor's dtype, shape and data_offsets from the end of the header, row-major
+# data): a box whole in every dimension after the first is one read straight into the result; any
+# other is read a block of whole rows (of the first dimension) at a time into a buffer of at most
+# `_BLOCK_BYTES` (or one row) and its part copied out. A rank's memory then grows by the box it
+# reads and that buffer, nothing else.
+
+_BLOCK_BYTES = 8 << 20
+"""The most bytes of whole rows read at once for a box that takes part of each row."""
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class _SafetensorsFile:
+    """One safetensors file, its tensors read box by box into fresh tensors ([Note: reading a box
+    without holding the file])."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.file = open(path, "rb", buffering=0)  # noqa: SIM115 - open while the load reads it; close()
+        except OSError as exc:
+            raise WeightsError(f"weights {str(path)!r} cannot be read ({exc.strerror}); check the file") from None
+        try:
+            (length,) = struct.unpack("<Q", self.file.read(8))
+            header = json.loads(self.file.read(length))
+            self.base = 8 + length
+            self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
+            for name, entry in self.entries.items():
+                if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise WeightsError(f"weights {str(path)!r}: {name!r} is of dtype {entry['dtype']}, which autoplan "
+                                       "does not read; save it as F32, F16 or BF16")
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+            self.file.close()
+            raise WeightsError(f"weights {str(path)!r} is not a safetensors file ({type(exc).__name__}); re-save the "
+                               "model with save_pretrained") from None
+        except WeightsError:
+            self.file.close()
+            raise
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def close(self) -> None:
+        self.file.close()
+
+    def _read_into(self, out: torch.Tensor, offset: int) -> None:
+        """Fill the contiguous tensor `out` with the file's bytes from `offset`."""
+        view = memoryview(out.view(-1).view(torch.uint8).numpy())
+        self.file.seek(offset)
+        done = 0
+        while done < len(view):  # a raw read may return fewer bytes than asked
+            got = self.file.readinto(view[done:])
+            if not got:
+                raise WeightsError(f"weights {str(self.path)!r} end before their header says; copy the file again")
+            done += got
+
+    def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        entry = self.entries[name]
+        dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"])
+        start = self.base + int(entry["data_offsets"][0])
+        if not shape or not sizes:  # a scalar
+            out = torch.empty(shape, dtype=dtype)
+            self._read_into(out.reshape(1), start)
+            return out
+        out = torch.empty(sizes, dtype=dtype)
+        if out.numel() == 0:
+            return out
+        itemsize = out.element_size()
+        row_numel = 1
+        for n in shape[1:]:
+            row_numel *= n
+        row_bytes = row_numel * itemsize
+        if tuple(sizes[1:]) == shape[1:]:  # whole rows: one read into the result
+            self._read_into(out, start + offsets[0] * row_bytes)
+            return out
+        rest = _slices(offsets[1:], sizes[1:])
+        rows_per_block = max(1, _BLOCK_BYTES // max(row_bytes, 1))
+        buffer = torch.empty((min(rows_per_block, sizes[0]), *shape[1:]), dtype=dtype)
+        for first in range(0, sizes[0], rows_per_block):
+            count = min(rows_per_block, sizes[0] - first)
+            block = buffer[:count]
+            self._read_into(block, start + (offsets[0] + first) * row_bytes)
+            out[first:first + count] = block[(slice(None), *rest)]
+        return out
 
 
 # ---- transformers' conversions ([Note: transformers' checkpoint conversions]) -----------------
@@ -204,19 +292,22 @@ def _converted(source: WeightSource, model_type: str | None) -> WeightSource:
         files, axis = parts_of[name]
         rest_offsets, rest_sizes = list(offsets[1:]), list(sizes[1:])
         lo, hi = rest_offsets[axis], rest_offsets[axis] + rest_sizes[axis]
-        per_expert = []
+        out = None  # filled piece by piece: the box and one expert's part at a time, no concatenated copies
         for e in range(offsets[0], offsets[0] + sizes[0]):
-            pieces, start = [], 0
+            start = 0
             for file in files[e]:
                 length = source.shapes[file][axis]
                 a, b = max(lo, start), min(hi, start + length)
                 if a < b:  # this part overlaps the box along the concatenated axis
                     o, n = list(rest_offsets), list(rest_sizes)
                     o[axis], n[axis] = a - start, b - a
-                    pieces.append(source.read(file, tuple(o), tuple(n)))
+                    piece = source.read(file, tuple(o), tuple(n))
+                    if out is None:
+                        out = torch.empty(sizes, dtype=piece.dtype)
+                    out[e - offsets[0]].narrow(axis, a - lo, b - a).copy_(piece)
+                    del piece
                 start += length
-            per_expert.append(torch.cat(pieces, axis))
-        return torch.stack(per_expert)
+        return out if out is not None else torch.empty(sizes)
 
     return WeightSource(source.where, shapes, read, source.closers)
 
@@ -270,15 +361,10 @@ def open_weights(path: str | os.PathLike) -> WeightSource:
 
 
 def _safetensors_source_file(file: Path) -> WeightSource:
-    from safetensors import safe_open
-
-    handle = safe_open(str(file), framework="pt", device="cpu")
-    shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
-
-    def read(name, offsets, sizes):
-        return handle.get_tensor(name) if not sizes else handle.get_slice(name)[_slices(offsets, sizes)]
-
-    return _converted(WeightSource(f"weights {str(file)!r}", shapes, read), _model_type(file.parent))
+    handle = _SafetensorsFile(file)
+    shapes = {n: handle.shape(n) for n in handle.entries}
+    return _converted(WeightSource(f"weights {str(file)!r}", shapes, handle.read, [handle.close]),
+                      _model_type(file.parent))
 
 
 # ---- this rank's boxes ([Note: a rank's boxes of the full tensors]) -----------------------------

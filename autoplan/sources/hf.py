@@ -244,14 +244,14 @@ def _param_seed(seed: int, name: str) -> int:
 class HFSource(ModelSource):
     """A transformers model built from its config (module docstring)."""
 
-    def __init__(self, spec: str, config: Any, *, path: Path | None = None):
+    def __init__(self, spec: str, config: Any, *, path: Path | None = None, model_class: type | None = None):
         self.spec = spec
         self.path = path
         self._config = config
         body = spec[len("hf:"):]
         self.name = (path.parent.name if path.name == "config.json" else path.name) if path is not None else body
         _check_sizes(config, f"hf: the {config.model_type} config" + (f" {str(path)!r}" if path is not None else ""))
-        self._model_class = self._pick_class(config)
+        self._model_class = model_class or self._pick_class(config)
         self._cp_refusal = context_parallel_refusal(config, self._model_class)
         self._reference: nn.Module | None = None
 
