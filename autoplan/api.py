@@ -138,9 +138,9 @@ def _profile_with_graph(model, *, batch_size, seq_len, example_inputs, loss_fn, 
 
 
 def profile(model: str | nn.Module, **kwargs: Any) -> ModelProfile:
-    """Profile a model: a zoo spec (`"llama3-8b:num_layers=4"`, `"path/to/file.py:function"`) or
-    an nn.Module with `example_inputs`. Keyword arguments: `batch_size`, `seq_len`, `dtype`
-    (bf16/fp16/fp32), `device` (meta/cpu/cuda: cpu and cuda time every block), `leaf_modules`,
+    """Profile a model: a zoo spec (`"llama3-8b:num_layers=4"`, `"path/to/file.py:function"`), an
+    nn.Module with `example_inputs`, or a transformers model object (as its `hf:` spec). Keyword
+    arguments: `batch_size`, `seq_len`, `dtype` (bf16/fp16/fp32), `device` (meta/cpu/cuda: cpu and cuda time every block), `leaf_modules`,
     `tracer` (auto/fx/export/modules), `loss_fn` and `example_target` (append a loss), `cache_dir`,
     `progress` (a callback (done, total, block name))."""
     return profile_with_graph(model, **kwargs).profile
@@ -182,6 +182,7 @@ def suggest_with_stats(
     calibration: str | os.PathLike | Sequence[str | os.PathLike] | Calibrations | None = None,
     stack: str | None = None,
     explain: bool = False,
+    target: str | None = None,
     **pins: Any,
 ) -> tuple[SearchResult, ProfiledModel]:
     """`suggest`, also returning the search statistics and the profiled model. `calibration`: a file
@@ -189,9 +190,12 @@ def suggest_with_stats(
     `stack`: a software stack the calibrations name (cost/calibration.py [Note: software stacks];
     None: today's, with flash attention). `explain`: also keep the best rejected configurations per
     reason, with figures and a change checked to fit (`SearchResult.rejections`; the CLI's --explain).
+    `target`: "torchtitan", "megatron" or "deepspeed": only plans that trainer runs as planned, so
+    `autoplan export --to` it is exact (search/targets.py; the CLI's --target).
     When no configuration gives a plan it raises `NoPlanError` (search/configs.py, a ValueError) whose
     `result` is the SearchResult of what the search did (no plans; the rejections, kept with `explain`)."""
     require_int("global_batch", global_batch, high=MAX_JOB_SIZE)
+    rules = _export_rules(target)  # an unknown --target is refused before the model is profiled
     require_int("seq_len", seq_len, high=MAX_JOB_SIZE, optional=True)  # None: the model's own length
     require("top", top, int, "an integer")
     require("explain", explain, bool, "True or False")  # its range is the search's to refuse (after the cluster is parsed)
@@ -236,7 +240,7 @@ def suggest_with_stats(
         if reason is not None:
             raise PlanningError(f"--expert-tp {pins['expert_tp']}: {reason}; use --expert-tp 1")
     result = search_plans(prof, cluster_obj, job, model_spec=source.spec, top=top, pins=pins, progress=search_progress,
-                          calibrations=calibrations, explain=explain)
+                          calibrations=calibrations, explain=explain, target=rules)
     # What `run` needs to rebuild and trace the model as planned; it refuses a file changed since.
     recorded = dict(model_digest=source.file_digest() or "", leaf_modules=tuple(leaf_modules), tracer=tracer)
     result = dataclasses.replace(result, plans=[dataclasses.replace(p, **recorded) for p in result.plans])
@@ -259,8 +263,10 @@ def suggest_with_stats(
 def suggest(model: str | nn.Module, cluster: str | Cluster, *, global_batch: int, **kwargs: Any) -> list[Plan]:
     """The fastest plans that fit, best first.
 
-    `model` is a zoo spec (`"llama3-8b"`, `"gpt:num_layers=4,..."`, `"file.py:fn"`) or an nn.Module
-    with `example_inputs` (its batch dimension is taken as the profiled batch). `cluster` is a
+    `model` is a zoo spec (`"llama3-8b"`, `"gpt:num_layers=4,..."`, `"file.py:fn"`), an nn.Module
+    with `example_inputs` (its batch dimension is taken as the profiled batch), or a transformers
+    model object, planned as its `hf:` spec is (cp, ep, expert tp and their checks; no example inputs
+    needed: sources/hf_object.py). `cluster` is a
     preset, a compact string (`"2x8xH100-80GB"`) or a YAML path. Keyword arguments: `seq_len`
     (None: the model's own length, as the CLI without --seq-len), `top`, `dtype`, `intra_node_bw_gbps`, `inter_node_bw_gbps`, and pins that fix a dimension:
     `tp, pp, dp, micro_batch_size, schedule, virtual_stages, recompute, zero` (0-3; 2 and 3 are FSDP),
@@ -268,8 +274,18 @@ def suggest(model: str | nn.Module, cluster: str | Cluster, *, global_batch: int
     ranks, for mixture-of-experts models), `expert_tp` (1 or tp: the tp ranks split each expert's hidden
     units), `cp` (context parallelism: dp ranks splitting each
     sequence; dp counts them), `sequence_parallel`, `reduce_dtype` ("float32" or, with zero 2 / 3,
-    "bfloat16": the dtype FSDP reduces gradients in).
+    "bfloat16": the dtype FSDP reduces gradients in). `target` ("torchtitan", "megatron" or
+    "deepspeed"): only plans that trainer runs as planned (`autoplan export --to` it is exact).
     When every dimension is pinned the plan is returned even if it does not fit (`plan.fits`).
     """
     result, _ = suggest_with_stats(model, cluster, global_batch=global_batch, **kwargs)
     return result.plans
+
+
+def _export_rules(target: str | None):
+    """`--target`'s exporter rules for the search (the exporters sit on a layer above it)."""
+    if target is None:
+        return None
+    from autoplan.report.export import export_rules
+
+    return export_rules(target)

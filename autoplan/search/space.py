@@ -88,7 +88,8 @@ from autoplan.search.configs import (
 )
 from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate, min_memory_bytes
-from autoplan.search.rejections import REASONS, Rejection, Rejections
+from autoplan.search.rejections import Rejection, Rejections
+from autoplan.search.targets import ExportRules, TargetFilter
 
 __all__ = ["NoPlanError", "PlanningError", "SearchResult", "search_plans"]
 
@@ -113,7 +114,7 @@ class SearchResult:
 
     def kept_rejections(self) -> list[Rejection]:
         """The kept rejections, reason by reason (empty unless the search ran with `explain`)."""
-        return [r for reason in REASONS for r, _ in self.rejections.kept(reason)]
+        return [r for reason in self.rejections.counts for r, _ in self.rejections.kept(reason)]  # REASONS, "target"
 
     def to_dict(self) -> dict:
         search = {"time_s": self.time_s, "configs_evaluated": self.configs_evaluated,
@@ -128,22 +129,24 @@ class SearchResult:
 def search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spec: str, top: int = 5,
                  pins: dict | None = None, progress: Callable[[int, int, str], None] | None = None,
                  calibrations: Calibrations | None = None, explain: bool = False,
-                 advise: bool = True) -> SearchResult:
+                 advise: bool = True, target: ExportRules | None = None) -> SearchResult:
     """The `top` fastest plans that fit, ranked by simulated step time. `calibrations` gives each GPU
     type's achieved rates (default: the files shipped for each type, cost/calibration.py).
     `explain`: keep the best few rejected configurations per reason, with figures and a fix checked
     to fit ([Note: recording rejections]). `advise`: when nothing fits, say by how much and what
-    would fit, checked by further searches (search/advice.py)."""
+    would fit, checked by further searches (search/advice.py). `target`: only plans that trainer
+    runs as planned, asked of its exporter's rules (`report.export.export_rules(name)`, search/targets.py)."""
     started = time.perf_counter()
     with gc_paused():  # see search/_gc.py: the search allocates much and creates no cycles
         return _search_plans(profile, cluster, job, model_spec=model_spec, top=top, pins=pins, progress=progress,
-                             started=started, calibrations=calibrations, explain=explain, advise=advise)
+                             started=started, calibrations=calibrations, explain=explain, advise=advise,
+                             target=target)
 
 
 def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_spec: str, top: int,
                   pins: dict | None, progress: Callable[[int, int, str], None] | None, started: float,
                   calibrations: Calibrations | None = None, explain: bool = False,
-                  advise: bool = True) -> SearchResult:
+                  advise: bool = True, target: ExportRules | None = None) -> SearchResult:
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
     _check_pins(profile, cluster, job, pins)
     if top < 1:
@@ -175,8 +178,12 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     time_cache: dict[tuple, float] = {}
     fwd_share_cache: dict[tuple, float] = {}
     rejections = Rejections(detailed=explain)
+    only = TargetFilter.make(target, profile, job, model_spec, pins, rejections)  # --target (search/targets.py)
     for cfg in _base_configs(profile, cluster, job, pins, rejections):
         considered += 1
+        if only is not None and only.drops_base(cfg, considered, lambda n=considered: SearchResult(
+                [], 0, n, time.perf_counter() - started, notes, rejections)):
+            continue
         if not _shardings(cfg, pins, cluster.gpus_per_node, profile):
             if explain:
                 rejections.add("layout", considered, _config_key(cfg), functools.partial(
@@ -233,6 +240,8 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
                           f"pp <= {profile.num_blocks} blocks) has a data-parallel degree dividing the global batch "
                           f"{job.global_batch}; use a global batch that is a multiple of the data-parallel degree, "
                           "or fewer GPUs", so_far())
+    if not candidates and only is not None and only.no_plan_message():
+        raise NoPlanError(only.no_plan_message(), so_far())
     if not candidates:
         per_replica_min = job.global_batch * cluster.gpus_per_node // cluster.num_gpus
         if per_replica_min > MAX_MICROBATCHES * max(_DEFAULT_MBS):
@@ -264,6 +273,8 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
             previous_acts = None
             for rung, recompute in enumerate(recomputes[:limit]):
                 variant = _with_memory_options(cfg, pins, sp_allowed, recompute, zero, replicate)
+                if only is not None and (variant := only.adjust(variant)) is None:
+                    continue  # a rung the target does not run
                 acts = ctx.act_bytes(variant)
                 if previous_acts is not None and np.array_equal(acts, previous_acts):
                     continue  # same memory as the rung that did not fit, and slower
@@ -299,6 +310,9 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
                     elif outcome != "bound":
                         outcome = "memory"
                     continue
+                if only is not None and (result.plan.fits or all_pinned) and (
+                        result := only.accept(ctx, result)) is None:
+                    continue  # its cuts are not the target's, nor do the target's own cuts fit
                 if result.plan.fits or all_pinned:
                     stop[option] = rung
                     offered = True
@@ -331,9 +345,12 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
             continue
         options = _shardings(cfg, pins, cluster.gpus_per_node, profile)
         outcome = ladder(cfg, options, {})
+        outcome = only.outcome(outcome, cfg, bound) if only is not None else outcome
         planned += outcome is None
         if outcome is not None and not explain:
             rejections.counts[outcome] += 1
+        elif outcome == "target":
+            pass  # counted and kept by the filter
         elif outcome == "bound":
             low, cutoff, variant = min(pruned, key=lambda e: e[0])
             rejections.add("bound", low, _config_key(variant), functools.partial(
@@ -351,6 +368,8 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         if progress is not None:
             progress(index + 1, len(candidates), cfg.describe())
     plans = [p for _, _, p in best]
+    if not plans and only is not None and only.no_plan_message():
+        raise NoPlanError(only.no_plan_message(), so_far())
     if not plans:
         _raise_no_plan(ctx, cluster, pins, sp_allowed, advise, so_far())
     if explain:

@@ -10,7 +10,9 @@ target does not have), the target raises `ExportError` itself.
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from autoplan.plan import Plan
@@ -18,9 +20,13 @@ from autoplan.plan import Plan
 __all__ = [
     "Export",
     "ExportError",
+    "Mismatch",
     "MoEShape",
     "TargetRefusal",
     "TransformerShape",
+    "Findings",
+    "collect_mismatches",
+    "differ",
     "plan_summary",
     "model_kind",
     "model_shape",
@@ -33,7 +39,12 @@ __all__ = [
 
 
 class ExportError(ValueError):
-    """An export that cannot be made, in one line naming the problem and the fix; the CLI exits 2."""
+    """An export that cannot be made, in one line naming the problem and the fix; the CLI exits 2.
+    `dims`: the plan fields the refusal depends on (as `Mismatch.dims`), where the target knows them."""
+
+    def __init__(self, message: str = "", *, dims: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.dims = frozenset(dims)
 
 
 class TargetRefusal(ExportError):
@@ -57,6 +68,60 @@ class Export:
     """How the written config differs from the plan; empty when the target states the plan exactly."""
     notes: tuple[str, ...] = field(default=())
     """What the user must still supply (data, tokenizer, launcher), not a difference from the plan."""
+
+
+# ---- what a target cannot run as planned ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One way a target cannot run a configuration as planned, found without the stage cuts: from
+    the plan's degrees, schedule, memory options, job and model alone. Each target's `mismatches`
+    lists them, and is the one source of truth for both its export (a difference in the file, or a
+    refusal) and `autoplan suggest --target` (search/targets.py), which drops such configurations
+    before cutting them."""
+
+    dims: frozenset[str]
+    """The plan fields it depends on (ParallelConfig's names, plus "model" and "job"): a search that
+    varies none of them cannot avoid it."""
+    text: str
+    """The difference (or the refusal) in one sentence, as the export writes it."""
+    error: type[ExportError] | None = None
+    """The error the export raises (no nearest config), or None for a difference written with
+    --allow-approx."""
+
+
+class Findings(list):
+    """A target's differences as `write` lists them (plain strings), each one that does not depend
+    on the stage cuts also kept as a `Mismatch` with the plan fields it depends on (`differ`), for
+    the target's `mismatches`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[Mismatch] = []
+
+    def differ(self, dims: Iterable[str], text: str) -> None:
+        self.append(text)
+        self.found.append(Mismatch(frozenset(dims), text))
+
+
+def differ(differences: list[str], dims: Iterable[str], text: str) -> None:
+    """`differences.differ(dims, text)`, or a plain append for a plain list of differences."""
+    if isinstance(differences, Findings):
+        differences.differ(dims, text)
+    else:
+        differences.append(text)
+
+
+def collect_mismatches(configure: Callable[[Findings], None]) -> list[Mismatch]:
+    """Run a target's config-level checks (`configure`, the very code its `write` runs, minus what
+    needs the stage cuts) and return what they found: the differences, and a refusal as the last
+    entry (`Mismatch.error`), with the fields it names ("model" when it names none)."""
+    found = Findings()
+    try:
+        configure(found)
+    except ExportError as exc:
+        return [*found.found, Mismatch(exc.dims or frozenset({"model"}), str(exc), type(exc))]
+    return list(found.found)
 
 
 # ---- stages as layers ------------------------------------------------------------------------
@@ -165,6 +230,13 @@ def model_shape(plan: Plan) -> TransformerShape | None:
     text = plan.model
     if text.startswith("hf:"):
         return _hf_shape(text)
+    return _zoo_shape(text)
+
+
+@functools.lru_cache(maxsize=64)
+def _zoo_shape(text: str) -> TransformerShape | None:
+    # A zoo spec is a pure string (a model file's is None below), so its shape is cached: the search
+    # for one target asks for it once per configuration (search/targets.py).
     from autoplan import models as zoo
 
     try:
@@ -208,12 +280,17 @@ def moe_shape(plan: Plan) -> tuple[TransformerShape, MoEShape] | None:
     """The plan's model as a Llama decoder shape and its experts, for a zoo `moe` spec or preset or
     an `hf:` source of a mixture-of-experts type the targets build (`_hf_moe_shape`); None for
     anything else (`model_shape` covers the dense models)."""
-    from autoplan import models as zoo
-
     if plan.model.startswith("hf:"):
         return _hf_moe_shape(plan.model)
+    return _zoo_moe_shape(plan.model)
+
+
+@functools.lru_cache(maxsize=64)
+def _zoo_moe_shape(text: str) -> tuple[TransformerShape, MoEShape] | None:
+    from autoplan import models as zoo
+
     try:
-        spec = zoo.parse_model_spec(plan.model)
+        spec = zoo.parse_model_spec(text)
     except zoo.ModelSpecError:
         return None
     config = spec.config

@@ -21,24 +21,30 @@ stage the user gets. docs/export-deepspeed.md has the worked example and the ful
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
 import re
 from collections.abc import Iterator
 
+import numpy as np
+
 from autoplan.plan import Plan
 from autoplan.report.export.common import (
     Export,
     ExportError,
+    Findings,
+    Mismatch,
     TargetRefusal,
     TransformerShape,
+    collect_mismatches,
     model_shape,
     plan_summary,
     stage_lines,
 )
 
-__all__ = ["DEEPSPEED_VERSION", "partition_balanced", "partition_uniform", "write"]
+__all__ = ["DEEPSPEED_VERSION", "mismatches", "partition_balanced", "partition_uniform", "placeable_cuts", "write"]
 
 DEEPSPEED_VERSION = "0.19.8"
 """The DeepSpeed release the written file is checked against (tests/test_export_deepspeed.py)."""
@@ -78,31 +84,35 @@ def partition_balanced(weights: list[int], num_parts: int) -> list[int]:
     over (items, parts). Ties go to the *last* split point tried (DeepSpeed compares with `>=`),
     which decides where zero-weight items land, so this keeps that order exactly; "type:" weights
     are 0/1, so the sums are exact integers here as in DeepSpeed's float64 arrays."""
+    return list(_partition_balanced(tuple(weights), num_parts))
+
+
+@functools.lru_cache(maxsize=256)
+def _partition_balanced(weights: tuple[int, ...], num_parts: int) -> tuple[int, ...]:
+    # Cached and vectorised over the split point: `suggest --target deepspeed` asks for the same
+    # layer lists' partitions for every pipeline configuration (search/targets.py).
     n = len(weights)
     if n <= num_parts:
-        return partition_uniform(n, num_parts)
-    inf = math.inf
-    prefix = [0, *itertools.accumulate(weights)]
+        return tuple(partition_uniform(n, num_parts))
+    prefix = np.array([0, *itertools.accumulate(weights)], dtype=np.float64)
     # The first i items in j parts, best split: its largest and smallest part sums and where its
     # last part starts (split); a pair never reached is infinite, as DeepSpeed's arrays start.
-    largest = {(0, 0): 0.0}
-    smallest = {(0, 0): inf}
-    split: dict[tuple[int, int], int] = {}
+    largest = np.full((n + 1, num_parts + 1), np.inf)
+    smallest = np.full((n + 1, num_parts + 1), np.inf)
+    largest[0, 0] = 0.0
+    split = np.zeros((n + 1, num_parts + 1), dtype=np.int64)
     for i in range(1, n + 1):
+        part = prefix[i] - prefix[:i]  # the last part starting at k = 0 .. i - 1
         for j in range(1, min(i, num_parts) + 1):
-            best = inf
-            for k in range(i):
-                part = prefix[i] - prefix[k]
-                big = max(largest.get((k, j - 1), inf), part)
-                small = min(smallest.get((k, j - 1), inf), part)
-                spread = big - small
-                if best >= spread:  # `>=`: a later k wins a tie, as in DeepSpeed
-                    best = spread
-                    largest[(i, j)], smallest[(i, j)], split[(i, j)] = big, small, k
+            big = np.maximum(largest[:i, j - 1], part)
+            small = np.minimum(smallest[:i, j - 1], part)
+            spread = big - small
+            k = i - 1 - int(np.argmin(spread[::-1]))  # the last k of the least spread: `>=`, as in DeepSpeed
+            largest[i, j], smallest[i, j], split[i, j] = big[k], small[k], k
     parts = [n]
     for j in range(num_parts, 0, -1):
-        parts.append(split[(parts[-1], j)])
-    return parts[::-1]
+        parts.append(int(split[parts[-1], j]))
+    return tuple(parts[::-1])
 
 
 # ---- the layer list ----------------------------------------------------------------------------
@@ -238,16 +248,53 @@ def _dumps(value: object, indent: str = "") -> str:
 def write(plan: Plan, *, filename: str | None = None) -> Export:
     """`plan` as a DeepSpeed JSON config plus `PipelineModule` arguments (pp > 1); every way the
     written file differs from the plan is one sentence in `Export.differences`."""
-    differences: list[str] = []
+    differences = Findings()
     notes: list[str] = []
-    config: dict[str, object] = {}
     shape = model_shape(plan)
+    config, pipeline, autotp = _configure(plan, shape, differences, notes)
+    notes.append("optimizer: pass yours to deepspeed.initialize(optimizer=...) or add an \"optimizer\" section; "
+                 "autoplan's prediction assumes Adam with fp32 states")
+    notes.append(f"data: each data-parallel rank's loader yields micro-batches of {plan.micro_batch_size} samples"
+                 + (f" of {plan.job.seq_len} tokens" if shape is not None else "")
+                 + (", the same ones on every rank of a tensor-parallel group" if autotp else ""))
+
+    command = _command(plan, filename)
+    doc: dict[str, object] = {
+        "_autoplan_differences": list(differences),
+        "_autoplan": {
+            "plan": plan_summary(plan),
+            "run": command,
+            "deepspeed": DEEPSPEED_VERSION,
+            "notes": notes,
+            "stages": stage_lines(plan),
+        },
+        **config,
+    }
+    if pipeline is not None:
+        doc["autoplan_pipeline_module"] = pipeline
+    return Export(target="deepspeed", text=_dumps(doc) + "\n", command=command,
+                  differences=tuple(differences), notes=tuple(notes))
+
+
+def mismatches(plan) -> list[Mismatch]:
+    """What DeepSpeed cannot run as planned in `plan`'s configuration, found by the code `write`
+    runs, all but the stage cuts (whether a partition_method reproduces them is checked on a plan's
+    own cuts). `plan` is a Plan, or any object with a ParallelConfig's fields, `job`, `model` and
+    `block_names` (the search's configurations: search/targets.py)."""
+    return collect_mismatches(lambda found: _configure(plan, model_shape(plan), found, [], cuts=False))
+
+
+def _configure(plan: Plan, shape: TransformerShape | None, differences: Findings, notes: list[str], *,
+               cuts: bool = True) -> tuple[dict[str, object], dict[str, object] | None, bool]:
+    """The JSON config, the PipelineModule arguments (pp > 1, else None; `cuts=False`: without the
+    partition, for a configuration with no cuts yet) and whether tensor parallelism is AutoTP."""
+    config: dict[str, object] = {}
     if plan.cp > 1:
         # No nearest config: DeepSpeed's data-parallel ranks take whole sequences, so a cp group's
         # shared sequences cannot be stated without changing the batch per rank.
         # export_plan completes the message with the targets that do write this plan.
         raise TargetRefusal(f"DeepSpeed's config has no context parallelism (the plan splits each sequence over cp "
-                            f"{plan.cp} ranks); re-plan with --cp 1 for DeepSpeed")
+                            f"{plan.cp} ranks); re-plan with --cp 1 for DeepSpeed", dims={"cp"})
 
     # Batch: DeepSpeed asserts train_batch_size == micro * gas * world_size (runtime/config.py
     # `DeepSpeedConfig._batch_assertion`). world_size is the mpu's data-parallel size when there is an
@@ -258,7 +305,7 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
     # `check_dataloader_inputs_same_across_ranks`; its dp_world_size is then world / tp).
     batch = plan.micro_batch_size * plan.num_microbatches * plan.dp
     if batch != plan.job.global_batch:
-        differences.append(f"the plan's global batch {plan.job.global_batch} is not micro-batch "
+        differences.differ({"micro_batch_size", "num_microbatches", "dp"}, f"the plan's global batch {plan.job.global_batch} is not micro-batch "
                            f"{plan.micro_batch_size} x {plan.num_microbatches} micro-batches x dp {plan.dp}; "
                            f"DeepSpeed asserts that product, so train_batch_size is written as {batch}")
     autotp = plan.tp > 1 and plan.pp == 1
@@ -279,7 +326,7 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
         config["fp16"] = {"enabled": True}
     elif plan.job.dtype != "float32":
         raise ExportError(f"the plan's dtype {plan.job.dtype!r} has no DeepSpeed precision section; "
-                          "re-plan with --dtype bf16, fp16 or fp32")
+                          "re-plan with --dtype bf16, fp16 or fp32", dims={"job"})
 
     config["zero_optimization"] = {"stage": _zero_stage(plan, differences)}
     if plan.job.dtype == "bfloat16":
@@ -296,7 +343,7 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
         notes.append(f"tensor parallelism {plan.tp}: DeepSpeed's AutoTP shards the model's nn.Linear layers "
                      "(a Hugging Face-style model); pass the model to deepspeed.initialize unsharded")
         if plan.sequence_parallel:
-            differences.append("sequence parallelism: DeepSpeed's AutoTP does not shard activations along the "
+            differences.differ({"sequence_parallel", "tp", "pp"}, "sequence parallelism: DeepSpeed's AutoTP does not shard activations along the "
                                "sequence; written without it, so activation memory is higher than predicted")
     if plan.pp == 1 and plan.recompute != "none":
         # A plain module recomputes what its own forward checkpoints; DeepSpeed's JSON has no switch
@@ -306,32 +353,11 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
                      + " in your model's forward (deepspeed.checkpointing.checkpoint or torch.utils.checkpoint); "
                      "DeepSpeed's config cannot switch it on for a model that is not a PipelineModule")
 
-    pipeline = _pipeline_module(plan, shape, config, differences, notes) if plan.pp > 1 else None
-    notes.append("optimizer: pass yours to deepspeed.initialize(optimizer=...) or add an \"optimizer\" section; "
-                 "autoplan's prediction assumes Adam with fp32 states")
-    notes.append(f"data: each data-parallel rank's loader yields micro-batches of {plan.micro_batch_size} samples"
-                 + (f" of {plan.job.seq_len} tokens" if shape is not None else "")
-                 + (", the same ones on every rank of a tensor-parallel group" if autotp else ""))
-
-    command = _command(plan, filename)
-    doc: dict[str, object] = {
-        "_autoplan_differences": differences,
-        "_autoplan": {
-            "plan": plan_summary(plan),
-            "run": command,
-            "deepspeed": DEEPSPEED_VERSION,
-            "notes": notes,
-            "stages": stage_lines(plan),
-        },
-        **config,
-    }
-    if pipeline is not None:
-        doc["autoplan_pipeline_module"] = pipeline
-    return Export(target="deepspeed", text=_dumps(doc) + "\n", command=command,
-                  differences=tuple(differences), notes=tuple(notes))
+    pipeline = _pipeline_module(plan, shape, config, differences, notes, cuts=cuts) if plan.pp > 1 else None
+    return config, pipeline, autotp
 
 
-def _zero_stage(plan: Plan, differences: list[str]) -> int:
+def _zero_stage(plan: Plan, differences: Findings) -> int:
     """autoplan's zero as DeepSpeed's ZeRO stage: 0 DDP, 1 optimizer states, 2 + gradients (autoplan's
     zero 2 is FSDP2 without resharding after forward, ZeRO-2's P_os+g: cost/memory.py), 3 + parameters."""
     stage = plan.zero
@@ -339,7 +365,7 @@ def _zero_stage(plan: Plan, differences: list[str]) -> int:
         # runtime/pipe/engine.py `PipelineEngine.__init__` asserts stage < 2 ("ZeRO-2 and ZeRO-3 are
         # incompatible with pipeline parallelism"): stage 1 is the most DeepSpeed shards there.
         stage = 1
-        differences.append(f"zero {plan.zero} with pipeline parallelism: DeepSpeed's PipelineEngine refuses ZeRO "
+        differences.differ({"zero", "pp"}, f"zero {plan.zero} with pipeline parallelism: DeepSpeed's PipelineEngine refuses ZeRO "
                            f"stages 2 and 3, so ZeRO stage 1 is written (optimizer states sharded over the "
                            f"{plan.dp} data-parallel ranks; gradients"
                            + (" and parameters" if plan.zero == 3 else "")
@@ -347,47 +373,63 @@ def _zero_stage(plan: Plan, differences: list[str]) -> int:
     if plan.dp_replicate > 1:
         # MiCS, DeepSpeed's hybrid sharding, is gone in 0.19.8 (runtime/config.py
         # `_REMOVED_ZERO_CONFIG_KEYS` rejects mics_shard_size); ZeRO shards over the whole dp group.
-        differences.append(f"HSDP {plan.dp_replicate} x {plan.dp_shard}: DeepSpeed {DEEPSPEED_VERSION} has no "
+        differences.differ({"dp_replicate"}, f"HSDP {plan.dp_replicate} x {plan.dp_shard}: DeepSpeed {DEEPSPEED_VERSION} has no "
                            f"hybrid sharding (MiCS was removed), so ZeRO stage {stage} shards over all {plan.dp} "
                            "data-parallel ranks: less memory, more inter-node traffic than predicted")
     if plan.ep > 1:
         # DeepSpeed's expert parallelism is a model-side layer (deepspeed.moe.layer.MoE(ep_size=...)),
         # not a config key: the JSON cannot split the model's own experts.
-        differences.append(f"ep {plan.ep}: DeepSpeed splits experts only inside its own deepspeed.moe.layer.MoE "
+        differences.differ({"ep"}, f"ep {plan.ep}: DeepSpeed splits experts only inside its own deepspeed.moe.layer.MoE "
                            "(ep_size is an argument of that layer, not of the config), so this config keeps every "
                            "expert on every rank: more memory, no all-to-all")
     if plan.expert_tp > 1:
-        differences.append(f"expert tp {plan.expert_tp}: DeepSpeed's JSON has no expert tensor parallelism, so each "
+        differences.differ({"expert_tp"}, f"expert tp {plan.expert_tp}: DeepSpeed's JSON has no expert tensor parallelism, so each "
                            "expert stays whole on every rank: more memory than planned")
     return stage
 
 
+def placeable_cuts(plan) -> list[list[int]]:
+    """Every stage cutting DeepSpeed can make of `plan`'s blocks for its pp ranks: the parts of each
+    partition_method whose cuts depend only on the layer list (`_candidates`), in its order of
+    preference, without repeats. `autoplan suggest --target deepspeed` prices these cuttings in
+    place of the searched one (search/targets.py); `plan` needs `block_names`, `model` and `pp`."""
+    out: list[list[int]] = []
+    for _, parts in _candidates(_layer_classes(plan, model_shape(plan)), plan.pp):
+        if parts not in out:
+            out.append(parts)
+    return out
+
+
 def _pipeline_module(plan: Plan, shape: TransformerShape | None, config: dict[str, object],
-                     differences: list[str], notes: list[str]) -> dict[str, object]:
+                     differences: Findings, notes: list[str], *, cuts: bool = True) -> dict[str, object] | None:
     """The `PipelineModule` arguments and layer list, recording the schedule, cut and recompute
-    differences."""
+    differences; with `cuts=False` (a configuration without cuts) the schedule and recompute ones
+    only, and None."""
     classes = _layer_classes(plan, shape)
-    target = list(plan.boundaries)
     one_f_one_b = plan.virtual_stages == 1 and plan.schedule in ("1f1b", "interleaved-1f1b")
+    target = list(plan.boundaries) if cuts and one_f_one_b else _rank_cuts(plan) if cuts else []
     if not one_f_one_b:
         # runtime/pipe/engine.py `PipelineEngine.train_batch` runs `schedule.TrainSchedule`, a 1F1B
         # schedule over one stage per rank (`PipelineModule` builds parts[stage_id]..parts[stage_id+1]).
-        target = _rank_cuts(plan)
         if plan.virtual_stages > 1:
             merged = ", ".join(f"rank {r}: {b - a} blocks" for r, (a, b) in enumerate(itertools.pairwise(target)))
-            differences.append(f"{plan.schedule} with {plan.virtual_stages} stages per rank: DeepSpeed's "
+            differences.differ({"schedule", "virtual_stages"},
+                               f"{plan.schedule} with {plan.virtual_stages} stages per rank: DeepSpeed's "
                                "PipelineEngine runs one stage per rank (its 1F1B TrainSchedule), so each rank's "
-                               f"blocks are merged into one stage ({merged}) and the bubble is larger than "
-                               "predicted")
+                               f"blocks are merged into one stage{f' ({merged})' if merged else ''} and the bubble "
+                               "is larger than predicted")
         elif plan.schedule == "zb-h1":
-            differences.append("zb-h1: DeepSpeed's PipelineEngine has no zero-bubble schedule (it does not split the "
+            differences.differ({"schedule"}, "zb-h1: DeepSpeed's PipelineEngine has no zero-bubble schedule (it does not split the "
                                "backward into input and weight gradients) and runs its 1F1B TrainSchedule, so the "
                                "bubble is larger than predicted")
         else:
-            differences.append(f"{plan.schedule}: DeepSpeed's PipelineEngine runs its 1F1B TrainSchedule instead, "
-                               "same bubble with fewer micro-batches' activations held, so memory is lower than "
-                               "predicted")
-    method, parts = _nearest(_candidates(classes, plan.pp), target)
+            differences.differ({"schedule"}, f"{plan.schedule}: DeepSpeed's PipelineEngine runs its 1F1B "
+                               "TrainSchedule instead, same bubble with fewer micro-batches' activations held, so "
+                               "memory is lower than predicted")
+    if cuts:
+        method, parts = _nearest(_candidates(classes, plan.pp), target)
+    else:
+        method, parts = "uniform", target
     if parts != target:
         planned = "the plan's blocks merged per rank cut" if target != list(plan.boundaries) else "the plan cuts"
         differences.append(
@@ -405,7 +447,7 @@ def _pipeline_module(plan: Plan, shape: TransformerShape | None, config: dict[st
         interval = 1
         config["pipeline"] = {"activation_checkpoint_interval": interval}
         if plan.recompute == "selective" and named:
-            differences.append("recompute selective: DeepSpeed's PipelineModule checkpoints whole layers "
+            differences.differ({"recompute"}, "recompute selective: DeepSpeed's PipelineModule checkpoints whole layers "
                                "(activation_checkpoint_interval), not the attention core alone; written as "
                                "activation_checkpoint_interval=1 on every transformer layer (full recompute), so "
                                "the step is slower and memory lower than predicted")
@@ -421,7 +463,7 @@ def _pipeline_module(plan: Plan, shape: TransformerShape | None, config: dict[st
         # layer with parameters is checkpointed. Non-reentrant checkpointing lets the first layer,
         # whose input needs no gradient, still get its weights' gradients (engine.py use_reentrant).
         config["pipeline"] = {"activation_checkpoint_interval": interval, "use_reentrant": False}
-        differences.append(f"recompute {plan.recompute}: the layer list cannot say which of this model's blocks are "
+        differences.differ({"recompute", "model"}, f"recompute {plan.recompute}: the layer list cannot say which of this model's blocks are "
                            "its layers, so DeepSpeed checkpoints every block with parameters, whole (the first and "
                            "last too), so the step is slower than predicted")
     if plan.tp > 1:
@@ -429,6 +471,8 @@ def _pipeline_module(plan: Plan, shape: TransformerShape | None, config: dict[st
                      "'model' axis (PipelineModule's grid is the engine's mpu), e.g. Megatron-DeepSpeed's "
                      "ParallelTransformerLayerPipe"
                      + (" with its sequence parallelism on" if plan.sequence_parallel else ""))
+    if not cuts:
+        return None
     if None in classes and method.startswith("type:"):
         notes.append("layers with \"class\": null are your model's own modules: their class names must not "
                      f"match the partition regex {method!r}")

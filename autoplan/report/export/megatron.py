@@ -26,8 +26,12 @@ from autoplan.plan import Plan
 from autoplan.report.export.common import (
     Export,
     ExportError,
+    Findings,
+    Mismatch,
+    MoEShape,
     TargetRefusal,
     TransformerShape,
+    collect_mismatches,
     model_kind,
     model_shape,
     moe_shape,
@@ -37,7 +41,7 @@ from autoplan.report.export.common import (
 )
 from autoplan.report.export.megatron_moe import expert_layout_args, moe_model_args
 
-__all__ = ["MEGATRON_VERSION", "pipeline_layout", "write"]
+__all__ = ["MEGATRON_VERSION", "mismatches", "pipeline_layout", "placeable_cuts", "write"]
 
 MEGATRON_VERSION = "core_v0.16.1"
 """The Megatron-LM release whose flags and rules this target writes."""
@@ -69,27 +73,10 @@ def pipeline_layout(plan: Plan) -> str:
 
 def write(plan: Plan, *, filename: str | None = None) -> Export:
     """The plan as a bash file of Megatron-LM arguments; see the module docstring."""
-    shape, moe = model_shape(plan), None
-    if shape is None and (found := moe_shape(plan)) is not None:
-        shape, moe = found
-    if shape is None:
-        # export_plan completes the message with the targets that do write this plan.
-        raise TargetRefusal(
-            f"Megatron-LM's pretrain_gpt.py builds only GPT and Llama-like decoders (dense, or with the zoo's "
-            f"experts), and autoplan cannot read {plan.model!r} as one ({model_kind(plan)})")
-    differences: list[str] = []
+    shape, moe = _shapes(plan)
+    differences = Findings()
     notes: list[str] = []
-    sections = [
-        ("model (the plan's model, as megatron-core's GPTModel builds it)", _model_args(plan, shape, differences)),
-        *([("mixture of experts (megatron-core MoELayer)", moe_model_args(plan, moe, differences))] if moe else []),
-        ("vocabulary (tokenizer.py build_tokenizer: --padded-vocab-size is the model's vocabulary)",
-         _vocab_args(plan, shape, differences)),
-        ("parallelism and pipeline stages", _parallel_args(plan, differences)
-         + (expert_layout_args(plan, differences) if moe else [])),
-        ("activation recompute", _recompute_args(plan)),
-        ("data-parallel sharding", _sharding_args(plan, shape, differences)),
-        ("batch and precision", _batch_args(plan, differences)),
-    ]
+    sections = _sections(plan, shape, moe, differences)
     notes += _notes(plan, shape)
     name = filename or "megatron_args.sh"
     command = f"MEGATRON_LM=/path/to/Megatron-LM bash {shlex.quote(name)}"
@@ -100,24 +87,66 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
     return Export("megatron", text, command, tuple(differences), tuple(notes))
 
 
+def mismatches(plan) -> list[Mismatch]:
+    """What Megatron-LM cannot run as planned in `plan`'s configuration, found by the code `write`
+    runs, all but the stage cuts (the final norm's placement is checked on a plan's own cuts).
+    `plan` is a Plan, or any object with a ParallelConfig's fields, `job` and `model` (the search's
+    configurations: search/targets.py)."""
+
+    def configure(found: Findings) -> None:
+        shape, moe = _shapes(plan)
+        _sections(plan, shape, moe, found, cuts=False)
+
+    return collect_mismatches(configure)
+
+
+def _shapes(plan: Plan) -> tuple[TransformerShape, MoEShape | None]:
+    shape, moe = model_shape(plan), None
+    if shape is None and (found := moe_shape(plan)) is not None:
+        shape, moe = found
+    if shape is None:
+        # export_plan completes the message with the targets that do write this plan.
+        raise TargetRefusal(
+            f"Megatron-LM's pretrain_gpt.py builds only GPT and Llama-like decoders (dense, or with the zoo's "
+            f"experts), and autoplan cannot read {plan.model!r} as one ({model_kind(plan)})", dims={"model"})
+    return shape, moe
+
+
+def _sections(plan: Plan, shape: TransformerShape, moe: MoEShape | None, differences: Findings, *,
+              cuts: bool = True) -> list[tuple[str, list[Arg]]]:
+    """The file's argument groups, in order; `cuts=False` leaves out the stage layout (the search's
+    configurations have no cuts yet)."""
+    return [
+        ("model (the plan's model, as megatron-core's GPTModel builds it)", _model_args(plan, shape, differences)),
+        *([("mixture of experts (megatron-core MoELayer)", moe_model_args(plan, moe, differences))] if moe else []),
+        ("vocabulary (tokenizer.py build_tokenizer: --padded-vocab-size is the model's vocabulary)",
+         _vocab_args(plan, shape, differences)),
+        ("parallelism and pipeline stages", _parallel_args(plan, differences, cuts=cuts)
+         + (expert_layout_args(plan, differences) if moe else [])),
+        ("activation recompute", _recompute_args(plan)),
+        ("data-parallel sharding", _sharding_args(plan, shape, differences)),
+        ("batch and precision", _batch_args(plan, differences)),
+    ]
+
+
 # ---- model -----------------------------------------------------------------------------------
 
 Arg = tuple[str, "str | None"]
 
 
-def _model_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> list[Arg]:
+def _model_args(plan: Plan, shape: TransformerShape, differences: Findings) -> list[Arg]:
     if plan.tp > 1 and shape.num_heads % plan.tp:
         # TransformerConfig.__post_init__: num_attention_heads must be a multiple of tp.
         raise ExportError(f"Megatron-LM needs the {shape.num_heads} attention heads divisible by tp {plan.tp}; "
-                          "re-plan with a tp that divides them")
+                          "re-plan with a tp that divides them", dims={"model", "tp"})
     if shape.num_kv_heads % plan.tp and plan.tp % shape.num_kv_heads:
         # TransformerConfig.__post_init__: num_query_groups must be a multiple or a divisor of tp.
         raise ExportError(f"Megatron-LM needs the {shape.num_kv_heads} key/value heads to be a multiple or a "
-                          f"divisor of tp {plan.tp}; re-plan with such a tp")
+                          f"divisor of tp {plan.tp}; re-plan with such a tp", dims={"model", "tp"})
     if plan.job.seq_len > shape.max_seq_len:
         # validate_args: max_position_embeddings >= seq_length.
         raise ExportError(f"sequence length {plan.job.seq_len} exceeds the model's {shape.max_seq_len} positions, "
-                          "which Megatron-LM refuses; re-plan with a shorter --seq-len")
+                          "which Megatron-LM refuses; re-plan with a shorter --seq-len", dims={"model", "job"})
     args: list[Arg] = [
         ("--num-layers", str(shape.num_layers)),
         ("--hidden-size", str(shape.hidden_size)),
@@ -146,7 +175,7 @@ def _model_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> 
                  ("--position-embedding-type", "rope")]
         theta = float(shape.rope_theta if shape.rope_theta is not None else 10000.0)
         if theta != int(theta):
-            differences.append(f"rotary base {theta:g} is not an integer and Megatron-LM's --rotary-base takes "
+            differences.differ({"model"}, f"rotary base {theta:g} is not an integer and Megatron-LM's --rotary-base takes "
                                f"an int: written as {round(theta)}, so positions rotate slightly differently")
         args.append(("--rotary-base", str(round(theta))))
     else:
@@ -161,13 +190,13 @@ def _model_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> 
     return args
 
 
-def _vocab_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> list[Arg]:
+def _vocab_args(plan: Plan, shape: TransformerShape, differences: Findings) -> list[Arg]:
     vocab = shape.vocab_size
     # The output layer and embedding are split over tp (tensor_parallel/layers.py divide), so the
     # vocabulary must be a multiple of tp; Megatron pads it to one.
     padded = math.ceil(vocab / plan.tp) * plan.tp
     if padded != vocab:
-        differences.append(f"the vocabulary of {vocab} is not divisible by tp {plan.tp}, which Megatron's "
+        differences.differ({"model", "tp"}, f"the vocabulary of {vocab} is not divisible by tp {plan.tp}, which Megatron's "
                            f"vocab-parallel embedding and output layer need: padded to {padded} "
                            f"({padded - vocab} unused rows of embedding and logits)")
     # _NullTokenizer(vocab_size) holds vocab_size + 1 tokens (its EOD id is vocab_size), so
@@ -179,10 +208,10 @@ def _vocab_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> 
 
 # ---- parallelism -----------------------------------------------------------------------------
 
-def _parallel_args(plan: Plan, differences: list[str]) -> list[Arg]:
+def _parallel_args(plan: Plan, differences: Findings, *, cuts: bool = True) -> list[Arg]:
     if plan.num_gpus != plan.tp * plan.pp * plan.dp:
         raise ExportError(f"the plan's {plan.num_gpus} GPUs are not tp x pp x dp = {plan.tp * plan.pp * plan.dp}; "
-                          "re-plan (the plan file is inconsistent)")
+                          "re-plan (the plan file is inconsistent)", dims={"tp", "pp", "dp"})
     args: list[Arg] = [("--tensor-model-parallel-size", str(plan.tp)),
                        ("--pipeline-model-parallel-size", str(plan.pp))]
     if plan.cp > 1:
@@ -198,29 +227,30 @@ def _parallel_args(plan: Plan, differences: list[str]) -> list[Arg]:
         # validate_args switches sequence parallelism off with tp == 1 (as autoplan's is a no-op then).
         args.append(("--sequence-parallel", None))
     if plan.pp > 1:
-        args.append(("--pipeline-model-parallel-layout", pipeline_layout(plan)))
-        _check_final_norm(plan, differences)
+        if cuts:
+            args.append(("--pipeline-model-parallel-layout", pipeline_layout(plan)))
+            _check_final_norm(plan, differences)
         if plan.schedule == "gpipe":
-            differences.append("schedule gpipe: Megatron-LM has no all-forward-all-backward pipeline schedule; it "
+            differences.differ({"schedule", "pp"}, "schedule gpipe: Megatron-LM has no all-forward-all-backward pipeline schedule; it "
                                "runs 1F1B (schedules.py forward_backward_pipelining_without_interleaving), which "
                                "has the same bubble but holds at most pp micro-batches of activations, so peak "
                                "memory is lower than predicted")
         elif plan.schedule == "zb-h1":
-            differences.append("schedule zb-h1: megatron-core 0.16.1 has no zero-bubble pipeline schedule (no "
+            differences.differ({"schedule", "pp"}, "schedule zb-h1: megatron-core 0.16.1 has no zero-bubble pipeline schedule (no "
                                "split of the backward into input and weight gradients in schedules.py); it runs "
                                "1F1B, so the pipeline bubble is larger and the step slower than predicted")
         elif plan.schedule == "interleaved-1f1b" and plan.num_microbatches % plan.pp:
             # schedules.py forward_backward_pipelining_with_interleaving, default group size pp.
             raise ExportError(f"Megatron's interleaved schedule needs the {plan.num_microbatches} micro-batches "
-                              f"divisible by pp {plan.pp}; re-plan")
+                              f"divisible by pp {plan.pp}; re-plan", dims={"schedule", "num_microbatches", "pp"})
     elif plan.num_stages > 1:
         # validate_args: virtual stages need pp > 1.
-        differences.append(f"{plan.num_stages} stages on one pipeline rank: Megatron-LM's virtual stages need "
+        differences.differ({"virtual_stages", "pp"}, f"{plan.num_stages} stages on one pipeline rank: Megatron-LM's virtual stages need "
                            "pp > 1, so the model runs as one stage (same work, no stage boundaries)")
     return args
 
 
-def _check_final_norm(plan: Plan, differences: list[str]) -> None:
+def _check_final_norm(plan: Plan, differences: Findings) -> None:
     # Without MTP, megatron-core builds the final norm on the post-process stage, the one holding
     # the loss (TransformerBlock.has_final_layernorm_in_this_stage); autoplan may cut before it.
     names = plan.block_names
@@ -228,6 +258,18 @@ def _check_final_norm(plan: Plan, differences: list[str]) -> None:
         differences.append(f"the plan puts the final norm ({names[-2]}) on stage {_stage_of(plan, len(names) - 2)} "
                            f"and the output layer on stage {plan.num_stages - 1}; Megatron builds the final norm "
                            "with the output layer on the last stage (a negligible shift of work)")
+
+
+def placeable_cuts(plan: Plan) -> list[list[int]]:
+    """The cutting nearest the plan's that Megatron-LM builds as cut: where the plan puts the final
+    norm on another stage than the output layer (`_check_final_norm`), the same cuts with the norm
+    moved to the last stage; else none. `autoplan suggest --target megatron` prices it in place of
+    the searched cutting (search/targets.py)."""
+    names, cuts = plan.block_names, list(plan.boundaries)
+    if (len(names) >= 2 and names[-2].rsplit(".", 1)[-1] == "norm" and len(cuts) >= 3
+            and cuts[-2] == len(names) - 1 and cuts[-3] < len(names) - 2):
+        return [[*cuts[:-2], len(names) - 2, cuts[-1]]]
+    return []
 
 
 def _stage_of(plan: Plan, block: int) -> int:
@@ -246,7 +288,7 @@ def _recompute_args(plan: Plan) -> list[Arg]:
     return []
 
 
-def _sharding_args(plan: Plan, shape: TransformerShape, differences: list[str]) -> list[Arg]:
+def _sharding_args(plan: Plan, shape: TransformerShape, differences: Findings) -> list[Arg]:
     if plan.zero == 0:
         return []  # DistributedDataParallel all-reduces gradients: autoplan's zero 0.
     if plan.zero == 1:
@@ -274,12 +316,12 @@ def _sharding_args(plan: Plan, shape: TransformerShape, differences: list[str]) 
         if plan.job.dtype in ("bfloat16", "bf16") and plan.reduce_dtype != "bfloat16":
             # TorchFullyShardedDataParallel calls fully_shard without a MixedPrecisionPolicy over
             # Float16Module's bf16 parameters (core_v0.16.1), so FSDP2 reduces in their dtype.
-            differences.append("gradients reduced in fp32 (the plan's reduce dtype): Megatron's torch FSDP2 wrapper "
+            differences.differ({"zero", "reduce_dtype", "pp", "ep"}, "gradients reduced in fp32 (the plan's reduce dtype): Megatron's torch FSDP2 wrapper "
                                "shards the bf16 parameters without a mixed-precision policy, so it reduce-scatters "
                                "bf16 gradients, half the bytes predicted and a bf16 sum; re-plan with "
                                "--reduce-dtype bfloat16 to plan what it runs")
         if plan.dp_replicate > 1:
-            differences.append(f"HSDP {plan.dp_replicate} x {plan.dp_shard}: Megatron's torch FSDP2 wrapper shards "
+            differences.differ({"zero", "dp_replicate", "pp", "ep"}, f"HSDP {plan.dp_replicate} x {plan.dp_shard}: Megatron's torch FSDP2 wrapper shards "
                                f"over the whole data-parallel group (a 1-D DeviceMesh), i.e. over all {plan.dp} "
                                "ranks: less memory, more cross-node all-gather / reduce-scatter traffic than "
                                "predicted")
@@ -293,20 +335,20 @@ def _sharding_args(plan: Plan, shape: TransformerShape, differences: list[str]) 
         # Optimizer-state sharding inside groups of dp_shard ranks, replicated across them.
         args.append(("--num-distributed-optimizer-instances", str(plan.dp_replicate)))
     kept = "gradients" if plan.zero == 2 else "gradients and parameters"
-    differences.append(f"zero {plan.zero} (FSDP2, reshard after forward {'on' if plan.zero == 3 else 'off'}): "
+    differences.differ({"zero", "pp", "ep", "model", "job"}, f"zero {plan.zero} (FSDP2, reshard after forward {'on' if plan.zero == 3 else 'off'}): "
                        f"Megatron-LM's --use-torch-fsdp2 does not run with {' or '.join(blockers)} "
                        f"(validate_args); written as the distributed optimizer (ZeRO-1), so every GPU keeps full "
                        f"{kept} and memory per GPU is higher than predicted")
     return args
 
 
-def _batch_args(plan: Plan, differences: list[str]) -> list[Arg]:
+def _batch_args(plan: Plan, differences: Findings) -> list[Arg]:
     # ConstantNumMicroBatchesCalculator: num_microbatches = global / (micro * dp).
     # Megatron's data-parallel size excludes context parallelism (world / (tp * pp * cp)): the
     # plan's dp / cp replicas.
     per_step = plan.micro_batch_size * plan.replicas * plan.num_microbatches
     if per_step != plan.job.global_batch:
-        differences.append(f"global batch {plan.job.global_batch} is not micro-batch {plan.micro_batch_size} x dp "
+        differences.differ({"micro_batch_size", "num_microbatches", "dp", "cp"}, f"global batch {plan.job.global_batch} is not micro-batch {plan.micro_batch_size} x dp "
                            f"{plan.replicas} x {plan.num_microbatches} micro-batches; written as {per_step}, which "
                            "Megatron needs to be that product")
     args: list[Arg] = [("--micro-batch-size", str(plan.micro_batch_size)), ("--global-batch-size", str(per_step))]

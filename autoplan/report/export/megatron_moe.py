@@ -13,7 +13,7 @@ arguments.py`, whose MoE flags come from megatron-core's `TransformerConfig` fie
 from __future__ import annotations
 
 from autoplan.plan import Plan
-from autoplan.report.export.common import MoEShape
+from autoplan.report.export.common import MoEShape, differ
 
 __all__ = ["expert_layout_args", "moe_model_args"]
 
@@ -44,7 +44,7 @@ def moe_model_args(plan: Plan, moe: MoEShape, differences: list[str]) -> list[Ar
     if moe.aux_loss_coef:
         args += [("--moe-router-load-balancing-type", "aux_loss"), ("--moe-aux-loss-coeff", repr(float(moe.aux_loss_coef)))]
         if plan.micro_batch_size > 1:
-            differences.append("load-balancing loss: the zoo's is Switch Transformer's per sequence, averaged over the "
+            differ(differences, {"micro_batch_size", "model"}, "load-balancing loss: the zoo's is Switch Transformer's per sequence, averaged over the "
                                f"micro-batch's {plan.micro_batch_size}; Megatron's aux_loss counts the micro-batch's "
                                "tokens together, a slightly different loss (the same at micro-batch 1)")
     else:
@@ -56,7 +56,7 @@ def moe_model_args(plan: Plan, moe: MoEShape, differences: list[str]) -> list[Ar
         args += [("--moe-expert-capacity-factor", repr(float(moe.capacity_factor))),
                  ("--moe-token-drop-policy", "position"), ("--moe-pad-expert-input-to-capacity", None)]
         if plan.micro_batch_size > 1 or plan.tp > 1:
-            differences.append("expert capacity: the zoo counts it per sequence, Megatron over the tokens a rank "
+            differ(differences, {"micro_batch_size", "tp", "model"}, "expert capacity: the zoo counts it per sequence, Megatron over the tokens a rank "
                                "routes (a micro-batch, split over tp under sequence parallelism): the same "
                                "capacity in total, but other tokens may be dropped")
     return args

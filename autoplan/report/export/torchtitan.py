@@ -22,9 +22,12 @@ from autoplan.plan import Plan
 from autoplan.report.export.common import (
     Export,
     ExportError,
+    Findings,
+    Mismatch,
     MoEShape,
     TargetRefusal,
     TransformerShape,
+    collect_mismatches,
     model_kind,
     model_shape,
     moe_shape,
@@ -33,7 +36,7 @@ from autoplan.report.export.common import (
     stage_lines,
 )
 
-__all__ = ["CONFIG_FUNCTION", "DEFAULT_MODULE", "TORCHTITAN_VERSION", "write"]
+__all__ = ["CONFIG_FUNCTION", "DEFAULT_MODULE", "TORCHTITAN_VERSION", "mismatches", "write"]
 
 TORCHTITAN_VERSION = "0.3.0"
 CONFIG_FUNCTION = "autoplan_plan"
@@ -65,16 +68,35 @@ def write(plan: Plan, *, filename: str | None = None) -> Export:
     module, directory, copy = _module_name(filename)
     settings = _Settings()
     fqns = _stage_fqns(plan) if plan.pp > 1 else None
-    _model(plan, shape, settings, mixture[1] if mixture else None)
+    _configure(plan, settings, shape, mixture[1] if mixture else None)
+    command = _command(plan, module, directory, filename if copy else None, copy)
+    text = _render(plan, settings, fqns, command)
+    return Export("torchtitan", text, command, tuple(settings.differences), tuple(_notes(plan, shape)))
+
+
+
+def mismatches(plan) -> list[Mismatch]:
+    """What torchtitan cannot run as planned in `plan`'s configuration, found by the code `write`
+    runs (every rule but the stage cuts', which torchtitan takes as given: module_fqns_per_model_part).
+    `plan` is a Plan, or any object with a ParallelConfig's fields, `job` and `model` (the search's
+    configurations: search/targets.py)."""
+
+    def configure(found: Findings) -> None:
+        mixture = moe_shape(plan)
+        shape = mixture[0] if mixture else _llama_shape(plan)
+        _configure(plan, _Settings(differences=found), shape, mixture[1] if mixture else None)
+
+    return collect_mismatches(configure)
+
+
+def _configure(plan: Plan, settings: _Settings, shape: TransformerShape, experts: MoEShape | None) -> None:
+    """Every setting of the file but the stages, each rule recording what it cannot state."""
+    _model(plan, shape, settings, experts)
     _batch(plan, settings)
     _parallelism(plan, settings)
     _schedule(plan, settings)
     _recompute(plan, settings)
     _precision(plan, settings)
-    command = _command(plan, module, directory, filename if copy else None, copy)
-    text = _render(plan, settings, fqns, command)
-    return Export("torchtitan", text, command, tuple(settings.differences), tuple(_notes(plan, shape)))
-
 
 
 # ---- what torchtitan has a model for ---------------------------------------------------------
@@ -87,10 +109,10 @@ def _llama_shape(plan: Plan) -> TransformerShape:
     if shape is None:
         raise TargetRefusal(f"torchtitan has no model for {plan.model} ({model_kind(plan)}); torchtitan "
                             f"{TORCHTITAN_VERSION} builds only its own model definitions, and autoplan exports to "
-                            "its Llama3Model alone")
+                            "its Llama3Model alone", dims={"model"})
     if shape.family != "llama":
         raise TargetRefusal(f"torchtitan has no model for {plan.model} (no GPT-2 family definition in torchtitan "
-                            f"{TORCHTITAN_VERSION})")
+                            f"{TORCHTITAN_VERSION})", dims={"model"})
     return shape
 
 
@@ -136,7 +158,7 @@ class _Settings:
     training: dict[str, str] = field(default_factory=dict)
     parallelism: dict[str, str] = field(default_factory=dict)
     activation_checkpoint: str = "None"
-    differences: list[str] = field(default_factory=list)
+    differences: Findings = field(default_factory=Findings)
     imports: set[str] = field(default_factory=set)
 
 
@@ -158,7 +180,7 @@ def _model(plan: Plan, shape: TransformerShape, settings: _Settings, experts: Mo
     if tie and plan.pp > 1:
         # torchtitan/models/common/decoder.py Decoder.Config.update_from_config: "Weight tying is
         # not supported with Pipeline Parallel."
-        settings.differences.append(
+        settings.differences.differ({"model", "pp"},
             f"the plan's model ties its input and output embeddings, which torchtitan refuses with pipeline "
             f"parallelism; written untied, adding {shape.vocab_size * shape.hidden_size:,} parameters (and "
             "their gradients and optimizer state) to the last stage")
@@ -279,12 +301,12 @@ def _moe_lines(plan: Plan, shape: TransformerShape, experts: MoEShape, settings:
         # and nothing is ever dropped, which is dropless.
         capacity = math.ceil(experts.capacity_factor * plan.job.seq_len * experts.experts_per_token / count)
         if experts.capacity_factor < count / experts.experts_per_token:
-            settings.differences.append(
+            settings.differences.differ({"model"},
                 f"the plan's experts take at most {capacity} tokens of a sequence each (capacity factor "
                 f"{experts.capacity_factor:g}) and drop the rest; torchtitan routes dropless (every token reaches its "
                 "experts): the same model when nothing overflows, more expert work and no drops otherwise")
     if plan.job.dtype == "float32":
-        settings.differences.append(
+        settings.differences.differ({"job"},
             "the plan computes in float32; torchtitan's GroupedExperts compute the experts in bfloat16 whatever the "
             "training dtype (models/common/moe.py), so the experts' arithmetic differs")
     # torchtitan/trainer.py Trainer.Config._validate_cuda_graphs refuses an all-to-all token dispatcher
@@ -294,7 +316,7 @@ def _moe_lines(plan: Plan, shape: TransformerShape, experts: MoEShape, settings:
     if experts.aux_loss_coef:
         over = ("over the batch's tokens and every layer, transformers' load_balancing_loss_func"
                 if shape.hf_model_type else "per sequence")
-        settings.differences.append(
+        settings.differences.differ({"model"},
             f"the plan's router adds the Switch load-balancing loss (coefficient {experts.aux_loss_coef:g}, {over}); "
             "torchtitan 0.3.0 has no such loss (its balancing is the auxiliary-loss-free expert bias, "
             "load_balance_coeff), so the file trains without one (load_balance_coeff=None)")
@@ -334,7 +356,8 @@ def _batch(plan: Plan, settings: _Settings) -> None:
     micro, count = plan.micro_batch_size, plan.num_microbatches
     if plan.job.global_batch != micro * count * plan.replicas:
         raise ExportError(f"the plan's global batch {plan.job.global_batch} is not micro-batch {micro} x "
-                          f"{count} micro-batches x dp {plan.replicas}; re-plan it with autoplan suggest")
+                          f"{count} micro-batches x dp {plan.replicas}; re-plan it with autoplan suggest",
+                          dims={"micro_batch_size", "num_microbatches", "dp", "cp"})
     if plan.pp > 1:
         # One accumulation step of `count` pipeline micro-batches.
         settings.training["local_batch_size"] = str(micro * count)
@@ -369,7 +392,7 @@ def _parallelism(plan: Plan, settings: _Settings) -> None:
         replicate, shard, reshard = plan.replicas, 1, "never"  # no sharding: nothing to reshard
     elif plan.zero == 1:
         replicate, shard, reshard = 1, plan.replicas, "never"
-        settings.differences.append(
+        settings.differences.differ({"zero"},
             f"the plan shards only optimizer state over dp {plan.dp} (ZeRO-1), which torchtitan has no mode for; "
             f"written as FSDP over dp {plan.dp} without resharding after forward (ZeRO-2-like: parameters and "
             "gradients sharded too), so each GPU holds less memory than planned but pays parameter all-gathers "
@@ -378,7 +401,8 @@ def _parallelism(plan: Plan, settings: _Settings) -> None:
         replicate, shard = plan.dp_replicate, plan.dp_shard // plan.cp
         if plan.dp_shard % plan.cp:
             raise ExportError(f"the plan's FSDP groups of {plan.dp_shard} ranks do not hold whole cp groups of "
-                              f"{plan.cp}; torchtitan shards over dp_shard x cp; re-plan with --cp dividing them")
+                              f"{plan.cp}; torchtitan shards over dp_shard x cp; re-plan with --cp dividing them",
+                              dims={"zero", "dp_replicate", "cp"})
         # fsdp.py get_fsdp_reshard_after_forward_policy: "always" / "never"; "default" would depend on pp.
         reshard = "always" if plan.zero == 3 else "never"
     if plan.ep > 1:
@@ -387,7 +411,7 @@ def _parallelism(plan: Plan, settings: _Settings) -> None:
         # layout]); torchtitan's experts are whole on each rank (no expert tp degree), as autoplan's are.
         if (shard * plan.cp * plan.tp) % plan.ep:
             replicate, shard = 1, plan.replicas
-            settings.differences.append(
+            settings.differences.differ({"ep", "zero", "dp_replicate", "tp", "cp"},
                 f"the plan keeps every parameter whole over dp (zero {plan.zero}) while splitting the experts "
                 f"over ep {plan.ep}; torchtitan's expert parallelism borrows its ranks from FSDP "
                 "(dp_shard x cp x tp), so the file shards over dp: less memory than planned, and parameter "
@@ -395,7 +419,7 @@ def _parallelism(plan: Plan, settings: _Settings) -> None:
         p["expert_parallel_degree"] = str(plan.ep)
     if plan.expert_tp > 1:
         # torchtitan 0.3.0's ParallelismConfig has no expert tensor-parallel degree.
-        settings.differences.append(
+        settings.differences.differ({"expert_tp"},
             f"the plan splits each expert's hidden units over expert tp {plan.expert_tp}; torchtitan 0.3.0 has no "
             "expert tensor parallelism (its experts are whole on the ranks holding them), so each GPU holds "
             f"{plan.expert_tp} times the expert weights planned")
@@ -405,7 +429,7 @@ def _parallelism(plan: Plan, settings: _Settings) -> None:
     if plan.rank_order != "tp-dp-pp":
         # parallel_dims.py ParallelDims builds its mesh as ["pp", "dp_replicate", "fsdp", "tp"]:
         # tp innermost, pp outermost, which is autoplan's "tp-dp-pp".
-        settings.differences.append(
+        settings.differences.differ({"rank_order"},
             f"the plan orders ranks {plan.rank_order} (pipeline neighbours {plan.tp} ranks apart); torchtitan's "
             "device mesh is always pp-outermost (tp-dp-pp), so pipeline neighbours land "
             f"{plan.tp * plan.dp} ranks apart and their point-to-point traffic may cross nodes")
@@ -442,11 +466,11 @@ def _schedule(plan: Plan, settings: _Settings) -> None:
         # bubble, and the first stage holds all m micro-batches' activations in both schedules.
         name = "GPipe"
     if plan.schedule == "zb-h1":
-        settings.differences.append(
+        settings.differences.differ({"schedule", "pp"},
             f"the plan's zb-h1 schedule (split backward, Qi et al. 2023) has no one-stage-per-rank schedule in "
             f"torch.distributed.pipelining; written as {name}, whose larger bubble makes steps slower than predicted")
     if few:
-        settings.differences.append(
+        settings.differences.differ({"schedule", "virtual_stages", "num_microbatches", "pp"},
             f"the plan runs {count} micro-batches on {plan.pp} pipeline stages with one stage per rank, fewer than "
             f"torch's Schedule1F1B accepts (it refuses fewer micro-batches than stages at startup); written as GPipe, "
             f"which with so few micro-batches has 1F1B's bubble and its first stage's activation memory, but the "
@@ -458,7 +482,7 @@ def _schedule(plan: Plan, settings: _Settings) -> None:
         if count % rounds:
             raise ExportError(f"torch's Interleaved1F1B cannot run {count} micro-batches on pp {plan.pp} (they must "
                               f"divide into {rounds} rounds); re-plan with a micro-batch count that is a multiple of "
-                              f"pp {plan.pp}")
+                              f"pp {plan.pp}", dims={"schedule", "virtual_stages", "num_microbatches", "pp"})
     settings.parallelism["pipeline_parallel_schedule"] = repr(name)
 
 
@@ -471,7 +495,7 @@ def _recompute(plan: Plan, settings: _Settings) -> None:
         return
     settings.activation_checkpoint = "None"
     if plan.recompute == "selective":
-        settings.differences.append(
+        settings.differences.differ({"recompute"},
             "the plan's selective recompute (Korthikanti et al. 2022: only the attention core, softmax(QK^T)V, "
             "is recomputed) has no torchtitan policy; written as no activation checkpointing, since torchtitan's "
             "fused flex attention already keeps no seq x seq scores and recomputes them in its backward, while its "
@@ -488,14 +512,14 @@ def _precision(plan: Plan, settings: _Settings) -> None:
     settings.training["dtype"] = "'float32'"
     if plan.job.dtype == "float16":
         settings.training["mixed_precision_param"] = "'bfloat16'"
-        settings.differences.append(
+        settings.differences.differ({"job"},
             "the plan computes in float16, which torchtitan's mixed precision does not offer (bfloat16 or "
             "float32 only); written as bfloat16 (same memory and speed, no loss scaling)")
     else:
         settings.training["mixed_precision_param"] = repr(plan.job.dtype)
     if plan.reduce_dtype == "bfloat16":
         # TrainingConfig.mixed_precision_reduce is Literal["float32"] in torchtitan 0.3.0.
-        settings.differences.append(
+        settings.differences.differ({"reduce_dtype"},
             "the plan reduces FSDP gradients in bfloat16; torchtitan's mixed_precision_reduce takes only "
             "'float32', so its reduce-scatters move twice the bytes the prediction priced")
 
