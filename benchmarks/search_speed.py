@@ -13,16 +13,21 @@ e.g. `git worktree add ../before HEAD~5`).
 The start-up ratio (issue 29's target: within 1.5x): the cold `autoplan suggest` of gpt3-175b on
 128 x 8 A100-80GB as a user types it (a fresh process, an empty AUTOPLAN_CACHE_DIR) against
 `python -c "import torch"`, each run `--repeats` times in alternation, medians of wall time and
-of the child's CPU time (user + sys; on a loaded machine the CPU ratio is the steadier one).
+of the child's CPU time (user + sys; on a loaded machine the CPU ratio is the steadier one). A
+built-in model's cold run reads its shipped profile ([Note: shipped profiles] in
+autoplan/graph/profile_cache.py); "unshipped" is the same cold run with AUTOPLAN_SHIPPED_PROFILES=0,
+what the first run of a model without a shipped profile pays (the fake-tensor profile, torch._dynamo's
+import included).
 
 Cases: gpt3-175b on 128 x 8 A100-80GB (global batch 1536, seq 2048; target 2 s on a 2-core machine),
 and a 16k-GPU case, llama3-405b on 2048 x 8 H100-80GB (global batch 2048, seq 8192).
 
 Every measurement is a fresh Python process (imports, torch's lazy imports and caches start cold):
 - cold: an empty profile cache (AUTOPLAN_CACHE_DIR points at a new temporary directory), so the
-  model is traced and profiled on fake tensors;
-- warm: the same directory again, now holding the analytic profile the cold run wrote, so the
-  model is built and traced but not profiled.
+  model is traced and its shipped profile read (both cases are built-in models at a shipped length),
+  or, without one (AUTOPLAN_SHIPPED_PROFILES=0), profiled on fake tensors;
+- warm: the same directory again, holding the analytic profile a cold run that profiled wrote, so
+  the model is built and traced but not profiled.
 """
 
 from __future__ import annotations
@@ -123,29 +128,37 @@ def startup_ratio(repeats: int) -> dict:
     """`autoplan suggest` (gpt3-175b, 1024 A100) in a fresh process against `python -c "import torch"`:
     medians, cold (an empty profile cache: the first run of a model) and warm (the cache the cold run
     wrote: every later run of that model, a fresh process all the same)."""
-    runs: dict[str, list[tuple[float, float]]] = {"torch": [], "cold": [], "warm": []}
+    runs: dict[str, list[tuple[float, float]]] = {"torch": [], "cold": [], "warm": [], "unshipped": []}
     for _ in range(repeats):  # alternating, so that a change in the machine's load hits all alike
         runs["torch"].append(_timed([sys.executable, "-c", "import torch"], dict(os.environ)))
         with tempfile.TemporaryDirectory(prefix="autoplan-cold-") as cache_dir:
-            env = dict(os.environ, AUTOPLAN_CACHE_DIR=cache_dir)
+            env = dict(os.environ, AUTOPLAN_CACHE_DIR=cache_dir, AUTOPLAN_SHIPPED_PROFILES="1")
             runs["cold"].append(_timed([sys.executable, "-m", "autoplan", *RATIO_COMMAND], env))
             runs["warm"].append(_timed([sys.executable, "-m", "autoplan", *RATIO_COMMAND], env))
+        with tempfile.TemporaryDirectory(prefix="autoplan-unshipped-") as cache_dir:
+            env = dict(os.environ, AUTOPLAN_CACHE_DIR=cache_dir, AUTOPLAN_SHIPPED_PROFILES="0")
+            runs["unshipped"].append(_timed([sys.executable, "-m", "autoplan", *RATIO_COMMAND], env))
     med = {name: (statistics.median(w for w, _ in r), statistics.median(c for _, c in r)) for name, r in runs.items()}
     return {"command": "autoplan " + " ".join(RATIO_COMMAND), "repeats": repeats,
             "import_torch_wall_s": med["torch"][0], "import_torch_cpu_s": med["torch"][1],
             "cold_suggest_wall_s": med["cold"][0], "cold_suggest_cpu_s": med["cold"][1],
             "wall_ratio": med["cold"][0] / med["torch"][0], "cpu_ratio": med["cold"][1] / med["torch"][1],
             "warm_suggest_wall_s": med["warm"][0], "warm_suggest_cpu_s": med["warm"][1],
-            "warm_wall_ratio": med["warm"][0] / med["torch"][0], "warm_cpu_ratio": med["warm"][1] / med["torch"][1]}
+            "warm_wall_ratio": med["warm"][0] / med["torch"][0], "warm_cpu_ratio": med["warm"][1] / med["torch"][1],
+            "unshipped_suggest_wall_s": med["unshipped"][0], "unshipped_suggest_cpu_s": med["unshipped"][1],
+            "unshipped_wall_ratio": med["unshipped"][0] / med["torch"][0],
+            "unshipped_cpu_ratio": med["unshipped"][1] / med["torch"][1]}
 
 
 def print_ratio(ratio: dict) -> None:
     print(f"`{ratio['command']}` against `python -c \"import torch\"` (fresh processes, median of "
-          f"{ratio['repeats']}; cold: an empty profile cache, warm: the cache the cold run wrote):")
-    print(f"{'':<16} {'torch s':>8} {'cold s':>8} {'ratio':>6} {'warm s':>8} {'ratio':>6}")
+          f"{ratio['repeats']}; cold: an empty profile cache, warm: the cache the cold run wrote, unshipped: "
+          f"cold without the shipped profiles):")
+    print(f"{'':<16} {'torch s':>8} {'cold s':>8} {'ratio':>6} {'warm s':>8} {'ratio':>6} {'unship s':>8} {'ratio':>6}")
     for label, key in (("wall", "wall"), ("cpu (user+sys)", "cpu")):
         print(f"{label:<16} {ratio[f'import_torch_{key}_s']:>8.2f} {ratio[f'cold_suggest_{key}_s']:>8.2f} "
-              f"{ratio[f'{key}_ratio']:>6.2f} {ratio[f'warm_suggest_{key}_s']:>8.2f} {ratio[f'warm_{key}_ratio']:>6.2f}")
+              f"{ratio[f'{key}_ratio']:>6.2f} {ratio[f'warm_suggest_{key}_s']:>8.2f} {ratio[f'warm_{key}_ratio']:>6.2f} "
+              f"{ratio[f'unshipped_suggest_{key}_s']:>8.2f} {ratio[f'unshipped_{key}_ratio']:>6.2f}")
     print("target: ratio within 1.5 (issue 29)")
 
 

@@ -19,7 +19,9 @@ Per block (see `blocks.Block`):
 Timed profiling (`device="cpu"` or `"cuda"`) materializes one block at a time with random
 weights, times forward and backward (warm-up, repeats, median; CUDA events on GPUs; a repeated block
 as a run of its copies, [Note: timing in context]) and caches the result as JSON keyed by model
-fingerprint, device name, shapes, dtype, torch version and timing method.
+fingerprint, device name, shapes, dtype, torch version and timing method. The built-in models' analytic
+profiles ship with the package, so their first profile runs nothing ([Note: shipped profiles] in
+graph/profile_cache.py).
 
 The recording lives apart, one concept a module: the fake run (graph/fake_run.py), one block's FLOPs,
 bytes and operators (graph/block_cost.py), timing on a device (graph/timing.py), the cache
@@ -53,7 +55,14 @@ from autoplan.graph.blocks import Block, ModelProfile
 from autoplan.graph.fake_run import FakeRun, ProfileError, dtype_name, fake_like, nbytes, run_fake, tensors_in
 from autoplan.graph.operators import UnpricedOperator, merge_batches
 from autoplan.graph.positions import positions_refusal_of
-from autoplan.graph.profile_cache import analytic_key, profile_cache_dir, read_cached, timed_key, write_cached
+from autoplan.graph.profile_cache import (
+    analytic_key,
+    profile_cache_dir,
+    read_cached,
+    read_shipped,
+    timed_key,
+    write_cached,
+)
 from autoplan.graph.profile_extra import (
     context_parallel_support,
     experts_summary,
@@ -219,6 +228,14 @@ def profile_traced(
     info = dict(info or {})
     analytic_file = None
     if device == "meta":
+        # The built-in models' shipped profiles first: equal to a fresh one, and nothing is executed
+        # ([Note: shipped profiles] in graph/profile_cache.py).
+        shipped = read_shipped(traced, example_inputs, model_name=model_name, fingerprint=fingerprint, dtype=dtype,
+                               info=info, batch_size=batch_size, seq_len=seq_len)
+        if shipped is not None:
+            if progress is not None:
+                progress(traced.num_blocks, traced.num_blocks, traced.block_names[-1])
+            return shipped
         key = analytic_key(traced, example_inputs, model_name=model_name, fingerprint=fingerprint, dtype=dtype,
                            info=info, batch_size=batch_size, seq_len=seq_len)
         if key is not None:
