@@ -5,6 +5,8 @@ halves the scale."""
 
 from __future__ import annotations
 
+import math
+
 import json
 
 import pytest
@@ -65,6 +67,37 @@ def test_an_fp16_step_gives_fp32_gradients_within_fp16_tolerance():
         # compounded over 4 layers: 2 % of the largest element.
         scale = ref_grads[name].abs().max().item()
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=2e-2, atol=2e-2 * scale, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_fp16_clipping_reads_the_unscaled_gradients_and_a_non_finite_norm_is_returned_as_such():
+    """Issue 41 item 2: under fp16 the global norm is the unscaled gradients' (pm.step unscales
+    before it returns), equal to torch's clip_grad_norm_ over the same fp32 master gradients, and
+    a non-finite gradient gives a non-finite norm (`autoplan run` then skips the step)."""
+    from autoplan.runtime import partition
+
+    model = zoo.build_model(GPT, device="meta")
+    ids, tgt = _data(64, 8)
+    traced = trace_model(model, (ids[:2],))
+    plan = make_plan(GPT, model_fingerprint(model), traced.block_names, pp=1, dtype="float16")
+    pm = partition(GPT, plan, device="cpu")
+    pm.step(ids, target=tgt)
+    assert pm.loss_scaler.scale == 2.0**15
+    _, ref_grads = _reference(GPT, plan, torch.float32)
+    mine = {n: p.grad.detach().clone() for n, p in pm.named_parameters() if p.grad is not None}
+    # the fp32 reference's norm over the same parameters (a tied weight once, under its first name)
+    ref_norm = float(torch.linalg.vector_norm(torch.stack([ref_grads[n].norm() for n in mine])))
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in mine.values()]
+    for p, g in zip(params, mine.values()):
+        p.grad = g.clone()
+    max_norm = ref_norm / 4  # below the norm: the gradients are scaled
+    torch_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norm = float(pm.clip_grad_norm_(max_norm))
+    assert norm == pytest.approx(torch_norm, rel=1e-6)
+    assert norm == pytest.approx(ref_norm, rel=2e-2)  # unscaled: a missed 1 / 2**15 is off by 4 orders
+    for (name, p), expected in zip(((n, p) for n, p in pm.named_parameters() if p.grad is not None), params):
+        torch.testing.assert_close(p.grad, expected.grad, rtol=1e-6, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    next(p for _, p in pm.named_parameters() if p.grad is not None).grad[0].fill_(float("inf"))
+    assert not math.isfinite(float(pm.clip_grad_norm_(max_norm)))
 
 
 def test_the_loss_scale_backs_off_on_overflow_grows_after_good_steps_and_stops_at_one():
