@@ -239,10 +239,9 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
     )
     return Plan(
         model=ctx.model_spec, model_fingerprint=profile.fingerprint, cluster=ctx.cluster_dict, job=job,
-        tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, virtual_stages=cfg.virtual_stages, micro_batch_size=cfg.micro_batch_size,
-        num_microbatches=cfg.num_microbatches, schedule=cfg.schedule, recompute=cfg.recompute, zero=cfg.zero, dp_replicate=cfg.dp_replicate,
-        ep=cfg.ep, expert_tp=cfg.expert_tp, reduce_dtype=cfg.reduce_dtype, cp=cfg.cp, sequence_parallel=cfg.sequence_parallel,
-        rank_order=cfg.rank_order, stages=stages,
+        **cfg.layout_values(), micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+        schedule=cfg.schedule, recompute=cfg.recompute, zero=cfg.zero, reduce_dtype=cfg.reduce_dtype,
+        sequence_parallel=cfg.sequence_parallel, stages=stages,
         block_names=tuple(b.name for b in profile.blocks), fits=fits, predicted=predicted,
     )
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from autoplan.cluster import Cluster
 from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
+from autoplan.layout import LAYOUT_FIELDS
 from autoplan.plan import MAX_MICROBATCHES, RECOMPUTE, REDUCE_DTYPES, Job, expert_layout_refusal
 from autoplan.schedule import SCHEDULES
 from autoplan.search.context import SearchContext
@@ -27,8 +28,10 @@ from autoplan.search.rejections import Rejection, Rejections
 __all__ = ["MAX_MICROBATCHES", "PINS", "NoPlanError", "PlanningError", "config_pins", "cp_refusal", "ep_refusal", "fsdp_allowed",
            "fsdp_refusal", "tp_degrees_possible", "tp_refusal"]
 
-PINS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero",
-        "dp_replicate", "sequence_parallel", "rank_order", "ep", "cp", "reduce_dtype", "expert_tp")
+_FIRST_PINS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero",
+               "dp_replicate", "sequence_parallel", "rank_order", "ep", "cp", "reduce_dtype")
+PINS = (*_FIRST_PINS, *(name for name in LAYOUT_FIELDS if name not in _FIRST_PINS))
+"""What `suggest` may pin: the choices and every layout field (pins are a partial `Layout`)."""
 _DEFAULT_MBS = (1, 2, 4, 8)
 # MAX_MICROBATCHES (autoplan/plan.py): micro-batches per replica per step above which a configuration is
 # not considered, the same bound a plan file is checked against.
@@ -450,13 +453,15 @@ def _gib(num_bytes: float) -> str:
 
 
 def config_pins(cfg: ParallelConfig) -> dict:
-    """The configuration as the pins `suggest` takes (every dimension but the rank layout)."""
+    """The configuration as the pins `suggest` takes (every dimension but the rank layout). Layout
+    fields added after the first ones (`Layout.later_fields`, expert tp the first) enter away from
+    their default."""
     return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "micro_batch_size": cfg.micro_batch_size,
             "schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages, "recompute": cfg.recompute,
             "zero": cfg.zero, "dp_replicate": cfg.dp_replicate, "ep": cfg.ep, "cp": cfg.cp,
             "sequence_parallel": cfg.sequence_parallel,
             **({"reduce_dtype": cfg.reduce_dtype} if cfg.reduce_dtype != "float32" else {}),
-            **({"expert_tp": cfg.expert_tp} if cfg.expert_tp > 1 else {})}
+            **cfg.later_fields()}
 
 
 def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed: bool) -> tuple[str, dict] | None:

@@ -86,11 +86,17 @@ from autoplan.search.configs import (
     tp_degrees_possible,
     tp_refusal,
 )
-from autoplan.search.context import SearchContext
+from autoplan.search.context import MEMO_LEAVES_OUT, SearchContext
 from autoplan.search.evaluate import evaluate, min_memory_bytes
 from autoplan.search.rejections import REASONS, Rejection, Rejections
 
 __all__ = ["NoPlanError", "PlanningError", "SearchResult", "search_plans"]
+
+CONFIG_KEY_LEAVES_OUT = ("rank_order",)
+"""Layout fields a configuration's key leaves out (`_config_key`, `_same_but_layout`): rejections
+keep, and the top plans hold, one configuration per rank order's worth of the others."""
+_STATIC_LEAVES_OUT = ("cp", "virtual_stages", "rank_order")
+"""Layout fields the weights-alone bound's memo leaves out (search/context.py `MEMO_LEAVES_OUT`)."""
 
 @dataclass
 class SearchResult:
@@ -185,7 +191,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
                 rejections.counts["layout"] += 1
             continue
         frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
-        key = (cfg.tp, cfg.dp, frugal.zero, frugal.dp_replicate, cfg.pp == 1, cfg.ep, cfg.reduce_dtype, cfg.expert_tp)
+        key = (frugal.zero, cfg.reduce_dtype, *frugal.layout_key(_STATIC_LEAVES_OUT, pp=cfg.pp == 1))
         if key not in static_cache:
             static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
         weights_over = static_cache[key] / cfg.pp > min_capacity and not all_pinned
@@ -199,8 +205,8 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         # exceed real step times and cut plans from the top k that a pinned search then found.
         fastest = _with_memory_options(cfg, pins, sp_allowed, recomputes[0], frugal.zero, frugal.dp_replicate)
         spread = cfg.ep > 1 or cfg.cp > 1  # their groups' links depend on the rank layout (as SearchContext.block_times)
-        tkey = (cfg.tp, cfg.micro_batch_size, cfg.ep, cfg.expert_tp, cfg.cp, fastest.sequence_parallel,
-                cfg.rank_order if spread else None, cfg.pp if spread else None)
+        tkey = (cfg.micro_batch_size, fastest.sequence_parallel, *cfg.layout_key(
+            MEMO_LEAVES_OUT["times"], rank_order=cfg.rank_order if spread else None, pp=cfg.pp if spread else None))
         if tkey not in time_cache:
             time_cache[tkey] = float(np.min([ctx.block_times(g, fastest).total_s for g in ctx.cluster.gpu_types],
                                             axis=0).sum())
@@ -376,7 +382,7 @@ def _plan_key(plan: Plan) -> tuple:
     rank the same way in a top 5 and a top 8."""
     return (plan.tp, plan.pp, plan.dp, plan.micro_batch_size, plan.schedule, plan.virtual_stages,
             RECOMPUTE.index(plan.recompute), plan.zero, plan.dp_replicate, plan.sequence_parallel, plan.ep, plan.cp,
-            plan.rank_order)
+            plan.rank_order, *plan.layout_key())  # the layout last: every field, the ones added later too
 
 
 def _keep(best: list[tuple[float, tuple, Plan]], top: int, step_time_s: float, plan: Plan) -> None:
@@ -397,8 +403,7 @@ def _keep(best: list[tuple[float, tuple, Plan]], top: int, step_time_s: float, p
 
 def _config_key(cfg: ParallelConfig) -> tuple:
     """A configuration without its rank layout: rejections keep one per key."""
-    return (cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch_size, cfg.schedule, cfg.virtual_stages, cfg.recompute, cfg.zero,
-            cfg.dp_replicate, cfg.ep, cfg.cp)
+    return (cfg.micro_batch_size, cfg.schedule, cfg.recompute, cfg.zero, *cfg.layout_key(CONFIG_KEY_LEAVES_OUT))
 
 
 def _sharding_refusal(cfg: ParallelConfig, pins: dict, profile: ModelProfile) -> str:
@@ -683,9 +688,9 @@ def _fwd_share(ctx: SearchContext, cfg: ParallelConfig) -> float:
 
 
 def _same_but_layout(a: Plan, b: Plan) -> bool:
-    keys = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero", "dp_replicate",
-            "sequence_parallel", "ep", "cp", "expert_tp", "reduce_dtype")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
+    keys = ("micro_batch_size", "schedule", "recompute", "zero", "sequence_parallel", "reduce_dtype")
+    return (all(getattr(a, k) == getattr(b, k) for k in keys)
+            and a.layout_key(CONFIG_KEY_LEAVES_OUT) == b.layout_key(CONFIG_KEY_LEAVES_OUT))
 
 
 def _raise_no_plan(ctx: SearchContext, cluster: Cluster, pins: dict, sp_allowed: bool, advise: bool,
