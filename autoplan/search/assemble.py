@@ -32,7 +32,7 @@ from autoplan.cost.time import (
     tied_sync_times_s,
 )
 from autoplan.plan import MemoryBreakdown, Plan, Predicted, StagePlan
-from autoplan.schedule import ActionKind, make_schedule, simulate
+from autoplan.schedule import ActionKind, make_schedule, schedule_spec, simulate
 from autoplan.search.bounds import simulated_step_lower_bound
 from autoplan.search.context import SearchContext
 from autoplan.search.fsdp_exposed import fsdp_exposed
@@ -58,7 +58,7 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
     ranges = cuts.stage_ranges()
     num_stages = cfg.num_stages
     fwd_s, bwd_s = ctx.pass_times(stage_times, ranges)
-    split = cfg.schedule == "zb-h1"
+    split = schedule_spec(cfg.schedule).split_backward
     fsdp = fsdp_exposed(ctx, cfg, ranges, stage_times)
 
     durations = {ActionKind.F: fwd_s, ActionKind.B: bwd_s}
@@ -251,7 +251,7 @@ def rank_memories(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[in
     """Peak memory of each pipeline rank."""
     memories: list[MemoryBreakdown] = []
     held = None
-    if cfg.schedule == "interleaved-1f1b" and cfg.virtual_stages > 1:
+    if schedule_spec(cfg.schedule).looped and cfg.virtual_stages > 1:
         held = interleaved_held(cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
     for p in range(cfg.pp):
         mine = [k for k in range(cfg.num_stages) if k % cfg.pp == p]

@@ -20,7 +20,7 @@ from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
 from autoplan.layout import LAYOUT_FIELDS
 from autoplan.plan import MAX_MICROBATCHES, RECOMPUTE, REDUCE_DTYPES, Job, expert_layout_refusal
-from autoplan.schedule import SCHEDULES
+from autoplan.schedule import SCHEDULE_SPECS, SCHEDULES, schedule_spec
 from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate
 from autoplan.search.rejections import Rejection, Rejections
@@ -36,6 +36,8 @@ _DEFAULT_MBS = (1, 2, 4, 8)
 # MAX_MICROBATCHES (autoplan/plan.py): micro-batches per replica per step above which a configuration is
 # not considered, the same bound a plan file is checked against.
 _DEFAULT_V = (2, 3, 4, 6)
+_LOOPED = tuple(name for name, spec in SCHEDULE_SPECS.items() if spec.looped)
+"""The looped schedules (several stages per rank), interleaved-1f1b alone today."""
 
 
 class PlanningError(ValueError):
@@ -106,10 +108,10 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
     if schedule is not None and schedule not in SCHEDULES:
         raise PlanningError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     v = pins.get("virtual_stages")
-    if v is not None and v > 1 and schedule not in (None, "interleaved-1f1b"):
-        raise PlanningError(f"--virtual-stages {v} needs --schedule interleaved-1f1b")
-    if schedule == "interleaved-1f1b" and v == 1:
-        raise PlanningError("interleaved-1f1b needs --virtual-stages of at least 2")
+    if v is not None and v > 1 and schedule is not None and not schedule_spec(schedule).looped:
+        raise PlanningError(f"--virtual-stages {v} needs --schedule {' or '.join(_LOOPED)}")
+    if schedule is not None and schedule_spec(schedule).looped and v == 1:
+        raise PlanningError(f"{schedule} needs --virtual-stages of at least 2")
     if v is not None and pp is not None and pp * v > profile.num_blocks:
         raise PlanningError(f"pp*virtual_stages = {pp * v} stages is more than the model's {profile.num_blocks} blocks")
     recompute = pins.get("recompute")
@@ -138,9 +140,9 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
                                 "and 1 reduce fp32 gradients)")
         if reduce_dtype == "bfloat16" and job.dtype != "bfloat16":
             raise PlanningError(f"--reduce-dtype bfloat16 needs --dtype bfloat16, not {job.dtype}")
-    if schedule == "zb-h1" and fsdp_pinned:
+    if schedule is not None and not schedule_spec(schedule).runs_fsdp and fsdp_pinned:
         what = f"--zero {zero}" if zero is not None and zero >= 2 else f"--dp-replicate {replicate}"
-        raise PlanningError(f"--schedule zb-h1 cannot run with {what} (FSDP): its weight-gradient pass runs outside "
+        raise PlanningError(f"--schedule {schedule} cannot run with {what} (FSDP): its weight-gradient pass runs outside "
                             "autograd, where FSDP's gradient hooks do not see it; use --zero 1 or another schedule")
     if fsdp_pinned and tp is not None and fsdp_refusal(profile, tp) is not None:
         raise PlanningError(f"--tp {tp} with {'--zero ' + str(zero) if zero else '--dp-replicate'}: "
@@ -317,9 +319,9 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
                                 "(MAX_MICROBATCHES); a larger micro-batch or more GPUs"))
                         continue  # see MAX_MICROBATCHES
                     schedules = _schedules(profile, pp, m, pins)
-                    if reject is not None and pp > 1 and m % pp and pins.get("schedule") in (None, "interleaved-1f1b"):
-                        reject.add("batch", 2.0, (tp, pp, dp, cp, mbs, "interleaved-1f1b"), functools.partial(
-                            Rejection, "batch", f"tp={tp} pp={pp} dp={dp} mbs={mbs}x{m} interleaved-1f1b",
+                    if reject is not None and pp > 1 and m % pp and pins.get("schedule") in (None, *_LOOPED):
+                        reject.add("batch", 2.0, (tp, pp, dp, cp, mbs, _LOOPED[0]), functools.partial(
+                            Rejection, "batch", f"tp={tp} pp={pp} dp={dp} mbs={mbs}x{m} {_LOOPED[0]}",
                             f"interleaved 1F1B runs micro-batches in groups of pp: {m} is not a multiple of {pp}"))
                     for schedule, v in schedules:
                         orders = [pins["rank_order"]] if pins.get("rank_order") else (
@@ -349,18 +351,23 @@ def tp_degrees_possible(profile: ModelProfile, cluster: Cluster, pins: dict) -> 
     return out
 
 
+SEARCHED_SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b")
+"""The schedules the search tries, in its order; gpipe has 1F1B's bubble and holds more micro-batches
+(schedule/specs.py), so it is only run when pinned."""
+
+
 def _schedules(profile: ModelProfile, pp: int, m: int, pins: dict) -> list[tuple[str, int]]:
     pinned = pins.get("schedule")
-    if (pins.get("virtual_stages") or 1) > 1:  # only interleaving has virtual stages: a pin of v > 1 is one of it
-        pinned = "interleaved-1f1b"
+    if (pins.get("virtual_stages") or 1) > 1:  # only a looped schedule has virtual stages: a pin of v > 1 is one
+        pinned = pinned if pinned is not None and schedule_spec(pinned).looped else _LOOPED[0]
     if pp == 1:
         # One stage: every schedule is the same sequence of forwards and backwards.
-        return [(pinned or "1f1b", 1)] if pinned in (None, "1f1b", "gpipe", "zb-h1") else []
+        return [(pinned or "1f1b", 1)] if pinned is None or not schedule_spec(pinned).looped else []
     out = []
-    fsdp_only = pins.get("zero", 0) >= 2 or pins.get("dp_replicate", 1) > 1  # zb-h1 cannot run FSDP
-    for name in ([pinned] if pinned else ["1f1b", "interleaved-1f1b"] if fsdp_only else
-                 ["1f1b", "zb-h1", "interleaved-1f1b"]):
-        if name == "interleaved-1f1b":
+    fsdp_only = pins.get("zero", 0) >= 2 or pins.get("dp_replicate", 1) > 1
+    for name in ([pinned] if pinned else [name for name in SEARCHED_SCHEDULES
+                                          if schedule_spec(name).runs_fsdp or not fsdp_only]):
+        if schedule_spec(name).looped:
             vs = [pins["virtual_stages"]] if pins.get("virtual_stages") else list(_DEFAULT_V)
             out += [(name, v) for v in vs if v >= 2 and pp * v <= profile.num_blocks and m % pp == 0]
         else:
@@ -426,7 +433,7 @@ def _with_experts_kept(cfg: ParallelConfig) -> ParallelConfig:
 def fsdp_allowed(cfg: ParallelConfig, profile: ModelProfile | None) -> bool:
     """Whether the runtime can run this configuration with FSDP: not under zb-h1, nor where
     `fsdp_refusal` says the model cannot be sharded at its tp."""
-    return cfg.schedule != "zb-h1" and (profile is None or fsdp_refusal(profile, cfg.tp) is None)
+    return schedule_spec(cfg.schedule).runs_fsdp and (profile is None or fsdp_refusal(profile, cfg.tp) is None)
 
 
 def _with_memory_options(cfg: ParallelConfig, pins: dict, sp_allowed: bool, recompute: str, zero: int,

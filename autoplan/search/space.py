@@ -66,6 +66,7 @@ from autoplan.cost.experts import expert_links
 from autoplan.cost.memory import allowance_bytes, block_static_bytes
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import RECOMPUTE, Job, Plan, expert_layout_refusal
+from autoplan.schedule import schedule_spec
 from autoplan.search._gc import gc_paused
 from autoplan.search.bounds import Dominated
 from autoplan.search.configs import (
@@ -223,7 +224,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         # Order by an estimate with the schedule's bubble (equal stages: (p-1)/v of the ideal time
         # for 1F1B/interleaved, about a third of that for zero-bubble H1, Qi et al. 2024 Table 2)
         # so good plans come first and the valid bound prunes early.
-        ramp = (cfg.pp - 1) / cfg.virtual_stages / (3 if cfg.schedule == "zb-h1" else 1)
+        ramp = (cfg.pp - 1) / cfg.virtual_stages / (3 if schedule_spec(cfg.schedule).split_backward else 1)
         estimate = bound * (cfg.num_microbatches + ramp) / cfg.num_microbatches
         candidates.append((estimate, bound, len(candidates), cfg, fastest))
     def so_far() -> SearchResult:
@@ -411,8 +412,8 @@ def _sharding_refusal(cfg: ParallelConfig, pins: dict, profile: ModelProfile) ->
     if cfg.ep > 1:
         return (expert_layout_refusal(cfg.ep, cfg.tp, cfg.dp, cfg.dp_replicate, cfg.expert_tp)
                 or "the runtime runs expert parallelism with zero 0, 2 or 3 and without HSDP")
-    if cfg.schedule == "zb-h1":
-        return "zb-h1 cannot run FSDP (its weight-gradient pass bypasses FSDP's gradient hooks)"
+    if not schedule_spec(cfg.schedule).runs_fsdp:
+        return f"{cfg.schedule} cannot run FSDP (its weight-gradient pass bypasses FSDP's gradient hooks)"
     return fsdp_refusal(profile, cfg.tp) or "FSDP (zero 2 / 3) needs more than one data-parallel rank"
 
 
@@ -651,9 +652,10 @@ def pre_cut_bound(cfg: ParallelConfig, total_s: float, fwd_share: float) -> floa
     """
     m, p = cfg.num_microbatches, cfg.pp
     plain = m * total_s / p
-    if p == 1 or cfg.schedule == "interleaved-1f1b":
+    spec = schedule_spec(cfg.schedule)
+    if p == 1 or spec.looped:
         return plain
-    phi = fwd_share if cfg.schedule == "zb-h1" else 1.0
+    phi = fwd_share if spec.split_backward else 1.0
     return max(plain, phi * total_s / (1 - (1 - phi / m) ** p))
 
 

@@ -37,6 +37,7 @@ from autoplan.report.export.common import (
     plan_summary,
     stage_lines,
 )
+from autoplan.schedule import schedule_spec
 
 __all__ = ["DEEPSPEED_VERSION", "partition_balanced", "partition_uniform", "write"]
 
@@ -368,7 +369,8 @@ def _pipeline_module(plan: Plan, shape: TransformerShape | None, config: dict[st
     differences."""
     classes = _layer_classes(plan, shape)
     target = list(plan.boundaries)
-    one_f_one_b = plan.virtual_stages == 1 and plan.schedule in ("1f1b", "interleaved-1f1b")
+    runs = schedule_spec(plan.schedule).exports["deepspeed"]  # what DeepSpeed runs for it (schedule/specs.py)
+    one_f_one_b = plan.virtual_stages == 1 and runs.difference is None
     if not one_f_one_b:
         # runtime/pipe/engine.py `PipelineEngine.train_batch` runs `schedule.TrainSchedule`, a 1F1B
         # schedule over one stage per rank (`PipelineModule` builds parts[stage_id]..parts[stage_id+1]).
@@ -379,14 +381,8 @@ def _pipeline_module(plan: Plan, shape: TransformerShape | None, config: dict[st
                                "PipelineEngine runs one stage per rank (its 1F1B TrainSchedule), so each rank's "
                                f"blocks are merged into one stage ({merged}) and the bubble is larger than "
                                "predicted")
-        elif plan.schedule == "zb-h1":
-            differences.append("zb-h1: DeepSpeed's PipelineEngine has no zero-bubble schedule (it does not split the "
-                               "backward into input and weight gradients) and runs its 1F1B TrainSchedule, so the "
-                               "bubble is larger than predicted")
         else:
-            differences.append(f"{plan.schedule}: DeepSpeed's PipelineEngine runs its 1F1B TrainSchedule instead, "
-                               "same bubble with fewer micro-batches' activations held, so memory is lower than "
-                               "predicted")
+            differences.append(runs.difference)
     method, parts = _nearest(_candidates(classes, plan.pp), target)
     if parts != target:
         planned = "the plan's blocks merged per rank cut" if target != list(plan.boundaries) else "the plan cuts"
