@@ -66,6 +66,8 @@ __all__ = [
     "RANK_ORDERS",
     "REDUCE_DTYPES",
     "RECOMPUTE",
+    "BREAKDOWN_TERMS",
+    "BreakdownTerm",
     "ExpertSlot",
     "Job",
     "MemoryBreakdown",
@@ -220,6 +222,37 @@ class StagePlan:
     """Memory of the GPU this stage runs on (all its virtual stages), at its peak."""
 
 
+class BreakdownTerm:
+    """The causes `Predicted.breakdown` splits a step's seconds into, one name each: the cost side writes
+    them (search/assemble.py), the search's explanations (search/space.py) and the pictures
+    (report/timeline/predicted.py) read them. Plain strings: the keys a plan file holds."""
+
+    COMPUTE = "compute_s"
+    """Forward and backward of every block, recompute included, communication left out."""
+    TP_COMM = "tp_comm_s"
+    """Tensor-parallel collectives inside the blocks (sequence parallelism's too)."""
+    EP_COMM = "ep_comm_s"
+    """Expert parallelism's all-to-alls and expert tp's collectives (present when a rank holds expert slices)."""
+    CP_COMM = "cp_comm_s"
+    """Context parallelism's key/value all-gathers (present with cp > 1)."""
+    BUBBLE = "bubble_s"
+    """Pipeline idle time between the ranks' work."""
+    TIED_GRAD_SYNC = "tied_grad_sync_s"
+    """The sum of a tied embedding's and head's gradients over the first and last pipeline ranks."""
+    DP_COMM_EXPOSED = "dp_comm_exposed_s"
+    """Data-parallel gradient reduction not hidden behind the backward."""
+    OPTIMIZER = "optimizer_s"
+    """The optimizer step."""
+    FSDP_COMM_EXPOSED = "fsdp_comm_exposed_s"
+    """FSDP's all-gathers and reduce-scatters not hidden behind the passes (present with zero >= 2)."""
+
+
+BREAKDOWN_TERMS = (BreakdownTerm.COMPUTE, BreakdownTerm.TP_COMM, BreakdownTerm.EP_COMM, BreakdownTerm.CP_COMM,
+                   BreakdownTerm.BUBBLE, BreakdownTerm.TIED_GRAD_SYNC, BreakdownTerm.DP_COMM_EXPOSED,
+                   BreakdownTerm.OPTIMIZER, BreakdownTerm.FSDP_COMM_EXPOSED)
+"""Every `BreakdownTerm`, in the order a plan writes them."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Predicted:
     step_time_s: float
@@ -237,7 +270,7 @@ class Predicted:
     bound: str = ""
     """One line on what limits the plan: bubble, a slow stage, DP communication, memory."""
     breakdown: dict[str, float] = field(default_factory=dict)
-    """Seconds per step by cause: compute, tp_comm, pp_comm, dp_comm, optimizer, bubble."""
+    """Seconds per step by cause, keyed by `BreakdownTerm` (`BREAKDOWN_TERMS`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -152,3 +152,17 @@ def test_a_new_layout_field_reaches_the_fingerprint_pins_describe_and_keys_by_it
 
     args = argparse.Namespace(**{name: None for name in configs.PINS}, toy=3)
     assert _pins(args) == {"toy": 3}
+
+
+# ---- breakdown terms (issue 42: one set shared by the cost model, the search and the pictures) -----------
+
+
+def test_a_plans_breakdown_is_keyed_by_the_terms_in_their_order(plan):
+    from autoplan.plan import BREAKDOWN_TERMS, BreakdownTerm
+
+    assert set(BREAKDOWN_TERMS) == {v for k, v in vars(BreakdownTerm).items() if k.isupper()}
+    keys = list(plan.predicted.breakdown)
+    assert keys and set(keys) <= set(BREAKDOWN_TERMS)
+    assert keys == [term for term in BREAKDOWN_TERMS if term in keys]
+    assert all(type(key) is str for key in keys)  # the plan file's keys, as before
+

@@ -31,6 +31,7 @@ from autoplan.cost.time import (
     optimizer_time_s,
     tied_sync_times_s,
 )
+from autoplan.plan import BreakdownTerm as Term
 from autoplan.plan import MemoryBreakdown, Plan, Predicted, StagePlan
 from autoplan.schedule import ActionKind, make_schedule, schedule_spec, simulate
 from autoplan.search.bounds import simulated_step_lower_bound
@@ -198,17 +199,17 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
         passes = 1.0 + (2.0 if cfg.recompute == "full" else 1.0)
         cp_total = sum(float(gather[a:b].sum()) * passes for a, b in ranges) * cfg.num_microbatches / cfg.pp
     breakdown = {
-        "compute_s": compute_total - tp_total,
-        "tp_comm_s": tp_total - ep_total - cp_total,
-        **({"ep_comm_s": ep_total} if cfg.holds_expert_slices else {}),
-        **({"cp_comm_s": cp_total} if cfg.cp > 1 else {}),
-        "bubble_s": max(0.0, step - busy - max(tails)),
-        "tied_grad_sync_s": max(tied_s),
-        "dp_comm_exposed_s": max(dp_exposed),
-        "optimizer_s": max(optim_s),
+        Term.COMPUTE: compute_total - tp_total,
+        Term.TP_COMM: tp_total - ep_total - cp_total,
+        **({Term.EP_COMM: ep_total} if cfg.holds_expert_slices else {}),
+        **({Term.CP_COMM: cp_total} if cfg.cp > 1 else {}),
+        Term.BUBBLE: max(0.0, step - busy - max(tails)),
+        Term.TIED_GRAD_SYNC: max(tied_s),
+        Term.DP_COMM_EXPOSED: max(dp_exposed),
+        Term.OPTIMIZER: max(optim_s),
     }
     if fsdp is not None:
-        breakdown["fsdp_comm_exposed_s"] = max(
+        breakdown[Term.FSDP_COMM_EXPOSED] = max(
             cfg.num_microbatches * sum(fsdp.fwd_s[k] + fsdp.bwd_s[k] for k in range(num_stages) if k % cfg.pp == p)
             for p in range(cfg.pp))
     peak_mem = max(m.total_bytes for m in memories)
@@ -271,7 +272,7 @@ def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dic
     if not fits:
         return f"memory: needs {mem_ratio:.0%} of the GPU's memory; does not fit"
     stage = [a + b for a, b in zip(fwd_s, bwd_s, strict=True)]
-    dp_exposed = breakdown["dp_comm_exposed_s"] + breakdown.get("fsdp_comm_exposed_s", 0.0)
+    dp_exposed = breakdown[Term.DP_COMM_EXPOSED] + breakdown.get(Term.FSDP_COMM_EXPOSED, 0.0)
     dp_cause = (f"FSDP all-gathers and reduce-scatters not hidden ({dp_exposed / step:.0%} of the step)" if cfg.zero >= 2
                 else f"DP gradient reduction not hidden ({dp_exposed / step:.0%} of the step)")
     imbalance = max(stage) / (sum(stage) / len(stage)) - 1 if stage and sum(stage) else 0.0
@@ -279,7 +280,7 @@ def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dic
         f"pipeline bubble ({bubble:.0%} of the step; more micro-batches or interleaving shrink it)": bubble,
         f"slowest stage {imbalance:.0%} above the mean (blocks do not split evenly)": imbalance * (1 - bubble) * 0.5,
         dp_cause: dp_exposed / step,
-        f"TP communication ({breakdown['tp_comm_s'] / step:.0%} of the step)": breakdown["tp_comm_s"] / step * 0.5,
+        f"TP communication ({breakdown[Term.TP_COMM] / step:.0%} of the step)": breakdown[Term.TP_COMM] / step * 0.5,
     }
     cause, weight = max(causes.items(), key=lambda kv: kv[1])
     if mem_ratio > 0.9 and weight < 0.1:

@@ -25,14 +25,16 @@ from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate
 from autoplan.search.rejections import Rejection, Rejections
 
-__all__ = ["MAX_MICROBATCHES", "PINS", "NoPlanError", "PlanningError", "config_pins", "cp_refusal", "ep_refusal", "fsdp_allowed",
-           "fsdp_refusal", "tp_degrees_possible", "tp_refusal"]
+__all__ = ["DEFAULT_MBS", "MAX_MICROBATCHES", "PINS", "SEARCHED_SCHEDULES", "NoPlanError", "PlanningError", "base_configs",
+           "check_pins", "config_pins", "cp_refusal", "ep_refusal", "fmt_gib", "frugal_config", "fsdp_allowed",
+           "fsdp_refusal", "memory_fix", "sequence_parallel_allowed", "shardings", "tp_degrees_possible", "tp_refusal",
+           "with_memory_options"]
 
 _FIRST_PINS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero",
                "dp_replicate", "sequence_parallel", "rank_order", "ep", "cp", "reduce_dtype")
 PINS = (*_FIRST_PINS, *(name for name in LAYOUT_FIELDS if name not in _FIRST_PINS))
 """What `suggest` may pin: the choices and every layout field (pins are a partial `Layout`)."""
-_DEFAULT_MBS = (1, 2, 4, 8)
+DEFAULT_MBS = (1, 2, 4, 8)
 # MAX_MICROBATCHES (autoplan/plan.py): micro-batches per replica per step above which a configuration is
 # not considered, the same bound a plan file is checked against.
 _DEFAULT_V = (2, 3, 4, 6)
@@ -60,7 +62,7 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -> None:
+def check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -> None:
     """One-line errors for pins that cannot work, before any search."""
     unknown = set(pins) - set(PINS)
     if unknown:
@@ -179,7 +181,7 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
                                     "other degrees")
     if pins.get("sequence_parallel") and tp == 1:
         raise PlanningError("--sequence-parallel needs --tp of at least 2")
-    if pins.get("sequence_parallel") and not _sequence_parallel_allowed(profile):
+    if pins.get("sequence_parallel") and not sequence_parallel_allowed(profile):
         raise PlanningError("--sequence-parallel needs transformer layers (norms, sharded attention and MLP) that the "
                             "traced graph calls whole; this model's layout has none")
 
@@ -228,7 +230,7 @@ def _expert_degrees(profile: ModelProfile, tp: int, dp: int, pins: dict) -> list
     """Expert-parallel degrees a base configuration tries: the pin, else every divisor of tp x dp
     (the ranks the experts fold over, plan.py [Note: expert layout]) that divides the experts (1 for
     a model without experts). A pinned zero 1 or HSDP keeps them: ZeRO-1 and FSDP shard the experts
-    over the ranks holding them (cost/memory.py `expert_shard_surplus`); `_shardings` says which
+    over the ranks holding them (cost/memory.py `expert_shard_surplus`); `shardings` says which
     ZeRO levels and HSDP degrees run with each ep."""
     width = tp // (pins.get("expert_tp") or 1)  # positions per replica (plan.py [Note: expert layout])
     if pins.get("ep"):
@@ -270,12 +272,12 @@ def _context_degrees(profile: ModelProfile, job: Job, dp: int, pins: dict) -> li
                                                   and job.seq_len // c >= MIN_TOKENS_PER_CP_RANK)]
 
 
-def _sequence_parallel_allowed(profile: ModelProfile) -> bool:
+def sequence_parallel_allowed(profile: ModelProfile) -> bool:
     info = profile.extra.get("tensor_parallel")
     return True if info is None else bool(info.get("sequence_parallel"))
 
 
-def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
+def base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
                   reject: Rejections | None = None) -> Iterator[ParallelConfig]:
     """Every base configuration (memory options left at their fastest), see the module note.
     `reject` counts (and keeps the first few of) the splits the batch or the model's layout refuse."""
@@ -306,7 +308,7 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
                     continue
                 per_replica = job.global_batch // replicas
                 mbss = [pins["micro_batch_size"]] if pins.get("micro_batch_size") else [
-                    b for b in _DEFAULT_MBS if per_replica % b == 0]
+                    b for b in DEFAULT_MBS if per_replica % b == 0]
                 for mbs in mbss:
                     if per_replica % mbs:
                         continue
@@ -395,7 +397,7 @@ def fsdp_refusal(profile: ModelProfile, tp: int) -> str | None:
     return None
 
 
-def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
+def shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
                profile: ModelProfile | None = None) -> list[tuple[int, int]]:
     """(zero, dp_replicate) options of a base configuration, in the order the ladder tries them
     ([Note: sharded data parallelism in the search]): ZeRO-1 (zero 0 with dp = 1), then zero 2 and
@@ -436,7 +438,7 @@ def fsdp_allowed(cfg: ParallelConfig, profile: ModelProfile | None) -> bool:
     return schedule_spec(cfg.schedule).runs_fsdp and (profile is None or fsdp_refusal(profile, cfg.tp) is None)
 
 
-def _with_memory_options(cfg: ParallelConfig, pins: dict, sp_allowed: bool, recompute: str, zero: int,
+def with_memory_options(cfg: ParallelConfig, pins: dict, sp_allowed: bool, recompute: str, zero: int,
                          replicate: int) -> ParallelConfig:
     """A rung: the base configuration with a recompute level and a data-parallel sharding. Sequence
     parallelism (when tp > 1 and the model's layout has layers for it, `sp_allowed`) is always on
@@ -445,17 +447,17 @@ def _with_memory_options(cfg: ParallelConfig, pins: dict, sp_allowed: bool, reco
     return dataclasses.replace(cfg, recompute=recompute, zero=zero, dp_replicate=replicate, sequence_parallel=sp)
 
 
-def _frugal(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True, gpus_per_node: int = 1,
+def frugal_config(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True, gpus_per_node: int = 1,
             profile: ModelProfile | None = None) -> ParallelConfig:
     """The rung that needs the least memory (most recompute, the most sharded option)."""
     recompute = pins["recompute"] if pins.get("recompute") else RECOMPUTE[-1]
-    options = _shardings(cfg, pins, gpus_per_node, profile)
+    options = shardings(cfg, pins, gpus_per_node, profile)
     zero, replicate = min(options, key=lambda o: (o[0] < 2, o[1], -o[0]))  # FSDP over the most ranks, zero 3
-    return _with_memory_options(cfg, pins, sp_allowed, recompute, zero, replicate)
+    return with_memory_options(cfg, pins, sp_allowed, recompute, zero, replicate)
 
 
 
-def _gib(num_bytes: float) -> str:
+def fmt_gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.1f} GiB"
 
 
@@ -471,7 +473,7 @@ def config_pins(cfg: ParallelConfig) -> dict:
             **cfg.later_fields()}
 
 
-def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed: bool) -> tuple[str, dict] | None:
+def memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed: bool) -> tuple[str, dict] | None:
     """The first change that makes `cfg` fit, checked by evaluating it: a smaller micro-batch, zero 3,
     full recompute, twice the pipeline stages or twice the tensor parallelism; (what it gives, the
     pins it changes)."""
@@ -517,6 +519,6 @@ def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed:
         if result is not None and result.plan.fits:
             plan = result.plan
             before, after = config_pins(cfg), config_pins(variant)
-            return (f"{change}: fits in {_gib(plan.predicted.peak_memory_bytes)}, {plan.predicted.step_time_s:.4g} s "
+            return (f"{change}: fits in {fmt_gib(plan.predicted.peak_memory_bytes)}, {plan.predicted.step_time_s:.4g} s "
                     f"per step ({variant.describe()})", {k: v for k, v in after.items() if before[k] != v})
     return None
