@@ -68,7 +68,7 @@ def time_unit(span_s: float) -> tuple[str, float]:
     return "us", 1e6
 
 
-def _nice_step(span: float) -> float:
+def nice_step(span: float) -> float:
     raw = span / 8 if span > 0 else 1.0
     import math
 
@@ -85,7 +85,7 @@ def tick_labels(span_s: float) -> tuple[list[float], list[str], str]:
     import math
 
     unit, per_s = time_unit(span_s)
-    tick = _nice_step(span_s)
+    tick = nice_step(span_s)
     decimals = max(0, -math.floor(math.log10(tick * per_s) + 1e-9))
     ticks, labels = [], []
     k = 0
