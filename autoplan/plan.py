@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan._files import read_json
-from autoplan.layout import RANK_ORDERS, LayoutCounts, layout_rank
+from autoplan.layout import LAYOUT_FIELDS, RANK_ORDERS, LayoutCounts, layout_rank
 
 __all__ = [
     "MAX_MICROBATCHES",
@@ -626,8 +626,9 @@ actions that `show`, `export` and `run` build, and real runs use far fewer (Mega
 runs: <= 512). The search considers no more (search/configs.py)."""
 _INT_FIELDS = ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "num_microbatches")
 """Degrees and sizes: positive integers (each one's relation to the others is checked in `validate`)."""
-_OTHER_DEGREES = ("cp", "ep", "expert_tp", "dp_replicate")
-"""Integers whose range `validate` checks against the degrees they divide."""
+_OTHER_DEGREES = tuple(name for name in LAYOUT_FIELDS if name not in _INT_FIELDS and name != "rank_order")
+"""Integers whose range `validate` checks against the degrees they divide: every other layout field
+but the rank order (cp, ep, expert tp, dp replicate), so a degree added to `Layout` is type-checked."""
 
 
 def _check_types(plan: Plan) -> list[str]:

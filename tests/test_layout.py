@@ -85,6 +85,14 @@ def test_each_layout_field_reaches_the_fingerprint_pins_describe_and_every_key(p
             assert other_keys[memo] == keys[memo], memo
 
 
+@pytest.mark.parametrize("name", [n for n in LAYOUT_FIELDS if n != "rank_order"])
+def test_validate_checks_each_degrees_type(plan, name):
+    from autoplan.plan import validate
+
+    problems = validate(dataclasses.replace(plan, **{name: "2"}))
+    assert any(p.startswith(f"{name} = '2' must be a positive integer") for p in problems), problems
+
+
 def test_the_cli_pins_every_layout_field_it_has_an_option_for():
     args = argparse.Namespace(**{name: None for name in configs.PINS})
     for name in LAYOUT_FIELDS:
