@@ -111,11 +111,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
 DEFAULT_SUGGEST = {"model": "llama3-8b", "cluster": "2x8xH100-80GB", "global_batch": 512, "seq_len": 4096}
 
 
+_PIN_OPTIONS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero", "dp_replicate",
+                "ep", "cp", "sequence_parallel", "reduce_dtype", "expert_tp")
+
+
 def _pins(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages",
-                                          "recompute", "zero", "dp_replicate", "ep", "cp", "sequence_parallel",
-                                          "reduce_dtype", "expert_tp")
-            if getattr(args, k) is not None}
+    """The options given that pin the search: the choices and every layout field that has an option
+    (layout.py `LAYOUT_FIELDS`; the rank order has none)."""
+    from autoplan.layout import LAYOUT_FIELDS
+
+    names = (*_PIN_OPTIONS, *(name for name in LAYOUT_FIELDS if name not in _PIN_OPTIONS))
+    return {k: getattr(args, k, None) for k in names if getattr(args, k, None) is not None}
 
 
 def _no_plan_output(args: argparse.Namespace, exc: Exception) -> None:

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan._files import read_json
+from autoplan.layout import LAYOUT_FIELDS, RANK_ORDERS, LayoutCounts, layout_rank
 
 __all__ = [
     "MAX_MICROBATCHES",
@@ -65,6 +66,8 @@ __all__ = [
     "RANK_ORDERS",
     "REDUCE_DTYPES",
     "RECOMPUTE",
+    "BREAKDOWN_TERMS",
+    "BreakdownTerm",
     "ExpertSlot",
     "Job",
     "MemoryBreakdown",
@@ -85,14 +88,7 @@ PLAN_SCHEMA_VERSION = 2
 are still read (those fields take their defaults)."""
 READABLE_SCHEMA_VERSIONS = (1, 2)
 RECOMPUTE = ("none", "selective", "full")
-RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
-
-
-def layout_rank(rank_order: str, tp: int, pp: int, dp: int, pp_index: int, dp_index: int, tp_index: int) -> int:
-    """Global rank of a (pp, dp, tp) coordinate under `rank_order`; see [Note: rank layout]."""
-    if rank_order == "tp-dp-pp":
-        return tp_index + tp * (dp_index + dp * pp_index)
-    return tp_index + tp * (pp_index + pp * dp_index)
+# RANK_ORDERS and layout_rank live with the layout (layout.py); plan.py names them as before.
 
 
 @dataclass(frozen=True)
@@ -226,6 +222,37 @@ class StagePlan:
     """Memory of the GPU this stage runs on (all its virtual stages), at its peak."""
 
 
+class BreakdownTerm:
+    """The causes `Predicted.breakdown` splits a step's seconds into, one name each: the cost side writes
+    them (search/assemble.py), the search's explanations (search/space.py) and the pictures
+    (report/timeline/predicted.py) read them. Plain strings: the keys a plan file holds."""
+
+    COMPUTE = "compute_s"
+    """Forward and backward of every block, recompute included, communication left out."""
+    TP_COMM = "tp_comm_s"
+    """Tensor-parallel collectives inside the blocks (sequence parallelism's too)."""
+    EP_COMM = "ep_comm_s"
+    """Expert parallelism's all-to-alls and expert tp's collectives (present when a rank holds expert slices)."""
+    CP_COMM = "cp_comm_s"
+    """Context parallelism's key/value all-gathers (present with cp > 1)."""
+    BUBBLE = "bubble_s"
+    """Pipeline idle time between the ranks' work."""
+    TIED_GRAD_SYNC = "tied_grad_sync_s"
+    """The sum of a tied embedding's and head's gradients over the first and last pipeline ranks."""
+    DP_COMM_EXPOSED = "dp_comm_exposed_s"
+    """Data-parallel gradient reduction not hidden behind the backward."""
+    OPTIMIZER = "optimizer_s"
+    """The optimizer step."""
+    FSDP_COMM_EXPOSED = "fsdp_comm_exposed_s"
+    """FSDP's all-gathers and reduce-scatters not hidden behind the passes (present with zero >= 2)."""
+
+
+BREAKDOWN_TERMS = (BreakdownTerm.COMPUTE, BreakdownTerm.TP_COMM, BreakdownTerm.EP_COMM, BreakdownTerm.CP_COMM,
+                   BreakdownTerm.BUBBLE, BreakdownTerm.TIED_GRAD_SYNC, BreakdownTerm.DP_COMM_EXPOSED,
+                   BreakdownTerm.OPTIMIZER, BreakdownTerm.FSDP_COMM_EXPOSED)
+"""Every `BreakdownTerm`, in the order a plan writes them."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Predicted:
     step_time_s: float
@@ -243,11 +270,11 @@ class Predicted:
     bound: str = ""
     """One line on what limits the plan: bubble, a slow stage, DP communication, memory."""
     breakdown: dict[str, float] = field(default_factory=dict)
-    """Seconds per step by cause: compute, tp_comm, pp_comm, dp_comm, optimizer, bubble."""
+    """Seconds per step by cause, keyed by `BreakdownTerm` (`BREAKDOWN_TERMS`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan:
+class Plan(LayoutCounts):
     model: str
     """The model spec it was made for (zoo spec, file:function, or a class name for API models)."""
     model_fingerprint: str
@@ -306,35 +333,11 @@ class Plan:
     Megatron-LM's `--grad-reduce-in-bf16`; torchtitan 0.3.0 reduces in fp32 only)."""
 
     # ---- derived -----------------------------------------------------------------------------
-    @property
-    def num_gpus(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.virtual_stages
-
-    @property
-    def replicas(self) -> int:
-        """Data-parallel ranks that take distinct batches: dp / cp."""
-        return self.dp // self.cp
-
-    @property
-    def expert_token_split(self) -> int:
-        """Ways a replica's tp ranks split the tokens that reach its experts: tp under expert tp 1
-        with ep > 1 (runtime/experts.py), else 1. Its tp ranks then take part in the expert layout
-        as ranks of their own, the ep groups folded over tp x dp ([Note: expert layout])."""
-        return self.tp // self.expert_tp if self.ep > 1 else 1
-
+    # num_gpus, num_stages, replicas, dp_shard, expert_token_split, rank and coords: LayoutCounts
+    # (layout.py), from the layout fields above.
     def expert_slot(self, dp_index: int, tp_index: int) -> ExpertSlot:
         """The rank at (dp_index, tp_index)'s place in the expert layout ([Note: expert layout])."""
         return expert_slot(self.ep, self.tp, dp_index, tp_index, self.expert_tp)
-
-    @property
-    def dp_shard(self) -> int:
-        """Ranks one FSDP shard group spans (zero >= 2); dp for zero 0 / 1 (they shard nothing or
-        only the optimizer state, over all of dp)."""
-        return self.dp // self.dp_replicate
 
     @property
     def boundaries(self) -> tuple[int, ...]:
@@ -353,11 +356,13 @@ class Plan:
             "model": [self.model, self.model_fingerprint, self.model_digest],
             "cluster": self.cluster,
             "job": [self.job.global_batch, self.job.seq_len, self.job.dtype],
-            # Degrees added after the first plans (reduce dtype, expert tp) enter only away from their
-            # default, so plans and traces recorded before them keep their fingerprints.
+            # Choices added after the first plans (reduce dtype, and each layout field not in
+            # layout.FIRST_RECORDED, expert tp the first) enter only away from their default, so plans
+            # and traces recorded before them keep their fingerprints; a field added to `Layout`
+            # enters by itself (tests/test_layout.py).
             "layout": [self.tp, self.pp, self.dp, self.cp, self.ep, self.zero, self.dp_replicate, self.rank_order,
                        self.sequence_parallel, self.recompute, *([self.reduce_dtype] if self.reduce_dtype != "float32" else []),
-                       *([f"expert_tp={self.expert_tp}"] if self.expert_tp != 1 else [])],
+                       *(f"{name}={value}" for name, value in self.later_fields().items())],
             "schedule": [self.schedule, self.virtual_stages, self.micro_batch_size, self.num_microbatches],
             "cuts": list(self.boundaries),
         }
@@ -368,17 +373,6 @@ class Plan:
         from autoplan.cluster import Cluster
 
         return Cluster.from_dict(self.cluster, where="plan.cluster")
-
-    def rank(self, pp_index: int, dp_index: int, tp_index: int = 0) -> int:
-        """Global rank of a (pp, dp, tp) coordinate; see [Note: rank layout]."""
-        return layout_rank(self.rank_order, self.tp, self.pp, self.dp, pp_index, dp_index, tp_index)
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_index, dp_index, tp_index) of a global rank."""
-        tp_index, rest = rank % self.tp, rank // self.tp
-        if self.rank_order == "tp-dp-pp":
-            return rest // self.dp, rest % self.dp, tp_index
-        return rest % self.pp, rest // self.pp, tp_index
 
     def stages_of_pp_rank(self, pp_index: int) -> list[StagePlan]:
         return [s for s in self.stages if s.pp_rank == pp_index]
@@ -632,8 +626,9 @@ actions that `show`, `export` and `run` build, and real runs use far fewer (Mega
 runs: <= 512). The search considers no more (search/configs.py)."""
 _INT_FIELDS = ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "num_microbatches")
 """Degrees and sizes: positive integers (each one's relation to the others is checked in `validate`)."""
-_OTHER_DEGREES = ("cp", "ep", "expert_tp", "dp_replicate")
-"""Integers whose range `validate` checks against the degrees they divide."""
+_OTHER_DEGREES = tuple(name for name in LAYOUT_FIELDS if name not in _INT_FIELDS and name != "rank_order")
+"""Integers whose range `validate` checks against the degrees they divide: every other layout field
+but the rank order (cp, ep, expert tp, dp replicate), so a degree added to `Layout` is type-checked."""
 
 
 def _check_types(plan: Plan) -> list[str]:

@@ -13,7 +13,7 @@ from autoplan.cluster import GPUS, cpu_device, parse_cluster, with_collective_cu
 from autoplan.cost.calibration import Calibration, load_calibration
 from autoplan.cost.ops import attention_time_s, gemm_time_s
 from autoplan.runtime.calibrate import guess_gpu
-from autoplan.runtime.calibrate_fit import _fit
+from autoplan.runtime.calibrate_fit import fit_calibration
 
 MODEL = "gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=128,max_seq_len=32"
 
@@ -110,7 +110,7 @@ def test_fit_recovers_the_numbers_it_was_made_with():
             attention.append({"batch": 1, "heads": 32, "seq": 4096, "head_dim": 128, "causal": causal, "phase": phase,
                               "flops": flops, "spread": 0.01,
                               "time_s": attention_time_s(truth, gpu, flops, causal, phase, "bf16")})
-    fitted, rows, notes = _fit(gpu, ["bf16"], gemm, attention, memory)
+    fitted, rows, notes = fit_calibration(gpu, ["bf16"], gemm, attention, memory)
     assert fitted["gemm_efficiency"]["bf16"] == pytest.approx(0.7, rel=1e-3)
     assert fitted["attention_fwd_efficiency"] == pytest.approx(0.5)
     assert fitted["attention_bwd_efficiency"] == pytest.approx(0.4)
@@ -126,7 +126,7 @@ def test_fit_caps_shares_above_one_and_says_so():
     memory = [{"kernel": "copy", "bytes": b, "spread": 0.0, "time_s": 1e-9, "bw_bytes_per_s": 1e18} for b in (1, 2, 3)]
     attention = [{"batch": 1, "heads": 1, "seq": 8, "head_dim": 8, "causal": c, "phase": p, "flops": 1e9,
                   "spread": 0.0, "time_s": 1e-9} for c in (False, True) for p in ("fwd", "bwd")]
-    fitted, _, notes = _fit(gpu, ["fp32"], gemm, attention, memory)
+    fitted, _, notes = fit_calibration(gpu, ["fp32"], gemm, attention, memory)
     assert fitted["gemm_efficiency"]["fp32"] == 1.0 and fitted["unclamped"]["gemm_efficiency"]["fp32"] > 1
     assert any("AUTOPLAN_CPU_GFLOPS_PER_CORE" in n for n in notes)
 

@@ -199,15 +199,15 @@ def test_pinned_zero3_and_hsdp():
 def test_sharding_options():
     """At most four FSDP options per base configuration; none with zb-h1; HSDP only where a node's
     data-parallel ranks make a shard group ([Note: sharded data parallelism in the search])."""
-    from autoplan.search.configs import _shardings
+    from autoplan.search.configs import shardings
 
-    assert _shardings(_cfg(tp=2, dp=8), {}, 8) == [(1, 1), (2, 1), (2, 2), (3, 1), (3, 2)]
-    assert _shardings(_cfg(tp=8, dp=8), {}, 8) == [(1, 1), (2, 1), (3, 1)]  # shard group of 1: no HSDP
-    assert _shardings(_cfg(pp=2, dp=4, schedule="zb-h1"), {}, 8) == [(1, 1)]
-    assert _shardings(_cfg(dp=1), {}, 8) == [(0, 1)]
-    assert _shardings(_cfg(dp=16), {"zero": 3}, 8) == [(3, 1), (3, 2)]
-    assert _shardings(_cfg(dp=16), {"dp_replicate": 4}, 8) == [(2, 4), (3, 4)]
-    assert _shardings(_cfg(dp=16), {"zero": 1}, 8) == [(1, 1)]
+    assert shardings(_cfg(tp=2, dp=8), {}, 8) == [(1, 1), (2, 1), (2, 2), (3, 1), (3, 2)]
+    assert shardings(_cfg(tp=8, dp=8), {}, 8) == [(1, 1), (2, 1), (3, 1)]  # shard group of 1: no HSDP
+    assert shardings(_cfg(pp=2, dp=4, schedule="zb-h1"), {}, 8) == [(1, 1)]
+    assert shardings(_cfg(dp=1), {}, 8) == [(0, 1)]
+    assert shardings(_cfg(dp=16), {"zero": 3}, 8) == [(3, 1), (3, 2)]
+    assert shardings(_cfg(dp=16), {"dp_replicate": 4}, 8) == [(2, 4), (3, 4)]
+    assert shardings(_cfg(dp=16), {"zero": 1}, 8) == [(1, 1)]
 
 
 @pytest.mark.parametrize(("pins", "message"), [

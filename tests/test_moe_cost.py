@@ -238,18 +238,18 @@ def test_suggest_says_the_expert_layout_and_the_links_its_all_to_all_crosses(pro
 def test_a_pinned_zero_1_still_searches_expert_parallelism(profile):
     """ZeRO-1 shards the experts' optimizer state over the ranks holding them (issue 31), so pinning
     `--zero 1` no longer takes ep out of the search, nor does pinned HSDP (each replica group holds
-    every expert: `_shardings` keeps the replicate degrees ep allows)."""
+    every expert: `shardings` keeps the replicate degrees ep allows)."""
     from autoplan.search.configs import _expert_degrees
 
     assert _expert_degrees(profile, 1, 8, {"zero": 1}) == [1, 2, 4, 8]
     assert _expert_degrees(profile, 1, 8, {"dp_replicate": 2}) == [1, 2, 4, 8]
-    # ... and `_shardings` keeps HSDP only where each replica group holds every expert (ep | tp x dp_shard)
-    from autoplan.search.configs import _shardings
+    # ... and `shardings` keeps HSDP only where each replica group holds every expert (ep | tp x dp_shard)
+    from autoplan.search.configs import shardings
 
     base = dict(tp=1, pp=1, dp=8, micro_batch_size=1, num_microbatches=1, schedule="1f1b")
     pinned = {"zero": 3, "dp_replicate": 2}
-    assert _shardings(ParallelConfig(ep=4, **base), pinned, 8, profile) == [(3, 2)]
-    assert _shardings(ParallelConfig(ep=8, **base), pinned, 8, profile) == []
+    assert shardings(ParallelConfig(ep=4, **base), pinned, 8, profile) == [(3, 2)]
+    assert shardings(ParallelConfig(ep=8, **base), pinned, 8, profile) == []
 
 
 def test_the_experts_fsdp_groups_and_memory_under_hsdp():

@@ -55,7 +55,7 @@ def test_timeline_svg_title_wraps_inside_the_picture(zb_plan):
 
 @pytest.mark.parametrize("span_s, unit", [(0.05, "ms"), (6.8, "s"), (0.0004, "us")])
 def test_one_time_unit_per_axis(span_s, unit):
-    ticks, labels, chosen = _drawing._tick_labels(span_s)
+    ticks, labels, chosen = _drawing.tick_labels(span_s)
     assert chosen == unit
     assert labels[0] == "0" or float(labels[0]) == 0
     assert all(re.fullmatch(r"\d+(\.\d+)?", label) for label in labels)  # no unit mixed into a tick

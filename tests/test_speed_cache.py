@@ -134,7 +134,7 @@ def test_gc_pause_hands_objects_to_the_old_generation():
 
 
 def test_stage_stats_match_the_stage_model():
-    from autoplan.search.stage_model import _Prefix, _stage_mem, _stage_time, stage_stats
+    from autoplan.search.stage_model import Prefix, _stage_mem, _stage_time, stage_stats
 
     rng = np.random.default_rng(5)
     for two_d in (False, True):
@@ -148,7 +148,7 @@ def test_stage_stats_match_the_stage_model():
             inner = sorted(rng.choice(np.arange(1, n), size=s - 1, replace=False).tolist())
             b = (0, *inner, n)
             times, mems = stage_stats(problem, b)
-            pre = _Prefix(problem)
+            pre = Prefix(problem)
             assert times.tolist() == [_stage_time(pre, problem, k, b[k], b[k + 1]) for k in range(s)]
             assert mems.tolist() == [_stage_mem(pre, problem, k, b[k], b[k + 1]) for k in range(s)]
 

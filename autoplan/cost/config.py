@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.plan import Plan, expert_positions, layout_rank
+from autoplan.layout import LayoutCounts
+from autoplan.plan import Plan, expert_positions
 
-__all__ = ["ParallelConfig"]
+__all__ = ["DESCRIBE_LEAVES_OUT", "ParallelConfig"]
+
+DESCRIBE_LEAVES_OUT = ("rank_order",)
+"""Layout fields `describe` does not show: configurations that differ only in their rank order read
+the same (the search keeps the faster of two such plans, search/space.py `_same_but_layout`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ParallelConfig:
+class ParallelConfig(LayoutCounts):
+    """The layout fields (layout.py `Layout`) and the choices made on them; the counts derived from
+    the layout are `LayoutCounts`'."""
+
     tp: int
     """Tensor-parallel degree (Megatron column/row sharding inside a node)."""
     pp: int
@@ -56,24 +64,11 @@ class ParallelConfig:
     which halves the reduction's bytes. Pinned by the user, never searched: it changes the numbers."""
 
     @property
-    def expert_token_split(self) -> int:
-        """How many ways the tokens that reach the experts are split over a replica's tp ranks
-        ([Note: experts on a GPU] in cost/experts.py): tp / expert tp with ep > 1 (tp under expert tp
-        1, 1 under expert tp tp), else 1, as the runtime does (runtime/experts.py); without ep every
-        tp rank computes its experts on every token. The same as `Plan.expert_token_split`."""
-        return self.tp // self.expert_tp if self.ep > 1 else 1
-
-    @property
     def expert_work_split(self) -> int:
         """Ways a replica's tp ranks share each expert operator's work: its tokens split under expert
         tp 1 (`expert_token_split`), each expert's hidden units under expert tp tp; tp either way with
         ep > 1 ([Note: experts on a GPU] in cost/experts.py)."""
         return self.expert_token_split * self.expert_tp
-
-    @property
-    def holds_expert_slices(self) -> bool:
-        """Whether a rank holds a slice of each layer's experts (ep > 1 or expert tp > 1)."""
-        return self.ep * self.expert_tp > 1
 
     @property
     def expert_dp(self) -> int:
@@ -107,38 +102,18 @@ class ParallelConfig:
     @classmethod
     def of_plan(cls, plan: Plan) -> ParallelConfig:
         """The point of the search space a plan was made at."""
-        return cls(tp=plan.tp, pp=plan.pp, dp=plan.dp, micro_batch_size=plan.micro_batch_size,
-                   num_microbatches=plan.num_microbatches, schedule=plan.schedule, virtual_stages=plan.virtual_stages,
-                   recompute=plan.recompute, zero=plan.zero, dp_replicate=plan.dp_replicate,
-                   sequence_parallel=plan.sequence_parallel, rank_order=plan.rank_order, cp=plan.cp, ep=plan.ep,
-                   expert_tp=plan.expert_tp, reduce_dtype=plan.reduce_dtype)
-
-    @property
-    def num_gpus(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.virtual_stages
-
-    @property
-    def replicas(self) -> int:
-        """Data-parallel ranks that take distinct batches (dp / cp)."""
-        return self.dp // self.cp
+        return cls(**plan.layout_values(), micro_batch_size=plan.micro_batch_size,
+                   num_microbatches=plan.num_microbatches, schedule=plan.schedule, recompute=plan.recompute,
+                   zero=plan.zero, sequence_parallel=plan.sequence_parallel, reduce_dtype=plan.reduce_dtype)
 
     def batch_share(self, profile_batch: int) -> float:
         """The share of the profiled batch one GPU computes per micro-batch: the micro-batch's rows,
         and 1/cp of each sequence."""
         return self.micro_batch_size / profile_batch / self.cp
 
-    @property
-    def dp_shard(self) -> int:
-        return self.dp // self.dp_replicate
-
-    def rank(self, pp_index: int, dp_index: int, tp_index: int = 0) -> int:
-        return layout_rank(self.rank_order, self.tp, self.pp, self.dp, pp_index, dp_index, tp_index)
-
     def describe(self) -> str:
+        """One line: the degrees and choices away from their defaults. The rank order is left out
+        (`DESCRIBE_LEAVES_OUT`); a layout field added after the first ones reads `name=value`."""
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         extras = [self.schedule + v, f"recompute={self.recompute}"]
         if self.zero:
@@ -155,5 +130,6 @@ class ParallelConfig:
             extras.append("sp")
         if self.reduce_dtype != "float32":
             extras.append(f"reduce={self.reduce_dtype}")
+        extras += [f"{name}={value}" for name, value in self.later_fields().items() if name != "expert_tp"]  # etp above
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} mbs={self.micro_batch_size}x{self.num_microbatches} "
                 + " ".join(extras))

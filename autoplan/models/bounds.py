@@ -53,7 +53,7 @@ def _check_lower_bound(name: str, value: float) -> None:
         raise ModelSpecError(f"value {value!r} for {name} must be at least {low[0]} ({low[1]}); set {name}={low[0]} or more")
 
 
-def _check_positive(config: object, names: tuple[str, ...]) -> None:
+def check_positive(config: object, names: tuple[str, ...]) -> None:
     """Each field finite, above 0 (at least its LOWER_BOUNDS entry) and at most its UPPER_BOUNDS entry."""
     for name in names:
         value = getattr(config, name)
@@ -69,7 +69,7 @@ def _check_positive(config: object, names: tuple[str, ...]) -> None:
             raise ModelSpecError(f"value {value!r} for {name} must be {limit} (larger than any published model)")
 
 
-def _check_heads(hidden_size: int, num_heads: int) -> None:
+def check_heads(hidden_size: int, num_heads: int) -> None:
     if hidden_size % num_heads:
         raise ModelSpecError(
             f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; "

@@ -23,7 +23,7 @@ from autoplan.models.gpt import GPTModel
 from autoplan.models.init import materialize
 from autoplan.models.llama import LlamaModel
 from autoplan.models.moe import MoEModel
-from autoplan.models.spec import ModelSpec, _as_spec, _did_you_mean
+from autoplan.models.spec import ModelSpec, _did_you_mean, as_spec
 
 __all__ = ["build_model", "example_inputs", "example_targets", "load_function", "load_user_model", "model_info"]
 
@@ -35,7 +35,7 @@ _MODELS: dict[type, type] = {GPTConfig: GPTModel, LlamaConfig: LlamaModel, MoECo
 
 def load_function(spec: str | ModelSpec) -> typing.Callable:
     """Import `path/to/file.py` of a file spec and return its FUNCTION (one-line errors)."""
-    spec = _as_spec(spec)
+    spec = as_spec(spec)
     if spec.family != "file":
         raise ModelSpecError(f"{spec.text!r} names no file; expected path/to/file.py:FUNCTION")
     mod_name = f"autoplan_user_model_{zlib.crc32(str(Path(spec.path).resolve()).encode()):08x}"
@@ -68,7 +68,7 @@ def load_user_model(
     `with_loss`. File specs: import the file and call FUNCTION() under `torch.device(device)`; it
     returns (module, example_inputs) or (module, example_inputs, loss_fn). Built-in specs: the
     model and (input_ids,) of batch 1 and a sequence of min(max_seq_len, 128)."""
-    spec = _as_spec(spec)
+    spec = as_spec(spec)
     if spec.family != "file":
         model = build_model(spec, device=device)
         inputs = example_inputs(spec, batch_size=1, seq_len=min(spec.config.max_seq_len, 128), device=device)
@@ -100,7 +100,7 @@ def build_model(
 ) -> nn.Module:
     """Build the model a spec names. Built-ins are constructed on meta and, for a real device,
     materialized and initialized by name with `seed` (see [Note: name-keyed init])."""
-    spec = _as_spec(spec)
+    spec = as_spec(spec)
     if spec.family == "file":
         module, _ = load_user_model(spec, device=device)
         return module.to(dtype=dtype) if dtype != torch.float32 else module
@@ -124,7 +124,7 @@ def _check_shape(config: ModelConfig, batch_size: int, seq_len: int) -> None:
 
 
 def _token_ids(spec_or_config, batch_size: int, seq_len: int, device, salt: int) -> tuple[Tensor]:
-    spec = _as_spec(spec_or_config)
+    spec = as_spec(spec_or_config)
     if spec.family == "file":
         raise ModelSpecError(
             f"{spec.name} is a user model; its example inputs come from load_user_model(), not batch/seq sizes"
@@ -156,7 +156,7 @@ def model_info(spec: str | ModelSpec | ModelConfig) -> dict:
     """Shape facts of a spec: name, family, num_layers, hidden_size, num_heads, num_kv_heads,
     vocab_size, max_seq_len, ffn_hidden_size (None for file models); num_experts and
     experts_per_token (None but for mixture-of-experts models)."""
-    spec = _as_spec(spec)
+    spec = as_spec(spec)
     keys = (
         "num_layers",
         "hidden_size",

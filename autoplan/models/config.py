@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autoplan.models.bounds import UPPER_BOUNDS, ModelSpecError, _check_heads, _check_positive
+from autoplan.models.bounds import UPPER_BOUNDS, ModelSpecError, check_heads, check_positive
 
 __all__ = ["GPTConfig", "LlamaConfig", "ModelConfig", "MoEConfig", "llama_ffn_hidden_size"]
 
@@ -39,7 +39,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
-        _check_positive(
+        check_positive(
             self,
             (
                 "num_layers",
@@ -51,7 +51,7 @@ class GPTConfig:
                 "norm_eps",
             ),
         )
-        _check_heads(self.hidden_size, self.num_heads)
+        check_heads(self.hidden_size, self.num_heads)
 
     @property
     def head_dim(self) -> int:
@@ -99,7 +99,7 @@ class LlamaConfig:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", llama_ffn_hidden_size(self.hidden_size))
-        _check_positive(
+        check_positive(
             self,
             (
                 "num_layers",
@@ -113,7 +113,7 @@ class LlamaConfig:
                 "norm_eps",
             ),
         )
-        _check_heads(self.hidden_size, self.num_heads)
+        check_heads(self.hidden_size, self.num_heads)
         if self.num_heads % self.num_kv_heads:
             raise ModelSpecError(
                 f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}; "
@@ -163,7 +163,7 @@ class MoEConfig(LlamaConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive(self, ("num_experts", "experts_per_token", "capacity_factor")
+        check_positive(self, ("num_experts", "experts_per_token", "capacity_factor")
                         + (("head_size",) if self.head_size is not None else ()))
         if self.experts_per_token > self.num_experts:
             raise ModelSpecError(

@@ -172,7 +172,7 @@ def _parse_file_spec(text: str) -> ModelSpec:
     )
 
 
-def _as_spec(spec: str | ModelSpec | ModelConfig) -> ModelSpec:
+def as_spec(spec: str | ModelSpec | ModelConfig) -> ModelSpec:
     if isinstance(spec, ModelSpec):
         return spec
     if isinstance(spec, GPTConfig | LlamaConfig):

@@ -122,7 +122,7 @@ def sweep_table(rows: Sequence[SweepRow]):
     truncates them)."""
     from rich.table import Table
 
-    from autoplan.report.tables import _fmt_step, layout_header, layout_label
+    from autoplan.report.tables import fmt_step, layout_header, layout_label
 
     planned = [r.plan for r in rows if r.plan is not None]
     with_cp = any(p.cp > 1 for p in planned)
@@ -138,7 +138,7 @@ def sweep_table(rows: Sequence[SweepRow]):
         p = r.plan
         sched = p.schedule + (f" v{p.virtual_stages}" if p.virtual_stages > 1 else "")
         table.add_row(str(r.num_gpus), layout_label(p, with_cp), f"{p.micro_batch_size} x {p.num_microbatches}", sched,
-                      _fmt_step(p.predicted.step_time_s), f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_s_per_gpu:,.0f}",
+                      fmt_step(p.predicted.step_time_s), f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_s_per_gpu:,.0f}",
                       f"{r.mfu:.1%}", f"{r.scaling_efficiency:.0%}" if r.scaling_efficiency is not None else "-")
     return table
 
@@ -230,11 +230,11 @@ def _sweep_svg(rows: Sequence[SweepRow]) -> str:
     from xml.sax.saxutils import escape
 
     from autoplan.report.tables import layout_label
-    from autoplan.report.timeline._drawing import _nice_step
+    from autoplan.report.timeline._drawing import nice_step
 
     w, h, left, bottom, top, right = 720, 430, 90, 56, 52, 30
     peak = max(r.tokens_per_s for r in rows)
-    tick = _nice_step(peak * 1.15)
+    tick = nice_step(peak * 1.15)
     ymax = tick * (int(peak * 1.2 / tick) + 1)  # room above the tallest bar for its labels
     n = len(rows)
     with_cp = any(r.plan.cp > 1 for r in rows)

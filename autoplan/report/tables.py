@@ -25,7 +25,7 @@ def fmt_count(n: float) -> str:
     return f"{int(n)}"
 
 
-def _fmt_step(seconds: float) -> str:
+def fmt_step(seconds: float) -> str:
     return f"{seconds:.3f} s" if seconds >= 1 else f"{seconds * 1e3:.1f} ms"
 
 
@@ -119,7 +119,7 @@ def plans_table(plans, title: str = "") -> Table:
         memory = fmt_bytes(p.peak_memory_bytes) + ("" if plan.fits else " [red](does not fit)[/red]")
         flops = p.model_tflops_per_gpu * 1e12 / scale
         table.add_row(str(i), layout_label(plan, with_cp), f"{plan.micro_batch_size} x {plan.num_microbatches}",
-                      _schedule_label(plan), recompute, _fmt_step(p.step_time_s), f"{p.tokens_per_s:,.0f}",
+                      _schedule_label(plan), recompute, fmt_step(p.step_time_s), f"{p.tokens_per_s:,.0f}",
                       f"{flops:.1f}" if flops >= 10 else f"{flops:.2f}", f"{p.mfu:.1%}", memory,
                       f"{p.bubble_fraction:.1%}")
     return table

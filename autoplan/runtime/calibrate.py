@@ -9,7 +9,7 @@ Microbenchmarks, each point timed by `_time_s` ([Note: calibration timing]):
 - with `collectives=True`, all-reduce, all-gather, reduce-scatter and p2p over message sizes across
   local processes (or the torchrun world), timed the nccl-tests way.
 
-The fits (`_fit`) turn the points into the parameters `cost/ops.py` reads; the file keeps every raw
+The fits (`fit_calibration`) turn the points into the parameters `cost/ops.py` reads; the file keeps every raw
 point with its spread under `measurements` (format: `cost/calibration.py`).
 
 The command is this module: its arguments, the GPU type the numbers are for, and the file written.
@@ -31,18 +31,24 @@ import torch
 
 from autoplan.cluster import GPU, GPUS, cpu_device, dtype_key, get_gpu
 from autoplan.cost.calibration import Calibration
-from autoplan.runtime.calibrate_collectives import COLLECTIVE_OPS, _collectives_rank, _measure_collectives
-from autoplan.runtime.calibrate_fit import _fit, _spreads, noisy_point_note, unstable_message, unstable_rows
+from autoplan.runtime.calibrate_collectives import COLLECTIVE_OPS, collectives_rank, measure_collectives
+from autoplan.runtime.calibrate_fit import (
+    fit_calibration,
+    noisy_point_note,
+    spreads_of,
+    unstable_message,
+    unstable_rows,
+)
 from autoplan.runtime.calibrate_kernels import (
-    _GB,
-    _TORCH_DTYPES,
+    GB,
+    TORCH_DTYPES,
     Progress,
-    _bench_attention,
-    _bench_gemm,
-    _bench_memory,
-    _fmt_size,
-    _stderr_progress,
-    _sweep,
+    bench_attention,
+    bench_gemm,
+    bench_memory,
+    fmt_size,
+    stderr_progress,
+    sweep_for,
 )
 from autoplan.runtime.preflight import MAX_TIMEOUT_S
 
@@ -63,7 +69,7 @@ def guess_gpu(device_name: str, mem_bytes: int | None = None) -> str | None:
     if "A100" in name:
         if "PCIE" in name:
             return None  # no PCIe A100 in the table: its clocks and power limit differ from the SXM4
-        large = "80G" in name or (mem_bytes is not None and mem_bytes > 48 * _GB)
+        large = "80G" in name or (mem_bytes is not None and mem_bytes > 48 * GB)
         return "A100-SXM4-80GB" if large else "A100-SXM4-40GB"
     if "L40S" in name:
         return "L40S"
@@ -147,7 +153,7 @@ def _check_arguments(out, device, gpu, dtype, quick, collectives, nproc, force, 
 
 def calibrate(out: str | os.PathLike, *, device: str | None = None, gpu: str | None = None,
               dtype: str | None = None, quick: bool = False, collectives: bool = False, nproc: int | None = None,
-              force: bool = False, timeout_s: float = 600.0, progress: Progress = _stderr_progress) -> Calibration | None:
+              force: bool = False, timeout_s: float = 600.0, progress: Progress = stderr_progress) -> Calibration | None:
     """Measure this machine and write a calibration to `out` (see the module docstring).
 
     `device`: "cuda" or "cpu" (default cuda when available); `gpu`: the GPU type the numbers are
@@ -174,13 +180,13 @@ def calibrate(out: str | os.PathLike, *, device: str | None = None, gpu: str | N
     keys = []
     for name in (dtype or ("bf16" if device == "cuda" else "float32")).split(","):
         key = dtype_key(name)
-        if key not in _TORCH_DTYPES:
+        if key not in TORCH_DTYPES:
             raise ValueError(f"--dtype {name}: calibrate measures fp32, tf32, bf16 and fp16 GEMMs, not {key}")
         if not target.supports(key):
             raise ValueError(f"--dtype {name}: {target.name} has no {key} peak; choose another dtype")
         if key not in keys:
             keys.append(key)
-    sweep = _sweep(device, quick)
+    sweep = sweep_for(device, quick)
     if collectives:
         if launched:
             world = int(os.environ["WORLD_SIZE"])
@@ -202,11 +208,11 @@ def calibrate(out: str | os.PathLike, *, device: str | None = None, gpu: str | N
     if collectives:
         progress(f"collectives over {world} ranks ({'nccl' if device == 'cuda' else 'gloo'})")
         if launched:
-            measured_collectives = _collectives_rank(device, sweep, timeout_s, progress)
+            measured_collectives = collectives_rank(device, sweep, timeout_s, progress)
             if measured_collectives is None:
                 return None  # rank 0 measures the rest and writes the file
         else:
-            measured_collectives = _measure_collectives(device, world, sweep, timeout_s)
+            measured_collectives = measure_collectives(device, world, sweep, timeout_s)
     elif launched and int(os.environ["RANK"]) != 0:
         return None
 
@@ -214,10 +220,10 @@ def calibrate(out: str | os.PathLike, *, device: str | None = None, gpu: str | N
     stamp = datetime.date.today().isoformat()
     source = f"measured by `autoplan calibrate` on {described}, torch {torch.__version__}, {stamp}"
     progress(f"calibrating {target.name} on {described} ({', '.join(keys)}{', quick' if quick else ''})")
-    memory = _bench_memory(device, keys[0], sweep, progress)
-    gemm = [p for key in keys for p in _bench_gemm(device, key, sweep, progress)]
-    attention = _bench_attention(device, keys[0], sweep, progress)
-    fitted, rows, notes = _fit(target, keys, gemm, attention, memory)
+    memory = bench_memory(device, keys[0], sweep, progress)
+    gemm = [p for key in keys for p in bench_gemm(device, key, sweep, progress)]
+    attention = bench_attention(device, keys[0], sweep, progress)
+    fitted, rows, notes = fit_calibration(target, keys, gemm, attention, memory)
 
     sources = {"file": source,
                "gemm": f"{source}; least squares on log time over {len(gemm)} GEMMs ({', '.join(keys)})",
@@ -238,7 +244,7 @@ def calibrate(out: str | os.PathLike, *, device: str | None = None, gpu: str | N
             last = max(pts, key=lambda p: p["bytes"])
             rows.append({"quantity": f"{op} {'busbw' if op != 'p2p' else 'bw'} ({link})",
                          "value": last["bw_bytes_per_s"], "unit": "B/s",
-                         "detail": f"at {_fmt_size(last['bytes'])}; curve of {len(pts)} sizes", **_spreads(pts)})
+                         "detail": f"at {fmt_size(last['bytes'])}; curve of {len(pts)} sizes", **spreads_of(pts)})
     unstable = unstable_rows(rows)
     if unstable and not force:  # calibrate_fit.py [Note: unstable calibrations]
         raise ValueError(unstable_message(unstable))

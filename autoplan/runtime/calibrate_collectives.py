@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from autoplan.runtime.calibrate_kernels import _MB, Progress, _fmt_size, _stderr_progress, _Sweep
+from autoplan.runtime.calibrate_kernels import MB, Progress, Sweep, fmt_size, stderr_progress
 
 __all__ = ["COLLECTIVE_OPS", "CalibrationRunError"]
 
@@ -35,7 +35,7 @@ def _bus_factor(op: str, n: int) -> float:
     return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}.get(op, 1.0)
 
 
-def _collectives_rank(device: str, sweep: _Sweep, timeout_s: float, progress: Progress) -> dict[str, Any] | None:
+def collectives_rank(device: str, sweep: Sweep, timeout_s: float, progress: Progress) -> dict[str, Any] | None:
     """One rank of the collective benchmark (RANK / WORLD_SIZE / MASTER_* in the environment);
     returns the curves on rank 0, None elsewhere."""
     import datetime as dt
@@ -68,7 +68,7 @@ def _collectives_rank(device: str, sweep: _Sweep, timeout_s: float, progress: Pr
                           "reduce_scatter": partial(reduce_scatter, part, full)}[op]
                 # nccl-tests: warm-up, then wall-clock around back-to-back calls and a stream sync,
                 # per repeat; the slowest rank's time (all-reduce MAX) is the collective's.
-                num_calls = max(2, min(50, 256 * _MB // max(num_bytes, 1)))
+                num_calls = max(2, min(50, 256 * MB // max(num_bytes, 1)))
                 for _ in range(2):
                     fn()
                 sync()
@@ -89,7 +89,7 @@ def _collectives_rank(device: str, sweep: _Sweep, timeout_s: float, progress: Pr
                 points.append({"op": op, "bytes": size, "time_s": median, "bw_bytes_per_s": bw,
                                "spread": (max(times) - min(times)) / median})
                 if rank == 0:
-                    progress(f"{op} [{world} ranks] {_fmt_size(size)}: {median * 1e6:.1f} us, "
+                    progress(f"{op} [{world} ranks] {fmt_size(size)}: {median * 1e6:.1f} us, "
                              f"{'busbw' if op != 'p2p' else 'bw'} {bw / 1e9:.2f} GB/s (spread {points[-1]['spread']:.1%})")
         dist.barrier()
     finally:
@@ -112,12 +112,12 @@ def _collectives_spawned(rank: int, world: int, port: int, payload: dict, run_di
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    result = _collectives_rank(payload["device"], payload["sweep"], payload["timeout_s"], _stderr_progress)
+    result = collectives_rank(payload["device"], payload["sweep"], payload["timeout_s"], stderr_progress)
     if result is not None:
         (Path(run_dir) / "collectives.json").write_text(json.dumps(result))
 
 
-def _measure_collectives(device: str, nproc: int, sweep: _Sweep, timeout_s: float) -> dict[str, Any]:
+def measure_collectives(device: str, nproc: int, sweep: Sweep, timeout_s: float) -> dict[str, Any]:
     """Spawn `nproc` local ranks (gloo on CPU, NCCL on CUDA) and return rank 0's curves; a rank
     that fails, or a run longer than `timeout_s` overall, raises CalibrationRunError."""
     from autoplan.runtime.ranks import LocalJob, free_port

@@ -14,7 +14,7 @@ import torch
 from autoplan.cluster import GPU
 from autoplan.cost.calibration import Calibration
 from autoplan.cost.ops import gemm_time_s
-from autoplan.runtime.calibrate_kernels import _TORCH_DTYPES, _fmt_size
+from autoplan.runtime.calibrate_kernels import TORCH_DTYPES, fmt_size
 
 
 def _golden_min(f: Callable[[float], float], lo: float, hi: float, steps: int = 80) -> float:
@@ -39,7 +39,7 @@ def _fit_gemm(points: list[dict[str, Any]], base: Calibration, gpu: GPU, key: st
     measured bandwidth and floor) keeps the share from absorbing the memory time of the skinny
     shapes, which a median of per-point shares would have to drop by a compute-bound cut-off.
     Unclamped: a share above 1 means the datasheet peak is below what this device did."""
-    element_bytes = torch.tensor([], dtype=_TORCH_DTYPES[key]).element_size()
+    element_bytes = torch.tensor([], dtype=TORCH_DTYPES[key]).element_size()
 
     def loss(log_share: float) -> float:
         cal = base.replace(gemm_efficiency={key: math.exp(log_share)})
@@ -88,7 +88,7 @@ def noisy_point_note(rows: Sequence[dict[str, Any]], threshold: float = NOISY_PO
             f"each point is the median of its repeats, but an idle machine gives steadier numbers")
 
 
-def _spreads(points: Sequence[dict[str, Any]]) -> dict[str, float]:
+def spreads_of(points: Sequence[dict[str, Any]]) -> dict[str, float]:
     values = [p["spread"] for p in points]
     return {"points": len(values), "spread_median": statistics.median(values), "spread_max": max(values)}
 
@@ -101,7 +101,7 @@ def _clamp(name: str, value: float, notes: list[str], why: str) -> float:
     return value
 
 
-def _fit(gpu: GPU, keys: Sequence[str], gemm: list[dict], attention: list[dict], memory: list[dict],
+def fit_calibration(gpu: GPU, keys: Sequence[str], gemm: list[dict], attention: list[dict], memory: list[dict],
          ) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
     """(fitted numbers, summary rows, notes) from the raw points."""
     notes: list[str] = []
@@ -122,9 +122,9 @@ def _fit(gpu: GPU, keys: Sequence[str], gemm: list[dict], attention: list[dict],
     floor_s = statistics.median(p["time_s"] for p in small)
     rows.append({"quantity": "memory bandwidth share", "value": bw_share,
                  "detail": f"{bw_bytes_per_s / 1e9:.1f} GB/s of {gpu.mem_bw_bytes_per_s / 1e9:g}; median of the "
-                           f"{_fmt_size(sizes[-2])}+ kernels", **_spreads(large)})
+                           f"{fmt_size(sizes[-2])}+ kernels", **spreads_of(large)})
     rows.append({"quantity": "kernel floor", "value": floor_s, "unit": "s",
-                 "detail": f"median time of the {_fmt_size(sizes[0])} kernels", **_spreads(small)})
+                 "detail": f"median time of the {fmt_size(sizes[0])} kernels", **spreads_of(small)})
 
     base = Calibration(gpu=gpu.name, gemm_efficiency={keys[0]: 1.0}, attention_fwd_efficiency=1.0,
                        attention_bwd_efficiency=1.0, causal_work_fraction=1.0,
@@ -137,7 +137,7 @@ def _fit(gpu: GPU, keys: Sequence[str], gemm: list[dict], attention: list[dict],
         best = max(2 * p["m"] * p["n"] * p["k"] / p["time_s"] for p in pts)
         rows.append({"quantity": f"GEMM share ({key})", "value": gemm_share[key],
                      "detail": f"least squares on log time; best {best / 1e12:.2f} of "
-                               f"{gpu.peak(key) / 1e12:.3g} TFLOP/s", **_spreads(pts)})
+                               f"{gpu.peak(key) / 1e12:.3g} TFLOP/s", **spreads_of(pts)})
 
     # Attention: the share from the full (non-causal) calls, whose work the FLOP count describes
     # exactly; the causal fraction is then how much of that time a causal call takes.
@@ -147,7 +147,7 @@ def _fit(gpu: GPU, keys: Sequence[str], gemm: list[dict], attention: list[dict],
         full = [p for p in attention if p["phase"] == phase and not p["causal"]]
         attention_raw[phase] = statistics.median(p["flops"] / (p["time_s"] * peak) for p in full)
         rows.append({"quantity": f"attention {phase} share", "value": 0.0,
-                     "detail": "median over the non-causal shapes", **_spreads(full)})
+                     "detail": "median over the non-causal shapes", **spreads_of(full)})
     shares = {phase: _clamp(f"attention {phase} share", attention_raw[phase], notes, peak_why)
               for phase in ("fwd", "bwd")}
     rows[-2]["value"], rows[-1]["value"] = shares["fwd"], shares["bwd"]
@@ -161,7 +161,7 @@ def _fit(gpu: GPU, keys: Sequence[str], gemm: list[dict], attention: list[dict],
     causal = _clamp("causal work fraction", causal_raw, notes,
                     "this causal kernel takes longer than the full one: it masks rather than skips")
     rows.append({"quantity": "causal work fraction", "value": causal,
-                 "detail": "median causal / non-causal time", **_spreads([p for p in attention if p["causal"]])})
+                 "detail": "median causal / non-causal time", **spreads_of([p for p in attention if p["causal"]])})
 
     fitted = {"gemm_efficiency": gemm_share, "attention_fwd_efficiency": shares["fwd"],
               "attention_bwd_efficiency": shares["bwd"], "causal_work_fraction": causal,

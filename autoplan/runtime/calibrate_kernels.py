@@ -34,7 +34,7 @@ Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
-class _Sweep:
+class Sweep:
     """What to measure and how long to time each point."""
 
     gemm: tuple[tuple[int, int, int], ...]
@@ -50,12 +50,12 @@ class _Sweep:
     num_repeats: int
 
 
-_KB, _MB, _GB = 2**10, 2**20, 2**30
+_KB, MB, GB = 2**10, 2**20, 2**30
 
 
-def _sweep(device: str, quick: bool) -> _Sweep:
+def sweep_for(device: str, quick: bool) -> Sweep:
     if device == "cuda" and not quick:
-        return _Sweep(
+        return Sweep(
             gemm=tuple((m, n, k) for m in (512, 2048, 4096, 8192, 16384) for n in (1024, 4096, 8192, 16384)
                        for k in (1024, 4096, 8192, 16384)),
             attention=((8, 16, 1024, 64), (4, 32, 2048, 128), (2, 32, 4096, 128), (1, 32, 8192, 128)),
@@ -63,22 +63,22 @@ def _sweep(device: str, quick: bool) -> _Sweep:
             collective_bytes=tuple(_KB * 4**i for i in range(11)),  # 1 KB .. 1 GB
             target_s=0.02, num_repeats=7)
     if device == "cuda":
-        return _Sweep(gemm=((512, 1024, 1024), (2048, 4096, 4096), (4096, 8192, 8192)),
+        return Sweep(gemm=((512, 1024, 1024), (2048, 4096, 4096), (4096, 8192, 8192)),
                       attention=((4, 16, 1024, 64), (2, 16, 2048, 128)),
-                      memory_bytes=(64 * _KB, _MB, 16 * _MB, 256 * _MB),
-                      collective_bytes=(4 * _KB, _MB, 64 * _MB), target_s=0.01, num_repeats=5)
+                      memory_bytes=(64 * _KB, MB, 16 * MB, 256 * MB),
+                      collective_bytes=(4 * _KB, MB, 64 * MB), target_s=0.01, num_repeats=5)
     if not quick:
-        return _Sweep(gemm=tuple((m, n, k) for m in (256, 1024) for n in (256, 1024) for k in (256, 1024)),
+        return Sweep(gemm=tuple((m, n, k) for m in (256, 1024) for n in (256, 1024) for k in (256, 1024)),
                       attention=((1, 4, 256, 64), (2, 8, 512, 64)),
                       memory_bytes=tuple(64 * _KB * 4**i for i in range(7)),  # 64 KB .. 256 MB
                       collective_bytes=tuple(4 * _KB * 4**i for i in range(7)), target_s=0.02, num_repeats=5)
-    return _Sweep(gemm=((128, 128, 128), (256, 256, 256), (512, 256, 512), (512, 512, 512)),
+    return Sweep(gemm=((128, 128, 128), (256, 256, 256), (512, 256, 512), (512, 512, 512)),
                   attention=((1, 2, 128, 32), (2, 4, 256, 32)),
-                  memory_bytes=(64 * _KB, 256 * _KB, 4 * _MB, 16 * _MB),
-                  collective_bytes=(4 * _KB, 64 * _KB, _MB), target_s=0.005, num_repeats=5)
+                  memory_bytes=(64 * _KB, 256 * _KB, 4 * MB, 16 * MB),
+                  collective_bytes=(4 * _KB, 64 * _KB, MB), target_s=0.005, num_repeats=5)
 
 
-_TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 
@@ -93,7 +93,7 @@ class _Timed:
     """(max - min) / median over the repeats."""
 
 
-def _time_s(fn: Callable[[], object], device: str, sweep: _Sweep) -> _Timed:
+def _time_s(fn: Callable[[], object], device: str, sweep: Sweep) -> _Timed:
     """See [Note: calibration timing]."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     fn()
@@ -138,8 +138,8 @@ def _matmul_precision(key: str):
 # ---- microbenchmarks ------------------------------------------------------------------------------------
 
 
-def _bench_gemm(device: str, key: str, sweep: _Sweep, progress: Progress) -> list[dict[str, Any]]:
-    dtype = _TORCH_DTYPES[key]
+def bench_gemm(device: str, key: str, sweep: Sweep, progress: Progress) -> list[dict[str, Any]]:
+    dtype = TORCH_DTYPES[key]
     points = []
     with _matmul_precision(key):
         for i, (m, n, k) in enumerate(sweep.gemm, 1):
@@ -155,8 +155,8 @@ def _bench_gemm(device: str, key: str, sweep: _Sweep, progress: Progress) -> lis
     return points
 
 
-def _bench_attention(device: str, key: str, sweep: _Sweep, progress: Progress) -> list[dict[str, Any]]:
-    dtype = _TORCH_DTYPES[key]
+def bench_attention(device: str, key: str, sweep: Sweep, progress: Progress) -> list[dict[str, Any]]:
+    dtype = TORCH_DTYPES[key]
     points = []
     total = len(sweep.attention) * 2
     for i, (batch, heads, seq, head_dim) in enumerate(sweep.attention):
@@ -180,8 +180,8 @@ def _bench_attention(device: str, key: str, sweep: _Sweep, progress: Progress) -
     return points
 
 
-def _bench_memory(device: str, key: str, sweep: _Sweep, progress: Progress) -> list[dict[str, Any]]:
-    dtype = _TORCH_DTYPES[key]
+def bench_memory(device: str, key: str, sweep: Sweep, progress: Progress) -> list[dict[str, Any]]:
+    dtype = TORCH_DTYPES[key]
     size = torch.tensor([], dtype=dtype).element_size()
     points = []
     total = len(sweep.memory_bytes) * 2
@@ -195,19 +195,19 @@ def _bench_memory(device: str, key: str, sweep: _Sweep, progress: Progress) -> l
             moved = factor * num_bytes
             points.append({"kernel": kernel, "bytes": num_bytes, "moved_bytes": moved, "time_s": timed.time_s,
                            "spread": timed.spread, "bw_bytes_per_s": moved / timed.time_s})
-            progress(f"memory [{2 * i + j + 1}/{total}] {kernel} {_fmt_size(num_bytes)}: {timed.time_s * 1e6:.1f} us, "
+            progress(f"memory [{2 * i + j + 1}/{total}] {kernel} {fmt_size(num_bytes)}: {timed.time_s * 1e6:.1f} us, "
                      f"{moved / timed.time_s / 1e9:.1f} GB/s (spread {timed.spread:.1%})")
         del a, b, c
     return points
 
 
-def _fmt_size(num_bytes: float) -> str:
-    for unit, scale in (("GB", _GB), ("MB", _MB), ("KB", _KB)):
+def fmt_size(num_bytes: float) -> str:
+    for unit, scale in (("GB", GB), ("MB", MB), ("KB", _KB)):
         if num_bytes >= scale:
             return f"{num_bytes / scale:g} {unit}"
     return f"{num_bytes:g} B"
 
 
 
-def _stderr_progress(line: str) -> None:
+def stderr_progress(line: str) -> None:
     print(f"autoplan calibrate: {line}", file=sys.stderr, flush=True)

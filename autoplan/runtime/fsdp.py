@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from autoplan.runtime.errors import PartitionError
+from autoplan.schedule import schedule_spec
 
 if TYPE_CHECKING:
     from autoplan.plan import Plan
@@ -63,8 +64,8 @@ __all__ = ["ShardedStage", "apply_fsdp", "check_sharding", "finish_step", "fsdp_
 
 def check_sharding(plan: Plan) -> None:
     """Refuse (one line) a data-parallel sharding the runtime cannot run."""
-    if plan.zero >= 2 and plan.schedule == "zb-h1":
-        raise PartitionError(f"zero {plan.zero} (FSDP) cannot run the zb-h1 schedule: its weight-gradient pass "
+    if plan.zero >= 2 and not schedule_spec(plan.schedule).runs_fsdp:
+        raise PartitionError(f"zero {plan.zero} (FSDP) cannot run the {plan.schedule} schedule: its weight-gradient pass "
                              "runs outside autograd, where FSDP reduces gradients; re-plan with --schedule 1f1b "
                              "or --zero 1")
 

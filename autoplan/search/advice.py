@@ -19,7 +19,7 @@ from typing import Any
 from autoplan.cluster import Cluster, NodeGroup
 from autoplan.cost.memory import MIN_BYTES_PER_PARAM, allowance_bytes, block_static_bytes
 from autoplan.search.bounds import min_gpus_needed
-from autoplan.search.configs import _base_configs, _frugal, _memory_fix, _shardings
+from autoplan.search.configs import base_configs, frugal_config, memory_fix, shardings
 from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import min_memory_bytes
 
@@ -43,10 +43,10 @@ def _closest(ctx: SearchContext, pins: dict, sp_allowed: bool):
     GPU in its most frugal memory option, among the `_CLOSEST` with the least static bytes."""
     profile, cluster, job = ctx.profile, ctx.cluster, ctx.job
     statics = []
-    for cfg in _base_configs(profile, cluster, job, pins):
-        if not _shardings(cfg, pins, cluster.gpus_per_node, profile):
+    for cfg in base_configs(profile, cluster, job, pins):
+        if not shardings(cfg, pins, cluster.gpus_per_node, profile):
             continue
-        frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
+        frugal = frugal_config(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
         statics.append((float(block_static_bytes(profile, frugal, job.dtype).sum()) / cfg.pp, len(statics), frugal))
     statics.sort(key=lambda e: e[:2])
     best = None
@@ -147,7 +147,7 @@ def no_plan_message(ctx: SearchContext, cluster: Cluster, pins: dict, sp_allowed
         parts.append(f"the closest, {cfg.describe()}, needs about {need / 2**30:.1f} GiB per GPU "
                      f"({(need - capacity) / 2**30:.1f} GiB over)")
     if advise:
-        fix = _memory_fix(ctx, closest[1], pins, sp_allowed) if closest is not None else None
+        fix = memory_fix(ctx, closest[1], pins, sp_allowed) if closest is not None else None
         if fix is not None:
             parts.append(f"with {fix[0]}")
         else:

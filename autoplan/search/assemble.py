@@ -31,8 +31,9 @@ from autoplan.cost.time import (
     optimizer_time_s,
     tied_sync_times_s,
 )
+from autoplan.plan import BreakdownTerm as Term
 from autoplan.plan import MemoryBreakdown, Plan, Predicted, StagePlan
-from autoplan.schedule import ActionKind, make_schedule, simulate
+from autoplan.schedule import ActionKind, make_schedule, schedule_spec, simulate
 from autoplan.search.bounds import simulated_step_lower_bound
 from autoplan.search.context import SearchContext
 from autoplan.search.fsdp_exposed import fsdp_exposed
@@ -58,7 +59,7 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
     ranges = cuts.stage_ranges()
     num_stages = cfg.num_stages
     fwd_s, bwd_s = ctx.pass_times(stage_times, ranges)
-    split = cfg.schedule == "zb-h1"
+    split = schedule_spec(cfg.schedule).split_backward
     fsdp = fsdp_exposed(ctx, cfg, ranges, stage_times)
 
     durations = {ActionKind.F: fwd_s, ActionKind.B: bwd_s}
@@ -198,17 +199,17 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
         passes = 1.0 + (2.0 if cfg.recompute == "full" else 1.0)
         cp_total = sum(float(gather[a:b].sum()) * passes for a, b in ranges) * cfg.num_microbatches / cfg.pp
     breakdown = {
-        "compute_s": compute_total - tp_total,
-        "tp_comm_s": tp_total - ep_total - cp_total,
-        **({"ep_comm_s": ep_total} if cfg.holds_expert_slices else {}),
-        **({"cp_comm_s": cp_total} if cfg.cp > 1 else {}),
-        "bubble_s": max(0.0, step - busy - max(tails)),
-        "tied_grad_sync_s": max(tied_s),
-        "dp_comm_exposed_s": max(dp_exposed),
-        "optimizer_s": max(optim_s),
+        Term.COMPUTE: compute_total - tp_total,
+        Term.TP_COMM: tp_total - ep_total - cp_total,
+        **({Term.EP_COMM: ep_total} if cfg.holds_expert_slices else {}),
+        **({Term.CP_COMM: cp_total} if cfg.cp > 1 else {}),
+        Term.BUBBLE: max(0.0, step - busy - max(tails)),
+        Term.TIED_GRAD_SYNC: max(tied_s),
+        Term.DP_COMM_EXPOSED: max(dp_exposed),
+        Term.OPTIMIZER: max(optim_s),
     }
     if fsdp is not None:
-        breakdown["fsdp_comm_exposed_s"] = max(
+        breakdown[Term.FSDP_COMM_EXPOSED] = max(
             cfg.num_microbatches * sum(fsdp.fwd_s[k] + fsdp.bwd_s[k] for k in range(num_stages) if k % cfg.pp == p)
             for p in range(cfg.pp))
     peak_mem = max(m.total_bytes for m in memories)
@@ -239,10 +240,9 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
     )
     return Plan(
         model=ctx.model_spec, model_fingerprint=profile.fingerprint, cluster=ctx.cluster_dict, job=job,
-        tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, virtual_stages=cfg.virtual_stages, micro_batch_size=cfg.micro_batch_size,
-        num_microbatches=cfg.num_microbatches, schedule=cfg.schedule, recompute=cfg.recompute, zero=cfg.zero, dp_replicate=cfg.dp_replicate,
-        ep=cfg.ep, expert_tp=cfg.expert_tp, reduce_dtype=cfg.reduce_dtype, cp=cfg.cp, sequence_parallel=cfg.sequence_parallel,
-        rank_order=cfg.rank_order, stages=stages,
+        **cfg.layout_values(), micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
+        schedule=cfg.schedule, recompute=cfg.recompute, zero=cfg.zero, reduce_dtype=cfg.reduce_dtype,
+        sequence_parallel=cfg.sequence_parallel, stages=stages,
         block_names=tuple(b.name for b in profile.blocks), fits=fits, predicted=predicted,
     )
 
@@ -252,7 +252,7 @@ def rank_memories(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[in
     """Peak memory of each pipeline rank."""
     memories: list[MemoryBreakdown] = []
     held = None
-    if cfg.schedule == "interleaved-1f1b" and cfg.virtual_stages > 1:
+    if schedule_spec(cfg.schedule).looped and cfg.virtual_stages > 1:
         held = interleaved_held(cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
     for p in range(cfg.pp):
         mine = [k for k in range(cfg.num_stages) if k % cfg.pp == p]
@@ -272,7 +272,7 @@ def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dic
     if not fits:
         return f"memory: needs {mem_ratio:.0%} of the GPU's memory; does not fit"
     stage = [a + b for a, b in zip(fwd_s, bwd_s, strict=True)]
-    dp_exposed = breakdown["dp_comm_exposed_s"] + breakdown.get("fsdp_comm_exposed_s", 0.0)
+    dp_exposed = breakdown[Term.DP_COMM_EXPOSED] + breakdown.get(Term.FSDP_COMM_EXPOSED, 0.0)
     dp_cause = (f"FSDP all-gathers and reduce-scatters not hidden ({dp_exposed / step:.0%} of the step)" if cfg.zero >= 2
                 else f"DP gradient reduction not hidden ({dp_exposed / step:.0%} of the step)")
     imbalance = max(stage) / (sum(stage) / len(stage)) - 1 if stage and sum(stage) else 0.0
@@ -280,7 +280,7 @@ def _bound(bubble: float, fwd_s: list[float], bwd_s: list[float], breakdown: dic
         f"pipeline bubble ({bubble:.0%} of the step; more micro-batches or interleaving shrink it)": bubble,
         f"slowest stage {imbalance:.0%} above the mean (blocks do not split evenly)": imbalance * (1 - bubble) * 0.5,
         dp_cause: dp_exposed / step,
-        f"TP communication ({breakdown['tp_comm_s'] / step:.0%} of the step)": breakdown["tp_comm_s"] / step * 0.5,
+        f"TP communication ({breakdown[Term.TP_COMM] / step:.0%} of the step)": breakdown[Term.TP_COMM] / step * 0.5,
     }
     cause, weight = max(causes.items(), key=lambda kv: kv[1])
     if mem_ratio > 0.9 and weight < 0.1:

@@ -16,7 +16,7 @@ from autoplan.cost.config import ParallelConfig
 from autoplan.cost.memory import MIN_BYTES_PER_PARAM
 from autoplan.cost.time import BlockTimes
 from autoplan.graph.blocks import ModelProfile
-from autoplan.schedule import ActionKind
+from autoplan.schedule import ActionKind, schedule_spec
 from autoplan.search.context import SearchContext
 from autoplan.search.stage_model import Cuts
 
@@ -51,7 +51,7 @@ def step_lower_bound(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_
     ranges = cuts.stage_ranges()
     fwd, bwd = ctx.pass_times(stage_times, ranges)
     m = cfg.num_microbatches
-    trailing = cfg.schedule != "zb-h1"
+    trailing = not schedule_spec(cfg.schedule).split_backward
     bound = 0.0
     for r in range(cfg.pp):
         busy = m * sum(fwd[k] + bwd[k] for k in range(r, cfg.num_stages, cfg.pp))
@@ -89,7 +89,7 @@ def simulated_step_lower_bound(cfg: ParallelConfig, durations: dict, delays_f: l
             start += fwd[r - 1] + delays_f[r - 1]
         ends[r] = start + m * sum(per_stage[r::p])
     lower = list(ends)
-    if cfg.schedule != "zb-h1":
+    if not schedule_spec(cfg.schedule).split_backward:
         for r in range(1, p):
             t = ends[r]
             for q in range(r - 1, -1, -1):

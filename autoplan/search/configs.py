@@ -18,21 +18,28 @@ from collections.abc import Iterator
 from autoplan.cluster import Cluster
 from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import ModelProfile
+from autoplan.layout import LAYOUT_FIELDS
 from autoplan.plan import MAX_MICROBATCHES, RECOMPUTE, REDUCE_DTYPES, Job, expert_layout_refusal
-from autoplan.schedule import SCHEDULES
+from autoplan.schedule import SCHEDULE_SPECS, SCHEDULES, schedule_spec
 from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate
 from autoplan.search.rejections import Rejection, Rejections
 
-__all__ = ["MAX_MICROBATCHES", "PINS", "NoPlanError", "PlanningError", "config_pins", "cp_refusal", "ep_refusal", "fsdp_allowed",
-           "fsdp_refusal", "tp_degrees_possible", "tp_refusal"]
+__all__ = ["DEFAULT_MBS", "MAX_MICROBATCHES", "PINS", "SEARCHED_SCHEDULES", "NoPlanError", "PlanningError", "base_configs",
+           "check_pins", "config_pins", "cp_refusal", "ep_refusal", "fmt_gib", "frugal_config", "fsdp_allowed",
+           "fsdp_refusal", "memory_fix", "sequence_parallel_allowed", "shardings", "tp_degrees_possible", "tp_refusal",
+           "with_memory_options"]
 
-PINS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero",
-        "dp_replicate", "sequence_parallel", "rank_order", "ep", "cp", "reduce_dtype", "expert_tp")
-_DEFAULT_MBS = (1, 2, 4, 8)
+_FIRST_PINS = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero",
+               "dp_replicate", "sequence_parallel", "rank_order", "ep", "cp", "reduce_dtype")
+PINS = (*_FIRST_PINS, *(name for name in LAYOUT_FIELDS if name not in _FIRST_PINS))
+"""What `suggest` may pin: the choices and every layout field (pins are a partial `Layout`)."""
+DEFAULT_MBS = (1, 2, 4, 8)
 # MAX_MICROBATCHES (autoplan/plan.py): micro-batches per replica per step above which a configuration is
 # not considered, the same bound a plan file is checked against.
 _DEFAULT_V = (2, 3, 4, 6)
+_LOOPED = tuple(name for name, spec in SCHEDULE_SPECS.items() if spec.looped)
+"""The looped schedules (several stages per rank), interleaved-1f1b alone today."""
 
 
 class PlanningError(ValueError):
@@ -55,7 +62,7 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -> None:
+def check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -> None:
     """One-line errors for pins that cannot work, before any search."""
     unknown = set(pins) - set(PINS)
     if unknown:
@@ -103,10 +110,10 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
     if schedule is not None and schedule not in SCHEDULES:
         raise PlanningError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     v = pins.get("virtual_stages")
-    if v is not None and v > 1 and schedule not in (None, "interleaved-1f1b"):
-        raise PlanningError(f"--virtual-stages {v} needs --schedule interleaved-1f1b")
-    if schedule == "interleaved-1f1b" and v == 1:
-        raise PlanningError("interleaved-1f1b needs --virtual-stages of at least 2")
+    if v is not None and v > 1 and schedule is not None and not schedule_spec(schedule).looped:
+        raise PlanningError(f"--virtual-stages {v} needs --schedule {' or '.join(_LOOPED)}")
+    if schedule is not None and schedule_spec(schedule).looped and v == 1:
+        raise PlanningError(f"{schedule} needs --virtual-stages of at least 2")
     if v is not None and pp is not None and pp * v > profile.num_blocks:
         raise PlanningError(f"pp*virtual_stages = {pp * v} stages is more than the model's {profile.num_blocks} blocks")
     recompute = pins.get("recompute")
@@ -135,9 +142,9 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
                                 "and 1 reduce fp32 gradients)")
         if reduce_dtype == "bfloat16" and job.dtype != "bfloat16":
             raise PlanningError(f"--reduce-dtype bfloat16 needs --dtype bfloat16, not {job.dtype}")
-    if schedule == "zb-h1" and fsdp_pinned:
+    if schedule is not None and not schedule_spec(schedule).runs_fsdp and fsdp_pinned:
         what = f"--zero {zero}" if zero is not None and zero >= 2 else f"--dp-replicate {replicate}"
-        raise PlanningError(f"--schedule zb-h1 cannot run with {what} (FSDP): its weight-gradient pass runs outside "
+        raise PlanningError(f"--schedule {schedule} cannot run with {what} (FSDP): its weight-gradient pass runs outside "
                             "autograd, where FSDP's gradient hooks do not see it; use --zero 1 or another schedule")
     if fsdp_pinned and tp is not None and fsdp_refusal(profile, tp) is not None:
         raise PlanningError(f"--tp {tp} with {'--zero ' + str(zero) if zero else '--dp-replicate'}: "
@@ -174,7 +181,7 @@ def _check_pins(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict) -
                                     "other degrees")
     if pins.get("sequence_parallel") and tp == 1:
         raise PlanningError("--sequence-parallel needs --tp of at least 2")
-    if pins.get("sequence_parallel") and not _sequence_parallel_allowed(profile):
+    if pins.get("sequence_parallel") and not sequence_parallel_allowed(profile):
         raise PlanningError("--sequence-parallel needs transformer layers (norms, sharded attention and MLP) that the "
                             "traced graph calls whole; this model's layout has none")
 
@@ -223,7 +230,7 @@ def _expert_degrees(profile: ModelProfile, tp: int, dp: int, pins: dict) -> list
     """Expert-parallel degrees a base configuration tries: the pin, else every divisor of tp x dp
     (the ranks the experts fold over, plan.py [Note: expert layout]) that divides the experts (1 for
     a model without experts). A pinned zero 1 or HSDP keeps them: ZeRO-1 and FSDP shard the experts
-    over the ranks holding them (cost/memory.py `expert_shard_surplus`); `_shardings` says which
+    over the ranks holding them (cost/memory.py `expert_shard_surplus`); `shardings` says which
     ZeRO levels and HSDP degrees run with each ep."""
     width = tp // (pins.get("expert_tp") or 1)  # positions per replica (plan.py [Note: expert layout])
     if pins.get("ep"):
@@ -265,12 +272,12 @@ def _context_degrees(profile: ModelProfile, job: Job, dp: int, pins: dict) -> li
                                                   and job.seq_len // c >= MIN_TOKENS_PER_CP_RANK)]
 
 
-def _sequence_parallel_allowed(profile: ModelProfile) -> bool:
+def sequence_parallel_allowed(profile: ModelProfile) -> bool:
     info = profile.extra.get("tensor_parallel")
     return True if info is None else bool(info.get("sequence_parallel"))
 
 
-def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
+def base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
                   reject: Rejections | None = None) -> Iterator[ParallelConfig]:
     """Every base configuration (memory options left at their fastest), see the module note.
     `reject` counts (and keeps the first few of) the splits the batch or the model's layout refuse."""
@@ -301,7 +308,7 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
                     continue
                 per_replica = job.global_batch // replicas
                 mbss = [pins["micro_batch_size"]] if pins.get("micro_batch_size") else [
-                    b for b in _DEFAULT_MBS if per_replica % b == 0]
+                    b for b in DEFAULT_MBS if per_replica % b == 0]
                 for mbs in mbss:
                     if per_replica % mbs:
                         continue
@@ -314,9 +321,9 @@ def _base_configs(profile: ModelProfile, cluster: Cluster, job: Job, pins: dict,
                                 "(MAX_MICROBATCHES); a larger micro-batch or more GPUs"))
                         continue  # see MAX_MICROBATCHES
                     schedules = _schedules(profile, pp, m, pins)
-                    if reject is not None and pp > 1 and m % pp and pins.get("schedule") in (None, "interleaved-1f1b"):
-                        reject.add("batch", 2.0, (tp, pp, dp, cp, mbs, "interleaved-1f1b"), functools.partial(
-                            Rejection, "batch", f"tp={tp} pp={pp} dp={dp} mbs={mbs}x{m} interleaved-1f1b",
+                    if reject is not None and pp > 1 and m % pp and pins.get("schedule") in (None, *_LOOPED):
+                        reject.add("batch", 2.0, (tp, pp, dp, cp, mbs, _LOOPED[0]), functools.partial(
+                            Rejection, "batch", f"tp={tp} pp={pp} dp={dp} mbs={mbs}x{m} {_LOOPED[0]}",
                             f"interleaved 1F1B runs micro-batches in groups of pp: {m} is not a multiple of {pp}"))
                     for schedule, v in schedules:
                         orders = [pins["rank_order"]] if pins.get("rank_order") else (
@@ -346,18 +353,23 @@ def tp_degrees_possible(profile: ModelProfile, cluster: Cluster, pins: dict) -> 
     return out
 
 
+SEARCHED_SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b")
+"""The schedules the search tries, in its order; gpipe has 1F1B's bubble and holds more micro-batches
+(schedule/specs.py), so it is only run when pinned."""
+
+
 def _schedules(profile: ModelProfile, pp: int, m: int, pins: dict) -> list[tuple[str, int]]:
     pinned = pins.get("schedule")
-    if (pins.get("virtual_stages") or 1) > 1:  # only interleaving has virtual stages: a pin of v > 1 is one of it
-        pinned = "interleaved-1f1b"
+    if (pins.get("virtual_stages") or 1) > 1:  # only a looped schedule has virtual stages: a pin of v > 1 is one
+        pinned = pinned if pinned is not None and schedule_spec(pinned).looped else _LOOPED[0]
     if pp == 1:
         # One stage: every schedule is the same sequence of forwards and backwards.
-        return [(pinned or "1f1b", 1)] if pinned in (None, "1f1b", "gpipe", "zb-h1") else []
+        return [(pinned or "1f1b", 1)] if pinned is None or not schedule_spec(pinned).looped else []
     out = []
-    fsdp_only = pins.get("zero", 0) >= 2 or pins.get("dp_replicate", 1) > 1  # zb-h1 cannot run FSDP
-    for name in ([pinned] if pinned else ["1f1b", "interleaved-1f1b"] if fsdp_only else
-                 ["1f1b", "zb-h1", "interleaved-1f1b"]):
-        if name == "interleaved-1f1b":
+    fsdp_only = pins.get("zero", 0) >= 2 or pins.get("dp_replicate", 1) > 1
+    for name in ([pinned] if pinned else [name for name in SEARCHED_SCHEDULES
+                                          if schedule_spec(name).runs_fsdp or not fsdp_only]):
+        if schedule_spec(name).looped:
             vs = [pins["virtual_stages"]] if pins.get("virtual_stages") else list(_DEFAULT_V)
             out += [(name, v) for v in vs if v >= 2 and pp * v <= profile.num_blocks and m % pp == 0]
         else:
@@ -385,7 +397,7 @@ def fsdp_refusal(profile: ModelProfile, tp: int) -> str | None:
     return None
 
 
-def _shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
+def shardings(cfg: ParallelConfig, pins: dict, gpus_per_node: int,
                profile: ModelProfile | None = None) -> list[tuple[int, int]]:
     """(zero, dp_replicate) options of a base configuration, in the order the ladder tries them
     ([Note: sharded data parallelism in the search]): ZeRO-1 (zero 0 with dp = 1), then zero 2 and
@@ -423,10 +435,10 @@ def _with_experts_kept(cfg: ParallelConfig) -> ParallelConfig:
 def fsdp_allowed(cfg: ParallelConfig, profile: ModelProfile | None) -> bool:
     """Whether the runtime can run this configuration with FSDP: not under zb-h1, nor where
     `fsdp_refusal` says the model cannot be sharded at its tp."""
-    return cfg.schedule != "zb-h1" and (profile is None or fsdp_refusal(profile, cfg.tp) is None)
+    return schedule_spec(cfg.schedule).runs_fsdp and (profile is None or fsdp_refusal(profile, cfg.tp) is None)
 
 
-def _with_memory_options(cfg: ParallelConfig, pins: dict, sp_allowed: bool, recompute: str, zero: int,
+def with_memory_options(cfg: ParallelConfig, pins: dict, sp_allowed: bool, recompute: str, zero: int,
                          replicate: int) -> ParallelConfig:
     """A rung: the base configuration with a recompute level and a data-parallel sharding. Sequence
     parallelism (when tp > 1 and the model's layout has layers for it, `sp_allowed`) is always on
@@ -435,31 +447,33 @@ def _with_memory_options(cfg: ParallelConfig, pins: dict, sp_allowed: bool, reco
     return dataclasses.replace(cfg, recompute=recompute, zero=zero, dp_replicate=replicate, sequence_parallel=sp)
 
 
-def _frugal(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True, gpus_per_node: int = 1,
+def frugal_config(cfg: ParallelConfig, pins: dict, sp_allowed: bool = True, gpus_per_node: int = 1,
             profile: ModelProfile | None = None) -> ParallelConfig:
     """The rung that needs the least memory (most recompute, the most sharded option)."""
     recompute = pins["recompute"] if pins.get("recompute") else RECOMPUTE[-1]
-    options = _shardings(cfg, pins, gpus_per_node, profile)
+    options = shardings(cfg, pins, gpus_per_node, profile)
     zero, replicate = min(options, key=lambda o: (o[0] < 2, o[1], -o[0]))  # FSDP over the most ranks, zero 3
-    return _with_memory_options(cfg, pins, sp_allowed, recompute, zero, replicate)
+    return with_memory_options(cfg, pins, sp_allowed, recompute, zero, replicate)
 
 
 
-def _gib(num_bytes: float) -> str:
+def fmt_gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.1f} GiB"
 
 
 def config_pins(cfg: ParallelConfig) -> dict:
-    """The configuration as the pins `suggest` takes (every dimension but the rank layout)."""
+    """The configuration as the pins `suggest` takes (every dimension but the rank layout). Layout
+    fields added after the first ones (`Layout.later_fields`, expert tp the first) enter away from
+    their default."""
     return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "micro_batch_size": cfg.micro_batch_size,
             "schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages, "recompute": cfg.recompute,
             "zero": cfg.zero, "dp_replicate": cfg.dp_replicate, "ep": cfg.ep, "cp": cfg.cp,
             "sequence_parallel": cfg.sequence_parallel,
             **({"reduce_dtype": cfg.reduce_dtype} if cfg.reduce_dtype != "float32" else {}),
-            **({"expert_tp": cfg.expert_tp} if cfg.expert_tp > 1 else {})}
+            **cfg.later_fields()}
 
 
-def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed: bool) -> tuple[str, dict] | None:
+def memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed: bool) -> tuple[str, dict] | None:
     """The first change that makes `cfg` fit, checked by evaluating it: a smaller micro-batch, zero 3,
     full recompute, twice the pipeline stages or twice the tensor parallelism; (what it gives, the
     pins it changes)."""
@@ -505,6 +519,6 @@ def _memory_fix(ctx: SearchContext, cfg: ParallelConfig, pins: dict, sp_allowed:
         if result is not None and result.plan.fits:
             plan = result.plan
             before, after = config_pins(cfg), config_pins(variant)
-            return (f"{change}: fits in {_gib(plan.predicted.peak_memory_bytes)}, {plan.predicted.step_time_s:.4g} s "
+            return (f"{change}: fits in {fmt_gib(plan.predicted.peak_memory_bytes)}, {plan.predicted.step_time_s:.4g} s "
                     f"per step ({variant.describe()})", {k: v for k, v in after.items() if before[k] != v})
     return None

@@ -34,7 +34,21 @@ from autoplan.schedule import SimResult
 from autoplan.search.partition import DPSolver
 from autoplan.search.stage_model import CutProblem, Cuts
 
-__all__ = ["CutCache", "SearchContext", "stage_gpus"]
+__all__ = ["MEMO_LEAVES_OUT", "CutCache", "SearchContext", "stage_gpus"]
+
+MEMO_LEAVES_OUT = {
+    "times": ("dp", "dp_replicate", "virtual_stages"),  # the rank order and pp only where ep or cp spread groups
+    "static": ("cp", "rank_order"),  # pp and virtual stages as whether there is one stage
+    "acts": ("pp", "dp", "ep", "expert_tp", "dp_replicate", "virtual_stages", "rank_order"),
+    "fsdp-groups": ("cp", "ep", "expert_tp", "virtual_stages"),
+    "fsdp": ("pp", "dp", "cp", "virtual_stages", "rank_order"),  # the groups' layouts over the nodes stand for them
+    "params": ("pp", "dp", "cp", "dp_replicate", "virtual_stages", "rank_order"),
+    "reserve": ("dp", "dp_replicate", "rank_order"),  # pp as whether there is one pipeline rank
+    "link": ("pp", "dp", "ep", "expert_tp", "dp_replicate", "virtual_stages", "rank_order"),  # its two ranks stand for them
+}
+"""The layout fields each per-search memo provably does not depend on. Its key holds every other
+layout field (`LayoutCounts.layout_key`), so a field added to `Layout` enters every key until a memo
+names it here (tests/test_layout.py)."""
 
 
 class SearchContext:
@@ -87,19 +101,19 @@ class SearchContext:
 
     def block_times(self, gpu, cfg: ParallelConfig) -> BlockTimes:
         spread = cfg.ep > 1 or cfg.cp > 1  # their groups' links depend on the rank layout
-        key = ("times", gpu.name, cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.ep, cfg.cp,
-               cfg.expert_tp,
-               cfg.rank_order if spread else None, cfg.pp if spread else None)
+        key = ("times", gpu.name, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel,
+               *cfg.layout_key(MEMO_LEAVES_OUT["times"], rank_order=cfg.rank_order if spread else None,
+                               pp=cfg.pp if spread else None))
         return self.cached(key, lambda: block_times(self.profile, gpu, self.cluster, cfg, self.job.dtype,
                                                     self.calibration(gpu)))
 
     def static_bytes(self, cfg: ParallelConfig) -> np.ndarray:
-        key = ("static", cfg.tp, cfg.dp, cfg.zero, cfg.dp_replicate, cfg.pp == 1, cfg.num_stages == 1, cfg.ep,
-               cfg.reduce_dtype, cfg.expert_tp)
+        key = ("static", cfg.zero, cfg.reduce_dtype,
+               *cfg.layout_key(MEMO_LEAVES_OUT["static"], pp=cfg.pp == 1, virtual_stages=cfg.num_stages == 1))
         return self.cached(key, lambda: block_static_bytes(self.profile, cfg, self.job.dtype))
 
     def act_bytes(self, cfg: ParallelConfig) -> np.ndarray:
-        key = ("acts", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.cp)
+        key = ("acts", cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, *cfg.layout_key(MEMO_LEAVES_OUT["acts"]))
         # A CPU rank runs F.rms_norm's composite form, which saves more (cost/memory.py [Note: fused
         # RMSNorm]); a cluster with any CPU rank is counted as one, the larger of the two.
         cpu = any(g.name == "cpu" for g in self.gpu_types)
@@ -127,7 +141,7 @@ class SearchContext:
     def fsdp_unit_times(self, cfg: ParallelConfig, pp_index: int) -> tuple[np.ndarray, np.ndarray]:
         """Per block (one FSDP unit each): all-gather and gradient-reduction seconds over the FSDP
         groups of pipeline rank `pp_index` (cost/comm.py [Note: FSDP communication])."""
-        groups_key = ("fsdp-groups", cfg.tp, cfg.pp, cfg.dp, cfg.dp_replicate, cfg.rank_order, pp_index)
+        groups_key = ("fsdp-groups", pp_index, *cfg.layout_key(MEMO_LEAVES_OUT["fsdp-groups"]))
 
         def groups():
             first = cfg.rank(pp_index, 0, 0)
@@ -139,8 +153,9 @@ class SearchContext:
         shard, replicate, layouts = self.cached(groups_key, groups)
         gather_bytes = gathered_bytes_per_param(self.job.dtype)
         reduce_bytes = reduced_bytes_per_param(cfg.reduce_dtype)
+        key = ("fsdp", cfg.reduce_dtype, layouts, *cfg.layout_key(MEMO_LEAVES_OUT["fsdp"]))
         if not cfg.holds_expert_slices:
-            return self.cached(("fsdp", cfg.tp, cfg.reduce_dtype, layouts), lambda: fsdp_unit_times_s(
+            return self.cached(key, lambda: fsdp_unit_times_s(
                 self.cluster, shard, replicate, self.params(cfg), gather_bytes, reduce_bytes))
 
         def with_experts() -> tuple[np.ndarray, np.ndarray]:
@@ -154,11 +169,11 @@ class SearchContext:
                                                              local_experts, gather_bytes, reduce_bytes)
             return gather + expert_gather, reduce + expert_reduce
 
-        return self.cached(("fsdp", cfg.tp, cfg.ep, cfg.expert_tp, cfg.dp_replicate, cfg.reduce_dtype, layouts),
-                           with_experts)
+        return self.cached(key, with_experts)
 
     def params(self, cfg: ParallelConfig) -> np.ndarray:
-        return self.cached(("params", cfg.tp, cfg.ep, cfg.expert_tp), lambda: param_counts(self.profile, cfg))
+        return self.cached(("params", *cfg.layout_key(MEMO_LEAVES_OUT["params"])),
+                           lambda: param_counts(self.profile, cfg))
 
     def reserve(self, cfg: ParallelConfig) -> float:
         """Bytes reserved per GPU for buffers (receive buffers, backward transients) before cutting:
@@ -167,8 +182,8 @@ class SearchContext:
         the GPU it lands on; then the larger of the largest block's full activations (full
         recompute) and the head's backward transients (`head_backward_bytes`); then FSDP's units in
         flight (`fsdp_transient_bytes`)."""
-        key = ("reserve", cfg.tp, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.virtual_stages,
-               cfg.zero, cfg.pp == 1, cfg.cp, cfg.ep, cfg.reduce_dtype, cfg.expert_tp)
+        key = ("reserve", cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.reduce_dtype,
+               *cfg.layout_key(MEMO_LEAVES_OUT["reserve"], pp=cfg.pp == 1))
 
         def make() -> float:
             f = cfg.batch_share(self.profile.batch_size)
@@ -186,7 +201,7 @@ class SearchContext:
 
     def link_times(self, cfg: ParallelConfig) -> np.ndarray:
         src, dst = cfg.rank(0, 0), cfg.rank(1 % cfg.pp, 0)
-        key = ("link", cfg.tp, cfg.micro_batch_size, cfg.cp, src, dst)
+        key = ("link", cfg.micro_batch_size, src, dst, *cfg.layout_key(MEMO_LEAVES_OUT["link"]))
 
         def make() -> np.ndarray:
             out = np.zeros(self.profile.num_blocks + 1)

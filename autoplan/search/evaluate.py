@@ -23,6 +23,7 @@ from autoplan.cost.memory import allowance_bytes
 from autoplan.cost.time import BlockTimes, cpu_sharing
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import Plan
+from autoplan.schedule import schedule_spec
 from autoplan.search.assemble import Unsimulated, make_plan
 from autoplan.search.bounds import Dominated, bottleneck_bound, step_lower_bound
 from autoplan.search.climb import climb_boundaries
@@ -68,7 +69,7 @@ def _inputs(ctx: SearchContext, cfg: ParallelConfig) -> _Inputs:
     times_by_type = {gpu.name: ctx.block_times(gpu, cfg) for gpu in pp_gpus}
     stage_times = [times_by_type[pp_gpus[k % cfg.pp].name] for k in range(cfg.num_stages)]
     total = stage_times[0].total_s if len(times_by_type) == 1 else np.stack([t.total_s for t in stage_times])
-    if cfg.schedule == "interleaved-1f1b" and cfg.virtual_stages > 1:
+    if schedule_spec(cfg.schedule).looped and cfg.virtual_stages > 1:
         inflight = np.array(interleaved_at_peak(cfg.pp, cfg.num_microbatches, cfg.virtual_stages), dtype=float)
     else:
         inflight = np.array(schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages),

@@ -32,7 +32,7 @@ import numpy as np
 import pulp
 
 from autoplan.search.partition import solve_dp
-from autoplan.search.stage_model import CutProblem, Cuts, _Prefix, make_cuts, violations
+from autoplan.search.stage_model import CutProblem, Cuts, Prefix, make_cuts, violations
 
 __all__ = ["solve_ilp"]
 
@@ -61,7 +61,7 @@ def solve_ilp(
     if num_stages == 1:  # one cutting exists; evaluate it directly
         return None if violations(p, (0, n), per_rank=per_rank) else make_cuts(p, (0, n), optimal=True)
 
-    pre = _Prefix(p)
+    pre = Prefix(p)
     c, ca, f = p.cut_time_s, p.cut_act_bytes, p.inflight
     legal = p.legal_boundaries()
     width = n - num_stages + 1

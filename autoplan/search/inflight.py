@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from autoplan.schedule import make_schedule, simulate
+from autoplan.schedule import make_schedule, schedule_spec, simulate
 
 __all__ = ["interleaved_at_peak", "interleaved_held", "schedule_inflight"]
 
@@ -26,13 +26,14 @@ def schedule_inflight(name: str, pp: int, num_microbatches: int, virtual_stages:
     tests/test_search.py checks these closed forms against the simulator. Interleaving is simulated.
     """
     m = num_microbatches
-    if name == "gpipe":
+    held = schedule_spec(name).held
+    if held == "all":
         return (m,) * pp
-    if name == "1f1b":
+    if held == "depth":
         return tuple(min(pp - s, m) for s in range(pp))
-    if name == "zb-h1":
+    if held == "pipeline":
         return (min(pp, m),) * pp
-    if name == "interleaved-1f1b":
+    if held == "interleaved":
         return _interleaved_inflight(pp, m, virtual_stages)
     schedule = make_schedule(name, pp, num_microbatches, virtual_stages)
     return simulate(schedule, lambda a: 1.0).peak_inflight

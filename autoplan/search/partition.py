@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from autoplan.search.stage_model import CutProblem, Cuts, _Prefix, make_cuts, rank_mem_bytes, stage_stats
+from autoplan.search.stage_model import CutProblem, Cuts, Prefix, make_cuts, rank_mem_bytes, stage_stats
 
 __all__ = ["DPSolver", "brute_force", "solve_dp"]
 
@@ -66,7 +66,7 @@ class DPSolver:
     def __init__(self, problem: CutProblem) -> None:
         p = self.problem = problem
         n, num_stages = p.num_blocks, p.num_stages
-        pre = _Prefix(p)
+        pre = Prefix(p)
         c, ca = p.cut_time_s, p.cut_act_bytes
         self.width = width = n - num_stages + 1  # start (and end) positions a stage can take
         # Full (n+1, n+1) matrices indexed [start i, end j]; stage k reads the (width, width)

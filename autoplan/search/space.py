@@ -39,7 +39,7 @@ Each base configuration with dp > 1 also tries FSDP (zero 2 and 3, cost/memory.p
 per parameter], cost/comm.py [Note: FSDP communication]), each over all dp ranks and, as HSDP, over
 shard groups of gpus_per_node / tp ranks (a node's worth of data-parallel ranks: its all-gathers
 stay on NVLink; Zhao et al. 2023, Sec. 3.2.2) when that divides dp: at most four options
-(`_shardings`). FSDP moves what ZeRO-1's all-reduce moves plus the parameter all-gathers, so at one
+(`shardings`). FSDP moves what ZeRO-1's all-reduce moves plus the parameter all-gathers, so at one
 recompute level it is never faster than ZeRO-1: an FSDP option only descends the recompute ladder
 down to (not including) the rung where ZeRO-1 fits or is dominated. Zero 3 gathers more often than
 zero 2 and holds less, so zero 3 only tries the rungs where zero 2 (same replicate degree) did not
@@ -66,32 +66,40 @@ from autoplan.cost.experts import expert_links
 from autoplan.cost.memory import allowance_bytes, block_static_bytes
 from autoplan.graph.blocks import ModelProfile
 from autoplan.plan import RECOMPUTE, Job, Plan, expert_layout_refusal
+from autoplan.plan import BreakdownTerm as Term
+from autoplan.schedule import schedule_spec
 from autoplan.search._gc import gc_paused
 from autoplan.search.bounds import Dominated
 from autoplan.search.configs import (
-    _DEFAULT_MBS,
+    DEFAULT_MBS,
     MAX_MICROBATCHES,
     NoPlanError,
     PlanningError,
-    _base_configs,
-    _check_pins,
-    _frugal,
-    _gib,
-    _memory_fix,
-    _sequence_parallel_allowed,
-    _shardings,
-    _with_memory_options,
+    base_configs,
+    check_pins,
     config_pins,
+    fmt_gib,
+    frugal_config,
     fsdp_refusal,
+    memory_fix,
+    sequence_parallel_allowed,
+    shardings,
     tp_degrees_possible,
     tp_refusal,
+    with_memory_options,
 )
-from autoplan.search.context import SearchContext
+from autoplan.search.context import MEMO_LEAVES_OUT, SearchContext
 from autoplan.search.evaluate import evaluate, min_memory_bytes
 from autoplan.search.rejections import Rejection, Rejections
 from autoplan.search.targets import ExportRules, TargetFilter
 
 __all__ = ["NoPlanError", "PlanningError", "SearchResult", "search_plans"]
+
+CONFIG_KEY_LEAVES_OUT = ("rank_order",)
+"""Layout fields a configuration's key leaves out (`_config_key`, `_same_but_layout`): rejections
+keep, and the top plans hold, one configuration per rank order's worth of the others."""
+_STATIC_LEAVES_OUT = ("cp", "virtual_stages", "rank_order")
+"""Layout fields the weights-alone bound's memo leaves out (search/context.py `MEMO_LEAVES_OUT`)."""
 
 @dataclass
 class SearchResult:
@@ -109,7 +117,7 @@ class SearchResult:
     configs_planned: int = 0
     """Base configurations that gave a plan (at least `len(plans)`: the top k keeps the fastest, one
     per configuration without its rank layout). Counted, not derived from the rejections: those also
-    count splits `_base_configs` refused before enumerating them (issue 43: "0 gave a plan" printed
+    count splits `base_configs` refused before enumerating them (issue 43: "0 gave a plan" printed
     above the plan it wrote)."""
 
     def kept_rejections(self) -> list[Rejection]:
@@ -148,14 +156,14 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
                   calibrations: Calibrations | None = None, explain: bool = False,
                   advise: bool = True, target: ExportRules | None = None) -> SearchResult:
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
-    _check_pins(profile, cluster, job, pins)
+    check_pins(profile, cluster, job, pins)
     if top < 1:
         raise PlanningError(f"--top {top} must be at least 1")
     if profile.flops <= 0 and not profile.is_timed:
         raise PlanningError(f"{profile.model_name} has no FLOPs to place (no matmuls were traced); there is nothing "
                             "to plan")
     ctx = SearchContext(profile, cluster, job, model_spec, calibrations)
-    sp_allowed = _sequence_parallel_allowed(profile)
+    sp_allowed = sequence_parallel_allowed(profile)
     notes = []
     # Only degrees the GPU count and the pins leave a split for: the others were never possible.
     refused = [t for t in tp_degrees_possible(profile, cluster, pins) if tp_refusal(profile, t) is not None]
@@ -179,20 +187,20 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
     fwd_share_cache: dict[tuple, float] = {}
     rejections = Rejections(detailed=explain)
     only = TargetFilter.make(target, profile, job, model_spec, pins, rejections)  # --target (search/targets.py)
-    for cfg in _base_configs(profile, cluster, job, pins, rejections):
+    for cfg in base_configs(profile, cluster, job, pins, rejections):
         considered += 1
         if only is not None and only.drops_base(cfg, considered, lambda n=considered: SearchResult(
                 [], 0, n, time.perf_counter() - started, notes, rejections)):
             continue
-        if not _shardings(cfg, pins, cluster.gpus_per_node, profile):
+        if not shardings(cfg, pins, cluster.gpus_per_node, profile):
             if explain:
                 rejections.add("layout", considered, _config_key(cfg), functools.partial(
                     Rejection, "layout", cfg.describe(), _sharding_refusal(cfg, pins, profile)))
             else:
                 rejections.counts["layout"] += 1
             continue
-        frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
-        key = (cfg.tp, cfg.dp, frugal.zero, frugal.dp_replicate, cfg.pp == 1, cfg.ep, cfg.reduce_dtype, cfg.expert_tp)
+        frugal = frugal_config(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
+        key = (frugal.zero, cfg.reduce_dtype, *frugal.layout_key(_STATIC_LEAVES_OUT, pp=cfg.pp == 1))
         if key not in static_cache:
             static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
         weights_over = static_cache[key] / cfg.pp > min_capacity and not all_pinned
@@ -204,10 +212,10 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         # fastest GPU type for each block, with the links evaluate() uses (the search context's
         # cluster). Pricing the base configuration instead (no sequence parallelism) made the bound
         # exceed real step times and cut plans from the top k that a pinned search then found.
-        fastest = _with_memory_options(cfg, pins, sp_allowed, recomputes[0], frugal.zero, frugal.dp_replicate)
+        fastest = with_memory_options(cfg, pins, sp_allowed, recomputes[0], frugal.zero, frugal.dp_replicate)
         spread = cfg.ep > 1 or cfg.cp > 1  # their groups' links depend on the rank layout (as SearchContext.block_times)
-        tkey = (cfg.tp, cfg.micro_batch_size, cfg.ep, cfg.expert_tp, cfg.cp, fastest.sequence_parallel,
-                cfg.rank_order if spread else None, cfg.pp if spread else None)
+        tkey = (cfg.micro_batch_size, fastest.sequence_parallel, *cfg.layout_key(
+            MEMO_LEAVES_OUT["times"], rank_order=cfg.rank_order if spread else None, pp=cfg.pp if spread else None))
         if tkey not in time_cache:
             time_cache[tkey] = float(np.min([ctx.block_times(g, fastest).total_s for g in ctx.cluster.gpu_types],
                                             axis=0).sum())
@@ -224,7 +232,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         # Order by an estimate with the schedule's bubble (equal stages: (p-1)/v of the ideal time
         # for 1F1B/interleaved, about a third of that for zero-bubble H1, Qi et al. 2024 Table 2)
         # so good plans come first and the valid bound prunes early.
-        ramp = (cfg.pp - 1) / cfg.virtual_stages / (3 if cfg.schedule == "zb-h1" else 1)
+        ramp = (cfg.pp - 1) / cfg.virtual_stages / (3 if schedule_spec(cfg.schedule).split_backward else 1)
         estimate = bound * (cfg.num_microbatches + ramp) / cfg.num_microbatches
         candidates.append((estimate, bound, len(candidates), cfg, fastest))
     def so_far() -> SearchResult:
@@ -244,7 +252,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         raise NoPlanError(only.no_plan_message(), so_far())
     if not candidates:
         per_replica_min = job.global_batch * cluster.gpus_per_node // cluster.num_gpus
-        if per_replica_min > MAX_MICROBATCHES * max(_DEFAULT_MBS):
+        if per_replica_min > MAX_MICROBATCHES * max(DEFAULT_MBS):
             raise NoPlanError(f"global batch {job.global_batch} needs more than {MAX_MICROBATCHES} micro-batches "
                               "per replica on this cluster; use a smaller batch or more GPUs", so_far())
         _raise_no_plan(ctx, cluster, pins, sp_allowed, advise, so_far())
@@ -272,7 +280,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
             stop[option] = limit
             previous_acts = None
             for rung, recompute in enumerate(recomputes[:limit]):
-                variant = _with_memory_options(cfg, pins, sp_allowed, recompute, zero, replicate)
+                variant = with_memory_options(cfg, pins, sp_allowed, recompute, zero, replicate)
                 if only is not None and (variant := only.adjust(variant)) is None:
                     continue  # a rung the target does not run
                 acts = ctx.act_bytes(variant)
@@ -343,7 +351,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
             else:
                 rejections.counts["bound"] += 1  # the fast path builds nothing ([Note: recording rejections])
             continue
-        options = _shardings(cfg, pins, cluster.gpus_per_node, profile)
+        options = shardings(cfg, pins, cluster.gpus_per_node, profile)
         outcome = ladder(cfg, options, {})
         outcome = only.outcome(outcome, cfg, bound) if only is not None else outcome
         planned += outcome is None
@@ -356,7 +364,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
             rejections.add("bound", low, _config_key(variant), functools.partial(
                 _bound_rejection, variant, low, cutoff, top))
         elif outcome == "memory":
-            frugal = _frugal(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
+            frugal = frugal_config(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
             rejections.add("memory", bound, _config_key(frugal), functools.partial(
                 _memory_rejection, frugal, bound, None, min(g.mem_bytes for g in cluster.gpu_types),
                 "no cutting of it"), frugal)
@@ -395,7 +403,7 @@ def _plan_key(plan: Plan) -> tuple:
     rank the same way in a top 5 and a top 8."""
     return (plan.tp, plan.pp, plan.dp, plan.micro_batch_size, plan.schedule, plan.virtual_stages,
             RECOMPUTE.index(plan.recompute), plan.zero, plan.dp_replicate, plan.sequence_parallel, plan.ep, plan.cp,
-            plan.rank_order)
+            plan.rank_order, *plan.layout_key())  # the layout last: every field, the ones added later too
 
 
 def _keep(best: list[tuple[float, tuple, Plan]], top: int, step_time_s: float, plan: Plan) -> None:
@@ -416,24 +424,23 @@ def _keep(best: list[tuple[float, tuple, Plan]], top: int, step_time_s: float, p
 
 def _config_key(cfg: ParallelConfig) -> tuple:
     """A configuration without its rank layout: rejections keep one per key."""
-    return (cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch_size, cfg.schedule, cfg.virtual_stages, cfg.recompute, cfg.zero,
-            cfg.dp_replicate, cfg.ep, cfg.cp)
+    return (cfg.micro_batch_size, cfg.schedule, cfg.recompute, cfg.zero, *cfg.layout_key(CONFIG_KEY_LEAVES_OUT))
 
 
 def _sharding_refusal(cfg: ParallelConfig, pins: dict, profile: ModelProfile) -> str:
-    """Why `_shardings` offers no data-parallel sharding for this configuration (one line)."""
+    """Why `shardings` offers no data-parallel sharding for this configuration (one line)."""
     if cfg.ep > 1:
         return (expert_layout_refusal(cfg.ep, cfg.tp, cfg.dp, cfg.dp_replicate, cfg.expert_tp)
                 or "the runtime runs expert parallelism with zero 0, 2 or 3 and without HSDP")
-    if cfg.schedule == "zb-h1":
-        return "zb-h1 cannot run FSDP (its weight-gradient pass bypasses FSDP's gradient hooks)"
+    if not schedule_spec(cfg.schedule).runs_fsdp:
+        return f"{cfg.schedule} cannot run FSDP (its weight-gradient pass bypasses FSDP's gradient hooks)"
     return fsdp_refusal(profile, cfg.tp) or "FSDP (zero 2 / 3) needs more than one data-parallel rank"
 
 
 def _memory_rejection(cfg: ParallelConfig, bound_s: float, need_bytes: float | None, capacity_bytes: float,
                       what: str) -> Rejection:
-    why = (f"{what} need {_gib(need_bytes)} per GPU, {_gib(need_bytes - capacity_bytes)} over its "
-           f"{_gib(capacity_bytes)}" if need_bytes is not None else f"{what} fits {_gib(capacity_bytes)} per GPU")
+    why = (f"{what} need {fmt_gib(need_bytes)} per GPU, {fmt_gib(need_bytes - capacity_bytes)} over its "
+           f"{fmt_gib(capacity_bytes)}" if need_bytes is not None else f"{what} fits {fmt_gib(capacity_bytes)} per GPU")
     return Rejection("memory", cfg.describe(), why, bound_s, need_bytes, capacity_bytes, pins=config_pins(cfg))
 
 
@@ -456,11 +463,11 @@ def explain_memory(ctx: SearchContext, rejections: Rejections, pins: dict, sp_al
             rejection.need_bytes = need
             static_only = False  # the best cutting's whole need: its activations in flight included
         if rejection.need_bytes is not None:
-            rejection.why = (f"needs about {_gib(rejection.need_bytes)} per GPU, "
-                             f"{_gib(rejection.need_bytes - capacity)} over its {_gib(capacity)}"
+            rejection.why = (f"needs about {fmt_gib(rejection.need_bytes)} per GPU, "
+                             f"{fmt_gib(rejection.need_bytes - capacity)} over its {fmt_gib(capacity)}"
                              + (" (its weights, gradients and optimizer states alone)" if static_only
                                 else " (the least any cutting needs, activations in flight included)"))
-        fixed = _memory_fix(ctx, cfg, pins, sp_allowed)
+        fixed = memory_fix(ctx, cfg, pins, sp_allowed)
         if fixed is not None:
             rejection.fix, rejection.fix_pins = fixed
         kept[index] = (rank, order, key, (lambda r=rejection: r), cfg)
@@ -553,13 +560,13 @@ def _sharding_note(ctx: SearchContext, chosen: Plan, best_by_kind: dict[bool, Pl
                 parts.append(f"the best zero-{other.zero} plan ({_split(other)}) is {slower}")
             else:
                 parts.append("no zero-0/1 plan fit or came within the search's step-time cutoff")
-        exposed = chosen.predicted.breakdown.get("fsdp_comm_exposed_s", 0.0) + \
-            chosen.predicted.breakdown.get("dp_comm_exposed_s", 0.0)
+        exposed = chosen.predicted.breakdown.get(Term.FSDP_COMM_EXPOSED, 0.0) + \
+            chosen.predicted.breakdown.get(Term.DP_COMM_EXPOSED, 0.0)
         parts.append(f"all-gathers and reduce-scatters hidden behind compute except {_fmt_ms(exposed)} per step "
                      f"({_fmt_share(exposed / chosen.predicted.step_time_s)})")
     elif other is not None:
-        exposed = other.predicted.breakdown.get("fsdp_comm_exposed_s", 0.0) + \
-            other.predicted.breakdown.get("dp_comm_exposed_s", 0.0)
+        exposed = other.predicted.breakdown.get(Term.FSDP_COMM_EXPOSED, 0.0) + \
+            other.predicted.breakdown.get(Term.DP_COMM_EXPOSED, 0.0)
         parts.append(f"the best FSDP plan, {_sharding(other)} with {_split(other)}, is {slower}: its all-gathers and "
                      f"reduce-scatters leave {_fmt_ms(exposed)} per step exposed")
     else:
@@ -573,7 +580,7 @@ def _context_note(ctx: SearchContext, chosen: Plan, best_by_cp: dict[bool, Plan]
     other = best_by_cp.get(chosen.cp == 1)
     seq = chosen.job.seq_len
     if chosen.cp > 1:
-        gathers = chosen.predicted.breakdown.get("cp_comm_s", 0.0)
+        gathers = chosen.predicted.breakdown.get(Term.CP_COMM, 0.0)
         parts = [f"cp {chosen.cp}{' (pinned)' if 'cp' in pins else ''}: each GPU holds {seq // chosen.cp:,} of the "
                  f"{seq:,} tokens of its sequences (activations / {chosen.cp}) for {_fmt_ms(gathers)} of key/value "
                  f"all-gathers per step ({_fmt_share(gathers / chosen.predicted.step_time_s)}); {chosen.replicas} "
@@ -595,13 +602,13 @@ def _expert_note(ctx: SearchContext, chosen: Plan, best_by_ep: dict[bool, Plan],
     other = best_by_ep.get(chosen.ep == 1)
     experts = ctx.profile.extra["experts"]
     if chosen.ep == 1 and chosen.expert_tp > 1:
-        exchange = chosen.predicted.breakdown.get("ep_comm_s", 0.0)
+        exchange = chosen.predicted.breakdown.get(Term.EP_COMM, 0.0)
         return (f"ep 1, expert tp {chosen.expert_tp}{' (pinned)' if 'expert_tp' in pins else ''}: each GPU holds "
                 f"1/{chosen.expert_tp} of the hidden units of all {experts['num_experts']} experts of its layers and "
                 f"runs them on its replica's tokens, for {_fmt_ms(exchange)} of all-reduces of their outputs per step "
                 f"({_fmt_share(exchange / chosen.predicted.step_time_s)})")
     if chosen.ep > 1:
-        exchange = chosen.predicted.breakdown.get("ep_comm_s", 0.0)
+        exchange = chosen.predicted.breakdown.get(Term.EP_COMM, 0.0)
         cfg = ParallelConfig.of_plan(chosen)
         tokens = (f"the tokens of {chosen.ep} ranks over tp x dp, each bringing 1/{cfg.expert_token_split} of a "
                   "replica's" if cfg.expert_token_split > 1 else f"the tokens of {chosen.ep} replicas")
@@ -665,9 +672,10 @@ def pre_cut_bound(cfg: ParallelConfig, total_s: float, fwd_share: float) -> floa
     """
     m, p = cfg.num_microbatches, cfg.pp
     plain = m * total_s / p
-    if p == 1 or cfg.schedule == "interleaved-1f1b":
+    spec = schedule_spec(cfg.schedule)
+    if p == 1 or spec.looped:
         return plain
-    phi = fwd_share if cfg.schedule == "zb-h1" else 1.0
+    phi = fwd_share if spec.split_backward else 1.0
     return max(plain, phi * total_s / (1 - (1 - phi / m) ** p))
 
 
@@ -702,9 +710,9 @@ def _fwd_share(ctx: SearchContext, cfg: ParallelConfig) -> float:
 
 
 def _same_but_layout(a: Plan, b: Plan) -> bool:
-    keys = ("tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero", "dp_replicate",
-            "sequence_parallel", "ep", "cp", "expert_tp", "reduce_dtype")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
+    keys = ("micro_batch_size", "schedule", "recompute", "zero", "sequence_parallel", "reduce_dtype")
+    return (all(getattr(a, k) == getattr(b, k) for k in keys)
+            and a.layout_key(CONFIG_KEY_LEAVES_OUT) == b.layout_key(CONFIG_KEY_LEAVES_OUT))
 
 
 def _raise_no_plan(ctx: SearchContext, cluster: Cluster, pins: dict, sp_allowed: bool, advise: bool,

@@ -162,7 +162,7 @@ class Cuts:
         return list(itertools.pairwise(self.boundaries))
 
 
-class _Prefix:
+class Prefix:
     """Prefix sums shared by every evaluation, so all code paths round identically."""
 
     def __init__(self, p: CutProblem) -> None:
@@ -179,13 +179,13 @@ class _Prefix:
         return self.time[k if self.time.shape[0] > 1 else 0]
 
 
-def _stage_time(pre: _Prefix, p: CutProblem, k: int, a: int, b: int) -> float:
+def _stage_time(pre: Prefix, p: CutProblem, k: int, a: int, b: int) -> float:
     t = pre.time_row(k)
     c = p.cut_time_s
     return float((t[b] - t[a]) + (c[a] + c[b]))
 
 
-def _stage_mem(pre: _Prefix, p: CutProblem, k: int, a: int, b: int) -> float:
+def _stage_mem(pre: Prefix, p: CutProblem, k: int, a: int, b: int) -> float:
     ca = p.cut_act_bytes
     act = (pre.act[b] - pre.act[a]) + (ca[a] + ca[b])
     return float((pre.static[b] - pre.static[a]) + p.inflight[k] * act)
@@ -206,7 +206,7 @@ def stage_stats(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(time_s, mem_bytes) per stage of a cutting, under [Note: the stage model]."""
     b = _check_boundaries(problem, boundaries)
-    pre = _Prefix(problem)
+    pre = Prefix(problem)
     # `_stage_time` and `_stage_mem` for every stage at once: the same element-wise operations in
     # the same order, so the same numbers.
     a, e = np.array(b[:-1]), np.array(b[1:])

@@ -157,7 +157,8 @@ class TargetFilter:
     def _reject(self, cfg: ParallelConfig, rank: float, why: str) -> None:
         from autoplan.search.configs import config_pins
 
-        key = (cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch_size, cfg.schedule, cfg.virtual_stages, cfg.cp, cfg.ep)
+        # The rejection's key: every layout field (a new one enters by itself) and the micro-batching.
+        key = (cfg.micro_batch_size, cfg.schedule, *cfg.layout_key(("rank_order",)))
         self.rejections.add("target", rank, key, functools.partial(
             Rejection, "target", cfg.describe(), f"{self.target}: {why}", pins=config_pins(cfg)))
 

@@ -43,6 +43,7 @@ from autoplan.report.export.common import (
     plan_summary,
     stage_lines,
 )
+from autoplan.schedule import schedule_spec
 
 __all__ = ["DEEPSPEED_VERSION", "mismatches", "partition_balanced", "partition_uniform", "placeable_cuts", "write"]
 
@@ -406,7 +407,8 @@ def _pipeline_module(plan: Plan, shape: TransformerShape | None, config: dict[st
     differences; with `cuts=False` (a configuration without cuts) the schedule and recompute ones
     only, and None."""
     classes = _layer_classes(plan, shape)
-    one_f_one_b = plan.virtual_stages == 1 and plan.schedule in ("1f1b", "interleaved-1f1b")
+    runs = schedule_spec(plan.schedule).exports["deepspeed"]  # what DeepSpeed runs for it (schedule/specs.py)
+    one_f_one_b = plan.virtual_stages == 1 and runs.difference is None
     target = list(plan.boundaries) if cuts and one_f_one_b else _rank_cuts(plan) if cuts else []
     if not one_f_one_b:
         # runtime/pipe/engine.py `PipelineEngine.train_batch` runs `schedule.TrainSchedule`, a 1F1B
@@ -418,14 +420,8 @@ def _pipeline_module(plan: Plan, shape: TransformerShape | None, config: dict[st
                                "PipelineEngine runs one stage per rank (its 1F1B TrainSchedule), so each rank's "
                                f"blocks are merged into one stage{f' ({merged})' if merged else ''} and the bubble "
                                "is larger than predicted")
-        elif plan.schedule == "zb-h1":
-            differences.differ({"schedule"}, "zb-h1: DeepSpeed's PipelineEngine has no zero-bubble schedule (it does not split the "
-                               "backward into input and weight gradients) and runs its 1F1B TrainSchedule, so the "
-                               "bubble is larger than predicted")
         else:
-            differences.differ({"schedule"}, f"{plan.schedule}: DeepSpeed's PipelineEngine runs its 1F1B "
-                               "TrainSchedule instead, same bubble with fewer micro-batches' activations held, so "
-                               "memory is lower than predicted")
+            differences.differ({"schedule"}, runs.difference)
     if cuts:
         method, parts = _nearest(_candidates(classes, plan.pp), target)
     else:

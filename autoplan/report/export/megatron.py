@@ -40,6 +40,7 @@ from autoplan.report.export.common import (
     stage_lines,
 )
 from autoplan.report.export.megatron_moe import expert_layout_args, moe_model_args
+from autoplan.schedule import schedule_spec
 
 __all__ = ["MEGATRON_VERSION", "mismatches", "pipeline_layout", "placeable_cuts", "write"]
 
@@ -230,16 +231,10 @@ def _parallel_args(plan: Plan, differences: Findings, *, cuts: bool = True) -> l
         if cuts:
             args.append(("--pipeline-model-parallel-layout", pipeline_layout(plan)))
             _check_final_norm(plan, differences)
-        if plan.schedule == "gpipe":
-            differences.differ({"schedule", "pp"}, "schedule gpipe: Megatron-LM has no all-forward-all-backward pipeline schedule; it "
-                               "runs 1F1B (schedules.py forward_backward_pipelining_without_interleaving), which "
-                               "has the same bubble but holds at most pp micro-batches of activations, so peak "
-                               "memory is lower than predicted")
-        elif plan.schedule == "zb-h1":
-            differences.differ({"schedule", "pp"}, "schedule zb-h1: megatron-core 0.16.1 has no zero-bubble pipeline schedule (no "
-                               "split of the backward into input and weight gradients in schedules.py); it runs "
-                               "1F1B, so the pipeline bubble is larger and the step slower than predicted")
-        elif plan.schedule == "interleaved-1f1b" and plan.num_microbatches % plan.pp:
+        spec = schedule_spec(plan.schedule)  # what Megatron-LM runs for it (schedule/specs.py)
+        if spec.exports["megatron"].difference is not None:
+            differences.differ({"schedule", "pp"}, spec.exports["megatron"].difference)
+        elif spec.looped and plan.num_microbatches % plan.pp:
             # schedules.py forward_backward_pipelining_with_interleaving, default group size pp.
             raise ExportError(f"Megatron's interleaved schedule needs the {plan.num_microbatches} micro-batches "
                               f"divisible by pp {plan.pp}; re-plan", dims={"schedule", "num_microbatches", "pp"})

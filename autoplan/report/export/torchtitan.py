@@ -35,6 +35,7 @@ from autoplan.report.export.common import (
     stage_blocks,
     stage_lines,
 )
+from autoplan.schedule import schedule_spec
 
 __all__ = ["CONFIG_FUNCTION", "DEFAULT_MODULE", "TORCHTITAN_VERSION", "mismatches", "write"]
 
@@ -435,28 +436,14 @@ def _parallelism(plan: Plan, settings: _Settings) -> None:
             f"{plan.tp * plan.dp} ranks apart and their point-to-point traffic may cross nodes")
 
 
-_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
-"""autoplan schedule -> torch.distributed.pipelining.schedules get_schedule_class name (torchtitan
-passes parallelism.pipeline_parallel_schedule to it in pipeline_parallel.py)."""
-
-
 def _schedule(plan: Plan, settings: _Settings) -> None:
     if plan.pp == 1:
         return
     # torchtitan/trainer.py Trainer.Config._validate_cuda_graphs refuses pp > 1 with CUDA graphs on.
     settings.training["disable_cuda_graphs"] = "True"
-    looped = plan.virtual_stages > 1
-    if plan.schedule == "gpipe" and looped:
-        name = "LoopedBFS"  # GPipe order over several stages per rank
-    elif plan.schedule in ("interleaved-1f1b", "zb-h1") and not looped:
-        # One stage per rank: interleaving has nothing to interleave; and torch.distributed.pipelining
-        # has zero-bubble schedules only for several stages per rank (InterleavedZeroBubble,
-        # ZBVZeroBubble), so a one-stage-per-rank ZB-H1 runs as 1F1B.
-        name = "1F1B"
-    elif plan.schedule == "zb-h1":
-        name = "Interleaved1F1B"
-    else:
-        name = _SCHEDULES[plan.schedule]
+    # torch.distributed.pipelining's get_schedule_class name for the plan's schedule (schedule/specs.py).
+    target = schedule_spec(plan.schedule).exports["torchtitan"]
+    name = (target.looped_name or target.name) if plan.virtual_stages > 1 else target.name
     count = plan.num_microbatches
     few = name == "1F1B" and count < plan.pp
     if few:
@@ -465,10 +452,8 @@ def _schedule(plan: Plan, settings: _Settings) -> None:
         # GPipe takes any count, and with m < pp micro-batches 1F1B has no steady phase: the same
         # bubble, and the first stage holds all m micro-batches' activations in both schedules.
         name = "GPipe"
-    if plan.schedule == "zb-h1":
-        settings.differences.differ({"schedule", "pp"},
-            f"the plan's zb-h1 schedule (split backward, Qi et al. 2023) has no one-stage-per-rank schedule in "
-            f"torch.distributed.pipelining; written as {name}, whose larger bubble makes steps slower than predicted")
+    if target.difference is not None:
+        settings.differences.differ({"schedule", "pp"}, target.difference.format(name=name))
     if few:
         settings.differences.differ({"schedule", "virtual_stages", "num_microbatches", "pp"},
             f"the plan runs {count} micro-batches on {plan.pp} pipeline stages with one stage per rank, fewer than "

@@ -15,21 +15,21 @@ from autoplan.report.timeline.trace_match import plan_summary
 from autoplan.schedule import Action
 
 
-def _title_lines(plan: Plan | None, timelines: Sequence[Timeline], max_chars: int) -> list[str]:
+def wrapped_title(plan: Plan | None, timelines: Sequence[Timeline], max_chars: int) -> list[str]:
     """The picture's title, wrapped to `max_chars` a line: the plan, then each timeline's summary."""
     import textwrap
 
     lines = textwrap.wrap(plan_summary(plan), max_chars) if plan is not None else []
-    summaries = " | ".join(f"{t.label}: step {_fmt_s(t.step_time_s)}, bubble {t.bubble_fraction:.1%}"
+    summaries = " | ".join(f"{t.label}: step {fmt_s(t.step_time_s)}, bubble {t.bubble_fraction:.1%}"
                            for t in timelines)
     return lines + (textwrap.wrap(summaries, max_chars) if summaries else [])
 
 
-def _title(plan: Plan | None, timelines: Sequence[Timeline]) -> str:
-    return " | ".join(_title_lines(plan, timelines, 10**6))
+def title_text(plan: Plan | None, timelines: Sequence[Timeline]) -> str:
+    return " | ".join(wrapped_title(plan, timelines, 10**6))
 
 
-def _fmt_s(seconds: float) -> str:
+def fmt_s(seconds: float) -> str:
     if seconds >= 1.0:
         return f"{seconds:.3f} s"
     if seconds >= 1e-3:
@@ -44,7 +44,7 @@ is a sliver at the left edge (issue 44: a CPU run of a GPU-calibrated plan measu
 prediction, whose rows were then 2% of the picture)."""
 
 
-def _spans(timelines: Sequence[Timeline]) -> tuple[list[float], str | None]:
+def axis_spans(timelines: Sequence[Timeline]) -> tuple[list[float], str | None]:
     """The time each timeline's rows span (seconds), and, when they are not one shared axis, the line
     the legend says it with (each timeline's step against the first's)."""
     steps = [t.step_time_s if t.step_time_s > 0 else 0.0 for t in timelines]
@@ -59,7 +59,7 @@ def _spans(timelines: Sequence[Timeline]) -> tuple[list[float], str | None]:
     return [s or longest for s in steps], note
 
 
-def _time_unit(span_s: float) -> tuple[str, float]:
+def time_unit(span_s: float) -> tuple[str, float]:
     """One unit for a whole axis, chosen by its span: (name, units per second)."""
     if span_s >= 1.0:
         return "s", 1.0
@@ -68,7 +68,7 @@ def _time_unit(span_s: float) -> tuple[str, float]:
     return "us", 1e6
 
 
-def _nice_step(span: float) -> float:
+def nice_step(span: float) -> float:
     raw = span / 8 if span > 0 else 1.0
     import math
 
@@ -79,13 +79,13 @@ def _nice_step(span: float) -> float:
     return 10 * mag
 
 
-def _tick_labels(span_s: float) -> tuple[list[float], list[str], str]:
-    """Tick positions (seconds) and their labels, every label in the one unit `_time_unit` picks,
+def tick_labels(span_s: float) -> tuple[list[float], list[str], str]:
+    """Tick positions (seconds) and their labels, every label in the one unit `time_unit` picks,
     with as many decimals as the tick spacing needs."""
     import math
 
-    unit, per_s = _time_unit(span_s)
-    tick = _nice_step(span_s)
+    unit, per_s = time_unit(span_s)
+    tick = nice_step(span_s)
     decimals = max(0, -math.floor(math.log10(tick * per_s) + 1e-9))
     ticks, labels = [], []
     k = 0
@@ -105,7 +105,7 @@ def _text_width_px(text: str, font_px: float) -> float:
     return font_px * sum(_WIDE_EM.get(ch, 0.7 if ch.isupper() else 0.64) for ch in text)
 
 
-def _box_label(action: str, width_px: float, font_px: float) -> str | None:
+def box_label(action: str, width_px: float, font_px: float) -> str | None:
     """The longest of "2W12", "W12", "12" (stage, kind, micro-batch) that fits a box `width_px`
     wide with a little margin; None when none does (the box's tooltip still names it)."""
     try:

@@ -8,7 +8,7 @@ of a kind in one place.
 from __future__ import annotations
 
 # Compute kinds are tall boxes; communication and the step's tail are drawn thin.
-_COLORS = {
+COLORS = {
     "F": "#4e79a7",
     "B": "#59a14f",
     "W": "#edc948",
@@ -21,7 +21,7 @@ _COLORS = {
     "OPT": "#f28e2b",
 }
 # Kinds in the legend of both renderings (SVG and PNG), in drawing order.
-_LEGEND = (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("RECV_F", "P2P act"), ("RECV_B", "P2P grad"),
+LEGEND = (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("RECV_F", "P2P act"), ("RECV_B", "P2P grad"),
            ("TIED", "tied grads"), ("DP", "DP reduce"), ("OPT", "optimizer"))
-_OTHER_COLOR = "#bab0ac"
-_THIN_KINDS = frozenset({"RECV_F", "RECV_B", "SEND_F", "SEND_B"})
+OTHER_COLOR = "#bab0ac"
+THIN_KINDS = frozenset({"RECV_F", "RECV_B", "SEND_F", "SEND_B"})

@@ -9,6 +9,7 @@ Apart from the measured timeline (report/timeline/measured.py): this one reads o
 
 from __future__ import annotations
 
+from autoplan.plan import BreakdownTerm as Term
 from autoplan.plan import Plan
 from autoplan.report.timeline.model import Box, Timeline
 from autoplan.schedule import Action, ActionKind, make_schedule, simulate
@@ -63,11 +64,11 @@ def predicted_timeline(plan: Plan, *, comm: bool = True) -> Timeline:
         return comm_s[key]
 
     breakdown = plan.predicted.breakdown or {}
-    dp_s = float(breakdown.get("dp_comm_exposed_s", 0.0))
-    opt_s = float(breakdown.get("optimizer_s", 0.0))
+    dp_s = float(breakdown.get(Term.DP_COMM_EXPOSED, 0.0))
+    opt_s = float(breakdown.get(Term.OPTIMIZER, 0.0))
     # A tied head's gradient is summed with its embedding's: the first block is on the first rank and
     # the last block on the last rank (the plan keeps the slowest such sum; cost/time.py).
-    tied_s = float(breakdown.get("tied_grad_sync_s", 0.0))
+    tied_s = float(breakdown.get(Term.TIED_GRAD_SYNC, 0.0))
     tied = [tied_s if rank in (0, plan.pp - 1) else 0.0 for rank in range(plan.pp)]
     sim = simulate(schedule, lambda a: durations[a.kind][a.stage], comm_time if num_bytes is not None else None,
                    [tied[rank] + dp_s + opt_s for rank in range(plan.pp)])
