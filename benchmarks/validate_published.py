@@ -18,8 +18,8 @@ declared out of memory is a false OOM).
 `--check` exits 1 when a run's predicted step time or memory moved past the recorded tolerance, a run
 leaves its tolerance against the published figure, or a run that trained is declared out of memory.
 
-How long: the plain run takes about 2 minutes on an idle 2-core machine and 10-12 minutes when other
-work shares it (leave-one-source-out refits the calibrations five times); `--no-loso` and `--check`
+How long: the plain run takes about 4 minutes on an idle 2-core machine and 15-20 minutes when other
+work shares it (leave-one-source-out refits the calibrations five times, each to convergence); `--no-loso` and `--check`
 take about 15 s; `--write` adds two full fits (about 5 minutes more). Progress ("predicting the
 published runs: 12/27 rows", "leave-one-source-out 3/5: ...", fit iterations) goes to stderr.
 
@@ -63,9 +63,9 @@ from autoplan.published import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS = {"megatron-sc21": (0.03, 0.06), "modern": (0.05, 0.12), "loso": 0.08, "moe": 0.15}
-"""In-sample (median, worst) per file and the leave-one-source-out median (issue 28); the worst
-error of a mixture-of-experts run, predicted at its published layout (issue 31)."""
+TARGETS = {"megatron-sc21": (0.03, 0.06), "modern": (0.05, 0.12), "loso": 0.06, "moe": 0.15}
+"""In-sample (median, worst) per file (issue 28) and the leave-one-source-out median (issue 28: 8%;
+issue 40: 6%); the worst error of a mixture-of-experts run, predicted at its published layout (issue 31)."""
 NOT_FITTED_REGIMES = ("MoE",)
 """Regimes left out of the dense fit. The mixture-of-experts runs ran Megatron-Core's stack: they fit
 only that stack's two numbers (autoplan/published.py [Note: Megatron-Core's MoE stack], `fit_stacks`),
@@ -147,7 +147,11 @@ def leave_one_source_out(runs: list[PublishedRun], shipped: dict[str, Calibratio
         _log(f"leave-one-source-out {index}/{len(sources)}: refitting without {source} ...")
         kept = [r for r in runs if r.source != source and r.regime not in NOT_FITTED_REGIMES]
         held = [r for r in runs if r.source == source]
-        cals, _ = fit(kept, neutral(shipped), rounds=1, iterations=6)
+        # The in-sample fit's own procedure (two rounds of eight iterations) from the round figures:
+        # one round of six stopped short (without llm-foundry the rms log error was still falling,
+        # 0.063 against 0.035 converged, the A100 GEMM share at 0.629 against 0.674), so the
+        # figure left out measured the optimizer's budget as much as the missing source.
+        cals, _ = fit(kept, neutral(shipped))
         # A source with MoE runs: the Megatron-Core stacks' numbers from the other sources' MoE runs
         # alone; with none left, no fitted numbers at all (the chip's attention share, no host term).
         moe_kept = [r for r in runs if r.source != source and r.regime in NOT_FITTED_REGIMES]
@@ -257,7 +261,7 @@ def _doc_tables(text: str) -> str:
         lines[i] = per_gpu(lines[i])
     text = "\n".join(lines)
     stacks = [("flash", " (default)"), ("torchtitan", " (as the default)"), ("llm-foundry", ""),
-              ("megatron-core", ""), ("megatron-core-deepep", ""), ("megatron-lm-2021", "")]
+              ("megatron-core", ""), ("megatron-core-deepep", ""), ("megatron-lm-2021", ""), ("deepspeed", "")]
     text = replace_body(text, "| stack | attention kernel |", [kernel_row(*s) for s in stacks])
     a100 = chips["A100"]
     shared = f"| {a100.overlap_slowdown:.3f} | {a100.network_efficiency:.3f} | {a100.fsdp_unit_overhead_s * 1e3:.2f} |"
@@ -327,7 +331,7 @@ def check(path: Path, runs: list[PublishedRun]) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        epilog="Takes about 2 minutes on an idle 2-core machine, 10-12 under load (--no-loso, --check: about "
+        epilog="Takes about 4 minutes on an idle 2-core machine, 15-20 under load (--no-loso, --check: about "
                "15 s; --write: about 5 minutes more); progress on stderr.")
     parser.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
     parser.add_argument("--write", action="store_true", help="refit on all runs and write the shipped calibrations")
@@ -392,9 +396,10 @@ def main() -> int:
     modern = summary([p.error for p in predictions if p.run.source != "megatron-sc21"
                       and p.run.regime not in NOT_FITTED_REGIMES])
     moe = summary([p.error for p in predictions if p.run.regime in NOT_FITTED_REGIMES])
-    print(f"Megatron-LM SC'21 in-sample: median {sc21['median']:.1%}, worst {sc21['worst']:.1%} "
+    # Two decimals where a figure meets its target: 3.05% must not print as "3.0%" beside "3%".
+    print(f"Megatron-LM SC'21 in-sample: median {sc21['median']:.2%}, worst {sc21['worst']:.2%} "
           f"(targets {TARGETS['megatron-sc21'][0]:.0%}, {TARGETS['megatron-sc21'][1]:.0%})")
-    print(f"modern runs in-sample (fitted regimes): median {modern['median']:.1%}, worst {modern['worst']:.1%} "
+    print(f"modern runs in-sample (fitted regimes): median {modern['median']:.2%}, worst {modern['worst']:.2%} "
           f"(targets {TARGETS['modern'][0]:.0%}, {TARGETS['modern'][1]:.0%})")
     if moe:
         within = sum(abs(p.error) <= TARGETS["moe"] for p in predictions if p.run.regime in NOT_FITTED_REGIMES)
@@ -402,7 +407,7 @@ def main() -> int:
               f"{moe['worst']:.1%}, {within} of {moe['count']} within {TARGETS['moe']:.0%} (target: all)")
     if loso:
         held = summary(list(loso.values()))
-        print(f"leave-one-source-out: median {held['median']:.1%}, worst {held['worst']:.1%} "
+        print(f"leave-one-source-out: median {held['median']:.2%}, worst {held['worst']:.2%} "
               f"(target median {TARGETS['loso']:.0%})")
         for source, values in fitted.items():
             names = [*FIT_PARAMETERS, *(f"megatron-core.{n}" for n in STACK_FIT_PARAMETERS)]

@@ -79,9 +79,9 @@ def test_tensor_parallelism_and_micro_batch_scale_an_op(profile):
     # Compute-bound at these sizes: linear in the micro-batch (a tiny one is bound by the weight's bytes).
     assert op_time_s(fc1, cal, gpu, 128, 1, False) == pytest.approx(2 * op_time_s(fc1, cal, gpu, 64, 1, False))
     assert op_time_s(fc1, cal, gpu, 1, 1, False) > op_time_s(fc1, cal, gpu, 64, 1, False) / 64
-    # tp divides a compute-bound GEMM (at 256 sequences whatever the fitted GEMM share; at 64 and tp 4
-    # the A100's roofline ridge is near).
-    assert op_time_s(fc1, cal, gpu, 256, 4, False) == pytest.approx(op_time_s(fc1, cal, gpu, 256, 1, False) / 4,
+    # tp divides a compute-bound GEMM (at tp 2 the k 256 x n 512 tile stays above the A100's roofline
+    # ridge at any fitted share; at tp 4 it sits on the ridge).
+    assert op_time_s(fc1, cal, gpu, 256, 2, False) == pytest.approx(op_time_s(fc1, cal, gpu, 256, 1, False) / 2,
                                                                      rel=0.05)
     hidden = next(o for o in layer.ops if o.kind == "memory" and o.tp == "hidden")
     assert op_time_s(hidden, cal, gpu, 8, 4, False) == op_time_s(hidden, cal, gpu, 8, 1, False)  # replicated

@@ -147,6 +147,7 @@ from autoplan.cost.memory_stacks import loss_backward_factor, stack_saved_bytes
 from autoplan.cost.time import gathered_kv_bytes, tp_divisor, tp_sharded
 from autoplan.graph.blocks import Block, ModelProfile
 from autoplan.plan import MemoryBreakdown
+from autoplan.schedule import schedule_spec
 
 __all__ = ["ALLOWANCE_FIXED_BYTES", "ALLOWANCE_FRACTION", "BYTES_PER_PARAM", "MIN_BYTES_PER_PARAM",
            "allowance_bytes", "block_act_bytes", "block_static_bytes", "expert_shard_surplus", "surplus_bytes_per_param",
@@ -494,7 +495,7 @@ def zb_pending_weight_bytes(cfg: ParallelConfig, stage_ranges: Sequence[tuple[in
                             stage_acts: np.ndarray) -> float:
     """What the micro-batch whose W is pending keeps beyond its activations, at most ([Note: ZB-H1's
     pending W]): one micro-batch's activations of the largest stage of the rank that splits its backward."""
-    if cfg.schedule != "zb-h1" or cfg.num_microbatches < 2:
+    if not schedule_spec(cfg.schedule).split_backward or cfg.num_microbatches < 2:
         return 0.0
     split = [float(stage_acts[k]) for k, (a, _) in enumerate(stage_ranges) if a > 0]
     return max(split, default=0.0)

@@ -27,11 +27,11 @@ from autoplan.cost.experts import (
     expert_flops,
     sharded_but_experts,
 )
-from autoplan.cost.ops import op_time_s
+from autoplan.cost.ops import memory_time_s, op_time_s
 from autoplan.graph.blocks import Block, ModelProfile
 
-__all__ = ["BlockTimes", "block_times", "op_pass_times", "cpu_sharing", "cut_transfer_time_s", "cut_transfer_times_s",
-           "optimizer_time_s", "tied_sync_times_s", "tp_divisor", "tp_sharded"]
+__all__ = ["BlockTimes", "block_times", "hidden_dropout_times_s", "op_pass_times", "cpu_sharing", "cut_transfer_time_s",
+           "cut_transfer_times_s", "optimizer_time_s", "tied_sync_times_s", "tp_divisor", "tp_sharded"]
 
 # Blocks whose parameters and FLOPs Megatron tensor parallelism shards (Shoeybi et al. 2019, Sec. 3:
 # attention and MLP column/row parallel; vocab-parallel embedding and output layer).
@@ -130,8 +130,54 @@ def op_pass_times(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, s
                 memory_fwd += seconds
         else:
             bwd += seconds
+    if cal.hidden_dropout and block.kind in _RESIDUAL_DROPOUTS:
+        drop_fwd, drop_bwd = hidden_dropout_times_s(block, cal, gpu, f, tp, sp, dtype, profile_dtype)
+        fwd += drop_fwd
+        memory_fwd += drop_fwd
+        bwd += drop_bwd
     selective = attention_fwd if cal.selective_recompute == "attention" else gemm_fwd / 2 + memory_fwd
     return fwd, bwd, selective
+
+
+# [Note: hidden dropout]
+# Megatron-LM drops out each residual branch of a transformer layer (`--hidden-dropout`, 0.1 by
+# default: megatron/arguments.py) in a fused bias-dropout-add kernel (megatron/model/transformer.py,
+# `bias_dropout_add_fused_train`), two per layer (after attention and after the MLP). Beside the
+# residual add the profiled model already has, each one costs
+# - forward: its mask, one byte an element written by the same kernel (Korthikanti et al. 2022,
+#   "Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1, counts the dropout
+#   mask at one byte an element);
+# - backward: a kernel that reads the gradient and the mask and writes the gradient (2 + 1 + 2 bytes
+#   an element at 2-byte elements, the gradient at the job's element size), where the plain add's
+#   backward passes the gradient through.
+# The elements are the layer's hidden state, s b h: whole on every tp rank, since the dropout acts
+# on the tensor the row-parallel all-reduce made whole, and 1/tp of it under sequence parallelism
+# (Korthikanti et al. 2022, Sec. 4.2.2). Full recompute runs the forward again (`block_times`).
+# Only a stack that says so (`Calibration.hidden_dropout`: Megatron-LM as its 2021 runs ran it).
+_RESIDUAL_DROPOUTS = {"layer": 2, "attention": 1, "mlp": 1}
+"""Residual dropouts per block kind ([Note: hidden dropout])."""
+_DROPOUT_MASK_BYTES = 1.0
+"""Bytes of a dropout mask an element (a bool tensor)."""
+
+
+def hidden_dropout_times_s(block: Block, cal: Calibration, gpu: GPU, f: float, tp: int, sp: bool, dtype: str,
+                           profile_dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of `block`'s residual dropouts at batch factor f on one of tp ranks
+    ([Note: hidden dropout]); the forward is the masks' bytes inside the add's kernel (no floor of
+    its own), the backward one kernel per dropout."""
+    count = _RESIDUAL_DROPOUTS.get(block.kind, 0)
+    if count == 0 or block.output_bytes <= 0:
+        return 0.0, 0.0
+    itemsize = float(_ITEMSIZE.get(dtype_key(profile_dtype), 2))
+    elements = block.output_bytes / itemsize * f / (tp if sp and tp > 1 else 1)
+    backward_bytes = 2 * float(_ITEMSIZE.get(dtype_key(dtype), 2)) + _DROPOUT_MASK_BYTES  # gradient in and out, mask
+    bandwidth = cal.memory_bandwidth_efficiency * gpu.mem_bw_bytes_per_s
+    fwd = count * elements * _DROPOUT_MASK_BYTES / bandwidth
+    bwd = count * memory_time_s(cal, gpu, elements * backward_bytes)
+    return fwd, bwd
+
+
+_ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def _flops_seconds(cal: Calibration, gpu: GPU, dtype: str, flops: float, attention: float, phase: str) -> float:
