@@ -34,10 +34,11 @@ def tensor_parallel_summary(traced: TracedModel, example_inputs: Sequence[Any]) 
     # whose attention and MLP are both sharded, about 2/3 for one whose attention stays replicated.
     shares = []
     for paths in traced.block_modules or [[] for _ in traced.block_names]:
-        params = {id(p): (p.numel(), owner in layout) for path in paths
+        # a fused projection's parts left whole (a multi-query key and value) count as unsharded
+        params = {id(p): (p.numel(), layout.sharded_share(owner)) for path in paths
                   for owner, m in _named_modules_under(traced.gm, path) for p in m.parameters(recurse=False)}
         total = sum(n for n, _ in params.values())
-        shares.append(round(sum(n for n, sharded in params.values() if sharded) / total, 4) if total else 0.0)
+        shares.append(round(sum(n * share for n, share in params.values()) / total, 4) if total else 0.0)
     summary["block_sharded_share"] = shares
     return summary
 

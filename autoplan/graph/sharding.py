@@ -21,9 +21,13 @@ a linear's output starts a new set):
   column-parallel width / head size is that projection's head count (q: heads, k and v: KV heads).
   Otherwise it is an MLP (up/gate -> down), whose width tp must divide;
 - a fused projection (q/k/v, gate/up: one column-parallel linear) is sharded per head or key/value
-  group, or part by part, as [Note: fused projections] says; an attention it cannot shard stays
-  replicated and the layout lists it (`replicated`), as every attention whose projections pair
-  with no row-parallel output;
+  group, or part by part (grouped-query parts of unequal sizes included), with a multi-query key and
+  value head left whole on every rank, as [Note: fused projections] says; an attention it cannot
+  shard stays replicated and the layout lists it (`replicated`), as every attention whose
+  projections pair with no row-parallel output;
+- an attention whose per-head projections read latents of down-projections (DeepSeek's multi-head
+  latent attention) shards the per-head projections and leaves the down-projections whole
+  (`ShardGroup.shared`, [Note: latent attention] in graph/tp_pairs.py);
 - the token embedding and the LM head are vocabulary-parallel when the head is a linear whose output
   is the model's output, of width `num_embeddings` of an `nn.Embedding` of the hidden width (or
   tied to it);
@@ -215,28 +219,37 @@ def find_layout(model: nn.Module, example_inputs: Sequence[Any] | None = None) -
                                 "linear module to shard")
     parts: dict[str, int] = {}
     skipped: dict[str, str] = {}  # attention module -> why its pair was not sharded
+    blocks: dict[str, tuple[tuple[int, bool], ...]] = {}
     for b in flow.order:
         src = flow.sources.get(b, frozenset())
         feeders = sorted(s for s in src if s in flow.widths)
         if not feeders or len(feeders) != len(src - {ATTN, NORM}):
             continue  # fed by something else too (a residual, an input)
+        b_in, b_out = flow.widths[b]
+        shared = _latent_projections(flow, feeders, b) if ATTN in src else []
+        if shared is None:
+            continue
+        feeders = [a for a in feeders if a not in shared]
         if any(flow.consumers[a] != {b} for a in feeders):
             continue
-        b_in, b_out = flow.widths[b]
-        if any(flow.widths[a][0] != b_out for a in feeders) or any(a in styles for a in feeders):
+        if (any(flow.widths[a][0] != b_out for a in feeders if not shared)
+                or any(a in styles for a in [*feeders, *shared])):
             continue  # not hidden -> ... -> hidden
-        parent = _common_parent([*feeders, b])
-        found = attention_pair(flow, feeders, b_in, src) if ATTN in src else mlp_pair(flow, feeders, b_in, src)
+        parent = _common_parent([*feeders, *shared, b])
+        found = (attention_pair(flow, feeders, b_in, src, shared) if ATTN in src
+                 else mlp_pair(flow, feeders, b_in, src))
         if isinstance(found, str):
             if ATTN in src:
                 skipped.setdefault(parent, found)
             continue
-        kind, counts, fused_parts, norm = found
-        groups.append(ShardGroup(kind, tuple(feeders), b, counts, parent, norm))
+        kind, counts, fused_parts, norm, fused_blocks = found
+        groups.append(ShardGroup(kind, tuple(feeders), b, counts, parent, norm, tuple(shared)))
         for a in feeders:
             styles[a] = "colwise-qkv" if fused_parts else "colwise"  # [Note: fused projections]
             if fused_parts:
                 parts[a] = fused_parts
+            if fused_blocks:
+                blocks[a] = fused_blocks
         styles[b] = "rowwise"
     # An attention whose projections were not paired stays whole on every tp rank: say so, and why.
     for key in flow.head_dim:
@@ -260,17 +273,42 @@ def find_layout(model: nn.Module, example_inputs: Sequence[Any] | None = None) -
     _vocab_parallel(flow, styles, divides)
     sharded = sum(p.numel() for p in {id(p): p for path in styles
                                       for p in model.get_submodule(path).parameters(recurse=False)}.values())
+    # The parts of a fused projection left whole (a multi-query key and value) are not sharded.
+    for path, parts_of in blocks.items():
+        whole = sum(n for n, kept in parts_of if kept)
+        sharded -= sum(p.numel() // sum(n for n, _ in parts_of) * whole
+                       for p in model.get_submodule(path).parameters(recurse=False))
     # Parameters read only on a sharded attention's heads (a per-head norm's weight): each tp rank's
     # gradient is of its own heads.
     inside = [set(g.colwise) for g in groups if g.kind == "attention" and g.norm]
     head_params = tuple(name for name, tags in flow.param_inputs.items()
                         if tags and name.rpartition(".")[0] not in styles and any(tags <= cols for cols in inside))
     layout = TensorParallelLayout(styles=styles, groups=tuple(groups), divides=divides, replicated=replicated,
-                                  sharded_params=sharded, total_params=total, parts=parts, head_params=head_params,
+                                  sharded_params=sharded, total_params=total, parts=parts, blocks=blocks,
+                                  head_params=head_params,
                                   transposed=frozenset(p for p in styles if p in flow.transposed),
                                   tied=_tied_names(model, styles))
     layout.layers = tuple(_sp_layers(model, layout))
     return layout
+
+
+def _latent_projections(flow: Flow, feeders: Sequence[str], b: str) -> list[str] | None:
+    """The projections of an attention left whole on every tp rank, for output projection `b` fed
+    by `feeders` ([Note: latent attention] in graph/tp_pairs.py): the down-projections (hidden ->
+    latent) that the per-head projections read, and any of them the attention reads too. [] when
+    every feeder reads the hidden state (no latent); None when the pattern is broken (a projection
+    read by something else)."""
+    b_out = flow.widths[b][1]
+    down = {s for a in feeders if flow.widths[a][0] != b_out
+            for s in flow.sources.get(a, frozenset()) if s in flow.widths}
+    down |= {a for a in feeders if flow.consumers[a] != {b}}
+    if not down:
+        return []
+    ups = set(feeders) - down
+    if (not ups or any(flow.widths[d][0] != b_out or not flow.consumers[d] <= {b, *ups} for d in down)
+            or any(flow.widths[a][0] != b_out and not (flow.sources.get(a, frozenset()) & down) for a in ups)):
+        return None
+    return sorted(down)
 
 
 def _tied_names(model: nn.Module, styles: Mapping[str, str]) -> dict[str, str]:
@@ -354,6 +392,9 @@ def for_graph(layout: TensorParallelLayout, traced) -> TensorParallelLayout:
             what = "q/k/v" if g.kind == "attention" else "gate/up"
             why[g] = (f"its fused {what} projection '{g.colwise[0]}' is cut into parts and the graph calls the "
                       f"{g.kind} whole: module hooks cannot shard each part")
+        elif g.shared:
+            why[g] = (f"its per-head projections read projections left whole ({', '.join(repr(p) for p in g.shared)}) "
+                      "and the graph calls the attention whole: module hooks cannot mix whole and sharded heads")
         elif g.norm == "full":
             why[g] = ("it normalizes q / k over the whole projection width and the graph calls the attention "
                       "whole: module hooks would normalize this rank's part only")
@@ -368,6 +409,7 @@ def for_graph(layout: TensorParallelLayout, traced) -> TensorParallelLayout:
     return dataclasses.replace(layout, styles=styles, groups=groups, replicated=replicated, inlined=False,
                                divides=_divides(groups, layout.divides), layers=(),
                                parts={p: n for p, n in layout.parts.items() if p in styles},
+                               blocks={p: n for p, n in layout.blocks.items() if p in styles},
                                head_params=tuple(p for p in layout.head_params
                                                  if not any(p.startswith(g.parent + ".") for g in why)))
 

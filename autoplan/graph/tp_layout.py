@@ -31,6 +31,9 @@ class ShardGroup:
     """A normalization of q / k between them: "head" (over each head: Qwen3's q/k norm, sharded with
     the heads as is) or "full" (over a projection's whole width: OLMo2's; its statistics need
     every tp rank's part, which DTensor all-reduces on an inlined graph)."""
+    shared: tuple[str, ...] = ()
+    """Linears that feed the attention and its column-parallel linears too, left whole on every tp
+    rank (latent attention's down-projections: [Note: latent attention] in graph/tp_pairs.py)."""
 
 
 @dataclass
@@ -62,6 +65,11 @@ class TensorParallelLayout(Mapping):
     """A fused projection styled "colwise-qkv" -> the number of equal parts its output is cut into
     (3 for q, k and v; 2 for gate and up): each part is sharded on its own ([Note: fused projections]
     in graph/sharding.py)."""
+    blocks: dict[str, tuple[tuple[int, bool], ...]] = field(default_factory=dict)
+    """A "colwise-qkv" projection whose parts differ in size or are not all sharded -> (features,
+    left whole) per part: [q | k | v] with grouped-query heads (each part sharded), or multi-query
+    (q sharded, the one key and value head whole on every rank). Absent for equal parts, all sharded
+    ([Note: fused projections] in graph/tp_pairs.py)."""
     head_params: tuple[str, ...] = ()
     """Parameters that only a sharded attention's heads read (the weight of a per-head q/k norm):
     left whole on every tp rank, each rank's gradient covers its own heads, so under module hooks
@@ -99,6 +107,17 @@ class TensorParallelLayout(Mapping):
                         if name == "vocab_size" else "plan with a tp that divides it")
                 return f"tp = {tp} does not divide {name} = {count}{where}; {hint}"
         return None
+
+    def sharded_share(self, path: str) -> float:
+        """The share of module `path`'s parameters that each tp rank holds 1/tp of: 1 for a styled
+        module, 0 for one left whole; a fused projection with parts left whole (the key and value of
+        multi-query attention: `blocks`) shards the rest."""
+        if path not in self.styles:
+            return 0.0
+        parts = self.blocks.get(path)
+        if not parts:
+            return 1.0
+        return sum(n for n, whole in parts if not whole) / sum(n for n, _ in parts)
 
     def degrees(self, max_tp: int) -> list[int]:
         """Every tp in 1..max_tp this layout can run."""

@@ -10,7 +10,9 @@ partitioned model's gradients are spread over the ranks and partly repeated on s
 - tp: a sharded parameter (a DTensor with a Shard placement) holds 1/tp of the rows or columns on
   each tp rank (summed); a replicated one (a norm, a row-parallel bias, every plain tensor of a
   stage, sequence-parallel norms included once their gradients are reduced) holds the same whole
-  gradient on every tp rank: counted once.
+  gradient on every tp rank: counted once. A fused projection sharded part by part (grouped-query
+  heads per key/value group, a multi-query key and value whole on every tp rank) counts part by
+  part: its sharded parts summed, its whole parts once.
 - dp (cp included): after the all-reduce every replica holds the same gradients (zero 0 and ZeRO-1,
   whose fp32 masters keep their full `.grad` even where released, precision.py): counted once.
   FSDP (zero >= 2) shards them over "dp_shard" (summed) and HSDP replicates them over
@@ -77,6 +79,24 @@ def _slice_key(param: torch.Tensor) -> tuple:
     return (tuple(param.shape), tuple(shape), tuple(offset))
 
 
+def _piece_keys(param: torch.Tensor) -> list[tuple[tuple, tuple[int, int, int] | None]]:
+    """(where, part) per piece of this rank's values of `param`: one piece, all of it, for most
+    tensors; a fused projection sharded part by part (tensor_parallel_graph.py [Note: fused
+    projections]: grouped-query heads, a multi-query key and value whole on every tp rank) has one
+    per part, `part` = (dim, local start, length), so a part every tp rank holds whole is counted once."""
+    from autoplan.runtime.tensor_parallel_graph import blocked_boxes
+
+    boxes = blocked_boxes(param)
+    if boxes is None:
+        return [(_slice_key(param), None)]
+    dim = param.placements[0].dim
+    out, start = [], 0
+    for offsets, sizes, _ in boxes:
+        out.append(((tuple(param.shape), tuple(sizes), tuple(offsets)), (dim, start, sizes[dim])))
+        start += sizes[dim]
+    return out
+
+
 class GradNormCounter:
     """Which of a `PartitionedModel`'s local gradients this rank counts in the global norm
     ([Note: the global gradient norm]); built once, collective over the world."""
@@ -85,31 +105,39 @@ class GradNormCounter:
         layout, plan = pm.layout, pm.plan
         experts = {id(p) for p in pm.expert_params}
         holding = plan.expert_slot(layout.dp_index, layout.tp_index).holding if pm.expert_params else None
-        keys = []
+        keys = []  # per parameter: [(key, (dim, local start, length) of its part, or None for all of it)]
         for name, p in pm.named_masters():
             canonical = pm.aliases.get(name, name)
-            keys.append((canonical, holding if id(p) in experts else None, _slice_key(p)))
+            owner = holding if id(p) in experts else None
+            keys.append([((canonical, owner, where), part) for where, part in _piece_keys(p)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, keys)
+            dist.all_gather_object(gathered, [[key for key, _ in pieces] for pieces in keys])
         else:
-            gathered = [keys]
+            gathered = [[[key for key, _ in pieces] for pieces in keys]]
         first_holder: dict[tuple, int] = {}
         for rank, rank_keys in enumerate(gathered):
-            for key in rank_keys:
-                first_holder.setdefault(key, rank)
+            for pieces in rank_keys:
+                for key in pieces:
+                    first_holder.setdefault(key, rank)
         me = dist.get_rank() if dist.is_initialized() else 0
         seen: set[tuple] = set()
-        self.counted: list[bool] = []
-        """Per parameter of `named_masters()`: whether its gradient counts on this rank."""
-        for key in keys:
-            self.counted.append(first_holder[key] == me and key not in seen)
-            seen.add(key)
+        self.counted: list[list[tuple[int, int, int] | None]] = []
+        """Per parameter of `named_masters()`: the parts of its local gradient this rank counts (None:
+        all of it; empty: none)."""
+        for pieces in keys:
+            self.counted.append([part for key, part in pieces if first_holder[key] == me and key not in seen])
+            seen.update(key for key, _ in pieces)
 
     def total_norm(self, grads: Sequence[torch.Tensor | None], norm_type: float, device: torch.device
                    ) -> torch.Tensor:
         """The global norm of the gradients (one per parameter, None where it has none): collective."""
-        counted = [_local(g) for g, keep in zip(grads, self.counted) if keep and g is not None]
+        counted = []
+        for g, parts in zip(grads, self.counted):
+            if g is None:
+                continue
+            local = _local(g)
+            counted += [local if part is None else local.narrow(*part) for part in parts]
         counted = [g for g in counted if g.numel() > 0]
         inf = math.isinf(norm_type)
         if counted:

@@ -28,7 +28,11 @@ rank (not Megatron's vocab-parallel cross entropy: the full logits exist on each
 shares the embedding's sharded weight. Norms and position embeddings stay replicated: their
 gradients come out whole and equal on every tp rank (the column-parallel inputs all-reduce their
 gradients in backward), so they need no tp reduction; but a per-head q/k norm (Qwen3's) runs on
-this rank's heads only, so its weight's gradient is summed over tp (`_sum_head_grads`). Gradients of DTensor parameters are DTensors
+this rank's heads only, so its weight's gradient is summed over tp (`_sum_head_grads`); so is the
+key/value head of a multi-query fused projection, held whole on every tp rank beside this rank's
+query heads ([Note: blocks of a fused projection] in tensor_parallel_graph.py). Latent attention's
+down-projections (DeepSeek's) are Replicate DTensors on an inlined graph: DTensor makes their
+gradients whole where the per-head projections read them. Gradients of DTensor parameters are DTensors
 laid out as their parameters (`grad_like_param`), and the dp all-reduce works on their local
 shards. A model without a layout, or a tp that does not divide its heads, KV heads, MLP width or
 vocabulary, is refused with tp > 1 (`tensor_parallel_plan`).

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 from autoplan.graph.data_flow import transposed_weight
 from autoplan.graph.sharding import is_transposed_linear
 
-__all__ = ["DTensorStage", "shard_inlined_graph"]
+__all__ = ["DTensorStage", "blocked_boxes", "shard_inlined_graph"]
 
 
 # [Note: tensor parallelism on an inlined graph]
@@ -83,6 +83,12 @@ def shard_inlined_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh, s
                 if style in ("colwise", "vocab-head"):
                     dim = 1 if transposed and key == "weight" else 0
                     placement = Shard(dim)
+                elif style == "colwise-qkv" and styled in getattr(layout, "blocks", {}):
+                    placement = None  # unequal or whole parts ([Note: blocks of a fused projection])
+                    dim = 1 if transposed and key == "weight" else 0
+                    converted[id(p)] = (p, nn.Parameter(_blocked_parameter(p.detach(), tp_mesh, dim,
+                                                                           layout.blocks[styled]),
+                                                        requires_grad=p.requires_grad))
                 elif style == "colwise-qkv":  # each part (q, k, v; gate, up) sharded ([Note: fused q/k/v])
                     dim = 1 if transposed and key == "weight" else 0
                     parts = getattr(layout, "parts", {}).get(styled, 3)
@@ -93,9 +99,10 @@ def shard_inlined_graph(module: nn.Module, layout: Mapping[str, str], tp_mesh, s
                     placement = Shard(0)
                 else:
                     placement = Replicate()
-                converted[id(p)] = (p, nn.Parameter(
-                    distribute_tensor(p.detach(), tp_mesh, [placement], src_data_rank=None),
-                    requires_grad=p.requires_grad))
+                if placement is not None:
+                    converted[id(p)] = (p, nn.Parameter(
+                        distribute_tensor(p.detach(), tp_mesh, [placement], src_data_rank=None),
+                        requires_grad=p.requires_grad))
             owner._parameters[name] = converted[id(p)][1]
             if style in ("vocab-embedding", "vocab-head") and key == "weight":  # a lookup may read a tied head's
                 vocab_tables.add(id(converted[id(p)][1]))
@@ -142,6 +149,11 @@ def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int], row_w
             value = _get_attr(gm, weight.target) if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" else None
             if value is not None and _is_strided(value) and node.target in _FUSED_QKV_OPS:
                 node.target = _FUSED_QKV_OPS[node.target]
+            elif value is not None and _is_blocked(value) and node.target is aten.matmul.default:
+                node.args = (node.args[0], weight)  # x @ w.T (FalconLinear) on the local rows
+                node.target = _blocked_matmul_t
+            elif value is not None and _is_blocked(value) and node.target in _FUSED_QKV_OPS:
+                node.target = _FUSED_QKV_OPS[node.target]
             elif value is not None and id(value) in row_weights:
                 node.target = _RowParallel(node.target)
         elif node.target in _PARTS:
@@ -154,6 +166,9 @@ def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int], row_w
             weight = node.args[0] if node.target is aten.embedding.default else node.args[1]
             if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" and id(_get_attr(gm, weight.target)) in vocab_tables:
                 node.target = _VOCAB_EMBEDDING[node.target]  # same node (its block and name stay): no new node
+    for node in list(gm.graph.nodes):  # a blocked weight's transpose the matmul no longer reads
+        if node.op == "call_function" and node.target in (aten.t.default, aten.numpy_T.default) and not node.users:
+            gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
 
@@ -288,22 +303,37 @@ def _qkv_out(out: torch.Tensor, weight) -> Any:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    if _is_blocked(weight):
+        return _blocked(out, weight.device_mesh, out.dim() - 1, weight.placements[0].blocks)
     parts = weight.placements[0].split_factor
     return DTensor.from_local(out, weight.device_mesh, [_StridedShard(out.dim() - 1, split_factor=parts)],
                               run_check=False)
 
 
+def _local_weight(t):
+    """A fused projection's local weight or bias; for one with parts left whole, their gradient is
+    summed over tp in backward ([Note: blocks of a fused projection])."""
+    if _is_blocked(t) and any(whole for _, whole in t.placements[0].blocks):
+        return _SumWholeParts.apply(t.to_local(), t.device_mesh, t.placements[0])
+    return t.to_local()
+
+
 def _qkv_addmm(bias, x, weight, *, beta=1, alpha=1):  # Conv1D: addmm(bias, x, weight (in, out))
     mesh = weight.device_mesh
-    out = torch.addmm(bias.to_local(), _local_input(x, mesh), weight.to_local(), beta=beta, alpha=alpha)
+    out = torch.addmm(_local_weight(bias), _local_input(x, mesh), _local_weight(weight), beta=beta, alpha=alpha)
     return _qkv_out(out, weight)
 
 
 def _qkv_linear(x, weight, bias=None):
     mesh = weight.device_mesh
-    out = torch.nn.functional.linear(_local_input(x, mesh), weight.to_local(),
-                                     None if bias is None else bias.to_local())
+    out = torch.nn.functional.linear(_local_input(x, mesh), _local_weight(weight),
+                                     None if bias is None else _local_weight(bias))
     return _qkv_out(out, weight)
+
+
+def _blocked_matmul_t(x, weight):
+    """`x @ weight.T` (FalconLinear) of a blocked weight, on this rank's rows."""
+    return _qkv_out(torch.matmul(_local_input(x, weight.device_mesh), _local_weight(weight).t()), weight)
 
 
 _FUSED_QKV_OPS = {torch.ops.aten.addmm.default: _qkv_addmm, torch.ops.aten.linear.default: _qkv_linear,
@@ -345,6 +375,8 @@ def _own_parts(x, dim: int) -> tuple | None:
 
 
 def _split(x, split_size, dim=0):
+    if _is_blocked(x):
+        return _blocked_split(x, dim, [split_size] * -(-x.shape[dim] // split_size))
     own = _own_parts(x, dim)
     if own is not None and split_size * len(own) == x.shape[dim]:
         return own
@@ -352,6 +384,8 @@ def _split(x, split_size, dim=0):
 
 
 def _split_with_sizes(x, sizes, dim=0):
+    if _is_blocked(x):
+        return _blocked_split(x, dim, sizes)
     own = _own_parts(x, dim)
     if own is not None and len(sizes) == len(own) and len(set(sizes)) == 1:
         return own
@@ -368,6 +402,8 @@ def _chunk(x, chunks, dim=0):
 def _slice(x, dim=0, start=None, end=None, step=1):
     """One block of a strided DTensor when the slice is exactly that block (Phi-3's
     `qkv[..., :q]`, `qkv[..., q:q + kv]`, `qkv[..., q + kv:]`), else the slice."""
+    if _is_blocked(x):
+        return _blocked_slice(x, dim, start, end, step)
     own = _own_parts(x, dim) if step == 1 else None
     if own is not None:
         width = x.shape[dim]
@@ -379,8 +415,284 @@ def _slice(x, dim=0, start=None, end=None, step=1):
     return torch.ops.aten.slice.Tensor(x, dim, start, end, step)
 
 
+def _index(x, indices):
+    if _is_blocked(x):
+        return _blocked_index(x, indices)
+    return torch.ops.aten.index.Tensor(x, indices)
+
+
 _PARTS = {torch.ops.aten.split.Tensor: _split, torch.ops.aten.split_with_sizes.default: _split_with_sizes,
-          torch.ops.aten.chunk.default: _chunk, torch.ops.aten.slice.Tensor: _slice}
+          torch.ops.aten.chunk.default: _chunk, torch.ops.aten.slice.Tensor: _slice,
+          torch.ops.aten.index.Tensor: _index}
+
+
+# [Note: blocks of a fused projection]
+# A fused [q | k | v] projection whose parts differ in size (grouped-query heads: Phi-3's
+# `qkv_proj` with fewer key/value heads) or whose key and value parts are one head every query head
+# shares (multi-query: Falcon's `query_key_value`) has no DTensor placement: rank r holds q_r, the
+# query heads of its key/value groups, beside k_r and v_r (or beside the whole k and v), which is
+# neither a contiguous nor a strided shard of [q | k | v] ([Note: fused projections] in
+# graph/tp_pairs.py: Megatron-LM's fused QKV holds the same rows, laid out per query group). Such a
+# weight is held as `_BlockShard(dim, blocks)`: each part's 1/tp (or all of a part left whole) side
+# by side, while its `full_tensor()` (checkpoints, state dicts) is the model's own [q | k | v]
+# (`_BlockShard._to_replicate_tensor` gathers and reorders the parts). To DTensor's sharding rules
+# it is Shard(dim) (equal to it, so the optimizer's element-wise steps and the dp reductions work on
+# the local rows); every op of the graph that reads it is rewritten: the linear runs on the local
+# rows and its output is blocked the same way along its features (`_qkv_out`), a reshape of those
+# features into (heads, head_dim) keeps the blocks in heads (`_blocked_view`), and the slices,
+# splits or index that cut it hand each rank its parts: a sharded part as Shard, a whole part as a
+# Replicate DTensor (`_blocked_part`). A whole key/value head is read by this rank's query heads
+# only, so its gradient on each rank is of those heads (a per-rank part of the sum, carried as
+# Replicate the way DTensor hands back a to_local's gradient): the input's gradient, a partial sum
+# over tp (`_local_input`), sums them, and the weight's whole rows are all-reduced over tp in
+# backward (`_SumWholeParts`), as torch's SequenceParallel norms sum their replicated weights'
+# gradients.
+
+
+try:
+    from torch.distributed.tensor import Shard as _Shard
+except ImportError:  # pragma: no cover - torch without DTensor
+    _Shard = object
+
+
+class _BlockShard(_Shard):
+    """Shard along `dim` in parts: `blocks` is (size, left whole) per part, in the global order; the
+    local tensor is each part's 1/tp (this rank's) or the whole part, side by side."""
+
+    def __init__(self, dim: int, blocks: tuple[tuple[int, bool], ...]):
+        super().__init__(dim)
+        self.blocks = tuple((int(n), bool(w)) for n, w in blocks)
+
+    # Equal to Shard(dim) for DTensor's spec checks and caches: only the rewritten ops read its parts.
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Shard) and other.dim == self.dim
+
+    def __hash__(self) -> int:
+        return hash(_Shard(self.dim))
+
+    def __repr__(self) -> str:
+        return f"_BlockShard(dim={self.dim}, blocks={self.blocks})"
+
+    def local_sizes(self, n: int) -> list[int]:
+        return [size if whole else size // n for size, whole in self.blocks]
+
+    def _replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index):
+        """This rank's parts of a whole tensor (a parameter initialized by copying its full value in)."""
+        n = mesh.size(mesh_dim)
+        pieces, offset = [], 0
+        for size, whole in self.blocks:
+            part = local_tensor.narrow(self.dim, offset, size)
+            pieces.append(part if whole else part.chunk(n, self.dim)[shard_index])
+            offset += size
+        return torch.cat(pieces, self.dim).contiguous()
+
+    def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
+        import torch.distributed._functional_collectives as funcol
+
+        n = mesh.size(mesh_dim)
+        gathered = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim))
+        ranks = gathered.chunk(n, self.dim)
+        out, offset = [], 0
+        for size, (_, whole) in zip(self.local_sizes(n), self.blocks):
+            pieces = [ranks[0]] if whole else ranks
+            out.extend(r.narrow(self.dim, offset, size) for r in pieces)
+            offset += size
+        return torch.cat(out, self.dim)
+
+
+def _is_blocked(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor) and isinstance(t.placements[0], _BlockShard)
+
+
+def blocked_boxes(value: Any) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]] | None:
+    """The boxes of the whole tensor a blocked DTensor's local tensor holds: (global offsets, sizes,
+    local view) per part (a part left whole is the same box on every tp rank); None for any other
+    tensor. For the checkpoint's and the weight loader's boxes (checkpoint/planners.py `_pieces`)."""
+    if not _is_blocked(value):
+        return None
+    placement, mesh, local = value.placements[0], value.device_mesh, value.to_local()
+    n, rank, dim = mesh.size(), mesh.get_local_rank(), placement.dim
+    boxes, offset, local_offset = [], 0, 0
+    for (size, whole), local_size in zip(placement.blocks, placement.local_sizes(n)):
+        start = [0] * value.dim()
+        start[dim] = offset + (0 if whole else rank * local_size)
+        sizes = list(value.shape)
+        sizes[dim] = local_size
+        boxes.append((tuple(start), tuple(sizes), local.narrow(dim, local_offset, local_size)))
+        offset, local_offset = offset + size, local_offset + local_size
+    return boxes
+
+
+def _blocked(local: torch.Tensor, mesh, dim: int, blocks) -> Any:
+    """A DTensor of `local` held as `_BlockShard(dim, blocks)`."""
+    from torch.distributed.tensor import DTensor
+
+    shape = list(local.shape)
+    shape[dim] = sum(n for n, _ in blocks)
+    stride = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    return DTensor.from_local(local, mesh, [_BlockShard(dim, blocks)], run_check=False, shape=torch.Size(shape),
+                              stride=tuple(stride))
+
+
+def _blocked_parameter(full: torch.Tensor, mesh, dim: int, blocks) -> Any:
+    """This rank's parts of a fused projection's weight or bias (`full`, the model's own)."""
+    from torch.distributed.tensor import DTensor
+
+    # A parameter made on meta is initialized by copying its full value in (runtime/split.py
+    # `materialize_stages`); DTensor's own copy_ would write a plain Shard's rows. A view of the
+    # whole parameter (`view_as`, as torch's pipelining takes a parameter's gradient accumulator)
+    # would compute a plain Shard's local shape.
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers[torch.ops.aten.copy_.default] = _copy_into_blocks
+    handlers[torch.ops.aten.view.default] = _view_of_blocks
+    placement = _BlockShard(dim, blocks)
+    return _blocked(placement._replicate_to_shard(full, mesh, 0, mesh.get_local_rank()), mesh, dim, blocks)
+
+
+def _default_dtensor_op(op, handler, args, kwargs):
+    """`op` through DTensor's own dispatch, `handler` (a custom handler of it) set aside meanwhile."""
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    del handlers[op]
+    try:
+        return op(*args, **kwargs)
+    finally:
+        handlers[op] = handler
+
+
+def _view_of_blocks(op, args, kwargs):
+    """A view of a blocked DTensor to its own shape: the same blocks over a view of its local tensor."""
+    x, shape = args[0], args[1]
+    if _is_blocked(x) and tuple(shape) == tuple(x.shape):
+        placement = x.placements[0]
+        local = x.to_local()
+        return _blocked(local.view(local.shape), x.device_mesh, placement.dim, placement.blocks)
+    return _default_dtensor_op(op, _view_of_blocks, args, kwargs)
+
+
+def _copy_into_blocks(op, args, kwargs):
+    """DTensor's copy_ with a blocked destination: a whole value (a plain tensor, a Replicate or
+    another blocked DTensor of the same parts) is written as this rank's parts; any other copy_ goes
+    to DTensor's own."""
+    from torch.distributed.tensor import DTensor
+
+    dst, src = args[0], args[1]
+    if _is_blocked(dst):
+        if _is_blocked(src) and src.placements[0].blocks == dst.placements[0].blocks:
+            dst.to_local().copy_(src.to_local(), *args[2:], **kwargs)
+            return dst
+        if not isinstance(src, DTensor) or all(p.is_replicate() for p in src.placements):
+            whole = src.to_local() if isinstance(src, DTensor) else src
+            mesh = dst.device_mesh
+            mine = dst.placements[0]._replicate_to_shard(whole.expand(dst.shape), mesh, 0, mesh.get_local_rank())
+            dst.to_local().copy_(mine, *args[2:], **kwargs)
+            return dst
+    return _default_dtensor_op(op, _copy_into_blocks, args, kwargs)
+
+
+class _SumWholeParts(torch.autograd.Function):
+    """Identity on a blocked weight's local rows whose backward all-reduces the gradient of the
+    parts left whole over tp (each rank's covers its own query heads)."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, placement):
+        ctx.group, ctx.placement, ctx.n = mesh.get_group(), placement, mesh.size()
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        offset, dim = 0, ctx.placement.dim
+        for size, (_, whole) in zip(ctx.placement.local_sizes(ctx.n), ctx.placement.blocks):
+            if whole:
+                part = grad.narrow(dim, offset, size).contiguous()
+                dist.all_reduce(part, group=ctx.group)
+                grad.narrow(dim, offset, size).copy_(part)
+            offset += size
+        return grad, None, None
+
+
+def _blocked_part(x, index: int) -> Any:
+    """Part `index` of a blocked DTensor: Shard along its dim, or Replicate when left whole."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    placement, mesh = x.placements[0], x.device_mesh
+    sizes = placement.local_sizes(mesh.size())
+    local = x.to_local().narrow(placement.dim, sum(sizes[:index]), sizes[index])
+    whole = placement.blocks[index][1]
+    return DTensor.from_local(local, mesh, [Replicate() if whole else Shard(placement.dim)], run_check=False)
+
+
+def _block_at(x, start: int, stop: int) -> int:
+    """The part of a blocked DTensor that is exactly [start, stop) of its dim (global)."""
+    offset = 0
+    for i, (size, _) in enumerate(x.placements[0].blocks):
+        if (offset, offset + size) == (start, stop):
+            return i
+        offset += size
+    raise RuntimeError(f"autoplan cannot cut [{start}:{stop}] out of a fused projection held in parts "
+                       f"{x.placements[0].blocks}: only whole parts ([Note: blocks of a fused projection])")
+
+
+def _blocked_slice(x, dim, start, end, step):
+    placement = x.placements[0]
+    dim = dim % x.dim()
+    if dim != placement.dim:  # along another dim: local, the blocks kept
+        local = torch.ops.aten.slice.Tensor(x.to_local(), dim, start, end, step)
+        return _blocked(local, x.device_mesh, placement.dim, placement.blocks)
+    width = x.shape[dim]
+    begin = (start or 0) + (width if (start or 0) < 0 else 0)
+    stop = width if end is None else min(end + (width if end < 0 else 0), width)
+    if step != 1:
+        raise RuntimeError("autoplan cannot slice a fused projection held in parts with a step")
+    return _blocked_part(x, _block_at(x, begin, stop))
+
+
+def _blocked_split(x, dim, sizes) -> tuple:
+    placement, dim = x.placements[0], dim % x.dim()
+    if dim != placement.dim or tuple(sizes) != tuple(n for n, _ in placement.blocks):
+        raise RuntimeError(f"autoplan cannot split a fused projection held in parts {placement.blocks} into {sizes}")
+    return tuple(_blocked_part(x, i) for i in range(len(sizes)))
+
+
+def _blocked_index(x, indices):
+    """`x[..., [i], ...]` of one position along the blocked dim (Falcon's key head `[-2]`)."""
+    from torch.distributed.tensor import DTensor
+
+    placement = x.placements[0]
+    others = [i for i, t in enumerate(indices) if t is not None]
+    idx = indices[others[0]] if others == [placement.dim] else None
+    if isinstance(idx, DTensor):
+        idx = idx.to_local()
+    if idx is None or idx.numel() != 1 or idx.dtype not in (torch.long, torch.int):
+        raise RuntimeError("autoplan cannot index a fused projection held in parts other than by one position")
+    i = int(idx.reshape(())) % x.shape[placement.dim]
+    return _blocked_part(x, _block_at(x, i, i + 1))
+
+
+def _blocked_view(x, shape) -> Any:
+    """A view of a blocked DTensor along its last dim: one keeping the last dim keeps the blocks, one
+    splitting it into (heads, head_dim) gives blocks of heads."""
+    shape = list(shape)
+    if -1 in shape:
+        known = math.prod(d for d in shape if d != -1)
+        shape[shape.index(-1)] = x.numel() // known
+    placement, mesh, last = x.placements[0], x.device_mesh, x.shape[-1]
+    local = x.to_local()
+    if placement.dim == x.dim() - 1 and shape[-1] == last:
+        return _blocked(local.reshape(*shape[:-1], local.shape[-1]), mesh, len(shape) - 1, placement.blocks)
+    if (placement.dim == x.dim() - 1 and len(shape) >= 2 and shape[-2] * shape[-1] == last
+            and all(n % shape[-1] == 0 for n, _ in placement.blocks)):
+        head = shape[-1]
+        return _blocked(local.reshape(*shape[:-2], local.shape[-1] // head, head), mesh, len(shape) - 2,
+                        tuple((n // head, whole) for n, whole in placement.blocks))
+    raise RuntimeError(f"autoplan cannot reshape a fused projection held in parts {placement.blocks} to {shape} "
+                       "([Note: blocks of a fused projection])")
 
 
 def _contiguous(x: Any) -> Any:
@@ -405,6 +717,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _reshape(x, shape):
+    if _is_blocked(x):  # local reshapes of this rank's parts (their gradients too)
+        return _blocked_view(x, shape)
     out = _strided_view(x, shape) if _is_strided(x) else None
     if out is None:
         out = torch.ops.aten.reshape.default(_contiguous(x), shape)
@@ -412,6 +726,8 @@ def _reshape(x, shape):
 
 
 def _view(x, shape):
+    if _is_blocked(x):  # local reshapes of this rank's parts (their gradients too)
+        return _blocked_view(x, shape)
     out = _strided_view(x, shape) if _is_strided(x) else None
     if out is None:
         out = torch.ops.aten.view.default(_contiguous(x), shape)
@@ -432,7 +748,9 @@ def _local_attention(q, k, v, attn_mask=None, *args, **kwargs):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask, *args, **kwargs)
     mesh = q.device_mesh
     n = mesh.size()
-    heads_split = q.dim() == 4 and q.shape[1] % n == 0 and k.shape[1] % n == 0
+    # one key/value head every query head shares (multi-query, held whole: [Note: blocks of a
+    # fused projection]) broadcasts over this rank's query heads
+    heads_split = q.dim() == 4 and q.shape[1] % n == 0 and (k.shape[1] % n == 0 or k.shape[1] == 1 < q.shape[1])
     placements = [Shard(1)] if heads_split else [Replicate()]
 
     def local(t):

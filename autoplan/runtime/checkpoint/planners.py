@@ -21,7 +21,11 @@ import torch
 # chunks"). Such a DTensor goes to DCP as `_Pieces`: its local boxes (found without communication
 # by sharding an index vector per dimension as the tensor is sharded) as views of the local tensor;
 # `_SavePlanner` writes each as a chunk of the global tensor and `_LoadPlanner` reads into each view
-# in place. The checkpoint holds the tensor under its own name and shape, as any other.
+# in place. The checkpoint holds the tensor under its own name and shape, as any other. A fused
+# projection sharded part by part (`_BlockShard`: grouped-query heads per key/value group, a
+# multi-query key and value whole on every rank) goes the same way, its boxes said by the layout
+# (`blocked_boxes`); a part whole on every rank is the same box on each, written once (DCP's
+# `dedup_save_plans` keeps one write item per index).
 
 
 @dataclass
@@ -38,7 +42,10 @@ def _needs_pieces(value: Any) -> bool:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+    from autoplan.runtime.tensor_parallel_graph import blocked_boxes
+
+    return isinstance(value, DTensor) and (any(isinstance(p, _StridedShard) for p in value.placements)
+                                           or blocked_boxes(value) is not None)
 
 
 def _pieces(value) -> _Pieces:
@@ -48,6 +55,14 @@ def _pieces(value) -> _Pieces:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    from autoplan.runtime.tensor_parallel_graph import blocked_boxes
+
+    # A fused projection sharded part by part (grouped-query or multi-query heads, [Note: fused
+    # projections] in tensor_parallel_graph.py): its placement compares equal to Shard(dim), so the
+    # index vector below would give the wrong rows; it says its own boxes.
+    boxes = blocked_boxes(value)
+    if boxes is not None:
+        return _Pieces(value.shape, value.to_local(), boxes)
     local = value.to_local()
     runs_per_dim = []
     for d in range(value.dim()):
