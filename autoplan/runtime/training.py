@@ -172,7 +172,6 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     where(None, "building its stages")
     # Pretrained weights (`init`), each rank reading its slices; a checkpoint resumed below replaces them.
     pm = partition(spec, plan, device=device, seed=seed, timeout=startup, init=init)
-    bound_waits(pm, timeout)
     if on_phase is not None:
         on_phase("built")
     # torch's fused AdamW: one pass over each parameter (as Megatron's fused Adam). The default
@@ -218,6 +217,10 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     if beat is not None:
         pm.executor.on_action = lambda action: where(step_box[0], action)
 
+    # The steps' timeout from here on: what comes before the first step (the optimizer's groups from
+    # the model built on meta, the data opened, a checkpoint read) takes each rank its own time, and
+    # a rank done early waits on the others under the start-up timeout, not the steps' (--timeout).
+    bound_waits(pm, timeout)
     clock_offset = time.time() - time.perf_counter()  # perf_counter -> epoch seconds, comparable across ranks
     events = []
     skipped = 0
