@@ -132,11 +132,8 @@ def analytic_key(traced: TracedModel, example_inputs: Sequence[Any], *, model_na
     digest = _source_digest(files) if files is not None else None
     if digest is None:
         return None
-    inputs = [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
-    parts = ["analytic", fingerprint, model_name, traced.tracer, traced.note, traced.block_names, traced.gm.code,
-             inputs, str(dtype), sorted((k, v) for k, v in info.items()), batch_size, seq_len, torch.__version__,
-             __version__, digest, _CACHED_FIELDS]
-    return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:20]
+    return _key("analytic", traced, example_inputs, model_name, fingerprint, dtype, info, batch_size, seq_len,
+                torch.__version__, __version__, digest)
 
 
 def timed_key(traced: TracedModel, *, fingerprint: str, device_name: str, batch_size: int, seq_len: int,
@@ -202,10 +199,19 @@ def shipped_key(traced: TracedModel, example_inputs: Sequence[Any], *, model_nam
     digest = _package_digest(files) if files is not None else None
     if digest is None:
         return None
+    return _key("shipped", traced, example_inputs, model_name, fingerprint, dtype, info, batch_size, seq_len,
+                _torch_release(), digest)
+
+
+def _key(kind: str, traced: TracedModel, example_inputs: Sequence[Any], model_name: str, fingerprint: str,
+         dtype: torch.dtype | None, info: dict[str, int | None], batch_size: int | None, seq_len: int | None,
+         *versions: str) -> str:
+    """The key of a profile of `kind`: the graph, its inputs, the job's sizes and `versions` (torch's,
+    autoplan's, the digest of the code it runs), hashed."""
     inputs = [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
-    parts = ["shipped", fingerprint, model_name, traced.tracer, traced.note, traced.block_names, traced.gm.code,
-             inputs, str(dtype), sorted((k, v) for k, v in info.items()), batch_size, seq_len, _torch_release(),
-             digest, _CACHED_FIELDS]
+    parts = [kind, fingerprint, model_name, traced.tracer, traced.note, traced.block_names, traced.gm.code,
+             inputs, str(dtype), sorted((k, v) for k, v in info.items()), batch_size, seq_len, *versions,
+             _CACHED_FIELDS]
     return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
