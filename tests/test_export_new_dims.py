@@ -141,11 +141,11 @@ def test_megatron_leaves_the_capacity_out_for_dropless_routing():
 
     plan = moe_tp_plan()
     dropless = MoEShape(8, 2, 96, 0, 1.0, True, 0.001, True)
-    flags = [flag for flag, _ in moe_model_args(plan, dropless, [])]
+    flags = [flag for flag, _ in moe_model_args(plan, dropless, [], 2)]
     assert "--moe-expert-capacity-factor" not in flags and "--moe-pad-expert-input-to-capacity" not in flags
-    assert ("--moe-token-dispatcher-type", "alltoall") in moe_model_args(plan, dropless, [])
+    assert ("--moe-token-dispatcher-type", "alltoall") in moe_model_args(plan, dropless, [], 2)
     capacity = dataclasses.replace(dropless, dropless=False)
-    assert ("--moe-expert-capacity-factor", "1.0") in moe_model_args(plan, capacity, [])
+    assert ("--moe-expert-capacity-factor", "1.0") in moe_model_args(plan, capacity, [], 2)
 
 
 @pytest.mark.export
@@ -345,3 +345,23 @@ def test_megatron_core_builds_the_qwen3_moe_config(tmp_path):
     assert config.qk_layernorm and config.kv_channels == 16
     assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (4, 2, 48)
     assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (2, 1)
+
+
+def test_a_transformers_balance_loss_exported_to_megatron_lists_how_its_strength_differs():
+    """Issue 43 item 4: transformers pools every layer's router logits into one balancing loss,
+    Megatron-LM sums one per MoE layer, so the same coefficient is layers / top-k times stronger
+    there: `autoplan export --to megatron` refuses to call that exact and lists it with the
+    coefficient that would match (4 layers, top-2: 2x)."""
+    spec = HF_MIXTRAL.replace("num_hidden_layers=2", "num_hidden_layers=4") + ",output_router_logits=true"
+    plan = autoplan.suggest(spec, "1x4xA100-80GB", global_batch=16, seq_len=32, tp=2, pp=1, dp=2, ep=2, zero=1,
+                            top=1)[0]
+    export = export_plan(plan, "megatron", allow_approx=True)
+    balance = [d for d in export.differences if d.startswith("load-balancing loss: transformers")]
+    assert len(balance) == 1 and "about 2x (4 layers / top-2)" in balance[0], export.differences
+    assert "--moe-aux-loss-coeff 0.001" in export.text and "0.0005 would be about as strong" in balance[0]
+    with pytest.raises(ExportError, match="load-balancing loss"):
+        export_plan(plan, "megatron")
+    # without output_router_logits the model trains no balancing loss: nothing to list
+    plain = autoplan.suggest(HF_MIXTRAL, "1x4xA100-80GB", global_batch=16, seq_len=32, tp=2, pp=1, dp=2, ep=2,
+                             zero=1, top=1)[0]
+    assert not [d for d in export_plan(plain, "megatron").differences if "load-balancing" in d]

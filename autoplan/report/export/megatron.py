@@ -119,7 +119,7 @@ def _sections(plan: Plan, shape: TransformerShape, moe: MoEShape | None, differe
     configurations have no cuts yet)."""
     return [
         ("model (the plan's model, as megatron-core's GPTModel builds it)", _model_args(plan, shape, differences)),
-        *([("mixture of experts (megatron-core MoELayer)", moe_model_args(plan, moe, differences))] if moe else []),
+        *([("mixture of experts (megatron-core MoELayer)", moe_model_args(plan, moe, differences, shape.num_layers))] if moe else []),
         ("vocabulary (tokenizer.py build_tokenizer: --padded-vocab-size is the model's vocabulary)",
          _vocab_args(plan, shape, differences)),
         ("parallelism and pipeline stages", _parallel_args(plan, differences, cuts=cuts)

@@ -20,8 +20,9 @@ __all__ = ["expert_layout_args", "moe_model_args"]
 Arg = tuple[str, "str | None"]
 
 
-def moe_model_args(plan: Plan, moe: MoEShape, differences: list[str]) -> list[Arg]:
-    """The experts and the router (megatron-core `TransformerConfig` moe_* fields)."""
+def moe_model_args(plan: Plan, moe: MoEShape, differences: list[str], num_layers: int) -> list[Arg]:
+    """The experts and the router (megatron-core `TransformerConfig` moe_* fields) of a model of
+    `num_layers` MoE layers."""
     args: list[Arg] = [
         ("--num-experts", str(moe.num_experts)),
         ("--moe-ffn-hidden-size", str(moe.expert_ffn_hidden_size)),
@@ -43,7 +44,19 @@ def moe_model_args(plan: Plan, moe: MoEShape, differences: list[str]) -> list[Ar
         args.append(("--moe-shared-expert-intermediate-size", str(moe.num_shared_experts * moe.expert_ffn_hidden_size)))
     if moe.aux_loss_coef:
         args += [("--moe-router-load-balancing-type", "aux_loss"), ("--moe-aux-loss-coeff", repr(float(moe.aux_loss_coef)))]
-        if plan.micro_batch_size > 1:
+        if plan.model.startswith("hf:"):
+            # transformers' load_balancing_loss_func (modeling_mixtral.py) concatenates every layer's
+            # router logits and takes one Switch loss over the pooled tokens; megatron-core's
+            # switch_load_balancing_loss_func (transformer/moe/moe_utils.py) takes one per MoE layer and
+            # their sum enters the loss. The same coefficient thus weighs the balance about
+            # layers / top-k times as much in Megatron-LM (x16 at Mixtral-8x7B's 32 layers, top 2).
+            layers, k = num_layers, moe.experts_per_token
+            differ(differences, {"model"}, f"load-balancing loss: transformers takes one over every layer's router "
+                   f"logits pooled, Megatron-LM one per MoE layer summed, so --moe-aux-loss-coeff "
+                   f"{float(moe.aux_loss_coef)!r} weighs the balance about {layers / k:g}x ({layers} layers / top-{k}) "
+                   f"as strongly as router_aux_loss_coef does in transformers; {float(moe.aux_loss_coef) * k / layers:.3g} "
+                   "would be about as strong")
+        elif plan.micro_batch_size > 1:
             differ(differences, {"micro_batch_size", "model"}, "load-balancing loss: the zoo's is Switch Transformer's per sequence, averaged over the "
                                f"micro-batch's {plan.micro_batch_size}; Megatron's aux_loss counts the micro-batch's "
                                "tokens together, a slightly different loss (the same at micro-batch 1)")
