@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from _scripts import load_benchmark
 
 from autoplan.cost.calibration import ATTENTION_SHARE_BOUNDS, shipped_calibrations
 
@@ -103,12 +104,8 @@ def test_the_comparison_fails_on_a_number_off_by_one_in_its_last_digit():
 def test_the_scripts_doc_writer_leaves_the_doc_as_it_is():
     """`python benchmarks/validate_published.py --write-doc-tables` (what a refit runs to update the
     doc) rewrites nothing on a doc that already prints the shipped numbers."""
-    import importlib.util
 
-    script = DOC.parents[1] / "benchmarks" / "validate_published.py"
-    spec = importlib.util.spec_from_file_location("validate_published_doc", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("validate_published")
     text = DOC.read_text()
     assert module._doc_tables(text) == text
     lines = text.split("\n")

@@ -5,23 +5,16 @@ command the doc shows. On a failure, `python benchmarks/regenerate_docs.py` rewr
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
+from _scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("regenerate_docs", ROOT / "benchmarks" / "regenerate_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-regenerate_docs = _load()
+regenerate_docs = load_benchmark("regenerate_docs")
 
 
 def test_every_marked_block_matches_what_autoplan_prints():

@@ -5,7 +5,6 @@ benchmarks/lean_layer.py adapts it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _scripts import load_benchmark
 
 import autoplan
 from autoplan.cost.memory import fused_norm_surplus
@@ -33,10 +33,7 @@ element against 2."""
 
 
 def _formula():
-    spec = importlib.util.spec_from_file_location("lean_layer", ROOT / "benchmarks" / "lean_layer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.korthikanti_terms
+    return load_benchmark("lean_layer").korthikanti_terms
 
 
 def _saved(module: torch.nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:

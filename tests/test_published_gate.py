@@ -5,12 +5,12 @@ at zero 1 with tp > 1)."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "ci" / "published_predictions.json"
@@ -18,10 +18,7 @@ SCRIPT = ROOT / "benchmarks" / "validate_published.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("validate_published", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("validate_published")
 
 
 @pytest.mark.timeout(300)

@@ -5,6 +5,7 @@ the SC'21 runs priced without sequence parallelism, as they ran."""
 from __future__ import annotations
 
 import pytest
+from _scripts import load_benchmark
 
 from autoplan.published import SETTING_REASONS, load_runs, predict, run_settings
 
@@ -42,13 +43,8 @@ def test_the_sc21_runs_are_priced_without_sequence_parallelism(runs):
 
 def test_the_report_prints_what_each_run_states_and_assumes(runs, capsys):
     """benchmarks/validate_published.py's table of settings, as a user reads it."""
-    import importlib.util
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_published.py"
-    spec = importlib.util.spec_from_file_location("validate_published_settings", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("validate_published")
     qwen = runs["zoo_q235_tp2_ep8_fsdp"]
     line = module._settings_line(predict(qwen))
     assert "reduce fp32 (assumed: stack default)" in line and "stack megatron-core-deepep (stated)" in line

@@ -5,12 +5,12 @@ and a shipped entry used only for the model, shapes and recorder it was made for
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from _scripts import load_benchmark
 
 from autoplan.api import profile_with_graph
 from autoplan.graph import profile_cache
@@ -19,14 +19,7 @@ from autoplan.graph.blocks import ModelProfile
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _ship_profiles():
-    spec = importlib.util.spec_from_file_location("ship_profiles", ROOT / "benchmarks" / "ship_profiles.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SHIP = _ship_profiles()
+SHIP = load_benchmark("ship_profiles")
 CASES = SHIP.cases()
 # By default the families' largest models (gpt, llama, moe: the profiler's code paths); the rest in
 # the extended tier (each re-profile is a few seconds).
