@@ -43,6 +43,11 @@ __all__ = ["ExpertLinks", "all_to_all_time_s", "dispatch_share", "expert_comm_ti
 # capacity, padding and all), dropless routing's routed (token, expert) copies, tokens x k of them
 # (graph/profile_extra.py `recording_expert_inputs`; GShard, arXiv:2006.16668, Sec. 2.2, for the
 # capacity; Gale et al. 2023, MegaBlocks, MLSys, Sec. 3, for dropless grouped GEMMs).
+# Under cp a rank's experts take the capacity of the s / cp tokens it holds of each sequence (models/moe.py
+# [Note: capacity under context parallelism], Megatron-LM's `get_capacity` over a rank's tokens), so the
+# profile's groups at the whole sequence, scaled per token like every operator (`batch_share`: 1/cp),
+# are a rank's own (equal when capacity_factor * s * k / (E * cp) is whole, else within a token per
+# expert): no term of its own.
 # Under expert tp (`ParallelConfig.expert_tp` = tp, runtime/expert_tp.py) each tp rank holds 1/tp of
 # every expert's hidden units and runs all of the replica's tokens: the same FLOPs as a 1/tp share of
 # the tokens (`expert_work_split`), the weights divided by ep x tp, no token split for the all-to-all,

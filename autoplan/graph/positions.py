@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["POSITIONS_ATTRIBUTE", "SPLIT_REFUSAL_METHOD", "holding_positions", "positions_refusal_of", "sequence_positions",
-           "sequence_split_refusal", "sum_over_sequence"]
+__all__ = ["POSITIONS_ATTRIBUTE", "SPLIT_NOTE_METHOD", "SPLIT_REFUSAL_METHOD", "holding_positions", "positions_refusal_of",
+           "sequence_positions", "sequence_split_note", "sequence_split_refusal", "sum_over_sequence"]
 
 POSITIONS_ATTRIBUTE = "positions_from_context"
 """Class attribute by which a model says its position-dependent code reads `sequence_positions()`."""
@@ -34,7 +34,13 @@ SPLIT_REFUSAL_METHOD = "sequence_split_refusal"
 """A method of a module whose computation spans its sequence beyond attention (a router's capacity and
 load-balancing loss): `module.sequence_split_refusal()` says why its sequences cannot be split over
 a cp group (one line naming the fix), or None when they can (it sums what it counts over the
-sequence with `sum_over_sequence`)."""
+sequence with `sum_over_sequence`, or counts over its rank's tokens as Megatron-LM does)."""
+
+SPLIT_NOTE_METHOD = "sequence_split_note"
+"""A method of such a module whose result under cp differs from one process's by design: a capacity
+counted over the tokens a rank holds (models/moe.py [Note: capacity under context parallelism]).
+`module.sequence_split_note()` says what differs and how to avoid it (one line), or None when
+nothing does."""
 
 
 def sequence_split_refusal(model: torch.nn.Module, has_experts: bool) -> str | None:
@@ -45,6 +51,14 @@ def sequence_split_refusal(model: torch.nn.Module, has_experts: bool) -> str | N
     if has_experts and not verdicts:
         return "its experts take a capacity and a balance loss per whole sequence"
     return next((v for v in verdicts if v is not None), None)
+
+
+def sequence_split_note(model: torch.nn.Module) -> str | None:
+    """What splitting `model`'s sequences over a cp group changes in what it computes (the first of
+    its modules' `SPLIT_NOTE_METHOD` lines), or None when a cp run computes what one process does.
+    Said on a cp plan (`context_parallel_support`'s note) and by `autoplan run` before its ranks start."""
+    notes = (getattr(m, SPLIT_NOTE_METHOD)() for m in model.modules() if hasattr(m, SPLIT_NOTE_METHOD))
+    return next((n for n in notes if n is not None), None)
 
 
 def positions_refusal_of(model: torch.nn.Module) -> str | None:

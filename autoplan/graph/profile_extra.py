@@ -17,7 +17,7 @@ from torch import nn
 from autoplan.graph.blocks import ModelProfile
 from autoplan.graph.experts import expert_modules, inlined_expert_calls, routed_expert_modules
 from autoplan.graph.fake_run import nbytes
-from autoplan.graph.positions import sequence_split_refusal
+from autoplan.graph.positions import sequence_split_note, sequence_split_refusal
 from autoplan.graph.trace import TracedModel
 
 __all__ = ["context_parallel_support", "experts_summary", "recording_expert_inputs", "tensor_parallel_summary"]
@@ -144,7 +144,10 @@ def context_parallel_support(model: nn.Module, profile: ModelProfile, positions_
     it as a fused attention operator), and hold no per-sequence state across tokens other than
     attention unless it sums it over the sequence (graph/positions.py `sequence_split_refusal`: a
     mixture of experts' capacity and balance loss), unless its source says its experts route each token
-    by itself (`experts_route_tokens_alone`, `ModelSource.routes_tokens_alone`)."""
+    by itself (`experts_route_tokens_alone`, `ModelSource.routes_tokens_alone`). Allowed, the note
+    says what a cp plan computes differently from one process, or is empty (graph/positions.py
+    `sequence_split_note`: a capacity that drops tokens, counted over each rank's tokens as
+    Megatron-LM counts it)."""
     split = sequence_split_refusal(model, bool(profile.extra.get("experts")) and not experts_route_tokens_alone)
     if positions_refusal is not None:
         why = positions_refusal
@@ -153,5 +156,5 @@ def context_parallel_support(model: nn.Module, profile: ModelProfile, positions_
     elif split is not None:
         why = split
     else:
-        return {"allowed": True, "note": ""}
+        return {"allowed": True, "note": sequence_split_note(model) or ""}
     return {"allowed": False, "note": why}

@@ -35,6 +35,21 @@ __all__ = ["GroupedExperts", "MoEFeedForward", "MoELayer", "MoEModel", "RoutedEx
 # independent of how the batch is split into micro-batches and data-parallel shards, so a
 # pipelined run reproduces a single-process one exactly.
 #
+# [Note: capacity under context parallelism]
+# Under context parallelism (runtime/context.py) a layer sees only the tokens its rank holds of each
+# sequence (chunks i and 2 cp - 1 - i, in that order), and counts the capacity over them:
+# ceil(capacity_factor * (seq_len / cp) * k / E) per expert, the queue in the order the tokens are
+# held. This is Megatron-LM's capacity (megatron/core/transformer/moe/moe_utils.py at core_v0.16.1,
+# 55ac7082517c3878ae653c07c09c534b8aed49f6: `apply_router_token_dropping` calls `get_capacity` with
+# the rows of the router's logits, which `TopKRouter.routing` in router.py flattens from the
+# [seq / cp, batch] hidden states a cp rank holds; megatron/core/utils.py `get_batch_on_this_cp_rank`
+# gives it chunks i and 2 cp - 1 - i). The same capacity in total, but a rank drops by its own
+# tokens' load, so which tokens are dropped depends on the cp degree: a cp run equals one process
+# that applies the capacity to each rank's share of every sequence, not one that applies it to the
+# whole sequence (tests/test_cp_capacity_experts.py), and equals one process exactly at
+# capacity_factor >= E / k or with `dropless`, where nothing drops. The plan and `run` say so
+# (`sequence_split_note`). The balance loss is unaffected: it sums its counts over the cp group.
+#
 # [Note: dropless routing]
 # With `dropless` (MoEConfig) every token reaches its k experts whatever their load, torchtitan's
 # and Megatron-LM's default (torchtitan's `TokenChoiceTopKRouter` and `GroupedExperts` with
@@ -116,7 +131,6 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, s, h = x.shape
         E, k = self.num_experts, self.top_k
-        capacity = expert_capacity(s, k, E, self.capacity_factor)
         probs = self.router(x).float().softmax(dim=-1)  # (b, s, E)
         weights, chosen = probs.topk(k, dim=-1)  # (b, s, k)
         if self.normalize_top_k:
@@ -126,6 +140,16 @@ class MoEFeedForward(nn.Module):
         if self.dropless:
             out = self.experts(x.reshape(b * s, h), chosen.view(b * s, k), weights.reshape(b * s, k))
             return self._finish(x, out.view(b, s, h), picks, probs)
+        return self._finish(x, self._through_capacity(x, chosen, weights, picks), picks, probs)
+
+    def _through_capacity(self, x: Tensor, chosen: Tensor, weights: Tensor, picks: Tensor) -> Tensor:
+        """The experts' weighted outputs (b, s, h) of the tokens `x` holds of each sequence, each
+        expert taking at most `expert_capacity` of them ([Note: static dispatch]; [Note: capacity
+        under context parallelism]); `chosen` (b, s*k) and `picks` (b, s*k, E) token-major, `weights`
+        (b, s, k)."""
+        b, s, h = x.shape
+        E, k = self.num_experts, self.top_k
+        capacity = expert_capacity(s, k, E, self.capacity_factor)
         place = ((picks.cumsum(1) - 1) * picks).sum(2)  # each pick's place in its expert's queue
         slot = torch.where(place < capacity, chosen * capacity + place, E * capacity)  # dropped -> spare slot
         index = slot.unsqueeze(2).expand(b, s * k, h)
@@ -134,8 +158,7 @@ class MoEFeedForward(nn.Module):
         grouped = buffer[:, :-1].reshape(b, E, capacity, h).transpose(0, 1).reshape(E, b * capacity, h)
         done = self.experts(grouped).reshape(E, b, capacity, h).transpose(0, 1).reshape(b, E * capacity, h)
         done = torch.cat([done, done.new_zeros(b, 1, h)], dim=1).gather(1, index)  # the spare slot gives 0
-        out = (done.view(b, s, k, h) * weights.to(done.dtype).unsqueeze(3)).sum(dim=2)
-        return self._finish(x, out, picks, probs)
+        return (done.view(b, s, k, h) * weights.to(done.dtype).unsqueeze(3)).sum(dim=2)
 
     def _finish(self, x: Tensor, out: Tensor, picks: Tensor, probs: Tensor) -> Tensor:
         """The shared experts and the load-balancing loss; `picks` (b, s*k, E) one-hot, token-major."""
@@ -157,18 +180,23 @@ class MoEFeedForward(nn.Module):
         return out
 
     def sequence_split_refusal(self) -> str | None:
-        """Why this layer's sequences cannot be split over a cp group (graph/positions.py), or None:
-        an expert's capacity is counted over the tokens a rank holds, so it drops other tokens than
-        a whole sequence would, unless it can take them all (no token is ever dropped). The
-        load-balancing loss sums its counts over the sequence (`forward`)."""
-        if self.dropless:  # every token reaches its experts, however the sequence is split
-            return None
-        whole = self.num_experts / self.top_k
-        if self.capacity_factor < whole:
-            return (f"its experts drop tokens over a capacity counted per sequence (capacity_factor "
-                    f"{self.capacity_factor:g} < num_experts / experts_per_token = {whole:g}), which a rank holding "
-                    f"part of each sequence counts differently; set capacity_factor={whole:g} (drops nothing)")
+        """Why this layer's sequences cannot be split over a cp group (graph/positions.py): never. The
+        load-balancing loss sums its counts over the sequence (`_finish`); the capacity is counted over
+        the tokens a rank holds, as Megatron-LM counts it ([Note: capacity under context
+        parallelism]; `sequence_split_note` says what that changes)."""
         return None
+
+    def sequence_split_note(self) -> str | None:
+        """What splitting this layer's sequences over a cp group changes (graph/positions.py), or
+        None: with a capacity that drops tokens, which tokens it drops ([Note: capacity under context
+        parallelism])."""
+        whole = self.num_experts / self.top_k
+        if self.dropless or self.capacity_factor >= whole:  # every token reaches its experts however split
+            return None
+        return (f"each cp rank counts its experts' capacity over the tokens it holds of each sequence, as "
+                f"Megatron-LM does (ceil({self.capacity_factor:g} x tokens held x {self.top_k} / {self.num_experts}) "
+                f"per expert), so it may drop other tokens than a run without cp; capacity_factor={whole:g} or "
+                "dropless drops none")
 
 
 class MoELayer(nn.Module):

@@ -64,6 +64,12 @@ def _check(plan: Plan, spec: str) -> None:
     source.check_seq_len(plan.job.seq_len)
     # With tp > 1 this traces the model as partition does, for the layout the profile found.
     model = source.build("meta")
+    if plan.cp > 1 and int(os.environ.get("RANK", "0")) == 0:  # what a cp run computes otherwise than one process
+        from autoplan.graph.positions import sequence_split_note
+
+        note = sequence_split_note(model)
+        if note is not None:
+            _note(f"warning: cp {plan.cp}: {note}")
     check_model(model, plan, source.example_inputs(plan.micro_batch_size, plan.job.seq_len, device="meta"),
                 source=source)
     if getattr(plan, "expert_tp", 1) > 1:

@@ -590,6 +590,10 @@ def _context_note(ctx: SearchContext, chosen: Plan, best_by_cp: dict[bool, Plan]
             parts.append(f"the best plan without context parallelism ({_split(other)}) is {_slower(other, chosen)}")
         else:
             parts.append("no plan without context parallelism fit or came within the search's step-time cutoff")
+        # What cp computes otherwise than one process (graph/positions.py `sequence_split_note`).
+        changed = (ctx.profile.extra.get("context_parallel") or {}).get("note")
+        if changed:
+            parts.append(changed)
         return "; ".join(parts)
     if other is not None:
         return f"cp 1: the best plan with context parallelism ({_split(other)}) is {_slower(other, chosen)}"
