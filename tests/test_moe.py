@@ -34,7 +34,7 @@ def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                                                 ("qwen3-30b-a3b", 30.53)])
 def test_presets_have_the_published_parameter_counts(name, billions):
     """Mixtral 8x7B: 46.7B (arXiv:2401.04088 Sec. 2); 8x22B: 141B; Qwen3-30B-A3B: 30.5B (its model
-    card). Qwen3's q/k norms (2 x 128 per layer) are the only parameters the zoo leaves out."""
+    card), its per-head q/k norms included (tests/test_qk_norm_preset.py)."""
     model = zoo.build_model(name)
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
     assert name in zoo.PRESET_SOURCES

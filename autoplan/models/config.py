@@ -93,6 +93,10 @@ class LlamaConfig:
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
     """Share the output projection with the token embedding."""
+    qk_norm: bool = False
+    """RMS-normalise each head's queries and keys over head_dim, with a learned scale of head_dim
+    each (`q_norm`, `k_norm`), before the rotary positions: Qwen3's attention (transformers'
+    models/qwen3_moe/modeling_qwen3_moe.py `Qwen3MoeAttention`). Off for Llama and Mixtral."""
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:

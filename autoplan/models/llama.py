@@ -95,13 +95,19 @@ class LlamaAttention(nn.Module):
         self.wv = nn.Linear(h, config.num_kv_heads * d, bias=False)
         self.wo = nn.Linear(config.num_heads * d, h, bias=False)
         self.wo.init_std = INIT_STD / math.sqrt(2 * config.num_layers)
+        # Qwen3's q/k norm: one RMSNorm of head_dim for every query head, one for every key head
+        # (transformers' Qwen3MoeAttention `q_norm`, `k_norm`; torchtitan's qwen3 `qk_norm`). It
+        # normalizes within a head, so under tp each rank normalizes its own heads with the whole
+        # weight, whose gradient runtime/tensor_parallel.py sums over tp (`_sum_head_grads`).
+        self.q_norm = nn.RMSNorm(d, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(d, eps=config.norm_eps) if config.qk_norm else None
         self.rope = RotaryEmbedding(config.max_seq_len, d, config.rope_theta)
 
     def forward(self, x: Tensor) -> Tensor:
         # (b, s, heads * d) -> (b, heads, s, d); head counts from shapes, see [Note: tensor-parallel ...]
-        q = self.wq(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-        k = self.wk(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-        v = self.wv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        q = self._heads(self.wq(x), self.q_norm)
+        k = self._heads(self.wk(x), self.k_norm)
+        v = self._heads(self.wv(x), None)
         q, k = self.rope(q, k)
         # Grouped-query attention (Ainslie et al. 2023) with the kernel reading each key/value head
         # for its num_rep query heads (`enable_gqa`): keys and values are kept for backward at their
@@ -109,6 +115,14 @@ class LlamaAttention(nn.Module):
         # parallelism gathers them at their own size, as Llama 3 does (runtime/context.py).
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_rep > 1)
         return self.wo(out.transpose(1, 2).flatten(2))
+
+    def _heads(self, projected: Tensor, norm: nn.Module | None) -> Tensor:
+        """(b, s, heads * d) -> (b, heads, s, d), normalized per head first when `norm` is given
+        (after the per-head view, before the rotary positions: Qwen3's order)."""
+        heads = projected.unflatten(-1, (-1, self.head_dim))
+        if norm is not None:
+            heads = norm(heads)
+        return heads.transpose(1, 2)
 
 
 class LlamaMLP(nn.Module):

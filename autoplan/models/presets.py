@@ -73,11 +73,11 @@ PRESETS: dict[str, ModelConfig] = {
                                router_aux_loss_coef=0.001),
     # Qwen3-30B-A3B: Qwen3 Technical Report (arXiv:2505.09388), Table 2 (48 layers, 32 / 4 heads, 128
     # experts, 8 routed, no shared experts); widths, head size 128, vocabulary, context 40960, RoPE
-    # theta and router loss weight from the HF config Qwen/Qwen3-30B-A3B. Qwen3's q/k RMSNorm is
-    # not modelled (2 * head_size parameters per layer).
+    # theta and router loss weight from the HF config Qwen/Qwen3-30B-A3B; each head's queries and
+    # keys RMS-normalised (Sec. 2: "QK-Norm"; transformers' Qwen3MoeAttention q_norm / k_norm).
     "qwen3-30b-a3b": MoEConfig(num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4, head_size=128,
                                ffn_hidden_size=768, vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
-                               num_experts=128, experts_per_token=8, router_aux_loss_coef=0.001),
+                               num_experts=128, experts_per_token=8, router_aux_loss_coef=0.001, qk_norm=True),
 }
 
 PRESET_SOURCES: dict[str, tuple[str, ...]] = {

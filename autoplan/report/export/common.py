@@ -252,7 +252,7 @@ def _zoo_shape(text: str) -> TransformerShape | None:
     if isinstance(config, zoo.LlamaConfig):
         return TransformerShape("llama", config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
                                 config.ffn_hidden_size, config.vocab_size, config.max_seq_len, config.tie_embeddings,
-                                config.norm_eps, rope_theta=config.rope_theta, preset=preset)
+                                config.norm_eps, rope_theta=config.rope_theta, preset=preset, qk_norm=config.qk_norm)
     return TransformerShape("gpt", config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
                             config.ffn_hidden_size, config.vocab_size, config.max_seq_len, config.tie_embeddings,
                             config.norm_eps, preset=preset)
@@ -301,7 +301,7 @@ def _zoo_moe_shape(text: str) -> tuple[TransformerShape, MoEShape] | None:
                              config.norm_eps, rope_theta=config.rope_theta,
                              preset=spec.name if spec.name in zoo.PRESETS else None,
                              head_size=config.head_size if config.head_size and config.head_size * config.num_heads
-                             != config.hidden_size else None)
+                             != config.hidden_size else None, qk_norm=config.qk_norm)
     experts = MoEShape(config.num_experts, config.experts_per_token, config.ffn_hidden_size,
                        config.num_shared_experts, config.capacity_factor, config.dropless,
                        config.router_aux_loss_coef, config.normalize_top_k)

@@ -171,7 +171,8 @@ def _model(plan: Plan, shape: TransformerShape, settings: _Settings, experts: Mo
     (`_moe_lines`)."""
     key = (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.ffn_hidden_size,
            shape.vocab_size, float(shape.rope_theta or 0.0), float(shape.norm_eps))
-    if experts is None and key in _FLAVORS and not shape.tie_embeddings and shape.head_size is None:
+    if (experts is None and key in _FLAVORS and not shape.tie_embeddings and shape.head_size is None
+            and not shape.qk_norm):  # the llama3 flavors have no q/k norm
         settings.imports.add("from torchtitan.models.llama3 import model_registry")
         settings.flavor = _FLAVORS[key]
         # torchtitan/models/llama3/__init__.py model_registry(flavor): its ModelSpec, unchanged.
