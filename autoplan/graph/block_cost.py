@@ -86,7 +86,13 @@ def _grouped_mm_backward_flop(input_shape, weight_shape, *args, out_shape=None, 
 
 def _attention_flops(counter: FlopCounterMode) -> float:
     counts = counter.get_flop_counts().get("Global", {})
-    return float(sum(v for op, v in counts.items() if op in _ATTENTION_OPS))
+    return float(sum(v for op, v in counts.items() if op in _ATTENTION_OPS or _is_autoplan_attention(op)))
+
+
+def _is_autoplan_attention(op) -> bool:
+    """autoplan's attention operator and its backward (runtime/windowed_attention.py: soft-capping,
+    windows, sinks), matched by name: it is registered where a model first calls it, never here."""
+    return getattr(op, "_qualified_op_name", None) in ("autoplan::attention", "autoplan::attention_backward")
 
 
 # --------------------------------------------------------------------------------------------

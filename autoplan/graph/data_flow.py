@@ -41,6 +41,13 @@ if hasattr(torch.ops.aten, "_fused_rms_norm"):
     _FEATURE_NORMS.add(torch.ops.aten._fused_rms_norm.default)
 
 
+def _is_attention_kernel(func) -> bool:
+    """SDPA's kernels, or autoplan's attention operator (runtime/windowed_attention.py: soft-capping,
+    windows, sinks), matched by name: it is registered where a model first calls it, never here."""
+    return func in _ATTENTION_KERNELS or (getattr(func, "namespace", None) == "autoplan"
+                                          and getattr(func, "__name__", None) == "attention.default")
+
+
 def tags_of(t: Any) -> frozenset:
     return getattr(t, "_ap_tags", frozenset()) if isinstance(t, torch.Tensor) else frozenset()
 
@@ -91,7 +98,7 @@ class FlowMode(TorchDispatchMode):
         # Position ids given as an input reach q and k through rotary embeddings: the attention
         # weights depend on them, but what the attention passes on is v's, so INPUT stops at the
         # scores (as positions the model makes with `arange` carry no tag at all).
-        if func in _ATTENTION_KERNELS:
+        if _is_attention_kernel(func):
             q, k = args[0], args[1]
             if tags_of(q) - {NORM, ATTN, INPUT} and tags_of(k) - {NORM, ATTN, INPUT}:
                 self.head_dim.setdefault(frozenset((tags_of(q) | tags_of(k)) - {NORM, INPUT}), int(q.shape[-1]))

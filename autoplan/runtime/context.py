@@ -25,6 +25,14 @@ name by
   mask, benchmarks/cp_attention_cpu.py), on CUDA it dispatches to the flash / efficient kernel
   without one. Non-causal attention is one call over all keys.
 
+Attention SDPA cannot compute (logit soft-capping, a sliding window, sinks: Gemma 2/3, GPT-OSS) is
+autoplan's attention operator (runtime/windowed_attention.py), routed the same way
+(`_windowed_by_hook`): the gathered keys, then one call per local chunk with the chunk's position in
+the sequence as the query offset, over the keys from its window's first (or the sequence's first)
+to its end, so the window and causality count true positions and a chunk computes over its
+window only. Under tp (DTensor, [Note: tensor parallelism on an inlined graph]) it runs
+on the rank's heads and their sinks.
+
 This is Llama 3's all-gather context parallelism (the paper chose it over ring attention for its
 flexibility with masks and its simplicity; the all-gather is exposed but small beside attention
 at long context); the CUDA path is this same all-gather with the efficient kernel per chunk. Ring
@@ -54,6 +62,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from autoplan.graph.experts import expert_modules
 from autoplan.graph.positions import sequence_split_refusal
+from autoplan.runtime import windowed_attention
 from autoplan.runtime.errors import PartitionError
 
 if TYPE_CHECKING:
@@ -113,12 +122,15 @@ class ContextParallelAttention:
         # backward (autograd.backward / grad reach the mode too) recomputes checkpointed layers
         # there, whose attention must gather again. Models call it as `F.scaled_dot_product_attention`;
         # traced graphs that call the kernel itself are routed to the name (`route_attention`).
+        # autoplan's attention operator is routed the same way (`_windowed_by_hook`).
         self._original = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = self._attention
+        _WINDOWED_HOOK[0] = self._windowed
         return self
 
     def __exit__(self, *exc) -> None:
         F.scaled_dot_product_attention = self._original
+        _WINDOWED_HOOK[0] = None
 
     def _attention(self, *args, **kwargs):
         if len(args) < 3:
@@ -163,6 +175,61 @@ class ContextParallelAttention:
                                             common["enable_gqa"]))
         return torch.cat(out, dim=-2)
 
+    def _windowed(self, q, k, v, sinks, scale, causal, window, softcap, offset):
+        """autoplan's attention operator (runtime/windowed_attention.py) over the gathered keys: per
+        local chunk, the keys from the window's first (or the sequence's first) to the chunk's end,
+        with the chunk's offset in the sequence, so causality and the window count true positions.
+        Returns the operator's (output, log-sum-exp) as one call over the local tokens would."""
+        local = self.positions.numel()
+        if offset or q.shape[-2] != local or k.shape[-2] != local:
+            raise RuntimeError(f"context parallelism: attention over {q.shape[-2]} queries and {k.shape[-2]} keys "
+                               f"on a rank holding {local} tokens of {self.seq_len}; only self-attention over the "
+                               "sequence can be split; plan this model with --cp 1")
+        k, v = self._gather(k), self._gather(v)
+        if not causal:
+            return torch.ops.autoplan.attention.default(q, k, v, sinks, scale, causal, window, softcap, 0)
+        outs, lses = [], []
+        for row, start, size in self.chunks:
+            first = max(0, start - window + 1) if window > 0 else 0
+            out, lse = torch.ops.autoplan.attention.default(
+                q[..., row:row + size, :], k[..., first:start + size, :], v[..., first:start + size, :], sinks, scale,
+                causal, window, softcap, start - first)
+            outs.append(out)
+            lses.append(lse)
+        return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+_WINDOWED_HOOK: list = [None]
+"""The cp attention of the step running now (`ContextParallelAttention._windowed`), or None."""
+
+
+def _windowed_by_hook(q, k, v, sinks, scale, causal, window, softcap, offset):
+    """autoplan's attention operator, or the step's cp attention while one runs. A tensor-parallel
+    graph hands it DTensors (the operator's sharding rule: its heads); the cp attention runs on this
+    rank's heads, as `_local_attention` (runtime/tensor_parallel_graph.py) runs SDPA."""
+    hook = _WINDOWED_HOOK[0]
+    if hook is None:
+        return torch.ops.autoplan.attention.default(q, k, v, sinks, scale, causal, window, softcap, offset)
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(q, DTensor):
+        return hook(q, k, v, sinks, scale, causal, window, softcap, offset)
+    mesh = q.device_mesh
+    heads = q.shape[1] % mesh.size() == 0 and k.shape[1] == q.shape[1]
+    placement = Shard(1) if heads else Replicate()
+
+    def local(t, placement):
+        if t is None or (not isinstance(t, DTensor) and not heads):
+            return t
+        if not isinstance(t, DTensor):  # a plain tensor every tp rank holds whole: its heads are a slice
+            t = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        return t.redistribute(mesh, [placement]).to_local()
+
+    out, lse = hook(local(q, placement), local(k, placement), local(v, placement),
+                    local(sinks, Shard(0) if heads else Replicate()), scale, causal, window, softcap, offset)
+    return (DTensor.from_local(out, mesh, [placement], run_check=False),
+            DTensor.from_local(lse, mesh, [placement], run_check=False))
+
 
 _SDPA_TARGETS = (torch.ops.aten.scaled_dot_product_attention.default, torch._C._nn.scaled_dot_product_attention,
                  F.scaled_dot_product_attention)
@@ -182,9 +249,10 @@ def route_attention(modules: Iterable[nn.Module]) -> None:
         for gm in module.modules():
             if not isinstance(gm, fx.GraphModule):
                 continue
-            nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _SDPA_TARGETS]
+            nodes = [n for n in gm.graph.nodes if n.op == "call_function"
+                     and (n.target in _SDPA_TARGETS or windowed_attention.is_attention_op(n.target))]
             for node in nodes:
-                node.target = _sdpa_by_name
+                node.target = _sdpa_by_name if node.target in _SDPA_TARGETS else _windowed_by_hook
             if nodes:
                 gm.recompile()
 

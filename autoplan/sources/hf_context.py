@@ -23,11 +23,23 @@ models say both through what they already take:
   which is wrong for a rank's chunks. The runtime routes the traced graph's SDPA through its
   gathered, chunked attention (runtime/context.py).
 
+Attention SDPA cannot compute goes through autoplan's attention operator instead
+(runtime/windowed_attention.py, `autoplan::attention`): logits soft-capped (Gemma 2's
+`attn_logit_softcapping`, passed as `softcap`), a sliding window shorter than the model's position
+limit (the `sliding_window` each layer passes: Gemma 2/3 and GPT-OSS per `layer_types`, Mistral,
+Qwen2 with `use_sliding_window`), or attention sinks (GPT-OSS's `s_aux`, one logit per head that
+joins the softmax's denominator). Because the cp runtime gathers the whole sequence's keys and
+values, each of these is a different computation per local chunk at a known position, and the
+runtime routes the operator as it routes SDPA; under tp its sharding rule gives every rank its
+heads (the sinks' too). Whether a layer takes the operator is decided from the config (a window is
+compared with `max_position_embeddings`, not with the traced length, which under cp is a rank's
+share), so a model without any of the three keeps SDPA.
+
 The implementation is used for every plan of a model that offers cp (cp 1 too), so `suggest` and
-`run` trace the same graph; it is exact only where the mask is the plain causal (or full) mask, so
-a model whose attention has a sliding window shorter than its position limit, logit soft-capping,
-or which is an encoder-decoder, is not offered it (`context_parallel_refusal`) and keeps
-transformers' own attention.
+`run` trace the same graph; a model is not offered it (`context_parallel_refusal`), and keeps
+transformers' own attention, where no causal mask in true positions describes its attention: an
+encoder-decoder, a two-sided window (Gemma 3's `use_bidirectional_attention`), or attention dropout
+with the operator (which has none).
 
 A mixture of experts (Mixtral, Qwen2/3-MoE, DeepSeek-V3) routes each token to its experts with no
 capacity, so a rank's chunks are routed as the whole sequence's tokens would be (hf.py
@@ -53,27 +65,44 @@ ATTENTION = "autoplan_causal"
 """The attention implementation a model offering cp is built with (see the note)."""
 
 
+def _window_bites(window: Any, limit: Any) -> bool:
+    """Whether a sliding window of `window` tokens is shorter than the positions a model takes."""
+    return isinstance(window, int) and (not isinstance(limit, int) or window < limit)
+
+
 def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
                scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any):
-    """transformers' SDPA attention (integrations/sdpa_attention.py) without a mask, refusing what a
-    mask-free call would drop. Grouped-query keys and values are repeated to the query heads, as
-    transformers does when it passes a mask: without one it would call the kernel with
-    `enable_gqa`, which the tensor-parallel analysis (graph/data_flow.py) does not follow, so
-    attention would be left unsharded under tp. Under cp this gathers the repeated heads (num_rep
-    times the bytes of Llama 3's gather, which gathers before the repeat)."""
+    """transformers' SDPA attention (integrations/sdpa_attention.py) without a mask; with logit
+    soft-capping, a sliding window or sinks, autoplan's attention operator (runtime/windowed_attention.py).
+    Grouped-query keys and values are repeated to the query heads, as transformers does when it
+    passes a mask: without one it would call the kernel with `enable_gqa`, which the tensor-parallel
+    analysis (graph/data_flow.py) does not follow, so attention would be left unsharded under tp.
+    Under cp this gathers the repeated heads (num_rep times the bytes of Llama 3's gather, which
+    gathers before the repeat)."""
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    window = kwargs.get("sliding_window")
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or (
-            window is not None and window < key.shape[-2]):
-        raise RuntimeError(f"{type(module).__name__}: attention with a sliding window, soft-capping or sinks "
-                           f"cannot run as {ATTENTION}; plan this model with --cp 1")
     if query.shape[1] != key.shape[1]:
         rep = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, rep), repeat_kv(value, rep)
-    causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
-    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=causal)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # Decided from the config, not the traced length: a cp plan traces at a rank's share of the
+    # sequence, which a window may outlast while it bites on the whole sequence.
+    window = kwargs.get("sliding_window")
+    if not _window_bites(window, getattr(getattr(module, "config", None), "max_position_embeddings", None)):
+        window = None
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if window is None and softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
+                                             is_causal=causal and query.shape[2] > 1)
+        return out.transpose(1, 2).contiguous(), None
+    from autoplan.runtime.windowed_attention import attention
+
+    if dropout or (window is not None and not causal):
+        raise RuntimeError(f"{type(module).__name__}: {'attention dropout' if dropout else 'a two-sided window'} "
+                           f"with soft-capping, a sliding window or sinks cannot run as {ATTENTION}; "
+                           f"{'set attention_dropout=0' if dropout else 'plan this model with --cp 1'}")
+    out = attention(query, key, value, sinks=sinks, scale=scaling, causal=causal, window=window, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -99,6 +128,15 @@ splits over the cp group; any other (linear attention, state-space, convolution)
 its own way."""
 
 
+def _computes_more_than_sdpa(config: Any) -> bool:
+    """Whether some layer soft-caps its logits, attends over a window shorter than the model's
+    positions, or (GPT-OSS) has sinks: what `_attention` hands to autoplan's attention operator."""
+    window = getattr(config, "sliding_window", None)
+    return (getattr(config, "attn_logit_softcapping", None) is not None or config.model_type == "gpt_oss"
+            or (_window_bites(window, getattr(config, "max_position_embeddings", None))
+                and getattr(config, "use_sliding_window", True) is not False))
+
+
 def context_parallel_refusal(config: Any, model_class: type) -> str | None:
     """Why the model cannot be split over a cp group (one line naming the fix), or None."""
     name = model_class.__name__
@@ -112,8 +150,12 @@ def context_parallel_refusal(config: Any, model_class: type) -> str | None:
         return f"{name}.forward takes no position_ids, so it cannot be told its tokens' positions"
     if not getattr(model_class, "_supports_attention_backend", False):
         return f"{name} does not compute attention through transformers' AttentionInterface"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return f"{name} soft-caps its attention logits, which SDPA does not"
+    if getattr(config, "use_bidirectional_attention", False):
+        return (f"{name} is built with use_bidirectional_attention=true, whose two-sided window autoplan's "
+                "attention does not compute; plan it with --cp 1")
+    if getattr(config, "attention_dropout", 0.0) and _computes_more_than_sdpa(config):
+        return (f"{name} has attention_dropout={config.attention_dropout} with soft-capping, a sliding window or "
+                "sinks, which autoplan's attention does not compute; set attention_dropout=0 or plan it with --cp 1")
     kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or ()
     others = sorted({str(kind) for kind in kinds if str(kind) not in _ATTENTION_LAYERS})
     if others:
@@ -124,11 +166,4 @@ def context_parallel_refusal(config: Any, model_class: type) -> str | None:
         return (f"{name} is built with output_router_logits=true, and its router loss is not the Switch "
                 "load-balancing loss autoplan computes over the cp group; a batch-wide router loss computed over a "
                 "rank's part of each sequence would differ; set output_router_logits=false or plan it with --cp 1")
-    window, limit = getattr(config, "sliding_window", None), getattr(config, "max_position_embeddings", None)
-    types = getattr(config, "layer_types", None)
-    if (isinstance(window, int) and (limit is None or window < limit)
-            and getattr(config, "use_sliding_window", True) is not False
-            and (types is None or any("sliding" in str(t) for t in types))):
-        return (f"{name} attends over a sliding window of {window} tokens; set sliding_window={limit or 'null'} "
-                f"(no shorter than max_position_embeddings) or plan it with --cp 1")
     return None
