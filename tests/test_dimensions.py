@@ -73,6 +73,10 @@ class Toy(Dimension):
     def before_step(self, pm) -> None:
         self.calls.append("before_step")
 
+    def split_input(self, pm, value):
+        self.calls.append("split_input")
+        return value
+
     def before_run(self, pm) -> None:
         self.calls.append("before_run")
 
@@ -171,10 +175,10 @@ def test_partition_and_step_call_the_toy_dimensions_hooks_in_their_places(toy, p
     assert dimension.calls == ["refuse", "apply", "wrap"]
     dimension.calls.clear()
     loss = pm.step(ids, target=target)
-    assert dimension.calls == ["before_step", "before_run", "enter", "exit", "after_backward", "reduce_grads",
-                               "after_reduce"]
+    assert dimension.calls == ["before_step", "split_input", "split_input", "before_run", "enter", "exit",
+                               "after_backward", "reduce_grads", "after_reduce"]  # split: the ids and the target
     assert float(loss) == pytest.approx(expected, rel=1e-6)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in pm.parameters())
     dimension.calls.clear()
     pm.evaluate(ids, target=target)
-    assert dimension.calls == ["before_step", "enter", "exit", "after_evaluate"]
+    assert dimension.calls == ["before_step", "split_input", "split_input", "enter", "exit", "after_evaluate"]

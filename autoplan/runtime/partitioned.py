@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from autoplan.graph.aux_loss import recording_aux_losses
 from autoplan.plan import Plan
-from autoplan.runtime.context import ContextParallelAttention, shard_sequence
+from autoplan.runtime.context import ContextParallelAttention
 from autoplan.runtime.dimensions import Dimension, registry
 from autoplan.runtime.errors import PartitionError
 from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
@@ -338,8 +338,8 @@ class PartitionedModel:
                         f"input {name!r} has {rows} rows; expected the global batch {local * plan.replicas} or this "
                         f"replica's {local} (micro_batch_size {plan.micro_batch_size} * num_microbatches "
                         f"{plan.num_microbatches})")
-                if self.context is not None:
-                    value = shard_sequence(value, self.context.positions, plan.job.seq_len)
+                for dimension in self.dimensions:  # cp: this rank's chunks of every sequence
+                    value = dimension.split_input(self, value)
                 for m, chunk in enumerate(value.to(self.device).chunk(plan.num_microbatches)):
                     out[m][name] = chunk
             else:

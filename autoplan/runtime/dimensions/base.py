@@ -17,7 +17,9 @@ parallel: FSDP wraps the finished runner) is the first to finish its backward, t
 - `wrap(build, plan, layout)`: after every `apply`, in order: what wraps the stages' finished
   runners (tensor parallel's DTensor runner, then FSDP around it).
 - In `PartitionedModel.step` (partitioned.py), in this order: `before_step(pm)` (before the inputs
-  are split: precision refreshes its working copies; `evaluate` calls it too), `before_run(pm)`,
+  are split: precision refreshes its working copies; `evaluate` calls it too), `split_input(pm,
+  value)` on each batched input tensor (this replica's rows; cp keeps its chunks of the sequence),
+  `before_run(pm)`,
   `run_context(pm)` (a context manager entered around the pipeline's run, or None; `evaluate`'s
   forward-only run too), `after_backward(pm)` (reverse order), `reduce_grads(pm)`,
   `after_reduce(pm)`; and `after_evaluate(pm)` after an evaluation.
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    import torch
+
     from autoplan.plan import Plan
     from autoplan.runtime.mesh import ParallelLayout
     from autoplan.runtime.split import StageBuild
@@ -77,6 +81,10 @@ class Dimension:
 
     def before_step(self, pm: Any) -> None:
         """Before a step's (or an evaluation's) inputs are split into micro-batches."""
+
+    def split_input(self, pm: Any, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of one batched input (this replica's rows, before micro-batches)."""
+        return value
 
     def before_run(self, pm: Any) -> None:
         """Before a training step's pipeline runs."""

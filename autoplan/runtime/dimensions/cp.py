@@ -8,10 +8,12 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from autoplan.graph.positions import holding_positions
-from autoplan.runtime.context import apply_context_parallel, refuse_context_parallel
+from autoplan.runtime.context import apply_context_parallel, refuse_context_parallel, shard_sequence
 from autoplan.runtime.dimensions.base import Checked, Dimension
 
 if TYPE_CHECKING:
+    import torch
+
     from autoplan.plan import Plan
     from autoplan.runtime.context import ContextParallelAttention
     from autoplan.runtime.mesh import ParallelLayout
@@ -29,6 +31,11 @@ class ContextParallel(Dimension):
 
     def apply(self, build: StageBuild, plan: Plan, layout: ParallelLayout) -> None:
         apply_context_parallel(build, plan, layout)
+
+    def split_input(self, pm: Any, value: torch.Tensor) -> torch.Tensor:
+        if pm.context is None:
+            return value
+        return shard_sequence(value, pm.context.positions, pm.plan.job.seq_len)
 
     def run_context(self, pm: Any) -> AbstractContextManager | None:
         return None if pm.context is None else _sharded(pm.context)
