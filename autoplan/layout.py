@@ -2,7 +2,8 @@
 
 `Plan` (plan.py) and `ParallelConfig` (cost/config.py) both carry these fields and both derive
 their counts (GPUs, stages, replicas, FSDP shard width, a rank's coordinates) from them through
-`LayoutCounts`, written here once. Everything that must see every degree (the run fingerprint, the
+`LayoutCounts`, written here once; a field they do not declare themselves they take from `Layout`,
+with its default (`carries_layout`), so a new degree is one field here. Everything that must see every degree (the run fingerprint, the
 pins `suggest` takes, `describe`, the search's memo keys) walks `LAYOUT_FIELDS` instead of naming
 the degrees, so a field added to `Layout` reaches all of them unless a site leaves it out by name
 (tests/test_layout.py enumerates the fields and checks each one).
@@ -19,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FIRST_RECORDED", "LAYOUT_FIELDS", "RANK_ORDERS", "Layout", "LayoutCounts", "layout_rank"]
+__all__ = ["FIRST_RECORDED", "LAYOUT_FIELDS", "RANK_ORDERS", "Layout", "LayoutCounts", "carries_layout", "layout_rank"]
 
 RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
 
@@ -145,6 +146,23 @@ _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Layou
 FIRST_RECORDED = frozenset({"tp", "pp", "dp", "cp", "ep", "dp_replicate", "virtual_stages", "rank_order"})
 """Layout fields the first plans' fingerprints and pins named in fixed places (`Plan.run_fingerprint`,
 search/configs.py `config_pins`); every later one enters them by `LayoutCounts.later_fields`."""
+
+
+def carries_layout(cls: type) -> type:
+    """Class decorator, applied under `@dataclass`: every `Layout` field that `cls` (or a base) does
+    not declare is added to it with the `Layout` default, after its own fields (all of which a later
+    field follows with a default, so the order of `Plan`'s positional fields is kept). `Plan` and
+    `ParallelConfig` declare the fields written before this existed, with their own docstrings; a
+    degree added to `Layout` reaches both by itself (docs/architecture.md, "Adding a parallel
+    dimension")."""
+    declared = {name for klass in cls.__mro__ for name in vars(klass).get("__annotations__", {})}
+    annotations = dict(vars(cls).get("__annotations__", {}))
+    for f in dataclasses.fields(Layout):
+        if f.name not in declared:
+            annotations[f.name] = f.type
+            setattr(cls, f.name, f.default)
+    cls.__annotations__ = annotations
+    return cls
 
 
 @functools.cache

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan._files import read_json
-from autoplan.layout import LAYOUT_FIELDS, RANK_ORDERS, LayoutCounts, layout_rank
+from autoplan.layout import LAYOUT_FIELDS, RANK_ORDERS, LayoutCounts, carries_layout, layout_rank
 
 __all__ = [
     "MAX_MICROBATCHES",
@@ -274,6 +274,7 @@ class Predicted:
 
 
 @dataclass(frozen=True, kw_only=True)
+@carries_layout  # a Layout field not declared below, with its default (layout.py)
 class Plan(LayoutCounts):
     model: str
     """The model spec it was made for (zoo spec, file:function, or a class name for API models)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoplan.layout import LayoutCounts
+from autoplan.layout import LayoutCounts, carries_layout
 from autoplan.plan import Plan, expert_positions
 
 __all__ = ["DESCRIBE_LEAVES_OUT", "ParallelConfig"]
@@ -15,6 +15,7 @@ the same (the search keeps the faster of two such plans, search/space.py `_same_
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+@carries_layout  # a Layout field not declared below, with its default (layout.py)
 class ParallelConfig(LayoutCounts):
     """The layout fields (layout.py `Layout`) and the choices made on them; the counts derived from
     the layout are `LayoutCounts`'."""

@@ -35,16 +35,14 @@ from torch import nn
 from autoplan._checks import require, require_int, require_strings
 from autoplan.graph.profile import model_fingerprint
 from autoplan.plan import Plan, PlanError, validate
-from autoplan.runtime.context import apply_context_parallel, refuse_context_parallel, whole_sequence_output
-from autoplan.runtime.data_parallel import apply_data_parallel
+from autoplan.runtime.context import whole_sequence_output
+from autoplan.runtime.dimensions import Checked, registry
 from autoplan.runtime.errors import PartitionError
 from autoplan.runtime.executor import build_executor
-from autoplan.runtime.experts import apply_expert_parallel, refuse_expert_parallel
-from autoplan.runtime.fsdp import check_sharding, refuse_fused_qkv
+from autoplan.runtime.fsdp import check_sharding
 from autoplan.runtime.mesh import build_mesh
 from autoplan.runtime.partitioned import PartitionedModel
-from autoplan.runtime.precision import apply_precision, compute_dtype
-from autoplan.runtime.recompute import apply_recompute
+from autoplan.runtime.precision import compute_dtype
 from autoplan.runtime.split import (
     batch_size_of,
     build_stage_modules,
@@ -53,13 +51,7 @@ from autoplan.runtime.split import (
     stage_specs,
     tied_parameter_names,
 )
-from autoplan.runtime.tensor_parallel import (
-    TensorParallelError,
-    apply_tensor_parallel,
-    check_tp_tracing,
-    run_in_dtensor,
-    tensor_parallel_plan,
-)
+from autoplan.runtime.tensor_parallel import TensorParallelError, check_tp_tracing, tensor_parallel_plan
 from autoplan.sources import ModelSource, OutputTemplate, as_source, trace_with_target
 
 __all__ = ["PartitionError", "PartitionedModel", "check_model", "default_device", "init_distributed", "partition"]
@@ -170,7 +162,10 @@ def _with_batch(value: Any, batch: int | None, size: int) -> Any:
 
 # [Note: the order of partition's steps]
 # `partition` builds a rank's stages in one step per concern, each a function of (the build, the plan,
-# the layout) in its own module, in the order of their effects (as torchtitan's parallelize_llama):
+# the layout) in its own module, in the order of their effects (as torchtitan's parallelize_llama).
+# Between the split and the executor, the steps are the dimensions' of runtime/dimensions/registry.py,
+# in its order: each one's `apply` (on a model built on meta, tensor parallel's before `materialize`),
+# then each one's `wrap` ([Note: a dimension's hooks] in runtime/dimensions/base.py):
 # - split: every later step works on this rank's stage modules only (split.py).
 # - tensor parallel, before `materialize` on a model built on meta, so that only the shards are
 #   allocated (each drawn as its slice of the full model's values); after it on real weights, once
@@ -190,8 +185,9 @@ def _with_batch(value: Any, batch: int | None, size: int) -> Any:
 # - data parallel: FSDP wraps the finished runner and replaces every parameter by its shard (tp shards
 #   become 2-D DTensors); DDP-style and ZeRO-1 change no stage (data_parallel.py, fsdp.py).
 # - the executor and its p2p channels over the finished stages (executor.py).
-# The refusals each step owns (cp and ep on this model, FSDP over a fused q/k/v) run before the
-# process group is made, so a plan that cannot run fails in one line without communicating.
+# The refusals each step owns (cp and ep on this model, FSDP over a fused q/k/v: each dimension's
+# `refuse`) run before the process group is made, so a plan that cannot run fails in one line
+# without communicating.
 
 
 def partition(
@@ -238,10 +234,11 @@ def partition(
     # The layout from the traced graph, as the profile found it (check_model).
     tp_plan = check_tp_tracing(traced, check_model(model, plan, traced=traced, graph_inputs=graph_inputs),
                                plan.sequence_parallel)
-    refuse_fused_qkv(tp_plan, plan)
     specs = stage_specs(traced, graph_inputs, plan, model, device)
-    refuse_context_parallel(source, model, traced, plan)
-    refuse_expert_parallel(model, traced, plan)
+    dimensions = registry.DIMENSIONS
+    checked = Checked(plan=plan, source=source, model=model, traced=traced, tp_plan=tp_plan)
+    for dimension in dimensions:
+        dimension.refuse(checked)
 
     init_distributed(timeout, world_size=plan.num_gpus)
     modules, aliases = build_stage_modules(traced, specs), tied_parameter_names(model)
@@ -249,24 +246,22 @@ def partition(
     # The steps, in the order of [Note: the order of partition's steps].
     build = split_stages(modules, plan, layout, traced=traced, specs=specs, tp_plan=tp_plan, aliases=aliases,
                          model=model)
-    if build.on_meta:
-        apply_tensor_parallel(build, plan, layout)
+    on_meta = [d for d in dimensions if d.on_meta_first] if build.on_meta else []
+    for dimension in on_meta:
+        dimension.apply(build, plan, layout)
     materialize(build, plan, layout, device=device, seed=seed, init=source.init_weights)
-    if not build.on_meta:
-        apply_tensor_parallel(build, plan, layout)
-    apply_context_parallel(build, plan, layout)
-    apply_expert_parallel(build, plan, layout)
-    apply_precision(build, plan, layout)
-    apply_recompute(build, plan, layout)
-    run_in_dtensor(build, plan, layout)
-    apply_data_parallel(build, plan, layout)
+    for dimension in dimensions:
+        if dimension not in on_meta:
+            dimension.apply(build, plan, layout)
+    for dimension in dimensions:
+        dimension.wrap(build, plan, layout)
     executor = build_executor(build, plan, layout, device=device, timeout=timeout)
     pm = PartitionedModel(plan=plan, layout=layout, stages=build.stages, executor=executor,
                           input_names=traced.input_names, aliases=aliases, device=device,
                           batch_size_of_example=batch_size_of(graph_inputs), precision=build.precision,
                           compute_dtype=build.compute_dtype, source=source, expert_params=build.expert_params,
                           context=build.context, output_template=whole_sequence_output(output_template, plan),
-                          expert_hidden=build.expert_hidden)
+                          expert_hidden=build.expert_hidden, dimensions=dimensions)
     if init is not None:
         from autoplan.runtime.weights import load_weights
 

@@ -7,8 +7,8 @@ the running model, while api.py builds it; see api.py's docstring for its use.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -17,17 +17,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from autoplan.graph.aux_loss import recording_aux_losses
-from autoplan.graph.positions import holding_positions
 from autoplan.plan import Plan
-from autoplan.runtime.context import ContextParallelAttention, shard_sequence
-from autoplan.runtime.data_parallel import all_reduce_grads
+from autoplan.runtime.context import ContextParallelAttention
+from autoplan.runtime.dimensions import Dimension, registry
 from autoplan.runtime.errors import PartitionError
 from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
-from autoplan.runtime.experts import reduce_expert_grads
-from autoplan.runtime.fsdp import finish_step, fsdp_roots, start_step
 from autoplan.runtime.mesh import ParallelLayout
 from autoplan.runtime.precision import LossScaler, MixedPrecision
-from autoplan.runtime.tensor_parallel import grad_like_param
 from autoplan.sources import ModelSource, OutputTemplate
 
 __all__ = ["PartitionedModel"]
@@ -100,8 +96,11 @@ class PartitionedModel:
                  compute_dtype: torch.dtype = torch.float32,
                  source: ModelSource | None = None, output_template: OutputTemplate | None = None,
                  expert_params: Sequence[nn.Parameter] = (), context: ContextParallelAttention | None = None,
-                 expert_hidden: Mapping[str, object] | None = None):
+                 expert_hidden: Mapping[str, object] | None = None, dimensions: Sequence[Dimension] | None = None):
         self.plan = plan
+        self.dimensions = tuple(registry.DIMENSIONS if dimensions is None else dimensions)
+        """The dimensions whose hooks `step` and `evaluate` call, in order (runtime/dimensions/:
+        [Note: a dimension's hooks]); `partition` gives those it applied."""
         self.context = context
         """Context parallelism (cp > 1): this rank's positions of every sequence and the attention
         that gathers keys and values over the cp group (runtime/context.py), else None."""
@@ -128,8 +127,6 @@ class PartitionedModel:
         FSDP (zero >= 2), whose own mixed-precision policy keeps the fp32 masters sharded (fsdp.py)."""
         self.compute_dtype = compute_dtype
         """What the stages compute in (the plan's dtype): float inputs are cast to it."""
-        self._fsdp_roots = fsdp_roots(stages)
-        """The stages' root FSDP units (zero >= 2), else empty."""
         self.last_reductions: list[tuple[str, float, float]] = []
         """(phase, start, end) of the last step's gradient reductions after the pipeline (perf_counter)."""
         self._params = self._collect_params()
@@ -341,8 +338,8 @@ class PartitionedModel:
                         f"input {name!r} has {rows} rows; expected the global batch {local * plan.replicas} or this "
                         f"replica's {local} (micro_batch_size {plan.micro_batch_size} * num_microbatches "
                         f"{plan.num_microbatches})")
-                if self.context is not None:
-                    value = shard_sequence(value, self.context.positions, plan.job.seq_len)
+                for dimension in self.dimensions:  # cp: this rank's chunks of every sequence
+                    value = dimension.split_input(self, value)
                 for m, chunk in enumerate(value.to(self.device).chunk(plan.num_microbatches)):
                     out[m][name] = chunk
             else:
@@ -364,66 +361,41 @@ class PartitionedModel:
         """
         if zero_grad:
             self.zero_grad()
-        self._refresh_working_copies()
+        # Each dimension's hooks (runtime/dimensions/: [Note: a dimension's hooks]), in the
+        # registry's order but `after_backward`, which unwinds in reverse. The step's tail after the
+        # pipeline is timed by the hooks into `last_reductions`, for traces (the cost model's `tails`).
+        self.last_reductions = []
+        self._each("before_step")
         microbatches = self._microbatches(inputs, target)
-        self.executor.grad_scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
-        start_step(self._fsdp_roots, self.plan.pp)
-        with recording_aux_losses() as aux_losses:
-            if self.context is not None:  # this rank's chunks of every sequence (runtime/context.py)
-                with holding_positions(self.context.positions, self.context.group), self.context:
-                    loss = self.executor.run(microbatches)
-            else:
-                loss = self.executor.run(microbatches)
+        self._each("before_run")
+        with recording_aux_losses() as aux_losses, self._run_contexts():
+            loss = self.executor.run(microbatches)
         aux = self._aux_loss(aux_losses)
         if aux is not None and self.executor.grad_scale != 1.0:  # recorded with the loss scale's factor
             aux = aux / self.executor.grad_scale
-        fsdp_start = time.perf_counter()
-        finish_step(self._fsdp_roots, self.plan.pp)  # FSDP's reduce-scatter under pp > 1 (fsdp.py)
-        fsdp_end = time.perf_counter()
-        if self.precision is not None:
-            self.precision.flush_grads()
-        if self.plan.tp > 1:  # DTensor gradients laid out as their parameters (see grad_like_param)
-            for _, p in self._params:
-                if p.grad is not None:
-                    p.grad = grad_like_param(p, p.grad)
-        # The step's tail after the pipeline, for traces (the cost model's `tails`).
-        self.last_reductions = []
-        if self._fsdp_roots and self.plan.pp > 1 and self.layout.dp_group is not None:
-            self.last_reductions.append(("DP_GRAD_SYNC", fsdp_start, fsdp_end))
-        tie_start = time.perf_counter()
-        for name, group in self.layout.tie_groups.items():
-            local = [p for n, p in self._params if self.aliases.get(n) == name]
-            all_reduce_grads(local, group, average=False)
-        if self.layout.tie_groups:
-            self.last_reductions.append(("TIED_GRAD_SYNC", tie_start, time.perf_counter()))
-        if not self._fsdp_roots and self.layout.dp_group is not None:  # FSDP reduced its gradients itself
-            dp_start = time.perf_counter()
-            experts = {id(p) for p in self.expert_params}
-            all_reduce_grads([p for _, p in self._params if id(p) not in experts], self.layout.dp_group, average=True)
-            if self.expert_params:
-                reduce_expert_grads(self.expert_params, self.layout.expert_dp_group, self.plan.dp)
-            self.last_reductions.append(("DP_GRAD_SYNC", dp_start, time.perf_counter()))
-        if self.loss_scaler is not None:  # the fp32 gradients, accumulated and reduced, at their true size
-            self.loss_scaler.unscale_([p.grad for _, p in self._params if p.grad is not None])
+        for dimension in reversed(self.dimensions):
+            dimension.after_backward(self)
+        self._each("reduce_grads")
+        self._each("after_reduce")
         if loss is not None and aux is not None:
             loss = loss + aux
         return self._mean_over_replicas(loss)
 
-    def _refresh_working_copies(self) -> None:
-        """Before a forward: bf16 / fp16 working copies <- the fp32 masters the optimizer stepped,
-        refusing a write under ZeRO-1 that reached one rank only."""
-        if self.precision is None:
-            return
-        changed = self.precision.changed_master()
-        if changed is not None:  # precision.py [Note: writes under ZeRO-1]
-            name = next(n for n, p in self._params if p is changed)
-            raise PartitionError(
-                f"parameter {name!r} was written outside the ZeRO-1 optimizer's step (an in-place write or another "
-                f"optimizer over pm.parameters()); under ZeRO-1 each dp rank holds the fp32 values of 1/dp of the "
-                f"parameters, so such a write reaches one rank only: step with the optimizer pm.make_optimizer() "
-                f"returned, and set weights with pm.load_state_dict(state_dict) on every rank (or before "
-                f"make_optimizer)")
-        self.precision.refresh()  # the optimizer stepped the fp32 masters since the last step
+    def _each(self, hook: str) -> None:
+        """Call one per-step hook of every dimension, in the registry's order."""
+        for dimension in self.dimensions:
+            getattr(dimension, hook)(self)
+
+    def _run_contexts(self) -> ExitStack:
+        """The dimensions' contexts around the pipeline's run (cp: this rank's chunks of every sequence),
+        entered in the registry's order."""
+        stack = ExitStack()
+        with stack:  # a context that fails to enter exits those entered before it
+            for dimension in self.dimensions:
+                context = dimension.run_context(self)
+                if context is not None:
+                    stack.enter_context(context)
+            return stack.pop_all()
 
     def _mean_over_replicas(self, loss: torch.Tensor | None) -> torch.Tensor | None:
         """A last-stage rank's mean loss over its replica's micro-batches -> the global batch's
@@ -460,23 +432,18 @@ class PartitionedModel:
         - bf16 / fp16 plans compute in their dtype (working copies refreshed from the fp32 masters
           first, as `step` does); the loss is summed over micro-batches in fp32, unscaled.
         """
-        self._refresh_working_copies()
+        self._each("before_step")
         microbatches = self._microbatches(inputs, target, "evaluate")
         modes = {m: m.training for stage in self.stages.values() for m in _stage_modules(stage)}
         for m in modes:
             m.training = False  # per module, so each one's own mode comes back below
         try:
-            with torch.no_grad():
-                if self.context is not None:  # this rank's chunks of every sequence (runtime/context.py)
-                    with holding_positions(self.context.positions, self.context.group), self.context, _EvalMode():
-                        loss = self.executor.run(microbatches, forward_only=True)
-                else:
-                    with _EvalMode():
-                        loss = self.executor.run(microbatches, forward_only=True)
+            with torch.no_grad(), self._run_contexts(), _EvalMode():
+                loss = self.executor.run(microbatches, forward_only=True)
         finally:
             for m, mode in modes.items():
                 m.training = mode
-            _reshard_after_forward_only(self._fsdp_roots)
+            self._each("after_evaluate")
         loss = self._mean_over_replicas(loss)
         if self.layout.pp_group is None:
             assert loss is not None
@@ -509,27 +476,3 @@ def _stage_modules(stage: Stage) -> Iterator[nn.Module]:
     yield from stage.module.modules()
     if isinstance(stage.runner, nn.Module):
         yield from stage.runner.modules()
-
-
-def _reshard_after_forward_only(roots: Sequence[nn.Module]) -> None:
-    """After forwards with no backward (an evaluation), put FSDP units back as a step leaves them:
-    each unit resharded (zero 2 keeps its parameters gathered after a forward, for the backward that
-    does not come) and the forward order FSDP records for the backward's prefetching cleared (it is
-    cleared at the end of a backward, so an evaluation's records would precede the next step's and
-    prefetch a wrong unit). `FSDPModule.reset_iter_state`, where torch has it, does both (after a
-    whole `step` no reduction is in flight, so it discards nothing); older torch: the same by hand."""
-    for root in roots:
-        reset = getattr(root, "reset_iter_state", None)
-        if reset is not None:
-            reset()
-            continue
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        for module in root.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        state = fully_shard.state(root)
-        state._comm_ctx.post_forward_order.clear()
-        for unit_state in state._state_ctx.all_states:
-            for group in unit_state._fsdp_param_groups:
-                group._post_forward_indices.clear()
