@@ -1,6 +1,6 @@
 """Context parallelism for attention SDPA cannot compute: Gemma 2's soft-capped logits, the sliding
 windows of Gemma 2/3 and GPT-OSS (alternating with full layers), and GPT-OSS's attention sinks,
-through autoplan's attention operator (runtime/windowed_attention.py), which the cp runtime calls
+through autoplan's attention operator (models/windowed_attention.py), which the cp runtime calls
 per local chunk with the chunk's true position (runtime/context.py). Each window (6 tokens) is
 shorter than the sequence (32) and than a rank's share of it, and crosses the chunk boundaries.
 
@@ -137,7 +137,7 @@ def test_the_attention_is_transformers_own_eager_attention(model):
 def test_attention_with_a_window_softcap_and_sinks_matches_its_math_at_any_offset():
     """The operator at a query offset (a cp chunk against the keys from its window's first) equals
     the same rows of the whole sequence's attention; and its gradients the written-out math's (float64)."""
-    from autoplan.runtime.windowed_attention import attention
+    from autoplan.models.windowed_attention import attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 16, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
@@ -169,7 +169,7 @@ def test_attention_with_a_window_softcap_and_sinks_matches_its_math_at_any_offse
 def test_attention_in_blocks_of_queries_equals_one_block(monkeypatch):
     """Queries taken a few rows at a time, each block over only the keys it sees (the scores a
     block writes out are bounded), give the values and gradients of one block."""
-    from autoplan.runtime import windowed_attention
+    from autoplan.models import windowed_attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 13, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))

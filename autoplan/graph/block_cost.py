@@ -90,7 +90,7 @@ def _attention_flops(counter: FlopCounterMode) -> float:
 
 
 def _is_autoplan_attention(op) -> bool:
-    """autoplan's attention operator and its backward (runtime/windowed_attention.py: soft-capping,
+    """autoplan's attention operator and its backward (models/windowed_attention.py: soft-capping,
     windows, sinks), matched by name: it is registered where a model first calls it, never here."""
     return getattr(op, "_qualified_op_name", None) in ("autoplan::attention", "autoplan::attention_backward")
 

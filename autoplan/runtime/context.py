@@ -26,7 +26,7 @@ name by
   without one. Non-causal attention is one call over all keys.
 
 Attention SDPA cannot compute (logit soft-capping, a sliding window, sinks: Gemma 2/3, GPT-OSS) is
-autoplan's attention operator (runtime/windowed_attention.py), routed the same way
+autoplan's attention operator (models/windowed_attention.py), routed the same way
 (`_windowed_by_hook`): the gathered keys, then one call per local chunk with the chunk's position in
 the sequence as the query offset, over the keys from its window's first (or the sequence's first)
 to its end, so the window and causality count true positions and a chunk computes over its
@@ -62,7 +62,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from autoplan.graph.experts import expert_modules
 from autoplan.graph.positions import sequence_split_refusal
-from autoplan.runtime import windowed_attention
+from autoplan.models import windowed_attention
 from autoplan.runtime.errors import PartitionError
 
 if TYPE_CHECKING:
@@ -176,7 +176,7 @@ class ContextParallelAttention:
         return torch.cat(out, dim=-2)
 
     def _windowed(self, q, k, v, sinks, scale, causal, window, softcap, offset):
-        """autoplan's attention operator (runtime/windowed_attention.py) over the gathered keys: per
+        """autoplan's attention operator (models/windowed_attention.py) over the gathered keys: per
         local chunk, the keys from the window's first (or the sequence's first) to the chunk's end,
         with the chunk's offset in the sequence, so causality and the window count true positions.
         Returns the operator's (output, log-sum-exp) as one call over the local tokens would."""

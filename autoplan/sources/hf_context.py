@@ -24,7 +24,7 @@ models say both through what they already take:
   gathered, chunked attention (runtime/context.py).
 
 Attention SDPA cannot compute goes through autoplan's attention operator instead
-(runtime/windowed_attention.py, `autoplan::attention`): logits soft-capped (Gemma 2's
+(models/windowed_attention.py, `autoplan::attention`): logits soft-capped (Gemma 2's
 `attn_logit_softcapping`, passed as `softcap`), a sliding window shorter than the model's position
 limit (the `sliding_window` each layer passes: Gemma 2/3 and GPT-OSS per `layer_types`, Mistral,
 Qwen2 with `use_sliding_window`), or attention sinks (GPT-OSS's `s_aux`, one logit per head that
@@ -73,7 +73,7 @@ def _window_bites(window: Any, limit: Any) -> bool:
 def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
                scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any):
     """transformers' SDPA attention (integrations/sdpa_attention.py) without a mask; with logit
-    soft-capping, a sliding window or sinks, autoplan's attention operator (runtime/windowed_attention.py).
+    soft-capping, a sliding window or sinks, autoplan's attention operator (models/windowed_attention.py).
     Grouped-query keys and values are repeated to the query heads, as transformers does when it
     passes a mask: without one it would call the kernel with `enable_gqa`, which the tensor-parallel
     analysis (graph/data_flow.py) does not follow, so attention would be left unsharded under tp.
@@ -96,7 +96,7 @@ def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: An
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
                                              is_causal=causal and query.shape[2] > 1)
         return out.transpose(1, 2).contiguous(), None
-    from autoplan.runtime.windowed_attention import attention
+    from autoplan.models.windowed_attention import attention
 
     if dropout or (window is not None and not causal):
         raise RuntimeError(f"{type(module).__name__}: {'attention dropout' if dropout else 'a two-sided window'} "
