@@ -130,7 +130,7 @@ def test_the_model_source_says_whether_it_offers_cp():
         assert source.context_parallel_refusal(source.build("meta")) is None, spec
         assert any(t.positions for t in source.input_templates()), spec
     for spec in (f"hf:gemma2:{_HF},head_dim=8", f"hf:mistral:{_HF},sliding_window=16"):
-        source = parse_source(spec)  # autoplan's attention operator (runtime/windowed_attention.py)
+        source = parse_source(spec)  # autoplan's attention operator (models/windowed_attention.py)
         assert source.context_parallel_refusal(source.build("meta")) is None, spec
 
 
