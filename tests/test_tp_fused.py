@@ -42,10 +42,13 @@ SHARDED = {
     "olmo2": f"hf:olmo2:{_DECODER},num_key_value_heads=2",
 }
 REPLICATED = {
-    # GPT-BigCode's (StarCoder's) multi-query layout: c_attn's output is reshaped (unsqueeze) before it
-    # is cut, which autoplan does not follow, so its attention stays whole on every tp rank. (Falcon's
-    # multi-query and Phi-3's grouped-query attention are sharded: tests/test_tp_attention_families.py.)
-    "bigcode-mqa": ("hf:gpt_bigcode:n_layer=2,n_embd=64,n_head=4,vocab_size=256,n_positions=64", "attn"),
+    # CodeGen's layout: qkv_proj's output is reshaped into `mp_num` (4) groups, each [q | v | k] of
+    # heads / 4 heads: with 8 heads, neither groups of one query head beside its key and value nor a
+    # [q | k | v] cut, so its attention stays whole on every tp rank. (GPT-BigCode's and Falcon's
+    # multi-query and Phi-3's grouped-query attention are sharded: tests/test_tp_attention_families.py,
+    # tests/test_tp_bigcode_mqa.py.)
+    "codegen": ("hf:codegen:n_layer=2,n_embd=128,n_head=8,rotary_dim=8,vocab_size=256,n_positions=64,n_ctx=64",
+                "attn"),
 }
 
 
@@ -137,7 +140,7 @@ def _local_weights(rank, world_size, spec, plan):
     return weights, attended
 
 
-@pytest.mark.parametrize("name", ["bigcode-mqa"])
+@pytest.mark.parametrize("name", ["codegen"])
 def test_an_attention_left_whole_is_listed_shown_and_priced(name, tmp_path):
     """A model whose attention tp cannot shard still runs its MLP tensor-parallel: the attention is
     in the layout's `replicated` list, `autoplan suggest` says so, and the plan prices its

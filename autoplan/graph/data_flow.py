@@ -42,7 +42,7 @@ if hasattr(torch.ops.aten, "_fused_rms_norm"):
 
 
 def _is_attention_kernel(func) -> bool:
-    """SDPA's kernels, or autoplan's attention operator (runtime/windowed_attention.py: soft-capping,
+    """SDPA's kernels, or autoplan's attention operator (models/windowed_attention.py: soft-capping,
     windows, sinks), matched by name: it is registered where a model first calls it, never here."""
     return func in _ATTENTION_KERNELS or (getattr(func, "namespace", None) == "autoplan"
                                           and getattr(func, "__name__", None) == "attention.default")
@@ -87,6 +87,9 @@ class FlowMode(TorchDispatchMode):
             if (fresh is not None and func in VIEWS and isinstance(out, torch.Tensor) and out.dim() and t.dim()
                     and out.shape[-1] == t.shape[-1]):
                 out._ap_fresh = fresh  # (b * s, n) -> (b, s, n), as an inlined Conv1D ends: still its output
+            elif (fresh is not None and func is torch.ops.aten.unsqueeze.default and isinstance(out, torch.Tensor)
+                  and args[1] % out.dim() != out.dim() - 1):
+                out._ap_fresh = fresh  # GPT-BigCode's `c_attn(x).unsqueeze(1)` before its split: still its output
             elif (fresh is not None and func is torch.ops.aten.add.Tensor and len(inputs) == 1
                   and isinstance(out, torch.Tensor) and out.shape == t.shape):
                 out._ap_fresh = fresh  # `x @ w.T + bias` (FalconLinear): the bias is part of the linear

@@ -129,11 +129,13 @@ def mlp_pair(flow: Flow, feeders: Sequence[str], b_in: int, src: frozenset) -> P
 #   blocks`) and the runtime holds each rank's slices side by side ([Note: blocks of a fused
 #   projection] in runtime/tensor_parallel_graph.py);
 # - one key/value head every query head shares (multi-query: Falcon's `view(b, s, heads + 2,
-#   head_dim)` with k and v the last two, or [q | k | v] parts of one head each): the query part is
-#   sharded, the key and value parts are left whole on every rank (`_shared_heads`), as vLLM's
-#   QKVParallelLinear replicates key/value heads when tp is at least their number
-#   (vllm/model_executor/layers/linear.py, `num_kv_head_replicas`); their weights' gradients, of
-#   this rank's heads only, are summed over tp.
+#   head_dim)` with k and v the last two, or [q | k | v] parts of one head each, as GPT-BigCode's
+#   `c_attn(x).unsqueeze(1).split((embed, head_dim, head_dim), dim=3)`, whose unsqueeze the data
+#   flow sees through to the split): the query part is sharded, the key and value parts are left
+#   whole on every rank (`_shared_heads`), as vLLM's QKVParallelLinear replicates key/value heads
+#   when tp is at least their number (vllm/model_executor/layers/linear.py, `num_kv_head_replicas`);
+#   their weights' gradients, of this rank's heads only, are summed over tp (runtime/
+#   tensor_parallel_graph.py [Note: repeated whole heads] when they reach the attention repeated).
 #
 # [Note: latent attention]
 # DeepSeek's multi-head latent attention (DeepSeek-V2 report, Sec. 2.1; transformers'

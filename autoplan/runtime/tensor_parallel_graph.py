@@ -134,6 +134,11 @@ def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int], row_w
     import torch.nn.functional as F  # noqa: N812
 
     aten = torch.ops.aten
+    attention = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
+    # read before the loop rewrites the ops `_comes_from` stops at
+    whole_parts = _whole_part_linears(gm)
+    whole_kv = {node for node in gm.graph.nodes if whole_parts and node.op == "call_function"
+                and node.target in attention and any(_comes_from(a, whole_parts) for a in node.args[1:3])}
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -141,8 +146,8 @@ def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int], row_w
             gm.graph.erase_node(node)
         elif node.target in _CONTIGUOUS_FIRST:
             node.target = _CONTIGUOUS_FIRST[node.target]
-        elif node.target in (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention):
-            node.target = _local_attention
+        elif node.target in attention:
+            node.target = _local_attention_whole_kv if node in whole_kv else _local_attention
         elif node.target in _FUSED_QKV_OPS or node.target is aten.matmul.default:
             weight = (transposed_weight(node.args[1]) if node.target is aten.matmul.default
                       else node.args[2] if node.target is aten.addmm.default else node.args[1])
@@ -158,6 +163,8 @@ def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int], row_w
                 node.target = _RowParallel(node.target)
         elif node.target in _PARTS:
             node.target = _PARTS[node.target]
+        elif node.target is aten.unsqueeze.default:  # GPT-BigCode's `c_attn(x).unsqueeze(1)` before its split
+            node.target = _unsqueeze
         elif node.target is aten.lift_fresh_copy.default:  # a constant of the forward (Falcon's index [-2])
             node.target = _lift_fresh_copy
         elif _no_sharding_rule(node.target):
@@ -171,6 +178,42 @@ def _rewrite_for_dtensor(gm: torch.fx.GraphModule, vocab_tables: set[int], row_w
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
+
+
+def _whole_part_linears(gm: torch.fx.GraphModule) -> set:
+    """The graph's linear nodes whose weight is blocked with parts left whole (a multi-query key and
+    value head: [Note: repeated whole heads])."""
+    aten = torch.ops.aten
+    found = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not (node.target in _FUSED_QKV_OPS or node.target is aten.matmul.default):
+            continue
+        weight = (transposed_weight(node.args[1]) if node.target is aten.matmul.default
+                  else node.args[2] if node.target is aten.addmm.default else node.args[1])
+        value = _get_attr(gm, weight.target) if isinstance(weight, torch.fx.Node) and weight.op == "get_attr" else None
+        if value is not None and _is_blocked(value) and any(whole for _, whole in value.placements[0].blocks):
+            found.add(node)
+    return found
+
+
+def _comes_from(arg: Any, sources: set, steps: int = 16) -> bool:
+    """Whether graph value `arg` is computed from one of `sources` through at most `steps` ops that
+    are neither linears nor attention (the cut, reshapes and repeat between a fused projection and
+    the attention it feeds)."""
+    aten = torch.ops.aten
+    stops = {*_FUSED_QKV_OPS, aten.matmul.default, aten.bmm.default, aten.scaled_dot_product_attention.default,
+             torch.nn.functional.scaled_dot_product_attention}
+    frontier, seen = [arg], set()
+    for _ in range(steps):
+        nodes = [n for n in frontier if isinstance(n, torch.fx.Node) and n not in seen]
+        if not nodes:
+            return False
+        if any(n in sources for n in nodes):
+            return True
+        seen.update(nodes)
+        frontier = [a for n in nodes if n.op == "call_function" and n.target not in stops
+                    for a in tree_flatten((n.args, n.kwargs))[0]]
+    return False
 
 
 class _RowParallel:
@@ -439,10 +482,12 @@ _PARTS = {torch.ops.aten.split.Tensor: _split, torch.ops.aten.split_with_sizes.d
 # it is Shard(dim) (equal to it, so the optimizer's element-wise steps and the dp reductions work on
 # the local rows); every op of the graph that reads it is rewritten: the linear runs on the local
 # rows and its output is blocked the same way along its features (`_qkv_out`), a reshape of those
-# features into (heads, head_dim) keeps the blocks in heads (`_blocked_view`), and the slices,
+# features into (heads, head_dim) keeps the blocks in heads (`_blocked_view`), as an unsqueeze
+# before the cut does (GPT-BigCode's `c_attn(x).unsqueeze(1)`: `_unsqueeze`), and the slices,
 # splits or index that cut it hand each rank its parts: a sharded part as Shard, a whole part as a
 # Replicate DTensor (`_blocked_part`). A whole key/value head is read by this rank's query heads
-# only, so its gradient on each rank is of those heads (a per-rank part of the sum, carried as
+# only ([Note: repeated whole heads] where the graph repeats it to every query head), so its
+# gradient on each rank is of those heads (a per-rank part of the sum, carried as
 # Replicate the way DTensor hands back a to_local's gradient): the input's gradient, a partial sum
 # over tp (`_local_input`), sums them, and the weight's whole rows are all-reduced over tp in
 # backward (`_SumWholeParts`), as torch's SequenceParallel norms sum their replicated weights'
@@ -695,6 +740,23 @@ def _blocked_view(x, shape) -> Any:
                        "([Note: blocks of a fused projection])")
 
 
+def _unsqueeze(x, dim):
+    """`x.unsqueeze(dim)`; of a fused projection's output held in parts (blocked or strided), on its
+    local parts with the parts kept (DTensor would take a blocked one for a plain Shard)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not (_is_blocked(x) or _is_strided(x)):
+        return torch.ops.aten.unsqueeze.default(x, dim)
+    placement = x.placements[0]
+    dim = dim % (x.dim() + 1)
+    local, shard_dim = x.to_local().unsqueeze(dim), placement.dim + (dim <= placement.dim)
+    if _is_blocked(x):
+        return _blocked(local, x.device_mesh, shard_dim, placement.blocks)
+    return DTensor.from_local(local, x.device_mesh, [_StridedShard(shard_dim, split_factor=placement.split_factor)],
+                              run_check=False)
+
+
 def _contiguous(x: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
@@ -737,9 +799,33 @@ def _view(x, shape):
 _CONTIGUOUS_FIRST = {torch.ops.aten.reshape.default: _reshape, torch.ops.aten.view.default: _view}
 
 
+# [Note: repeated whole heads]
+# A multi-query key and value head left whole on every rank ([Note: blocks of a fused projection])
+# may reach the attention repeated to every query head (GPT-BigCode's `c_attn(x).unsqueeze(1).split(
+# ...)`, through transformers' `repeat_kv` in the SDPA forward autoplan traces with): a Replicate
+# DTensor with as many heads as q. DTensor's redistribution of it to this rank's heads (Shard) all-
+# gathers its gradient in backward, so each rank's would cover every query head and the all-reduce
+# of the whole parts (`_SumWholeParts`) would count it tp times. An attention whose key or value is
+# computed from such a projection (`_comes_from` at rewrite time) takes this rank's heads of a
+# Replicate key or value as a local slice (`_local_attention_whole_kv`): its gradient is of this
+# rank's query heads, as when the one head is broadcast (Falcon's), and the whole parts' all-reduce
+# sums them once. A per-head tensor the model computes replicated otherwise (T5's position bias)
+# keeps DTensor's redistribution, whose gathered gradient its replicated parameter needs.
+
+
+def _local_attention_whole_kv(q, k, v, attn_mask=None, *args, **kwargs):
+    """`_local_attention` of a key or value computed from a whole multi-query head ([Note: repeated
+    whole heads]): this rank's heads of a Replicate key or value are a local slice."""
+    return _attention_on_local_heads(q, k, v, attn_mask, args, kwargs, slice_replicated=True)
+
+
 def _local_attention(q, k, v, attn_mask=None, *args, **kwargs):
     """Scaled dot-product attention on this rank's heads (dim 1) when q, k and v hold whole heads,
     else on the whole (replicated) tensors; the result is a DTensor of that placement."""
+    return _attention_on_local_heads(q, k, v, attn_mask, args, kwargs, slice_replicated=False)
+
+
+def _attention_on_local_heads(q, k, v, attn_mask, args, kwargs, *, slice_replicated: bool):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     # The kernel by its name, looked up when called: context parallelism replaces it for the step
@@ -753,7 +839,7 @@ def _local_attention(q, k, v, attn_mask=None, *args, **kwargs):
     heads_split = q.dim() == 4 and q.shape[1] % n == 0 and (k.shape[1] % n == 0 or k.shape[1] == 1 < q.shape[1])
     placements = [Shard(1)] if heads_split else [Replicate()]
 
-    def local(t):
+    def local(t, key_or_value: bool = False):
         if not isinstance(t, torch.Tensor):
             return t
         per_head = t.dim() == 4 and t.shape[1] == q.shape[1]  # a mask or bias per head (T5's), else broadcast
@@ -763,10 +849,14 @@ def _local_attention(q, k, v, attn_mask=None, *args, **kwargs):
             # A plain tensor the graph made (T5's zero position bias plus the mask) is replicated:
             # this rank's heads are a local slice.
             t = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        if (slice_replicated and key_or_value and heads_split and per_head
+                and all(p.is_replicate() for p in t.placements)):
+            heads = t.shape[1] // n  # this rank's, with a gradient of them only ([Note: repeated whole heads])
+            return t.to_local().narrow(1, mesh.get_local_rank() * heads, heads)
         return t.redistribute(mesh, placements if per_head else [Replicate()]).to_local()
 
-    out = torch.nn.functional.scaled_dot_product_attention(local(q), local(k), local(v), local(attn_mask), *args,
-                                                          **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(local(q), local(k, True), local(v, True), local(attn_mask),
+                                                          *args, **kwargs)
     return DTensor.from_local(out, mesh, placements, run_check=False)
 
 
