@@ -3,10 +3,13 @@
     python benchmarks/search_speed.py [--json out.json]
     python benchmarks/search_speed.py --against ../other-checkout    # side by side: ratio of search times
 
-`--against PATH` runs each case's search (warm profile, in one process, five times) under this
-checkout and under the checkout at PATH in alternating fresh processes, twice each, and reports the
-ratio of the fastest searches (a change's effect on search time, on the same machine in one run;
-e.g. `git worktree add ../before HEAD~5`).
+`--against PATH [--repeats N]` runs each case's warm search under this checkout and under the
+checkout at PATH in ONE process, both packages imported side by side, alternating A B B A for N
+rounds (2N searches a side), and reports the ratio of the minima (CPU and wall), the median of the
+paired ratios and the configurations each side evaluated (a change's effect on search time, on
+the same machine in one run; e.g. `git worktree add ../before HEAD~5`). Separate processes in
+turn were not enough on a loaded machine: two runs of the earlier form gave 1.12x and 1.48x for
+the same pair of trees.
 
     python benchmarks/search_speed.py --ratio-only [--repeats 5]  # only the start-up ratio below
 
@@ -71,42 +74,81 @@ def _child(case: tuple, cache_dir: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-_REPEATED = """
-import sys, time, json
-sys.path.insert(0, {root!r})
-import autoplan
-from autoplan.api import suggest_with_stats
-times = []
-for _ in range(5):
-    started = time.perf_counter()
-    suggest_with_stats({model!r}, {cluster!r}, global_batch={batch}, seq_len={seq}, top=5)
-    times.append(time.perf_counter() - started)
-print(json.dumps(min(times[1:])))
+_INTERLEAVED = r"""
+import json, statistics, sys, time
+roots = {roots!r}
+model, cluster, batch, seq = {case!r}
+fns, mods = {{}}, {{}}
+
+def _ours():
+    return [k for k in sys.modules if k == "autoplan" or k.startswith("autoplan.")]
+
+for name, root in roots.items():  # each checkout's package imported under the same name, kept apart
+    for k in _ours():
+        del sys.modules[k]
+    sys.path.insert(0, root)
+    import autoplan.api
+    assert autoplan.api.__file__.startswith(root), (root, autoplan.api.__file__)
+    fns[name] = autoplan.api.suggest_with_stats
+    result = None
+    for _ in range(2):  # warm: the profile built and cached, lazy imports done
+        result, _ = fns[name](model, cluster, global_batch=batch, seq_len=seq, top=5)
+    mods[name] = {{k: sys.modules[k] for k in _ours()}}
+    sys.path.remove(root)
+    best = result.plans[0]
+    mods[name + ":about"] = (result.configs_evaluated, f"tp{{best.tp}} pp{{best.pp}} dp{{best.dp}} {{best.schedule}}")
+
+times = {{name: [] for name in roots}}
+
+def one(name):
+    for k in _ours():
+        del sys.modules[k]
+    sys.modules.update(mods[name])  # the lazy imports inside the search find this checkout's modules
+    wall, cpu = time.perf_counter(), time.process_time()
+    fns[name](model, cluster, global_batch=batch, seq_len=seq, top=5)
+    times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+
+for i in range({rounds}):  # A B B A, then B A A B: a drift in the machine's load hits both alike
+    order = ("this", "other", "other", "this") if i % 2 == 0 else ("other", "this", "this", "other")
+    for name in order:
+        one(name)
+print(json.dumps({{"times": times, "about": {{k: mods[k + ":about"] for k in roots}}}}))
 """
 
 
-def _fastest_search(root: str, case: tuple, cache_dir: str) -> float:
-    """The fastest of four warm searches of `case` with the autoplan package under `root`."""
-    model, cluster, batch, seq = case
-    code = _REPEATED.format(root=root, model=model, cluster=cluster, batch=batch, seq=seq)
-    env = dict(os.environ, AUTOPLAN_CACHE_DIR=cache_dir, PYTHONPATH=root)
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,
-                         cwd=tempfile.gettempdir())
-    return float(out.stdout.strip().splitlines()[-1])
-
-
-def compare(other: str) -> int:
+def compare(other: str, rounds: int) -> int:
+    """Warm searches of each case under this checkout and the one at `other`, in ONE process,
+    alternating A B B A for `rounds` rounds (2 searches of each side a round): both sides see the same
+    machine at a granularity of one search, which separate processes on a loaded machine do not.
+    Prints the minima (the search's cost when it had a core to itself), the median of the paired
+    ratios (the k-th search of each side, adjacent in time) and the work each side did."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    print(f"{'model':<12} {'cluster':<18} {'this s':>8} {'other s':>8} {'ratio':>6}")
+    print(f"{'model':<12} {'cluster':<18} {'side':<6} {'configs':>7} {'min cpu s':>9} {'min wall s':>10} "
+          f"{'med cpu s':>9}  best plan")
+    out = []
     for case in CASES:
+        code = _INTERLEAVED.format(roots={"this": here, "other": other}, case=list(case), rounds=rounds)
         with tempfile.TemporaryDirectory(prefix="autoplan-bench-") as cache_dir:
-            best = {"this": [], "other": []}
-            for _ in range(2):
-                for name, root in (("other", other), ("this", here)):
-                    best[name].append(_fastest_search(root, case, os.path.join(cache_dir, name)))
-        this, that = min(best["this"]), min(best["other"])
-        print(f"{case[0]:<12} {case[1]:<18} {this:>8.3f} {that:>8.3f} {this / that:>6.2f}")
-    return 0
+            env = dict(os.environ, AUTOPLAN_CACHE_DIR=cache_dir)
+            env.pop("PYTHONPATH", None)
+            run = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True,
+                                 cwd=tempfile.gettempdir())
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        times, about = result["times"], result["about"]
+        for side in ("this", "other"):
+            cpu = [c for _, c in times[side]]
+            print(f"{case[0]:<12} {case[1]:<18} {side:<6} {about[side][0]:>7} {min(cpu):>9.3f} "
+                  f"{min(w for w, _ in times[side]):>10.3f} {statistics.median(cpu):>9.3f}  {about[side][1]}")
+        ratio = {key: min(t[i] for t in times["this"]) / min(t[i] for t in times["other"])
+                 for i, key in ((0, "wall"), (1, "cpu"))}
+        paired = statistics.median(a[1] / b[1] for a, b in zip(times["this"], times["other"], strict=True))
+        work = about["this"][0] / about["other"][0]
+        print(f"{'':<12} {'':<18} this / other: minima cpu {ratio['cpu']:.3f}, wall {ratio['wall']:.3f}; paired cpu "
+              f"median {paired:.3f}; configurations evaluated {work:.3f}; min cpu per configuration "
+              f"{ratio['cpu'] / work:.3f} ({len(times['this'])} searches a side)")
+        out.append({"case": list(case), "times": times, "about": about, "ratio_of_minima": ratio,
+                    "paired_cpu_median": paired})
+    return out
 
 
 RATIO_COMMAND = ["suggest", "--model", "gpt3-175b", "--cluster", "128x8xA100-80GB", "--global-batch", "1536",
@@ -166,7 +208,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--against", metavar="PATH", help="another checkout to compare search times with")
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each side of the start-up ratio (default 5)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="runs of each side of the start-up ratio; with --against, rounds of A B B A (default 5)")
     parser.add_argument("--ratio-only", action="store_true", help="only the start-up ratio, not the cases")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one case, in this process
     args = parser.parse_args()
@@ -174,7 +217,11 @@ def main() -> int:
         print(json.dumps(_one(*json.loads(args.one))))
         return 0
     if args.against:
-        return compare(os.path.abspath(args.against))
+        rows = compare(os.path.abspath(args.against), args.repeats)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"against": os.path.abspath(args.against), "cases": rows}, f, indent=2)
+        return 0
     if args.ratio_only:
         ratio = startup_ratio(args.repeats)
         print_ratio(ratio)

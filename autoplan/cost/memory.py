@@ -143,7 +143,12 @@ import numpy as np
 
 from autoplan.cluster import GPU
 from autoplan.cost.config import ParallelConfig
-from autoplan.cost.memory_stacks import loss_backward_factor, stack_saved_bytes
+from autoplan.cost.memory_stacks import (
+    loss_backward_factor,
+    pipeline_output_bytes,
+    stack_keeps_profile,
+    stack_saved_bytes,
+)
 from autoplan.cost.time import gathered_kv_bytes, tp_divisor, tp_sharded
 from autoplan.graph.blocks import Block, ModelProfile
 from autoplan.plan import MemoryBreakdown
@@ -429,9 +434,10 @@ def block_act_bytes(profile: ModelProfile, cfg: ParallelConfig, cpu: bool = Fals
     whose runtime runs the model (cost/memory_stacks.py [Note: memory per stack]); None, autoplan's."""
     f = cfg.batch_share(profile.batch_size)
     out = np.zeros(profile.num_blocks)
+    counts_own = not (stack is None or cpu or stack_keeps_profile(stack))  # asked once, not per block
     for i, b in enumerate(profile.blocks):
         total, hidden = float(b.saved_bytes), float(b.saved_bytes_replicated_tp)
-        own = None if stack is None or cpu else stack_saved_bytes(stack, profile, b, cfg)
+        own = stack_saved_bytes(stack, profile, b, cfg) if counts_own else None
         if own is not None:
             # The stack's own count of the block on one GPU: its norms, its selective policy, its
             # tensor-parallel layout ([Note: memory per stack]).
@@ -526,6 +532,8 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
     else:
         activations = float(stage_acts @ np.asarray(stage_inflight, dtype=float))
     activations += zb_pending_weight_bytes(cfg, stage_ranges, stage_acts)
+    # Forward outputs the stack's pipeline runtime keeps for the whole step (memory_stacks.py).
+    activations += 0.0 if cpu else pipeline_output_bytes(stack, profile, cfg, stage_ranges)
     blocks = [i for a, b in stage_ranges for i in range(a, b)]
     # Two receive buffers per boundary (activation in, gradient in), one micro-batch each.
     recv = sum(2 * profile.cuts[a - 1].num_bytes * f for a, _ in stage_ranges if a > 0)

@@ -72,6 +72,33 @@ parallelism also the all-gathered inputs of the projections) and the rest (split
   edits the saved softmax in place into the gradient and `.float()`'s backward casts it to bf16:
   half the saved bytes more (`loss_backward_factor` 0.5).
 
+- `torchtitan-2025-compile` (torchtitan at e7c0cae, June 2025, run with `--training.compile`: the Trainy
+  H200 rows): the layer as `torchtitan`'s (torch.compile is applied per TransformerBlock and changes
+  no saved tensor the selective policy picks; what it saves in transients is not counted, so the
+  prediction stays high), but the loss is compiled: torchtitan/components/loss.py at e7c0cae,
+  `build_cross_entropy_loss`, wraps `cross_entropy(pred.flatten(0, 1).float(), labels)` in
+  `torch.compile` when `training.compile` is set (at 9dec370 that line is commented out in train.py).
+  Inductor's min-cut partitioner (torch/_functorch/partitioners.py `min_cut_rematerialization_partition`)
+  recomputes the fp32 cast and the log-softmax in the backward, so the loss saves the bf16 logits and two
+  fp32 numbers a token (the row maximum and the log-sum-exp: e V + 8 bytes a token, against 4 V eager),
+  and its backward is one fused kernel writing the bf16 gradient of the logits (e V; `loss_backward_factor`
+  1). Measured on this machine with torch 2.13's inductor (tests/test_memory_rows_issue40.py: the saved
+  tensors through `saved_tensors_hooks`, and the backward's one logits-sized bf16 buffer in its output
+  code). Only at tp 1: loss parallelism's DTensor loss under compile is not checked, so at tp > 1 it
+  keeps `torchtitan`'s fp32 count (high).
+
+Pipeline outputs (`pipeline_outputs`): torch.distributed.pipelining's stage keeps each micro-batch's
+forward output in `output_chunks` until the next step, to merge them for the caller
+(torch/distributed/pipelining/stage.py `forward_one_chunk`). Before pytorch/pytorch#153383 (merged May
+2025) every stage appended its output ("all"); since then only the last stage does ("last"), whose output
+is the logits (bf16, split over the vocabulary under loss parallelism: `ColwiseParallel(output_layouts=
+Shard(-1), use_local_output=False)` on `output` in torchtitan's TP plan), kept for every micro-batch of the
+step (pytorch/pytorch#159251, July 2025, asks to make this optional). pytorch/pytorch#138504 (Oct 2024)
+detaches them, so they hold their storage, not the graph. A non-last stage's output is the last layer's
+output, sequence-split under torchtitan's sequence parallelism (`w2`'s `RowwiseParallel(output_layouts=
+Shard(1))`). `torchtitan` (torch 1963fc8, Dec 2024) keeps "all"; `torchtitan-2025-compile` (torch
+2.8.0a0+5228986c39 of 2025-05-29) "last"; every other stack none counted (`pipeline_output_bytes`).
+
 Counted as the profile counts a block: per batch of the profile (`ModelProfile.batch_size` x
 `seq_len` tokens).
 """
@@ -83,7 +110,8 @@ from dataclasses import dataclass
 from autoplan.cost.config import ParallelConfig
 from autoplan.graph.blocks import Block, ModelProfile
 
-__all__ = ["STACK_MEMORY", "StackMemory", "dense_llama_ffn", "loss_backward_factor", "stack_memory", "stack_saved_bytes"]
+__all__ = ["STACK_MEMORY", "StackMemory", "dense_llama_ffn", "loss_backward_factor", "pipeline_output_bytes",
+           "stack_keeps_profile", "stack_memory", "stack_saved_bytes"]
 
 
 @dataclass(frozen=True)
@@ -94,14 +122,21 @@ class StackMemory:
     layer: str
     """"profile" (the profiled module's bytes), "torchtitan" or "megatron-core"."""
     loss: str
-    """"profile", "fp32-log-softmax" (a full fp32 log-softmax of the logits saved for the backward, torchtitan)
-    or "vocab-parallel-ce" (Megatron's fp32 softmax, edited in place by its backward)."""
+    """"profile", "fp32-log-softmax" (a full fp32 log-softmax of the logits saved for the backward, torchtitan),
+    "compiled-ce" (torchtitan's loss under torch.compile: the bf16 logits and two fp32 numbers a token; at
+    tp > 1 counted as "fp32-log-softmax") or "vocab-parallel-ce" (Megatron's fp32 softmax, edited in place
+    by its backward)."""
     dropout_masks: int = 0
     """One-byte dropout masks of the hidden shape a layer keeps (Megatron-LM's default hidden dropout)."""
+    pipeline_outputs: str = "none"
+    """Which pipeline stages keep every micro-batch's forward output until the step ends: "all", "last"
+    or "none" ([Note: memory per stack], pipeline outputs)."""
 
 
 STACK_MEMORY: dict[str, StackMemory] = {
-    "torchtitan": StackMemory("torchtitan", layer="torchtitan", loss="fp32-log-softmax"),
+    "torchtitan": StackMemory("torchtitan", layer="torchtitan", loss="fp32-log-softmax", pipeline_outputs="all"),
+    "torchtitan-2025-compile": StackMemory("torchtitan-2025-compile", layer="torchtitan", loss="compiled-ce",
+                                           pipeline_outputs="last"),
     "megatron-core": StackMemory("megatron-core", layer="megatron-core", loss="profile"),
     "megatron-core-deepep": StackMemory("megatron-core-deepep", layer="megatron-core", loss="profile"),
     "megatron-lm-2023": StackMemory("megatron-lm-2023", layer="megatron-core", loss="vocab-parallel-ce",
@@ -116,6 +151,13 @@ _PROFILE = StackMemory("profile", layer="profile", loss="profile")
 def stack_memory(name: str | None) -> StackMemory:
     """The activation accounting of stack `name` (None or a stack not listed: the profile's)."""
     return STACK_MEMORY.get(name or "", _PROFILE)
+
+
+def stack_keeps_profile(name: str | None) -> bool:
+    """Whether stack `name` keeps the profile's bytes for every block (`stack_saved_bytes` is None for
+    each): the default stack and any not listed. Lets the search skip the per-block question."""
+    how = stack_memory(name)
+    return how.layer == "profile" and how.loss == "profile"
 
 
 def dense_llama_ffn(profile: ModelProfile, block: Block) -> int | None:
@@ -153,7 +195,11 @@ def stack_saved_bytes(stack: str | None, profile: ModelProfile, block: Block, cf
     e = _item(profile.dtype)
     h = profile.hidden_size or 0
     tp, sp = cfg.tp, cfg.sequence_parallel and cfg.tp > 1
-    if block.kind == "head" and how.loss == "fp32-log-softmax" and profile.vocab_size:
+    if block.kind == "head" and how.loss == "compiled-ce" and tp == 1 and profile.vocab_size:
+        # The projection's input and what the compiled loss saves: the bf16 logits, a row maximum and
+        # a log-sum-exp in fp32 ([Note: memory per stack], torchtitan-2025-compile).
+        return _per_gpu(tokens, e * h + e * profile.vocab_size + 8.0, 0.0, 1)
+    if block.kind == "head" and how.loss in ("fp32-log-softmax", "compiled-ce") and profile.vocab_size:
         # The projection's input: whole on every tp rank (colwise, its input gathered); the log-softmax
         # split over the vocabulary (loss parallelism).
         return _per_gpu(tokens, e * h, 4.0 * profile.vocab_size, tp)
@@ -195,10 +241,42 @@ def loss_backward_factor(stack: str | None, tp: int) -> float:
     torchtitan under tp (loss parallelism, torch/distributed/tensor/parallel/loss.py
     `_nll_loss_and_log_softmax_backward`: `(grad_input + torch.exp(x)) * grad_output`, fp32 tensors of
     the logits' shape) holds three: the dense NLL gradient, exp(x) and their sum before the product.
-    Megatron's vocab-parallel cross entropy: 0.5."""
+    Megatron's vocab-parallel cross entropy: 0.5. torchtitan's compiled loss at tp 1: 1."""
     loss = stack_memory(stack).loss
+    if loss == "compiled-ce":
+        # One fused backward kernel writes the bf16 gradient of the logits: once the saved bf16 logits
+        # (tp 1); under tp counted as the eager loss ([Note: memory per stack]).
+        if tp == 1:
+            return 1.0
+        loss = "fp32-log-softmax"
     if loss == "vocab-parallel-ce":
         # Megatron's backward turns the saved softmax into the gradient in place; `.float()`'s backward
         # casts it to the compute dtype: half the fp32 bytes ([Note: memory per stack]).
         return 0.5
     return 3.0 if loss == "fp32-log-softmax" and tp > 1 else 2.0
+
+
+def pipeline_output_bytes(stack: str | None, profile: ModelProfile, cfg: ParallelConfig,
+                          stage_ranges: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> float:
+    """Bytes one pipeline rank keeps for the forward outputs of every micro-batch of the step
+    ([Note: memory per stack], pipeline outputs): the last stage's logits (bf16, the vocabulary split
+    over tp) and, where the stack's torch keeps every stage's ("all"), each other stage's output
+    (the last layer's output, split over tp under sequence parallelism). 0 without pp or for a stack
+    that keeps none."""
+    keep = stack_memory(stack).pipeline_outputs
+    if keep == "none" or cfg.pp < 2 or cfg.num_microbatches < 1:
+        return 0.0
+    f = cfg.batch_share(profile.batch_size)
+    tokens = profile.batch_size * profile.seq_len * f
+    e = _item(profile.dtype)
+    out = 0.0
+    for a, b in stage_ranges:
+        if b <= a:
+            continue
+        if any(profile.blocks[i].kind == "head" for i in range(a, b)):
+            if profile.vocab_size:
+                out += tokens * e * profile.vocab_size / cfg.tp
+        elif keep == "all" and b - 1 < len(profile.cuts):
+            split = cfg.tp if cfg.sequence_parallel and cfg.tp > 1 else 1
+            out += profile.cuts[b - 1].num_bytes * f / split
+    return out * cfg.num_microbatches
