@@ -12,6 +12,7 @@ of the same spelling itself. The names left private are those a module keeps for
 from __future__ import annotations
 
 import argparse
+import ast
 import io
 import os
 import re
@@ -74,6 +75,30 @@ def names_in(text: str) -> set[str]:
         return set(re.findall(r"\w+", text))
 
 
+def with_all(text: str, names: list[str]) -> str:
+    """`text` with `names` added to its `__all__` (where it declares one; the module's own order kept)."""
+    tree = ast.parse(text)
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+                and isinstance(node.value, ast.List)):
+            listed = [e.value for e in node.value.elts]
+            added = [n for n in sorted(names) if n not in listed]
+            if not added:
+                return text
+            lines = text.splitlines(keepends=True)
+            items, rows = [f'"{n}"' for n in listed + added], ["__all__ = ["]
+            for item in items:
+                piece = item + ", "
+                if len(rows[-1]) + len(piece) > 110:
+                    rows[-1] = rows[-1].rstrip()
+                    rows.append(" " * 11)
+                rows[-1] += piece
+            rows[-1] = rows[-1].removesuffix(", ") + "]"
+            lines[node.lineno - 1:node.end_lineno] = ["\n".join(rows) + "\n"]
+            return "".join(lines)
+    return text
+
+
 def plan(root: Path) -> dict[str, str]:
     """path -> new text, or exit naming each collision."""
     files = {p: (root / p).read_text() for p in git("ls-files", *DIRS).split()
@@ -98,6 +123,8 @@ def plan(root: Path) -> dict[str, str]:
                                                   re.M):
                     problems.append(f"{path} defines its own {old}")
                 new_texts[path] = word.sub(new, text)
+        if defining in new_texts:
+            new_texts[defining] = with_all(new_texts[defining], list(names.values()))
     if problems:
         sys.exit("publish_names: " + "; ".join(problems))
     return {p: t for p, t in new_texts.items() if t != files[p]}
