@@ -220,7 +220,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
 
 def cmd_export_checkpoint(args: argparse.Namespace) -> int:
     if args.format == "hf":
-        from autoplan.runtime.hf_export import export_hf
+        from autoplan.runtime.checkpoint.hf_export import export_hf
 
         if args.everything:
             raise ValueError("--everything writes a torch.save file; --format hf writes the model's weights only")
@@ -246,7 +246,7 @@ def _betas(text: str) -> tuple[float, float]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from autoplan.plan import Plan
-    from autoplan.runtime.job_file import merge_run_args
+    from autoplan.runtime.launcher.job_file import merge_run_args
 
     # The command line over the job file (--config) over the defaults (job_file.py), before torch loads.
     args = merge_run_args(args)
@@ -256,12 +256,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     # A file that is not a usable plan is refused before torch loads (one line in under 2 s, issue 43);
     # `suggest --json` output gives its best plan, or the one --plan-index names (issue 44).
     plan = Plan.load(args.plan, plan_index=args.plan_index)
-    from autoplan.runtime.machine import refuse_early
+    from autoplan.runtime.launcher.machine import refuse_early
 
     # A plan this machine cannot hold is refused before torch loads (machine.py [Note: the refusal before torch]).
     refuse_early(plan, args.nproc, allow_oversubscribe=args.allow_oversubscribe)
     from autoplan.runtime import run_plan
-    from autoplan.runtime.optim_config import OptimizerConfig
+    from autoplan.runtime.launcher.optim_config import OptimizerConfig
 
     optimizer = OptimizerConfig(lr=args.lr, betas=args.betas, eps=args.eps, weight_decay=args.weight_decay,
                                 no_decay_embeddings=args.no_decay_embeddings, warmup_steps=args.warmup_steps,
@@ -276,9 +276,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from autoplan.calibrate.calibrate import calibrate
+    from autoplan.calibrate.calibrate_collectives import CalibrationRunError
     from autoplan.report.tables import calibration_table
-    from autoplan.runtime.calibrate import calibrate
-    from autoplan.runtime.calibrate_collectives import CalibrationRunError
 
     try:
         cal = calibrate(args.out, device=args.device, gpu=args.gpu, dtype=args.dtype, quick=args.quick,

@@ -69,7 +69,7 @@ class LayoutCounts:
     @property
     def expert_token_split(self) -> int:
         """Ways a replica's tp ranks split the tokens that reach its experts: tp / expert tp with
-        ep > 1 (tp under expert tp 1, 1 under expert tp tp), as the runtime does (runtime/experts.py),
+        ep > 1 (tp under expert tp 1, 1 under expert tp tp), as the runtime does (runtime/parallel/experts.py),
         else 1: without ep every tp rank computes its experts on every token. Its tp ranks then take
         part in the expert layout as ranks of their own, the ep groups folded over tp x dp (plan.py
         [Note: expert layout]; [Note: experts on a GPU] in cost/experts.py)."""

@@ -311,12 +311,12 @@ class Plan(LayoutCounts):
     `data_parallel_replicate_degree`). 1: plain FSDP (or DDP-style for zero 0 / 1)."""
     cp: int = 1
     """Context parallelism: groups of cp consecutive dp ranks split every sequence into 2 * cp
-    load-balanced chunks and all-gather keys and values in attention (runtime/context.py). dp counts
+    load-balanced chunks and all-gather keys and values in attention (runtime/parallel/context.py). dp counts
     them: dp / cp replicas take distinct batches (torchtitan's dp_shard x cp); gradients are averaged
     over all dp ranks."""
     ep: int = 1
     """Expert parallelism: groups of ep ranks split each mixture-of-experts layer's experts ep ways
-    and send tokens to them by all-to-all (runtime/experts.py): ep consecutive positions over tp x dp
+    and send tokens to them by all-to-all (runtime/parallel/experts.py): ep consecutive positions over tp x dp
     under expert tp 1 with tp > 1, else ep consecutive dp replicas ([Note: expert layout]). 1: every
     replica holds every expert."""
     expert_tp: int = 1
@@ -327,10 +327,10 @@ class Plan(LayoutCounts):
     experts. tp: the tp ranks of a replica hold the same experts, each 1 / tp of every expert's
     hidden units (a column-parallel up and a row-parallel down projection, Shoeybi et al. 2019), run
     them on all of the replica's tokens and sum their outputs over tp ([Note: expert tp] in
-    runtime/expert_tp.py)."""
+    runtime/parallel/expert_tp.py)."""
     reduce_dtype: str = "float32"
     """The dtype FSDP (zero >= 2) reduces gradients in (`MixedPrecisionPolicy.reduce_dtype`,
-    runtime/fsdp.py): float32, or bfloat16 for a bfloat16 job (half the reduce-scatter's bytes;
+    runtime/parallel/fsdp.py): float32, or bfloat16 for a bfloat16 job (half the reduce-scatter's bytes;
     Megatron-LM's `--grad-reduce-in-bf16`; torchtitan 0.3.0 reduces in fp32 only)."""
 
     # ---- derived -----------------------------------------------------------------------------

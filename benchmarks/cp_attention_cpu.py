@@ -4,9 +4,9 @@ one rank's attention (forward and backward) over the all-gathered keys, side by 
     python benchmarks/cp_attention_cpu.py [--seq-len 16384] [--cp 2] [--heads 2] [--head-dim 64]
 
 Before: the local queries (S/cp of them, chunks i and 2cp-1-i) against all S keys with the causal
-mask written out from positions, an (S/cp x S) boolean tensor. After (runtime/context.py): one call
+mask written out from positions, an (S/cp x S) boolean tensor. After (runtime/parallel/context.py): one call
 per local chunk over the keys it sees, with `causal_lower_right` (on CPU a (S/2cp x keys) mask per
-chunk, built inside the call, as runtime/context.py calls it; on CUDA the efficient kernel without one). Rank 0 of the cp group is
+chunk, built inside the call, as runtime/parallel/context.py calls it; on CUDA the efficient kernel without one). Rank 0 of the cp group is
 measured (its chunks 0 and 2cp-1: the first sees S/2cp keys, the last all S). Peak memory is the
 largest sum of the tensors the operators of the call make (forward and backward) live at once, above
 what the inputs hold (`_LiveBytes`); both paths' outputs and gradients are checked equal.

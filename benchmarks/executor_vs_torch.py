@@ -44,7 +44,7 @@ def _torch_schedule(spec: str, plan, rank: int):
 
     from autoplan import models as zoo
     from autoplan.graph.trace import trace_model
-    from autoplan.runtime.split import (
+    from autoplan.runtime.parallel.split import (
         build_stage_modules,
         materialize_stages,
         plan_stage_specs,

@@ -65,7 +65,7 @@ def _train(plan, steps: int) -> dict:
 
     from autoplan import models as zoo
     from autoplan.runtime import partition
-    from autoplan.runtime.training import synthetic_batch
+    from autoplan.runtime.launcher.training import synthetic_batch
 
     device = torch.device("cuda", 0)
     gc.collect()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from autoplan.runtime.measure import LiveBytes, storage_key
+from autoplan.calibrate.measure import LiveBytes, storage_key
 
 CASES = [  # (spec, batch, seq)
     ("gpt:num_layers=2,hidden_size=256,num_heads=4,vocab_size=4096,max_seq_len=512", 2, 512),

@@ -12,7 +12,7 @@ plans it from the analytic profile (`profile_device="meta"`, its default: saved 
 fake tensors either way), and the plan runs through `autoplan.partition(...).step` on 2 spawned gloo
 ranks, as `autoplan run` runs it. Per rank:
 
-- state: parameters, gradients and optimizer state held after a step (runtime/measure.py
+- state: parameters, gradients and optimizer state held after a step (calibrate/measure.py
   `held_state_bytes`) beside the plan's weights + gradients + optimizer bytes;
 - peak: that state held before a step plus the most bytes the step's ops keep alive at once
   (`LiveBytes`: activations, receive buffers, gathered parameters, transient gradients) beside the
@@ -23,7 +23,7 @@ Ratios are predicted / measured; a peak ratio below 0.95 is flagged UNDER (the m
 target: never under by more than 5%). Printed: one line per case, the rank with the lowest peak
 ratio. About 20-40 s a case on a 2-core machine (spawning the ranks dominates). A case whose ranks
 fail is printed as ERROR and the others still run: cp 2 does, because `LiveBytes` (a dispatch mode)
-and the `CausalBias` tensor subclass runtime/context.py calls SDPA with cannot be combined; the same
+and the `CausalBias` tensor subclass runtime/parallel/context.py calls SDPA with cannot be combined; the same
 plan trains under `autoplan run`, unmeasured.
 """
 
@@ -78,9 +78,9 @@ def _rank(rank: int, port: int, plan_json: str, steps: int, queue) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    from autoplan.calibrate.measure import LiveBytes, held_state_bytes
     from autoplan.plan import Plan
     from autoplan.runtime import partition
-    from autoplan.runtime.measure import LiveBytes, held_state_bytes
 
     try:
         plan = Plan.from_dict(json.loads(plan_json))
@@ -118,7 +118,7 @@ def _state_keys(pm) -> set[int]:
     """`storage_key`s of every parameter (masters and working copies, DTensors by their shard) and buffer."""
     from torch.distributed.tensor import DTensor
 
-    from autoplan.runtime.measure import storage_key
+    from autoplan.calibrate.measure import storage_key
 
     tensors = [*pm.parameters()]
     for stage in pm.stages.values():

@@ -8,7 +8,7 @@ each of the 4 ranks gets on this machine). Each plan runs through `autoplan.part
 spawned gloo ranks; per rank it reports:
 
 - state: bytes of parameters, gradients and optimizer state held after a step
-  (`runtime/measure.py held_state_bytes`), beside the plan's weights + gradients + optimizer bytes
+  (`calibrate/measure.py held_state_bytes`), beside the plan's weights + gradients + optimizer bytes
   for that rank (cost/memory.py). Ratio predicted / measured; 1.00 means the model counts what the
   runtime holds.
 - peak: the state held before the step plus the most bytes the step's forward and backward ops have
@@ -60,9 +60,9 @@ def _rank(rank: int, world: int, port: int, plan_json: str, steps: int, queue) -
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    from autoplan.calibrate.measure import LiveBytes, held_state_bytes
     from autoplan.plan import Plan
     from autoplan.runtime import partition
-    from autoplan.runtime.measure import LiveBytes, held_state_bytes
 
     plan = Plan.from_dict(json.loads(plan_json))
     pm = partition(plan.model, plan, device="cpu")

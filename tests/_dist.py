@@ -72,7 +72,7 @@ def run_ranks(job: Callable, world_size: int, *args: Any, timeout_s: float = 60.
 
     timeout_s, pg_timeout_s = scaled_timeout_s(timeout_s), scaled_timeout_s(pg_timeout_s)
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "autoplan.runtime.api", "autoplan.runtime.launch"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "autoplan.runtime.api", "autoplan.runtime.launcher.launch"])
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, job, args, queue, pg_timeout_s), daemon=True)

@@ -1,7 +1,7 @@
 """Bad input a fuzz left open (issue 29, item 11): link curves, attach_aux_loss, partition's Plan
 objects, `run --model ''`, `calibrate --timeout -1`, and `run --timeout 1.5`, which failed every run
 at start-up (a rank waits on peers that are still importing torch; [Note: start-up and step
-timeouts] in runtime/rendezvous.py). The CLI cases of the same findings are in test_fuzz.py."""
+timeouts] in runtime/launcher/rendezvous.py). The CLI cases of the same findings are in test_fuzz.py."""
 
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def test_partition_refuses_wrong_arguments_in_one_line(kwargs, words):
 
 
 def test_start_up_waits_get_the_allowance_and_steps_get_the_timeout():
-    from autoplan.runtime.rendezvous import STARTUP_TIMEOUT_S, bound_waits, startup_timeout
+    from autoplan.runtime.launcher.rendezvous import STARTUP_TIMEOUT_S, bound_waits, startup_timeout
 
     assert startup_timeout(timedelta(seconds=1.5)) == timedelta(seconds=STARTUP_TIMEOUT_S)
     assert startup_timeout(timedelta(seconds=900)) == timedelta(seconds=900)

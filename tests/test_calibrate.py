@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
+from autoplan.calibrate.calibrate import guess_gpu
+from autoplan.calibrate.calibrate_fit import fit_calibration
 from autoplan.cli import main
 from autoplan.cluster import GPUS, cpu_device, parse_cluster, with_collective_curves
 from autoplan.cost.calibration import Calibration, load_calibration
 from autoplan.cost.ops import attention_time_s, gemm_time_s
-from autoplan.runtime.calibrate import guess_gpu
-from autoplan.runtime.calibrate_fit import fit_calibration
 
 MODEL = "gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=128,max_seq_len=32"
 

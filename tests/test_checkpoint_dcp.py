@@ -204,7 +204,7 @@ def _strided_save_and_restore(rank, world_size, plan, root):
     """Train a step of GPT-2 under tp 2, save, restore into a fresh partition; return the whole
     tensors as saved and the c_attn weight's placement."""
     from autoplan.runtime import partition
-    from autoplan.runtime.training import _batch_fn
+    from autoplan.runtime.launcher.training import _batch_fn
 
     pm = partition(GPT2, plan, device="cpu")
     optimizer = pm.make_optimizer(torch.optim.AdamW, lr=LR)

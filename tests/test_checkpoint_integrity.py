@@ -26,7 +26,7 @@ from autoplan.graph.trace import trace_model
 from autoplan.runtime import checkpoint as ckpt
 from autoplan.runtime import run_plan
 from autoplan.runtime.checkpoint.integrity import _file_entry
-from autoplan.runtime.launch import FORKSERVER_PRELOAD
+from autoplan.runtime.launcher.launch import FORKSERVER_PRELOAD
 
 pytestmark = pytest.mark.multiproc
 

@@ -1,6 +1,6 @@
 """Exact gradient clipping (issue 41 item 2): `pm.clip_grad_norm_(max_norm)` returns the global norm
 `torch.nn.utils.clip_grad_norm_` returns on one process, and clips as it does, in every layout
-(runtime/clipping.py [Note: the global gradient norm]).
+(runtime/execution/clipping.py [Note: the global gradient norm]).
 
 Through `autoplan.partition` on 2 gloo ranks at tp 2, tp 2 with sequence parallelism, pp 2 with a
 tied embedding, dp 2 with ZeRO-1, FSDP (zero 3) and ep 2 (the zoo's mixture of experts): the

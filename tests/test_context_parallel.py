@@ -15,7 +15,7 @@ from _dist import run_ranks
 from test_user_paths import GLOBAL_BATCH, MICRO_BATCH, _full, _reference
 
 import autoplan
-from autoplan.runtime.context import chunk_positions
+from autoplan.runtime.parallel.context import chunk_positions
 
 SPEC = "llama:num_layers=4,hidden_size=64,num_heads=4,num_kv_heads=2,vocab_size=256,max_seq_len=64"
 SEQ_LEN = 32

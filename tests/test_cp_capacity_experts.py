@@ -28,7 +28,7 @@ from test_user_paths import GLOBAL_BATCH, MICRO_BATCH, _reference
 import autoplan
 from autoplan.graph.positions import sequence_split_note, sequence_split_refusal
 from autoplan.models.moe import MoEFeedForward
-from autoplan.runtime.context import chunk_positions
+from autoplan.runtime.parallel.context import chunk_positions
 from autoplan.sources import parse_source
 
 SEQ_LEN = 32
@@ -49,7 +49,7 @@ LAYOUTS = {
 def capacity_per_rank_share(cp: int) -> Iterator[None]:
     """In this process, every capacity-routed MoE layer applies its capacity to the tokens each of
     `cp` ranks would hold of every sequence (chunks r and 2 cp - 1 - r, in that order:
-    runtime/context.py `chunk_positions`), as a cp run does; the router and the balance loss see the
+    runtime/parallel/context.py `chunk_positions`), as a cp run does; the router and the balance loss see the
     whole sequence, as they do under cp (its counts summed over the cp group)."""
     whole = MoEFeedForward._through_capacity
 

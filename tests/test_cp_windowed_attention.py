@@ -1,7 +1,7 @@
 """Context parallelism for attention SDPA cannot compute: Gemma 2's soft-capped logits, the sliding
 windows of Gemma 2/3 and GPT-OSS (alternating with full layers), and GPT-OSS's attention sinks,
 through autoplan's attention operator (models/windowed_attention.py), which the cp runtime calls
-per local chunk with the chunk's true position (runtime/context.py). Each window (6 tokens) is
+per local chunk with the chunk's true position (runtime/parallel/context.py). Each window (6 tokens) is
 shorter than the sequence (32) and than a rank's share of it, and crosses the chunk boundaries.
 
 Plans from `autoplan suggest --cp 2 ... --out p.json`, run by `autoplan.partition(spec, "p.json").step`

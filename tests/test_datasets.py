@@ -1,4 +1,4 @@
-"""Real training data (autoplan/runtime/datasets.py): each on-disk format read back token for token,
+"""Real training data (autoplan/runtime/launcher/datasets.py): each on-disk format read back token for token,
 the order a pure function of (data, seq_len, seed, step) in any process, epochs wrapping, the identity a
 resume is checked against, and every user mistake as one line."""
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from autoplan.runtime.datasets import DatasetError, open_dataset
+from autoplan.runtime.launcher.datasets import DatasetError, open_dataset
 
 
 def _windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
@@ -129,7 +129,7 @@ def test_a_datasets_directory_reads_its_input_ids_concatenated(tmp_path):
 
 _IN_ANOTHER_PROCESS = """
 import json, sys
-from autoplan.runtime.datasets import open_dataset
+from autoplan.runtime.launcher.datasets import open_dataset
 ds = open_dataset(sys.argv[1], seq_len=16, seed=7)
 print(json.dumps({"identity": ds.identity,
                   "batches": [ds.batch(step, 6)[0].tolist() for step in (0, 1, 13, 40)]}))
@@ -280,7 +280,7 @@ LLAMA = "llama:num_layers=2,hidden_size=32,num_heads=4,num_kv_heads=2,vocab_size
 def one_rank_env(monkeypatch):
     """`autoplan run` in this process as the one rank of a torchrun job: no interpreter to start (each
     costs torch's import, seconds on a loaded machine); conftest.py tears the process group down."""
-    from autoplan.runtime.launch import free_port
+    from autoplan.runtime.launcher.launch import free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
@@ -294,7 +294,7 @@ def test_autoplan_run_data_trains_on_the_token_files_batches_and_refuses_ids_pas
     from _cli import run_main
 
     import autoplan
-    from autoplan.runtime.training import token_inputs
+    from autoplan.runtime.launcher.training import token_inputs
 
     plan_path, metrics = tmp_path / "p.json", tmp_path / "m.jsonl"
     made = run_main("suggest", "--model", LLAMA, "--cluster", "1x1xcpu", "--global-batch", "4", "--seq-len", "16",

@@ -1,5 +1,5 @@
 """A dimension is one module (issue 42 item 2): the runtime's dimensions are listed once, in order, in
-runtime/dimensions/registry.py, every layout field is run by one of them, and `partition` and
+runtime/execution/dimensions/registry.py, every layout field is run by one of them, and `partition` and
 `PartitionedModel.step` call their hooks instead of naming each one. The toy dimension of
 docs/architecture.md, "Adding a parallel dimension", is built here from a fixture as a new dimension
 is written (a `Layout` field, a `Dimension`, one registry line) and reaches the fingerprint, the pins,
@@ -21,8 +21,8 @@ from autoplan import layout as layout_module
 from autoplan.cost.config import ParallelConfig
 from autoplan.layout import LAYOUT_FIELDS, Layout, carries_layout
 from autoplan.plan import Plan
-from autoplan.runtime.dimensions import Checked, Dimension, registry
-from autoplan.runtime.errors import PartitionError
+from autoplan.runtime.execution.dimensions import Checked, Dimension, registry
+from autoplan.runtime.parallel.errors import PartitionError
 from autoplan.search import configs
 
 SPEC = "llama:num_layers=2,hidden_size=32,num_heads=4,num_kv_heads=2,vocab_size=64,max_seq_len=16"

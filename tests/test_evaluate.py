@@ -1,5 +1,5 @@
 """Evaluation (issue 41 item 5): `pm.evaluate(*inputs, target=...)` runs the global batch forward
-only through the pipeline (runtime/executor.py [Note: forward-only steps]) and returns the mean
+only through the pipeline (runtime/execution/executor.py [Note: forward-only steps]) and returns the mean
 loss on every rank.
 
 Through `autoplan.partition` on gloo ranks, each layout is checked against
@@ -237,7 +237,7 @@ def test_evaluate_at_tp2_pp2_and_under_fsdp_with_pp_and_hsdp():
 
 
 def test_evaluate_on_one_process_and_its_error_without_a_target():
-    from autoplan.runtime.errors import PartitionError
+    from autoplan.runtime.parallel.errors import PartitionError
 
     plan = _plan(LLAMA, 1)
     pm = autoplan.partition(LLAMA, plan, device="cpu")

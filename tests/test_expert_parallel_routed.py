@@ -3,7 +3,7 @@ transformers' Mixtral, Qwen2-MoE and DeepSeek-V3 experts and the zoo's dropless 
 plans and runs them: `autoplan suggest ... --ep 2 --out plan.json` (the CLI), then each of 4 gloo
 ranks builds its stages from the plan file with `autoplan.partition(spec, plan.json)` and trains a
 step, against a single-process reference of the whole model (loss, and every gradient, the experts'
-slices put back together). Dropless dispatch and expert tp 1 under tp 2 (runtime/routed_experts.py)
+slices put back together). Dropless dispatch and expert tp 1 under tp 2 (runtime/parallel/routed_experts.py)
 are exact up to rounding."""
 
 from __future__ import annotations
@@ -154,12 +154,12 @@ class _MoE(torch.nn.Module):
     ("fx", False, "the graph inlines 'experts' without the shapes of its inputs (fx); keep it whole with --leaf-modules"),
 ])
 def test_experts_the_graph_does_not_call_once_are_refused_in_one_line(tracer, twice, words):
-    """Before any process group (runtime/experts.py `refuse_expert_parallel`), one line saying why."""
+    """Before any process group (runtime/parallel/experts.py `refuse_expert_parallel`), one line saying why."""
     from types import SimpleNamespace
 
     from autoplan.graph.trace import trace_model
-    from autoplan.runtime.errors import PartitionError
-    from autoplan.runtime.experts import refuse_expert_parallel
+    from autoplan.runtime.parallel.errors import PartitionError
+    from autoplan.runtime.parallel.experts import refuse_expert_parallel
 
     model = _MoE(twice)
     traced = trace_model(model, (torch.randn(6, 8),), tracer=tracer)

@@ -1,4 +1,4 @@
-"""Expert tensor parallelism (`--expert-tp` = tp, runtime/expert_tp.py [Note: expert tp]): plans from
+"""Expert tensor parallelism (`--expert-tp` = tp, runtime/parallel/expert_tp.py [Note: expert tp]): plans from
 `autoplan.suggest` with `expert_tp` pinned, run by `autoplan.partition(...).step` on 4 gloo ranks,
 against a single-process reference of the whole model: the loss and every gradient, the experts'
 slices (by ep index along the experts, by tp index along their hidden units, each half of a fused

@@ -1,5 +1,5 @@
 """ZeRO-1 with expert parallelism (issue 31): the dense parameters' optimizer state split over the dp
-group, the experts' over the replicas holding the same experts (runtime/optimizer.py, as Megatron-LM's
+group, the experts' over the replicas holding the same experts (runtime/parallel/optimizer.py, as Megatron-LM's
 distributed optimizer uses its expert-data-parallel group). Through `autoplan.partition` on 4 gloo
 ranks against one process: the loss, every gradient, and the parameters after two AdamW steps; and
 through `autoplan suggest --ep 2 --zero 1 --out` / `autoplan run`: the losses of two steps."""

@@ -22,7 +22,7 @@ import pytest
 
 from autoplan.cli import main
 from autoplan.runtime import run_plan
-from autoplan.runtime.launch import FORKSERVER_PRELOAD
+from autoplan.runtime.launcher.launch import FORKSERVER_PRELOAD
 
 pytestmark = pytest.mark.multiproc
 

@@ -1,13 +1,12 @@
-"""fp16 plans run with a dynamic loss scale (runtime/precision.py [Note: fp16 loss scaling]): the plan
+"""fp16 plans run with a dynamic loss scale (runtime/parallel/precision.py [Note: fp16 loss scaling]): the plan
 `autoplan suggest --dtype fp16 --out` writes is what `autoplan run` trains; a step's gradients match
 an fp32 reference within fp16's tolerance; an overflow on any rank skips the step everywhere and
 halves the scale."""
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from autoplan import models as zoo
 from autoplan.cli import main
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import trace_model
-from autoplan.runtime.precision import LossScaler
+from autoplan.runtime.parallel.precision import LossScaler
 
 TINY = "gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=256,max_seq_len=32"
 

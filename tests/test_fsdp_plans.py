@@ -108,7 +108,7 @@ def test_prefetch_exposed_closed_forms():
 
 
 def test_fsdp_groups_follow_the_runtime_mesh():
-    """dp index = replicate index * dp_shard + shard index (runtime/mesh.py `build_layout`): a
+    """dp index = replicate index * dp_shard + shard index (runtime/parallel/mesh.py `build_layout`): a
     shard group of tp * dp_shard = 8 ranks is one node under tp-dp-pp."""
     cfg = _cfg(tp=2, pp=2, dp=8, dp_replicate=2, zero=3, rank_order="tp-dp-pp")
     shard, replicate = fsdp_groups(cfg.rank(1, 0, 0), cfg.rank(1, 1, 0) - cfg.rank(1, 0, 0), cfg.dp, cfg.dp_replicate)

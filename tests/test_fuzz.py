@@ -666,8 +666,8 @@ def _more_api_call(function: str, argument: str, value, plan_path: str):
     import torch
 
     import autoplan
-    from autoplan.runtime.calibrate import calibrate
-    from autoplan.runtime.launch import run_plan
+    from autoplan.calibrate.calibrate import calibrate
+    from autoplan.runtime.launcher.launch import run_plan
 
     if function == "attach_aux_loss":
         args = {"output": torch.zeros(2), "aux": torch.tensor(1.0, requires_grad=True)}

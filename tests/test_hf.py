@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 import autoplan  # noqa: E402
 from autoplan.graph.trace import extract_submodule, trace_model  # noqa: E402
-from autoplan.runtime.split import tied_parameter_names  # noqa: E402
+from autoplan.runtime.parallel.split import tied_parameter_names  # noqa: E402
 from autoplan.sources import SourceError, parse_source  # noqa: E402
 from autoplan.sources.hf import DEFAULT_SEQ_LEN, HFSource  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The job file of `autoplan run` (runtime/job_file.py): docs/training.md's full example parses into
+"""The job file of `autoplan run` (runtime/launcher/job_file.py): docs/training.md's full example parses into
 the run's settings, flags given on the command line override it, and an unknown key or a wrong type
 is one line (exit 2, before torch loads) naming it and what is known. A run from a job file is in
 tests/test_train_real_run.py (the default-tier dp 2 test)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from autoplan.cli import build_parser
-from autoplan.runtime.job_file import KEYS, RUN_DEFAULTS, load_job, merge_run_args
+from autoplan.runtime.launcher.job_file import KEYS, RUN_DEFAULTS, load_job, merge_run_args
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 

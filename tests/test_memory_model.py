@@ -224,7 +224,7 @@ def test_measured_peak_leaves_out_views_of_parameters():
     Llama, which read as a 0.89 under-prediction); the benchmark ignores the model state's storages."""
     import torch
 
-    from autoplan.runtime.measure import LiveBytes, storage_key
+    from autoplan.calibrate.measure import LiveBytes, storage_key
 
     layer = torch.nn.Linear(256, 1024, bias=False)
     x = torch.randn(8, 256)

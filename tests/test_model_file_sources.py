@@ -23,7 +23,7 @@ def test_ids_span_the_vocabulary_of_the_embedding_they_feed(model_name, tmp_path
     (ids,) = source.example_inputs(8, 32, device="cpu")
     assert int(ids.max()) >= POSITIONS, f"example ids stay below the position table: max {int(ids.max())}"
     assert int(ids.max()) < 256
-    # What `autoplan run` trains on (runtime/training.py: `source.batch` every step).
+    # What `autoplan run` trains on (runtime/launcher/training.py: `source.batch` every step).
     (batch_ids,), target = source.batch(0, 3, 8, 32, (8, 32, 256), torch.float32)
     assert POSITIONS <= int(batch_ids.max()) < 256 and int(target.max()) < 256
 

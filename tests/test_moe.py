@@ -110,7 +110,7 @@ def test_expert_parallelism_halves_the_experts_memory_and_adds_all_to_all():
 
 def test_fsdp_shards_each_gpus_experts_over_the_replicas_holding_them():
     """Under FSDP a GPU's 1/ep of the experts is sharded over the dp / ep replicas that hold the
-    same experts (runtime/fsdp.py), so the weights, gradients and Adam state per GPU are those of
+    same experts (runtime/parallel/fsdp.py), so the weights, gradients and Adam state per GPU are those of
     FSDP without ep; the all-to-all is added, and the gathered experts are 1/ep of them."""
     common = dict(global_batch=8, seq_len=32, dtype="fp32", tp=1, pp=1, dp=4, micro_batch_size=2, zero=3,
                   schedule="1f1b", recompute="none")

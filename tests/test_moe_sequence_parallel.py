@@ -1,6 +1,6 @@
 """Sequence parallelism for mixture-of-experts layers (issue 31): under tp > 1 with
 sequence_parallel, the MoE block takes the whole sequence like the MLP does and keeps its slice of
-the output ([Note: sequence parallelism] in runtime/tensor_parallel.py). Through `autoplan.partition`
+the output ([Note: sequence parallelism] in runtime/parallel/tensor_parallel.py). Through `autoplan.partition`
 on 4 gloo ranks against one process (the loss, every gradient, the parameters after two AdamW
 steps), and through `autoplan suggest --sequence-parallel --out` / `autoplan run`."""
 

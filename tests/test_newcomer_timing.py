@@ -20,11 +20,11 @@ import pytest
 from conftest import TIMEOUT_SCALE_ENV, load_scale, scaled_timeout_s
 
 from autoplan import check
+from autoplan.calibrate import calibrate_kernels
+from autoplan.calibrate.calibrate_fit import unstable_rows
 from autoplan.cli import main
 from autoplan.graph import timing
-from autoplan.runtime import calibrate_kernels
-from autoplan.runtime.calibrate_fit import unstable_rows
-from autoplan.runtime.machine import cuda_impossible
+from autoplan.runtime.launcher.machine import cuda_impossible
 
 TINY = "gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=128,max_seq_len=32"
 
@@ -196,7 +196,7 @@ def test_a_gpu_plan_too_big_for_this_machine_is_refused_before_torch_is_imported
         pytest.skip("this machine has the host memory for eight llama3-8b ranks")
     assert run.returncode == 2 and "would need about" in refusal[0] and "--allow-oversubscribe" in refusal[0]
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
-    assert "torch" not in imported and "autoplan.runtime.launch" not in imported, sorted(imported)[:40]
+    assert "torch" not in imported and "autoplan.runtime.launcher.launch" not in imported, sorted(imported)[:40]
 
 
 def test_cuda_impossible_only_without_any_gpu_device(tmp_path):

@@ -1,4 +1,4 @@
-"""`OptimizerConfig` (runtime/optim_config.py): the schedule equals torch's own schedulers step by step,
+"""`OptimizerConfig` (runtime/launcher/optim_config.py): the schedule equals torch's own schedulers step by step,
 the weight-decay groups follow the usual rule, a resumed scheduler continues exactly, and every bad
 setting is one line naming its flag (through `autoplan run`, exit 2, before torch loads a rank)."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autoplan import models as zoo
-from autoplan.runtime.optim_config import (
+from autoplan.runtime.launcher.optim_config import (
     OptimizerConfig,
     make_scheduler,
     no_decay_names,
@@ -142,7 +142,7 @@ def test_make_optimizer_groups_a_partitioned_models_parameters_by_their_names():
     parameters of two or more dimensions, under the model's own names, and the scheduler moves
     every group's rate."""
     import autoplan
-    from autoplan.runtime.optim_config import make_optimizer
+    from autoplan.runtime.launcher.optim_config import make_optimizer
 
     plan = autoplan.suggest(LLAMA, "1x1xcpu", global_batch=4, seq_len=16, dtype="fp32", top=1)[0]
     pm = autoplan.partition(LLAMA, plan, device="cpu")

@@ -3,7 +3,7 @@ does not send the user to a folder of empty logs."""
 
 from __future__ import annotations
 
-from autoplan.runtime.ranks import logs_note
+from autoplan.runtime.launcher.ranks import logs_note
 
 
 def test_empty_rank_logs_are_not_named_as_where_to_look(tmp_path):

@@ -1,6 +1,6 @@
 """Parameters a user can read (issue 41 item 7): in a bf16 ZeRO-1 plan with tp 2 x dp 2, every
 rank's `pm.named_parameters()` after `make_optimizer` gives values, never the NaN placeholders of the
-fp32 masters other dp ranks own (runtime/precision.py `release_masters`): those come as their bf16
+fp32 masters other dp ranks own (runtime/parallel/precision.py `release_masters`): those come as their bf16
 working copies, so `torch.save(dict(pm.named_parameters()))` writes real weights. A write made
 outside the ZeRO-1 optimizer's step (a plain `torch.optim.SGD(pm.parameters())`, an in-place
 write) is refused in one line naming ZeRO-1 and what to call instead (the optimizer at its step, the
@@ -17,7 +17,7 @@ import torch
 from _dist import run_ranks
 
 import autoplan
-from autoplan.runtime.errors import PartitionError
+from autoplan.runtime.parallel.errors import PartitionError
 
 SPEC = "llama:num_layers=2,hidden_size=32,num_heads=4,num_kv_heads=2,vocab_size=64,max_seq_len=16"
 

@@ -22,8 +22,8 @@ from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import trace_model
 from autoplan.runtime import checkpoint as ckpt
 from autoplan.runtime import run_plan
-from autoplan.runtime.launch import FORKSERVER_PRELOAD
-from autoplan.runtime.training import synthetic_batch
+from autoplan.runtime.launcher.launch import FORKSERVER_PRELOAD
+from autoplan.runtime.launcher.training import synthetic_batch
 
 pytestmark = pytest.mark.multiproc
 

@@ -1,4 +1,4 @@
-"""`autoplan run` checks the machine before it spawns a rank (runtime/machine.py [Note: a GPU plan on a
+"""`autoplan run` checks the machine before it spawns a rank (runtime/launcher/machine.py [Note: a GPU plan on a
 CPU machine]), reports a SIGKILL with memory short as likely out of memory, shows what starting
 ranks do, and its API raises ValueError where the CLI prints one line and exits 2.
 
@@ -19,10 +19,11 @@ import torch
 
 from autoplan.cli import main
 from autoplan.plan import Plan
-from autoplan.runtime import machine, run_plan
-from autoplan.runtime.launch import _mark_phase, _OomWatch, _StartProgress
-from autoplan.runtime.machine import GIB, check_machine, host_memory_bytes
-from autoplan.runtime.preflight import CheckpointDirLock
+from autoplan.runtime import run_plan
+from autoplan.runtime.launcher import machine
+from autoplan.runtime.launcher.launch import _mark_phase, _OomWatch, _StartProgress
+from autoplan.runtime.launcher.machine import GIB, check_machine, host_memory_bytes
+from autoplan.runtime.launcher.preflight import CheckpointDirLock
 
 TINY = "gpt:num_layers=2,hidden_size=64,num_heads=4,vocab_size=256,max_seq_len=32"
 
@@ -154,20 +155,20 @@ def _procs(*exitcodes):
 
 def test_a_sigkill_with_memory_short_is_reported_as_likely_out_of_memory(monkeypatch):
     fit = machine.MachineFit(estimate_bytes=45 * GIB, free_bytes=21 * GIB, total_bytes=23 * GIB)
-    monkeypatch.setattr("autoplan.runtime.launch.oom_kills", lambda: 0)
+    monkeypatch.setattr("autoplan.runtime.launcher.launch.oom_kills", lambda: 0)
     watch = _OomWatch(fit)
-    monkeypatch.setattr("autoplan.runtime.launch.available_memory_bytes", lambda: (0.2 * GIB, 23 * GIB))
+    monkeypatch.setattr("autoplan.runtime.launcher.launch.available_memory_bytes", lambda: (0.2 * GIB, 23 * GIB))
     watch.sample()
     line = watch.report(_procs(-signal.SIGTERM, 0, 0, 0, 0, -signal.SIGKILL, 0, 0))
     assert line.startswith("rank 5 was likely killed for lack of memory by the kernel's OOM killer"), line
     assert "estimated at 45.0 GiB" in line and "MemAvailable fell to 0.2 GiB of 23.0 GiB" in line
     # Memory never short and no OOM kill counted: a SIGKILL is only a SIGKILL (a user's kill -9).
     calm = _OomWatch(fit)
-    monkeypatch.setattr("autoplan.runtime.launch.available_memory_bytes", lambda: (20 * GIB, 23 * GIB))
+    monkeypatch.setattr("autoplan.runtime.launcher.launch.available_memory_bytes", lambda: (20 * GIB, 23 * GIB))
     calm.sample()
     assert calm.report(_procs(0, -signal.SIGKILL)) == ""
     # The kernel's own count rose: out of memory whatever was sampled.
-    monkeypatch.setattr("autoplan.runtime.launch.oom_kills", lambda: 1)
+    monkeypatch.setattr("autoplan.runtime.launcher.launch.oom_kills", lambda: 1)
     assert "likely killed for lack of memory" in calm.report(_procs(0, -signal.SIGKILL))
     assert calm.report(_procs(0, 1)) == ""  # no SIGKILL: nothing to add
     # A rank the launcher killed itself (frozen, or alive after the grace period) is not blamed on memory.

@@ -1,4 +1,4 @@
-"""zero 2 / 3 and HSDP run with torch's FSDP2 (runtime/fsdp.py): loss, every gradient and three
+"""zero 2 / 3 and HSDP run with torch's FSDP2 (runtime/parallel/fsdp.py): loss, every gradient and three
 optimizer steps equal a single-process reference, at pp 1 and pp 2, tp 1 and tp 2, on 4 gloo ranks;
 each rank holds 1/dp_shard of every parameter, gradient and optimizer state."""
 
@@ -222,8 +222,8 @@ MEMORY_LAYOUTS = {"zero0": dict(pp=2, dp=2, zero=0), "zero1": dict(pp=2, dp=2, z
 
 
 def _memory_job(rank, world_size, plans):
+    from autoplan.calibrate.measure import LiveBytes, held_state_bytes
     from autoplan.runtime import partition
-    from autoplan.runtime.measure import LiveBytes, held_state_bytes
 
     out = {}
     for name, plan in plans.items():

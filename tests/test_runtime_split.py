@@ -11,14 +11,14 @@ from autoplan import models as zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import append_loss, trace_model
 from autoplan.runtime.api import PartitionError, check_model
-from autoplan.runtime.split import (
+from autoplan.runtime.parallel.split import (
     build_stage_modules,
     materialize_stages,
     plan_stage_specs,
     propagate_values,
     tied_parameter_names,
 )
-from autoplan.runtime.tensor_parallel import check_tp_tracing as _check_tp_tracing
+from autoplan.runtime.parallel.tensor_parallel import check_tp_tracing as _check_tp_tracing
 
 GPT = "gpt:num_layers=4,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16"
 

@@ -17,8 +17,8 @@ from autoplan import models as zoo
 from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import trace_model
 from autoplan.runtime.api import PartitionError, check_model
-from autoplan.runtime.tensor_parallel import check_tp_tracing as _check_tp_tracing
-from autoplan.runtime.tensor_parallel import tensor_parallel_plan
+from autoplan.runtime.parallel.tensor_parallel import check_tp_tracing as _check_tp_tracing
+from autoplan.runtime.parallel.tensor_parallel import tensor_parallel_plan
 
 GPT = "gpt:num_layers=4,hidden_size=32,num_heads=4,vocab_size=64,max_seq_len=16"
 LLAMA = "llama:num_layers=4,hidden_size=32,num_heads=4,num_kv_heads=2,vocab_size=64,max_seq_len=16"

@@ -54,7 +54,7 @@ def _train(rank, world_size, plans, checkpoint_root=None):
 
 @pytest.mark.timeout(150)
 def test_zero_1_trains_like_a_replicated_optimizer_with_sharded_state(tmp_path):
-    """ZeRO-1 (runtime/optimizer.py); zero 2 and 3 are FSDP (tests/test_runtime_fsdp.py)."""
+    """ZeRO-1 (runtime/parallel/optimizer.py); zero 2 and 3 are FSDP (tests/test_runtime_fsdp.py)."""
     plans = [_plan_with(GPT, 2, dp=2, zero=z) for z in (0, 1)]
     results = run_ranks(_train, 4, plans, str(tmp_path), timeout_s=140)
     for res in results.values():
@@ -78,7 +78,7 @@ def test_zero_1_trains_like_a_replicated_optimizer_with_sharded_state(tmp_path):
 @pytest.mark.parametrize("layout", [dict(pp=2, dp=2), dict(pp=1, tp=2, dp=2)], ids=["pp2-dp2", "tp2-dp2"])
 def test_zero_checkpoint_holds_every_shard_and_restores_into_another_layout(tmp_path, layout):
     """With tp 2 each tp rank's dp group shards the state of its slices: the owners of a tensor's
-    slices together write all of it (runtime/optimizer.py: owners by the global size)."""
+    slices together write all of it (runtime/parallel/optimizer.py: owners by the global size)."""
     from autoplan.runtime.checkpoint import load_checkpoint
 
     layout = dict(layout)
@@ -115,7 +115,7 @@ def _restore(rank, world_size, plan, path):
 
 @pytest.mark.timeout(200)
 def test_a_bf16_zero_1_checkpoint_takes_each_master_from_its_owner_and_restores_exactly(tmp_path):
-    """bf16 tp 2 x dp 2: a rank holds the fp32 masters it owns only (runtime/precision.py
+    """bf16 tp 2 x dp 2: a rank holds the fp32 masters it owns only (runtime/parallel/precision.py
     `release_masters`), so each master's fp32 values in the checkpoint are its owner's; they equal a
     replicated optimizer's, and restore bit for bit into another layout with ZeRO-1 (the masters this
     rank owns there; the others' bf16 working copies are the saved values rounded) and without."""

@@ -317,7 +317,7 @@ def test_a_tied_head_on_another_rank_adds_its_gradient_sum_to_the_step():
     spec = "gpt:num_layers=4,hidden_size=256,num_heads=4,vocab_size=32000,max_seq_len=128"
     pins = dict(tp=1, dp=1, micro_batch_size=1, schedule="1f1b", recompute="none", zero=0)
     two = autoplan.suggest(spec, "1x2xA100-80GB", global_batch=8, seq_len=128, pp=2, **pins)[0]
-    # fp32 gradients (the masters' `main_grad`, runtime/precision.py) of the 32000 x 256 table, summed
+    # fp32 gradients (the masters' `main_grad`, runtime/parallel/precision.py) of the 32000 x 256 table, summed
     # between the first and the last rank.
     expected = allreduce_time_s(two.cluster_obj(), [0, 1], 32000 * 256 * 4)
     assert two.predicted.breakdown["tied_grad_sync_s"] == pytest.approx(expected) and expected > 0

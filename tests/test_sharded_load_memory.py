@@ -1,5 +1,5 @@
 """A rank loading a sharded checkpoint holds its share plus one tensor, never the whole model (issue 41,
-"peak memory of a rank loading a sharded checkpoint"; runtime/weights.py [Note: reading a box without
+"peak memory of a rank loading a sharded checkpoint"; runtime/checkpoint/weights.py [Note: reading a box without
 holding the file]).
 
 A transformers Llama of 200 MB (fp32) is saved with `save_pretrained` in six safetensors shards and
@@ -70,7 +70,7 @@ def _local_bytes(pm) -> int:
 
 
 def _rank_peaks(rank: int, world_size: int, spec: str, directory: str, plan) -> dict:
-    from autoplan.runtime.weights import load_weights
+    from autoplan.runtime.checkpoint.weights import load_weights
 
     libc = ctypes.CDLL("libc.so.6")
     assert libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024) == 1
@@ -136,7 +136,7 @@ def test_boxes_read_equal_safetensors_own_slices(tmp_path, monkeypatch, block_by
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from autoplan.runtime import weights
+    from autoplan.runtime.checkpoint import weights
 
     monkeypatch.setattr(weights, "_BLOCK_BYTES", block_bytes)
     gen = torch.Generator().manual_seed(0)

@@ -1,6 +1,6 @@
 """Under torchrun, the rank that died is the one autoplan names (issue 43: with rank 1 killed, rank 0's
 line read "rank 0 failed: P2PTimeout ... Connection reset by peer" while torchrun's own summary named
-rank 1). See [Note: blame under torchrun] in runtime/launch.py."""
+rank 1). See [Note: blame under torchrun] in runtime/launcher/launch.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from autoplan.runtime.comm import P2PTimeout
-from autoplan.runtime.launch import _torchrun_failure
+from autoplan.runtime.execution.comm import P2PTimeout
+from autoplan.runtime.launcher.launch import _torchrun_failure
 from tests._cli import run_main
 
 TINY = "gpt:num_layers=2,hidden_size=16,num_heads=2,vocab_size=32,max_seq_len=8"

@@ -115,7 +115,7 @@ def test_fused_projection_shards_block_by_block_and_every_layer_attends_its_own_
 
 
 def _local_weights(rank, world_size, spec, plan):
-    import autoplan.runtime.tensor_parallel_graph as graph_tp
+    import autoplan.runtime.parallel.tensor_parallel_graph as graph_tp
 
     attended = []
     attention = graph_tp._local_attention

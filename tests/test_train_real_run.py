@@ -29,7 +29,7 @@ from _cli import run_main
 
 from autoplan.graph.aux_loss import aux_loss_scale, recording_aux_losses
 from autoplan.plan import Plan
-from autoplan.runtime.datasets import open_dataset
+from autoplan.runtime.launcher.datasets import open_dataset
 from autoplan.sources import parse_source
 
 LLAMA = "llama:num_layers=2,hidden_size=32,num_heads=4,num_kv_heads=2,vocab_size=64,max_seq_len=16"

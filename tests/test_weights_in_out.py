@@ -1,7 +1,7 @@
 """Pretrained weights in and Hugging Face weights out (issue 41 items 1 and 6): a small transformers
 Llama and Mixtral saved with `save_pretrained` (safetensors, one file or several shards), planned
 with `autoplan.suggest("hf:DIR", ...)`, partitioned on 4 gloo ranks and loaded by
-`autoplan.runtime.weights.load_weights` (each rank reads its boxes: tp shards, fused q/k/v, pipeline
+`autoplan.runtime.checkpoint.weights.load_weights` (each rank reads its boxes: tp shards, fused q/k/v, pipeline
 stages, FSDP shards, expert slices under ep); the first step's loss equals transformers' own loss of
 the loaded model on the same batch. The ep fix of `PartitionedModel.load_state_dict`
 (`load_state_dict_slices`) is checked the same way, and an autoplan checkpoint exported with
@@ -14,7 +14,7 @@ import torch
 from _dist import run_ranks
 
 import autoplan
-from autoplan.runtime.weights import (
+from autoplan.runtime.checkpoint.weights import (
     WeightsError,
     check_weights,
     load_state_dict_slices,
@@ -230,7 +230,7 @@ def test_export_hf_reloads_in_transformers_with_the_partitioned_models_loss(tmp_
     from transformers import AutoModelForCausalLM
 
     from autoplan.runtime.checkpoint import load_full_state_dict
-    from autoplan.runtime.hf_export import export_hf
+    from autoplan.runtime.checkpoint.hf_export import export_hf
 
     directory = _save("llama", tmp_path / "llama")
     plan = _plan(directory, tmp_path / "p.json", tp=2, pp=2)
@@ -263,7 +263,7 @@ def test_export_hf_of_a_tied_mixtral_writes_one_embedding(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from autoplan.runtime.checkpoint import save_checkpoint
-    from autoplan.runtime.hf_export import export_hf
+    from autoplan.runtime.checkpoint.hf_export import export_hf
 
     directory = _save("mixtral", tmp_path / "m", tie_word_embeddings=True)
     pm = _one_process_pm(directory, tmp_path)
@@ -282,7 +282,7 @@ def test_export_hf_of_a_tied_mixtral_writes_one_embedding(tmp_path):
 
 def test_export_hf_refuses_a_used_out_directory(tmp_path):
     from autoplan.runtime.checkpoint import CheckpointError
-    from autoplan.runtime.hf_export import export_hf
+    from autoplan.runtime.checkpoint.hf_export import export_hf
 
     directory = _save("llama", tmp_path / "llama")
     pm = _one_process_pm(directory, tmp_path)

@@ -1,5 +1,5 @@
 """ZeRO-1 with tensor parallelism (issue 28): the optimizer state of each tp rank's shards, and in
-bf16 their fp32 masters, are split over its dp group (runtime/optimizer.py, as Megatron-LM's
+bf16 their fp32 masters, are split over its dp group (runtime/parallel/optimizer.py, as Megatron-LM's
 distributed optimizer), the training is the replicated optimizer's, and the memory model counts
 8 / dp bytes of Adam's state and, in bf16, 2 + 4 / dp bytes of weights per parameter at any tp
 (cost/memory.py [Note: bytes per parameter]), what each rank holds."""
@@ -17,7 +17,7 @@ from _dist import run_ranks
 
 import autoplan
 from autoplan.cost.memory import persistent_bytes_per_param
-from autoplan.runtime.optimizer import assign_owners
+from autoplan.runtime.parallel.optimizer import assign_owners
 
 SPEC = "llama:num_layers=2,hidden_size=32,num_heads=4,num_kv_heads=2,vocab_size=64,max_seq_len=16"
 GLOBAL_BATCH = 8
@@ -88,9 +88,9 @@ def _values(pm):
 
 
 def _rank_job(rank, world_size, plans, root):
+    from autoplan.calibrate.measure import held_state_bytes
     from autoplan.runtime import checkpoint as ckpt
     from autoplan.runtime.checkpoint import local_optimizer
-    from autoplan.runtime.measure import held_state_bytes
 
     out = {}
     for name, plan in plans.items():
@@ -189,7 +189,7 @@ def test_zero_1_with_tp_trains_as_the_replicated_optimizer_and_shards_its_state(
 def test_what_each_zero_1_rank_holds_is_the_memory_models_figure():
     """tp 2 x dp 2, bf16 and fp32, zero 0 and 1: per rank the bytes of the parameters (bf16 working
     copies and the fp32 masters it holds), the gradients and Adam's state, counted from the tensors
-    (runtime/measure.py), against the plan's weights / gradients / optimizer bytes. Whole parameters
+    (calibrate/measure.py), against the plan's weights / gradients / optimizer bytes. Whole parameters
     go to owners, so a rank's share is 1/dp of the elements up to the greedy imbalance (within one
     parameter, `assign_owners`); over the dp group the shares are dp times the figure."""
     plans = {f"{dtype}-zero{zero}": autoplan.suggest(SPEC, "1x4xcpu", global_batch=GLOBAL_BATCH, seq_len=SEQ, tp=2,
@@ -219,7 +219,7 @@ def test_what_each_zero_1_rank_holds_is_the_memory_models_figure():
 
 
 def _memory_job(rank, world_size, plans):
-    from autoplan.runtime.measure import held_state_bytes
+    from autoplan.calibrate.measure import held_state_bytes
 
     out = {}
     for name, plan in plans.items():
@@ -244,7 +244,7 @@ def _reference(plan, steps: int):
     torch.manual_seed(0)
     model = source.build("cpu")
     model.train()
-    # As `autoplan run`: norms and biases (1-D parameters) are not decayed (runtime/optim_config.py).
+    # As `autoplan run`: norms and biases (1-D parameters) are not decayed (runtime/launcher/optim_config.py).
     optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2]},
                                    {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
                                   lr=LR, fused=True)

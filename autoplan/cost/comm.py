@@ -56,7 +56,7 @@ that compute by s seconds: a unit whose compute c overlaps communication l adds
 max(0, l - c) + s min(l, c). s is fitted to published runs (benchmarks/validate_published.py).
 
 Ranks: the dp index is replicate index * dp_shard + shard index (torchtitan's mesh order, pp,
-dp_replicate, dp_shard, tp; runtime/mesh.py `build_layout`), so a shard group is dp_shard
+dp_replicate, dp_shard, tp; runtime/parallel/mesh.py `build_layout`), so a shard group is dp_shard
 consecutive replicas: inside a node under rank order tp-dp-pp when tp * dp_shard divides it, and the
 replicate group strides across nodes. Collective times come from cluster/collectives.py for the
 actual ranks (intra-node, or the cheaper of a flat ring and the hierarchical scheme across nodes).

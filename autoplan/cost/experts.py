@@ -25,7 +25,7 @@ __all__ = ["ExpertLinks", "all_to_all_time_s", "dispatch_share", "expert_comm_ti
 
 # [Note: experts on a GPU]
 # autoplan's runtime splits a mixture-of-experts layer's experts over ep ranks of tp x dp
-# (runtime/experts.py, plan.py [Note: expert layout]) and leaves each expert whole on the rank
+# (runtime/parallel/experts.py, plan.py [Note: expert layout]) and leaves each expert whole on the rank
 # that holds it (expert tp 1; graph/sharding.py finds no Megatron pattern in stacked expert
 # weights; cost/memory.py
 # `param_counts`), while tp shards the layer's attention. The recorded operators of the experts say
@@ -48,7 +48,7 @@ __all__ = ["ExpertLinks", "all_to_all_time_s", "dispatch_share", "expert_comm_ti
 # profile's groups at the whole sequence, scaled per token like every operator (`batch_share`: 1/cp),
 # are a rank's own (equal when capacity_factor * s * k / (E * cp) is whole, else within a token per
 # expert): no term of its own.
-# Under expert tp (`ParallelConfig.expert_tp` = tp, runtime/expert_tp.py) each tp rank holds 1/tp of
+# Under expert tp (`ParallelConfig.expert_tp` = tp, runtime/parallel/expert_tp.py) each tp rank holds 1/tp of
 # every expert's hidden units and runs all of the replica's tokens: the same FLOPs as a 1/tp share of
 # the tokens (`expert_work_split`), the weights divided by ep x tp, no token split for the all-to-all,
 # and an all-reduce of the partial outputs over tp (`expert_tp_reduce_times_s`).
@@ -140,7 +140,7 @@ def expert_comm_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelCo
 def expert_tp_reduce_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConfig) -> np.ndarray:
     """Per block with experts, seconds of the all-reduce over the expert-tp group (the tp ranks of a
     replica) that sums the partial outputs of experts split along their hidden units (expert tp > 1,
-    runtime/expert_tp.py [Note: expert tp]), in one pass of one micro-batch: the layer's hidden state
+    runtime/parallel/expert_tp.py [Note: expert tp]), in one pass of one micro-batch: the layer's hidden state
     (the bytes crossing the cut after the block), a ring all-reduce (Thakur et al. 2005,
     `allreduce_time_s`); the backward all-reduces the inputs' gradients, the same volume (Megatron-LM's
     copy-to / reduce-from pair, Shoeybi et al. 2019, Fig. 3a). Zero under expert tp 1."""

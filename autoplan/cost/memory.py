@@ -1,7 +1,7 @@
 """Memory per GPU: weights, gradients, optimizer states, activations, buffers, allowance.
 
 [Note: bytes per parameter]
-Mixed precision as Megatron-LM keeps it and as autoplan's runtime runs it (runtime/precision.py):
+Mixed precision as Megatron-LM keeps it and as autoplan's runtime runs it (runtime/parallel/precision.py):
 2 bytes of bf16/fp16 working weights, 4 bytes of fp32 gradient (Megatron's `main_grad`, accumulated
 and all-reduced in fp32), 4 bytes of fp32 master weights and 8 of Adam's two fp32 moments: 18 bytes
 per parameter (Megatron-LM docs, "Distributed Optimizer", table of bytes per parameter: "bf16 param,
@@ -11,7 +11,7 @@ bytes per parameter short of what either runtime allocates. In fp32 training: 4 
 what the runtime holds between steps at each ZeRO level (`persistent_bytes_per_param`):
 
     zero 0 (replicated):                    6 + 4 + 8             (fp32: 4 + 4 + 8)
-    zero 1 (runtime/optimizer.py):          2 + 4/dp + 4 + 8 / dp (fp32: 4 + 4 + 8 / dp; at any tp:
+    zero 1 (runtime/parallel/optimizer.py):          2 + 4/dp + 4 + 8 / dp (fp32: 4 + 4 + 8 / dp; at any tp:
                                                                    the fp32 masters and Adam's state
                                                                    of the rank's tp shards, split
                                                                    over its dp group)
@@ -33,7 +33,7 @@ sharding"; torchtitan's `data_parallel_replicate_degree`), so its figures divide
 
 [Note: FSDP gathered bytes]
 What FSDP unshards during a step (`MemoryBreakdown.gathered_bytes`). One FSDP unit per block the
-traced graph calls whole (runtime/fsdp.py): the unit's parameters are all-gathered in the compute
+traced graph calls whole (runtime/parallel/fsdp.py): the unit's parameters are all-gathered in the compute
 dtype (2 bytes in bf16, 4 in fp32) before it runs.
 - zero 2 (`reshard_after_forward=False`, ZeRO-2's P_os+g): the rank's stages stay gathered from the
   first forward to the end of the backward: 2 bytes per parameter of the rank.
@@ -52,7 +52,7 @@ dtype (2 bytes in bf16, 4 in fp32) before it runs.
 A block whose parameters are shared with an earlier block (`Block.tied_to_block`, a head tied to the
 embedding) holds a copy of them (`Block.param_bytes`) only when the owner lives on another GPU;
 on the same GPU the runtime keeps one tensor, one gradient and one optimizer state
-(runtime/precision.py, "tied parameters share one"), so they count once (`held_params`).
+(runtime/parallel/precision.py, "tied parameters share one"), so they count once (`held_params`).
 
 [Note: activations]
 A block's saved-for-backward bytes come from the profile (measured on fake tensors). Under tensor
@@ -75,7 +75,7 @@ benchmarks/validate_memory.py, docs/published-memory.md). With no stack, or the 
 profile's bytes stand: what autoplan's runtime holds.
 
 [Note: ZB-H1's pending W]
-Under ZB-H1 a stage that splits its backward (every stage but the first, runtime/executor.py) runs B
+Under ZB-H1 a stage that splits its backward (every stage but the first, runtime/execution/executor.py) runs B
 with torch's `stage_backward_input` (torch/distributed/pipelining/_backward.py), which keeps the graph
 and the gradients of the outputs of every op that uses a weight, for `stage_backward_weight` at W. So
 a micro-batch between its B and its W holds its activations (counted among the p in flight,
@@ -188,7 +188,7 @@ def persistent_bytes_per_param(dtype: str, zero: int, dp: int, dp_replicate: int
     """(weights, gradients, optimizer states) bytes per parameter one GPU holds between steps at
     this ZeRO level; see [Note: bytes per parameter]. Per parameter of the GPU's own tp shards:
     zero 1 splits their optimizer state, and in bf16 their fp32 masters, over the dp group at any
-    `tp` (runtime/optimizer.py)."""
+    `tp` (runtime/parallel/optimizer.py)."""
     weights, grads, optim = BYTES_PER_PARAM(dtype)
     if zero >= 2:
         shard = dp // dp_replicate
@@ -202,7 +202,7 @@ def persistent_bytes_per_param(dtype: str, zero: int, dp: int, dp_replicate: int
 
 def reduction_buffer_bytes(cfg: ParallelConfig, num_params: float, unit_params: Sequence[float] | np.ndarray) -> float:
     """Transient bytes of the gradient reduction. zero 0 / 1 with dp > 1: the flat copy of one
-    bucket of fp32 gradients (runtime/data_parallel.py `all_reduce_grads`, DDP's 25 MiB buckets, Li et
+    bucket of fp32 gradients (runtime/parallel/data_parallel.py `all_reduce_grads`, DDP's 25 MiB buckets, Li et
     al. 2020, Sec. 3.2.3), at most all of the rank's gradients. zero >= 2: FSDP2 copies one unit's
     fp32 gradient into the flat input of its reduce-scatter (`foreach_reduce`), beside the
     unsharded gradient it reduces. Measured on CPU ranks by tests/test_runtime_fsdp.py."""
@@ -229,7 +229,7 @@ def reduced_bytes_per_param(reduce_dtype: str) -> float:
 
 def stage_is_one_unit(profile: ModelProfile) -> bool:
     """Whether FSDP runs each stage as one unit: a graph traced by torch.export calls no module
-    whole, so the stage's root unit holds every parameter (runtime/fsdp.py `unit_paths`)."""
+    whole, so the stage's root unit holds every parameter (runtime/parallel/fsdp.py `unit_paths`)."""
     return profile.tracer == "export"
 
 
@@ -306,7 +306,7 @@ def expert_shard_surplus(profile: ModelProfile, cfg: ParallelConfig, ranges: Seq
     """Parameters one GPU keeps sharded beyond its 1/dp_shard (zero 1: 1/dp) share under ZeRO with
     expert parallelism: a GPU's 1/ep of the experts is sharded over the ranks holding the same
     experts, not over dp: over the expert-data-parallel group (`ParallelConfig.expert_dp`; FSDP's
-    expert units, runtime/fsdp.py; with zero 1 Megatron-LM's distributed optimizer builds a second
+    expert units, runtime/parallel/fsdp.py; with zero 1 Megatron-LM's distributed optimizer builds a second
     optimizer over the expert parameters on that group, megatron/core/optimizer
     `get_megatron_optimizer`). So it keeps dp / group times the share of its experts (negative when
     the group is larger than dp). What of a parameter that sharding covers:
@@ -463,7 +463,7 @@ def block_act_bytes(profile: ModelProfile, cfg: ParallelConfig, cpu: bool = Fals
         out[i] = saved * f
     if cfg.cp > 1 and cfg.recompute != "full":
         # Attention keeps the gathered keys and values of the whole sequence for its backward
-        # (runtime/context.py); this GPU's own 1/cp of them is counted above. Selective recompute
+        # (runtime/parallel/context.py); this GPU's own 1/cp of them is counted above. Selective recompute
         # checkpoints the kernel, whose inputs are the gathered keys and values, so they stay; full
         # recompute keeps only the layer's input and gathers them again.
         out += gathered_kv_bytes(profile, cfg) * (1 - 1 / cfg.cp)

@@ -123,7 +123,7 @@ def scaled_op(op: Op, batch_factor: float, tp: int, sequence_parallel: bool,
     An operator of grouped experts (`op.tp == "expert"`, [Note: expert operators] in
     graph/operators.py) is whole on each tp rank (the layout shards no expert) and, on one of `ep`
     expert-parallel ranks, runs experts / ep of the experts on the tokens the ep group routes to
-    them (GShard, arXiv:2006.16668, Sec. 3.2; runtime/experts.py: a rank computes (E/ep, ep * n, ...)
+    them (GShard, arXiv:2006.16668, Sec. 3.2; runtime/parallel/experts.py: a rank computes (E/ep, ep * n, ...)
     in place of (E, n, ...)): the expert axis (a GEMM's first) divides by ep and its batch axis grows
     ep times, so the FLOPs and the per-batch bytes stay, and the weights' bytes (`fixed_bytes`: the
     weights a GEMM reads, their gradients and the gradients' accumulation) divide by ep.

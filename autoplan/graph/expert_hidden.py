@@ -1,5 +1,5 @@
 """Where the experts' hidden units are in a stacked-experts module (graph/experts.py), for expert
-tensor parallelism (runtime/expert_tp.py [Note: expert tp]): read from the parameters' shapes,
+tensor parallelism (runtime/parallel/expert_tp.py [Note: expert tp]): read from the parameters' shapes,
 checked on the module's own forward.
 
 Which axis of a stacked-experts parameter holds the hidden units is read from the shapes: every

@@ -1,5 +1,5 @@
 """Which modules of a model are stacks of experts (mixture-of-experts layers), from their shapes and
-how they are called: the two expert contracts expert parallelism (runtime/experts.py) serves.
+how they are called: the two expert contracts expert parallelism (runtime/parallel/experts.py) serves.
 
 Both kinds say what they are by an integer attribute `num_experts` that every one of their own
 parameters has as its first dimension (the expert), one of them at least a stack of matrices (3-D);

@@ -145,7 +145,7 @@ def _follow_traced_dtype(gm: fx.GraphModule, traced_dtype: torch.dtype | None) -
     Export records dtypes as constants: RMSNorm's `h.to(float32)` and its cast back to the input's
     dtype, rotary tables' `.float()` and `.to(x.dtype)` all read `float32` in a float32 trace, and a
     bf16 run then mixes float32 and bf16 tensors (a matmul refuses them). The runtime and the
-    profile run every floating tensor in one compute dtype (runtime/precision.py), so each constant
+    profile run every floating tensor in one compute dtype (runtime/parallel/precision.py), so each constant
     equal to the traced dtype becomes `_dtype_of(ref)`, where `ref` is a floating tensor argument of
     the op, else the nearest floating value computed before it (never a parameter, which would pull
     a weight into another block). In float32 the graph computes exactly what it traced; in bf16 the

@@ -1,6 +1,6 @@
 """Which positions of the sequence this process computes (context parallelism's contract with a model).
 
-Under context parallelism (runtime/context.py) each rank of a cp group holds a share of every
+Under context parallelism (runtime/parallel/context.py) each rank of a cp group holds a share of every
 sequence: 2 * cp chunks, rank i holding chunks i and 2 * cp - 1 - i, so that causal attention costs
 each rank the same (the load balancing of Llama 3, arXiv:2407.21783 Sec. 3.3.2, and torchtitan's
 context parallelism). Token-wise layers need nothing; what depends on a token's place in the

@@ -137,7 +137,7 @@ def _named_modules_under(gm: nn.Module, path: str) -> list[tuple[str, nn.Module]
 
 def context_parallel_support(model: nn.Module, profile: ModelProfile, positions_refusal: str | None,
                              experts_route_tokens_alone: bool = False) -> dict[str, Any]:
-    """Whether the runtime can split this model's sequences over ranks (runtime/context.py), and
+    """Whether the runtime can split this model's sequences over ranks (runtime/parallel/context.py), and
     why not: the model must be told its tokens' positions (`positions_refusal`, the model source's
     verdict: `ModelSource.context_parallel_refusal`), compute attention with
     `scaled_dot_product_attention` (which the runtime routes through the cp group; the profile lists

@@ -40,7 +40,7 @@ and KV-head counts come from the shapes that flow, so a model needs no attribute
 
 The profile (what `suggest` searches) and `partition` both take a model's layout from its traced
 graph, run on the graph's own inputs (`traced_layout`), so a plan `suggest` returns is one the
-runtime runs. The runtime (`runtime/tensor_parallel.py`) runs a layout either with torch's parallel styles (module hooks)
+runtime runs. The runtime (`runtime/parallel/tensor_parallel.py`) runs a layout either with torch's parallel styles (module hooks)
 where the traced graph calls the attention / MLP modules whole, or with the whole stage in DTensor
 where the graph inlines them (torch.export); sequence parallelism needs the former.
 
@@ -357,7 +357,7 @@ def _vocab_parallel(flow: Flow, styles: dict[str, str], divides: dict) -> None:
 def _sp_layers(model: nn.Module, layout: TensorParallelLayout) -> list[str]:
     """Layers whose direct children are feature norms (LayerNorm / RMSNorm), a sharded attention,
     and other units (a sharded MLP, or a block the layout shards only inside or not at all, as a
-    mixture-of-experts block): [Note: sequence parallelism] in runtime/tensor_parallel.py lays those
+    mixture-of-experts block): [Note: sequence parallelism] in runtime/parallel/tensor_parallel.py lays those
     out (`sp_children`)."""
     out = []
     kind_of = {g.parent: g.kind for g in layout.groups}

@@ -2,7 +2,7 @@
 tp must divide, and why a model cannot run at a given tp.
 
 graph/sharding.py finds a layout from the model's data flow; the profile records its summary, the
-search reads its refusals, and the runtime (runtime/tensor_parallel.py) applies it. Apart from the finding
+search reads its refusals, and the runtime (runtime/parallel/tensor_parallel.py) applies it. Apart from the finding
 so that the readers of a layout need none of its machinery.
 """
 
@@ -82,7 +82,7 @@ class TensorParallelLayout(Mapping):
     stage that holds the parameter only under that name must shard it the same way."""
     inlined: bool = False
     """The traced graph inlines the sharded modules (torch.export): the runtime runs such stages in
-    DTensor ([Note: tensor parallelism on an inlined graph] in runtime/tensor_parallel_graph.py), without
+    DTensor ([Note: tensor parallelism on an inlined graph] in runtime/parallel/tensor_parallel_graph.py), without
     sequence parallelism. Set by `for_graph`."""
 
     def __getitem__(self, key: str) -> str:

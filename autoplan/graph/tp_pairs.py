@@ -127,7 +127,7 @@ def mlp_pair(flow: Flow, feeders: Sequence[str], b_in: int, src: frozenset) -> P
 #   it is num_query_groups / tp whole groups). The model's own weight stays [q | k | v] (its
 #   checkpoints, its `full_tensor()`); the layout lists each part's size (`TensorParallelLayout.
 #   blocks`) and the runtime holds each rank's slices side by side ([Note: blocks of a fused
-#   projection] in runtime/tensor_parallel_graph.py);
+#   projection] in runtime/parallel/tensor_parallel_graph.py);
 # - one key/value head every query head shares (multi-query: Falcon's `view(b, s, heads + 2,
 #   head_dim)` with k and v the last two, or [q | k | v] parts of one head each, as GPT-BigCode's
 #   `c_attn(x).unsqueeze(1).split((embed, head_dim, head_dim), dim=3)`, whose unsqueeze the data

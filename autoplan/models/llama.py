@@ -98,7 +98,7 @@ class LlamaAttention(nn.Module):
         # Qwen3's q/k norm: one RMSNorm of head_dim for every query head, one for every key head
         # (transformers' Qwen3MoeAttention `q_norm`, `k_norm`; torchtitan's qwen3 `qk_norm`). It
         # normalizes within a head, so under tp each rank normalizes its own heads with the whole
-        # weight, whose gradient runtime/tensor_parallel.py sums over tp (`_sum_head_grads`).
+        # weight, whose gradient runtime/parallel/tensor_parallel.py sums over tp (`_sum_head_grads`).
         self.q_norm = nn.RMSNorm(d, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(d, eps=config.norm_eps) if config.qk_norm else None
         self.rope = RotaryEmbedding(config.max_seq_len, d, config.rope_theta)
@@ -112,7 +112,7 @@ class LlamaAttention(nn.Module):
         # Grouped-query attention (Ainslie et al. 2023) with the kernel reading each key/value head
         # for its num_rep query heads (`enable_gqa`): keys and values are kept for backward at their
         # own num_kv_heads, not repeated to the query heads (num_rep times the bytes), and context
-        # parallelism gathers them at their own size, as Llama 3 does (runtime/context.py).
+        # parallelism gathers them at their own size, as Llama 3 does (runtime/parallel/context.py).
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_rep > 1)
         return self.wo(out.transpose(1, 2).flatten(2))
 

@@ -36,7 +36,7 @@ __all__ = ["GroupedExperts", "MoEFeedForward", "MoELayer", "MoEModel", "RoutedEx
 # pipelined run reproduces a single-process one exactly.
 #
 # [Note: capacity under context parallelism]
-# Under context parallelism (runtime/context.py) a layer sees only the tokens its rank holds of each
+# Under context parallelism (runtime/parallel/context.py) a layer sees only the tokens its rank holds of each
 # sequence (chunks i and 2 cp - 1 - i, in that order), and counts the capacity over them:
 # ceil(capacity_factor * (seq_len / cp) * k / E) per expert, the queue in the order the tokens are
 # held. This is Megatron-LM's capacity (megatron/core/transformer/moe/moe_utils.py at core_v0.16.1,
@@ -59,7 +59,7 @@ __all__ = ["GroupedExperts", "MoEFeedForward", "MoELayer", "MoEModel", "RoutedEx
 # transformers' MixtralExperts), sorts the (token, expert) copies by expert and runs one grouped GEMM
 # over the variable counts (graph/grouped_mm.py: torch._grouped_mm runs only on CUDA in bf16 in torch
 # 2.13, so a loop over the experts on the CPU, with fixed output shapes for fake runs). Expert
-# parallelism sends the copies with variable all-to-all splits (runtime/routed_experts.py). The
+# parallelism sends the copies with variable all-to-all splits (runtime/parallel/routed_experts.py). The
 # balance loss is the same per-sequence loss as capacity routing's.
 
 
@@ -76,7 +76,7 @@ class GroupedExperts(nn.Module):
 
     The leading dimension of every parameter and of the input is the expert, so an expert-parallel
     runtime can keep a slice of the experts on each rank and exchange the token groups (the
-    contract `runtime/experts.py` relies on; torchtitan's GroupedExperts has the same layout)."""
+    contract `runtime/parallel/experts.py` relies on; torchtitan's GroupedExperts has the same layout)."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, num_layers: int) -> None:
         super().__init__()

@@ -10,12 +10,12 @@ sliding_window`; 0 for none). The logits are `scale * q k^T`, soft-capped to `so
 softcap)` when softcap > 0 (transformers' gemma2 `eager_attention_forward`); a head's sink joins the
 softmax's denominator as a logit of a key with no value (transformers' gpt_oss
 `eager_attention_forward`: the sink column is concatenated to the logits and dropped after the
-softmax). One process calls it with offset 0; context parallelism (runtime/context.py) calls it per
+softmax). One process calls it with offset 0; context parallelism (runtime/parallel/context.py) calls it per
 local chunk against the gathered keys, with the chunk's true position as the offset, so the window
 and causality are measured in positions of the whole sequence.
 
 Why an operator, not the model's eager code: the runtime must find and reroute every attention
-call of a traced graph (runtime/context.py `route_attention`), the profiler must price it as
+call of a traced graph (runtime/parallel/context.py `route_attention`), the profiler must price it as
 attention (a FLOP formula: torch's SDPA formula, `sdpa_flop_count`, which counts the whole score
 matrix as it does for the fused kernels), the tensor-parallel analysis must see where q, k and v
 meet (graph/data_flow.py follows it as an attention kernel), and DTensor must run it on a rank's

@@ -1,7 +1,7 @@
 """Run a plan: this rank's stages, the pipeline executor, DP reduction, and the launcher.
 
 The public names load on first use (PEP 562 module `__getattr__`, as in autoplan/__init__.py):
-`autoplan run` imports `autoplan.runtime.machine` to refuse a plan this machine cannot hold before
+`autoplan run` imports `autoplan.runtime.launcher.machine` to refuse a plan this machine cannot hold before
 torch loads (machine.py [Note: the refusal before torch]); importing the package must not load it.
 """
 
@@ -11,19 +11,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _LAZY: dict[str, str] = {
-    "ActionRecord": "autoplan.runtime.executor",
-    "PipelineExecutor": "autoplan.runtime.executor",
-    "Stage": "autoplan.runtime.executor",
+    "ActionRecord": "autoplan.runtime.execution.executor",
+    "PipelineExecutor": "autoplan.runtime.execution.executor",
+    "Stage": "autoplan.runtime.execution.executor",
     "PartitionError": "autoplan.runtime.api",
     "PartitionedModel": "autoplan.runtime.api",
     "partition": "autoplan.runtime.api",
-    "run_plan": "autoplan.runtime.launch",
+    "run_plan": "autoplan.runtime.launcher.launch",
 }
 
 if TYPE_CHECKING:  # type checkers and IDEs see the eager imports
     from autoplan.runtime.api import PartitionedModel, PartitionError, partition
-    from autoplan.runtime.executor import ActionRecord, PipelineExecutor, Stage
-    from autoplan.runtime.launch import run_plan
+    from autoplan.runtime.execution.executor import ActionRecord, PipelineExecutor, Stage
+    from autoplan.runtime.launcher.launch import run_plan
 
 __all__ = ["ActionRecord", "PartitionError", "PartitionedModel", "PipelineExecutor", "Stage", "partition", "run_plan"]
 

@@ -35,15 +35,15 @@ from torch import nn
 from autoplan._checks import require, require_int, require_strings
 from autoplan.graph.profile import model_fingerprint
 from autoplan.plan import Plan, PlanError, validate
-from autoplan.runtime.context import whole_sequence_output
-from autoplan.runtime.dimensions import Checked, registry
-from autoplan.runtime.errors import PartitionError
-from autoplan.runtime.executor import build_executor
-from autoplan.runtime.fsdp import check_sharding
-from autoplan.runtime.mesh import build_mesh
-from autoplan.runtime.partitioned import PartitionedModel
-from autoplan.runtime.precision import compute_dtype
-from autoplan.runtime.split import (
+from autoplan.runtime.execution.dimensions import Checked, registry
+from autoplan.runtime.execution.executor import build_executor
+from autoplan.runtime.execution.partitioned import PartitionedModel
+from autoplan.runtime.parallel.context import whole_sequence_output
+from autoplan.runtime.parallel.errors import PartitionError
+from autoplan.runtime.parallel.fsdp import check_sharding
+from autoplan.runtime.parallel.mesh import build_mesh
+from autoplan.runtime.parallel.precision import compute_dtype
+from autoplan.runtime.parallel.split import (
     batch_size_of,
     build_stage_modules,
     materialize,
@@ -51,7 +51,11 @@ from autoplan.runtime.split import (
     stage_specs,
     tied_parameter_names,
 )
-from autoplan.runtime.tensor_parallel import TensorParallelError, check_tp_tracing, tensor_parallel_plan
+from autoplan.runtime.parallel.tensor_parallel import (
+    TensorParallelError,
+    check_tp_tracing,
+    tensor_parallel_plan,
+)
 from autoplan.sources import ModelSource, OutputTemplate, as_source, trace_with_target
 
 __all__ = ["PartitionError", "PartitionedModel", "check_model", "default_device", "init_distributed", "partition"]
@@ -163,9 +167,9 @@ def _with_batch(value: Any, batch: int | None, size: int) -> Any:
 # [Note: the order of partition's steps]
 # `partition` builds a rank's stages in one step per concern, each a function of (the build, the plan,
 # the layout) in its own module, in the order of their effects (as torchtitan's parallelize_llama).
-# Between the split and the executor, the steps are the dimensions' of runtime/dimensions/registry.py,
+# Between the split and the executor, the steps are the dimensions' of runtime/execution/dimensions/registry.py,
 # in its order: each one's `apply` (on a model built on meta, tensor parallel's before `materialize`),
-# then each one's `wrap` ([Note: a dimension's hooks] in runtime/dimensions/base.py):
+# then each one's `wrap` ([Note: a dimension's hooks] in runtime/execution/dimensions/base.py):
 # - split: every later step works on this rank's stage modules only (split.py).
 # - tensor parallel, before `materialize` on a model built on meta, so that only the shards are
 #   allocated (each drawn as its slice of the full model's values); after it on real weights, once
@@ -263,7 +267,7 @@ def partition(
                           context=build.context, output_template=whole_sequence_output(output_template, plan),
                           expert_hidden=build.expert_hidden, dimensions=dimensions)
     if init is not None:
-        from autoplan.runtime.weights import load_weights
+        from autoplan.runtime.checkpoint.weights import load_weights
 
         load_weights(pm, init)
     return pm
@@ -303,7 +307,7 @@ def _source_on_meta(model: nn.Module | str | ModelSource, plan: Plan, example_in
     seq_len = plan.job.seq_len if source.default_seq_len is not None else None
     if seq_len is not None and plan.cp > 1:
         # Traced at this rank's share of each sequence: the shapes torch.export bakes into a graph
-        # are those the stages run at (runtime/context.py).
+        # are those the stages run at (runtime/parallel/context.py).
         seq_len //= plan.cp
     if example_inputs is None or (seq_len is not None and seq_len != source.default_seq_len):
         example_inputs = source.example_inputs(plan.micro_batch_size, seq_len, device="meta")

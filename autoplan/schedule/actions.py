@@ -383,7 +383,7 @@ FORWARD_KINDS = frozenset({ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F})
 
 def forward_only(actions: Sequence[Action]) -> tuple[Action, ...]:
     """One rank's lowered list (`Schedule.with_comms()[rank]`) without its backward: the F, SEND_F
-    and RECV_F actions, in their order. What an evaluation runs (runtime/executor.py `run(...,
+    and RECV_F actions, in their order. What an evaluation runs (runtime/execution/executor.py `run(...,
     forward_only=True)`): the training schedule's forward order, so no second schedule is needed.
 
     It cannot deadlock when the full lists cannot: every blocking wait left is a RECV_F, and the

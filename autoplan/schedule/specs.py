@@ -50,7 +50,7 @@ class ScheduleSpec:
     interleaved action order), or "simulate" (the schedule simulated at unit times)."""
     runs_fsdp: bool
     """Whether FSDP (zero 2 / 3) can run it: ZB-H1's weight-gradient pass runs outside autograd, where
-    FSDP's gradient hooks do not see it (runtime/fsdp.py `check_sharding`)."""
+    FSDP's gradient hooks do not see it (runtime/parallel/fsdp.py `check_sharding`)."""
     exports: Mapping[str, TargetSchedule] = field(default_factory=dict)
     """Per export target of `EXPORTED_TO`: what it runs."""
 

@@ -109,7 +109,7 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
             cal = ctx.calibration(pp_gpus[p])
             # With ep the experts' gradients are reduced over the ranks holding the same experts
             # (`ParallelConfig.expert_dp`: the expert-data-parallel group, Megatron-Core MoE README;
-            # runtime/partitioned.py `reduce_expert_grads`), the rest over dp; each stream becomes
+            # runtime/execution/partitioned.py `reduce_expert_grads`), the rest over dp; each stream becomes
             # ready over its share of the backward.
             experts = sum(float(np.sum(expert_params(profile)[a:b])) for a, b in (ranges[k] for k in mine)) \
                 / (cfg.ep * cfg.expert_tp) if cfg.holds_expert_slices else 0.0
@@ -126,7 +126,7 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
                                / shards)
         dp_exposed.append(exposed)
         optim_s.append(opt)
-        tails.append(tied_s[p] + exposed + opt)  # the order the runtime does them in (runtime/partitioned.py, step)
+        tails.append(tied_s[p] + exposed + opt)  # the order the runtime does them in (runtime/execution/partitioned.py, step)
 
     delays_f = [comm_time(s - 1, s, ActionKind.F) if cfg.pp > 1 else 0.0 for s in range(1, num_stages)]
     delays_b = [comm_time(s + 1, s, ActionKind.B) if cfg.pp > 1 else 0.0 for s in range(num_stages - 1)]

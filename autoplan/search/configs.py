@@ -389,7 +389,7 @@ def _hsdp_replicate(cfg: ParallelConfig, gpus_per_node: int) -> int | None:
 def fsdp_refusal(profile: ModelProfile, tp: int) -> str | None:
     """Why FSDP (zero 2 / 3) cannot run the model at this tp (one line), or None: a fused q/k/v
     projection's tensor-parallel [q | k | v] thirds cannot be sharded again by FSDP along the same
-    dim (the profile's layout records it, graph/sharding.py; runtime/fsdp.py refuses it too)."""
+    dim (the profile's layout records it, graph/sharding.py; runtime/parallel/fsdp.py refuses it too)."""
     info = profile.extra.get("tensor_parallel") or {}
     if tp > 1 and info.get("fused_qkv"):
         return (f"FSDP (zero 2 / 3) with tp {tp} cannot shard the model's fused q/k/v projection (its tensor-parallel "

@@ -160,7 +160,7 @@ class SearchContext:
 
         def with_experts() -> tuple[np.ndarray, np.ndarray]:
             # A block's experts are a unit of their own, sharded over the ranks holding the same
-            # experts (runtime/fsdp.py): the expert-data-parallel group, under HSDP split by replica
+            # experts (runtime/parallel/fsdp.py): the expert-data-parallel group, under HSDP split by replica
             # (plan.py [Note: expert layout]).
             local_experts = np.asarray(expert_params(self.profile), dtype=float) / (cfg.ep * cfg.expert_tp)
             gather, reduce = fsdp_unit_times_s(self.cluster, shard, replicate, self.params(cfg) - local_experts,

@@ -221,7 +221,7 @@ def _tie_within_rank(profile: ModelProfile, cfg: ParallelConfig, boundaries: Seq
     """Whether FSDP (zero >= 2) would have to shard one parameter in two virtual stages of a
     pipeline rank: a tied block and its owner in two stages that one rank runs (T5's decoder
     embedding and head under interleaving). FSDP manages a parameter in one unit, so the runtime
-    refuses such a plan (runtime/fsdp.py `_check_unshared`)."""
+    refuses such a plan (runtime/parallel/fsdp.py `_check_unshared`)."""
     if cfg.zero < 2 or cfg.virtual_stages == 1:
         return False
     groups: dict[int, set[int]] = {}  # owner block -> stages of it and of every block tied to it

@@ -114,7 +114,7 @@ class InputTemplate:
     the input has none); integer inputs are drawn in [low, high) (token ids below the vocabulary),
     float inputs from a standard normal; a non-tensor is passed as it is. `positions`: the input
     holds each token's position in its sequence (`arange` along `seq_dim`), the `position_ids` by
-    which context parallelism tells a model where its tokens are (runtime/context.py)."""
+    which context parallelism tells a model where its tokens are (runtime/parallel/context.py)."""
 
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None

@@ -2,10 +2,10 @@
 traced with.
 
 Apart from hf.py (building models from configs) because it is one contract, context parallelism's
-(runtime/context.py), and reaches into transformers' attention registry, which nothing else uses.
+(runtime/parallel/context.py), and reaches into transformers' attention registry, which nothing else uses.
 
 [Note: transformers under context parallelism]
-Under cp each rank holds 2 of the 2 * cp chunks of every sequence (runtime/context.py), so a model
+Under cp each rank holds 2 of the 2 * cp chunks of every sequence (runtime/parallel/context.py), so a model
 must compute with its tokens' true positions and attend to keys it does not hold. transformers
 models say both through what they already take:
 
@@ -21,7 +21,7 @@ models say both through what they already take:
   with no mask. Without it, a traced model carries the (S x S) mask transformers writes out from
   the local length and the position ids (a packed-sequence mask once the local positions jump),
   which is wrong for a rank's chunks. The runtime routes the traced graph's SDPA through its
-  gathered, chunked attention (runtime/context.py).
+  gathered, chunked attention (runtime/parallel/context.py).
 
 Attention SDPA cannot compute goes through autoplan's attention operator instead
 (models/windowed_attention.py, `autoplan::attention`): logits soft-capped (Gemma 2's

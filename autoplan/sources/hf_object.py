@@ -15,7 +15,7 @@ attention, whose mask transformers writes out from the local length (wrong for a
 
 What differs from the spec is only where the weights come from: a stage is initialized by copying
 the object's parameters by name (each tp rank writing its slice of the full value, as for the
-seeded values of a spec, runtime/split.py `materialize_stages`), and its buffers are the object's.
+seeded values of a spec, runtime/parallel/split.py `materialize_stages`), and its buffers are the object's.
 An object on meta (planning only) gets the spec's seeded values.
 
 Example inputs the caller gives keep their meaning, as for any nn.Module: they are the forward's

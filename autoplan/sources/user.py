@@ -105,7 +105,7 @@ def _templates_from_examples(examples: Sequence[Any], module: nn.Module) -> tupl
     vocabulary of the embedding they index ([Note: the vocabulary token ids are drawn from]).
     Images (4-D) have no sequence. An integer input that the forward takes as `position_ids` holds
     positions (`InputTemplate.positions`): `arange` along the sequence, which context parallelism
-    cuts to a rank's tokens (runtime/context.py), as transformers models take them."""
+    cuts to a rank's tokens (runtime/parallel/context.py), as transformers models take them."""
     vocabularies = _vocabularies(module, examples)
     try:
         names = [p for p in inspect.signature(module.forward).parameters if p != "self"]

@@ -452,7 +452,7 @@ def _pipeline_module(plan: Plan, shape: TransformerShape | None, config: dict[st
     if interval and named:
         # Without a list DeepSpeed checkpoints every layer holding parameters, the embedding too
         # (module.py `_is_checkpointable`); the plan recomputes the transformer layers only
-        # (runtime/recompute.py RECOMPUTED_KINDS).
+        # (runtime/execution/recompute.py RECOMPUTED_KINDS).
         kwargs["checkpointable_layers"] = [LAYER_CLASS]
     elif interval:
         # No block is a transformer layer this module can name, so DeepSpeed's default stands: every

@@ -388,7 +388,7 @@ def _parallelism(plan: Plan, settings: _Settings) -> None:
     if plan.cp > 1:
         p["context_parallel_degree"] = str(plan.cp)
         # configs.py ParallelismConfig: "headtail" is rank i holding chunks i and 2 cp - 1 - i of
-        # each sequence, autoplan's load balancing (runtime/context.py); written out, not defaulted.
+        # each sequence, autoplan's load balancing (runtime/parallel/context.py); written out, not defaulted.
         p["context_parallel_load_balancer"] = repr("headtail")
     if plan.zero == 0:
         replicate, shard, reshard = plan.replicas, 1, "never"  # no sharding: nothing to reshard

@@ -28,7 +28,7 @@ def load_trace(path: str | os.PathLike) -> dict[str, Any]:
     return dict(data)
 
 
-# The step's tail as `autoplan run --trace` names it (runtime/training.py) -> the timeline's kinds.
+# The step's tail as `autoplan run --trace` names it (runtime/launcher/training.py) -> the timeline's kinds.
 _TAIL_EVENTS = {"TIED_GRAD_SYNC": "TIED", "DP_GRAD_SYNC": "DP", "OPTIMIZER": "OPT"}
 
 

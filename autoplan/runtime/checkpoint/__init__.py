@@ -3,9 +3,9 @@
 
 Sharded tensors (tensor-parallel DTensors, FSDP2 shards) are saved as their shards, replicated
 tensors once (DCP deduplicates a key every replica writes); the optimizer state is keyed by the
-parameter's name, never by index, and a ZeRO-1 optimizer's owners (runtime/optimizer.py) each
+parameter's name, never by index, and a ZeRO-1 optimizer's owners (runtime/parallel/optimizer.py) each
 write the states of the parameters they step, and in a bf16 plan their fp32 masters too (the other
-dp ranks hold no fp32 values of those, runtime/precision.py `release_masters`; a restore rounds the
+dp ranks hold no fp32 values of those, runtime/parallel/precision.py `release_masters`; a restore rounds the
 saved fp32 values into such a parameter's bf16 working copy, without a collective). Loading reads exactly the chunks a tensor needs (DCP reshards), so a
 checkpoint saved under one plan loads under any other plan of the same model (pp, tp, dp, ZeRO
 level, cuts) and into a plain single-process model (`load_full_state_dict`, `export_torch_save`).

@@ -42,7 +42,7 @@ def _needs_pieces(value: Any) -> bool:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from autoplan.runtime.tensor_parallel_graph import blocked_boxes
+    from autoplan.runtime.parallel.tensor_parallel_graph import blocked_boxes
 
     return isinstance(value, DTensor) and (any(isinstance(p, _StridedShard) for p in value.placements)
                                            or blocked_boxes(value) is not None)
@@ -55,7 +55,7 @@ def _pieces(value) -> _Pieces:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from autoplan.runtime.tensor_parallel_graph import blocked_boxes
+    from autoplan.runtime.parallel.tensor_parallel_graph import blocked_boxes
 
     # A fused projection sharded part by part (grouped-query or multi-query heads, [Note: fused
     # projections] in tensor_parallel_graph.py): its placement compares equal to Shard(dim), so the

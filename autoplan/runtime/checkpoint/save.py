@@ -1,7 +1,7 @@
 """`save_checkpoint`: this rank's part of the model and optimizer, written through DCP, durably
 and atomically (the package docstring's "Atomicity"), with the manifest rank 0 writes last.
 
-Also the fault `kill-in-checkpoint` (runtime/faults.py): `_data_filesystem` kills a rank in the
+Also the fault `kill-in-checkpoint` (runtime/launcher/faults.py): `_data_filesystem` kills a rank in the
 middle of its data file.
 """
 

@@ -12,7 +12,7 @@ different names, and a ZeRO-1 optimizer holds only its shard in an inner optimiz
 
 [Note: experts in a checkpoint]
 Under expert parallelism (ep > 1) a rank holds experts [i * E/ep, (i + 1) * E/ep) of each experts
-parameter (runtime/experts.py, i its ep index) under the parameter's full name, as a plain tensor
+parameter (runtime/parallel/experts.py, i its ep index) under the parameter's full name, as a plain tensor
 or, under FSDP, as a DTensor sharded over the ranks holding the same experts. Neither says where it
 sits in the (E, ...) tensor, so DCP would store one rank's slice as the whole. Each such parameter
 (and its optimizer state) goes to DCP as `_Pieces` (planners.py): the global (E, ...) shape and one
@@ -20,7 +20,7 @@ box at dim-0 offset i * E/ep plus the FSDP shard's own offset. The checkpoint th
 expert once, under the model's own names and shapes, like any other tensor: it loads under another
 ep, without ep and into a plain model (DCP reshards), and replicas that hold the same experts write
 the same box, which DCP keeps once. Under expert tp a rank holds 1/etp of each expert's hidden units
-too (runtime/expert_tp.py): its box is offset along the hidden axis by its tp index, and a fused
+too (runtime/parallel/expert_tp.py): its box is offset along the hidden axis by its tp index, and a fused
 [gate | up] projection gives two boxes, one in each half of the whole (`PartitionedModel.expert_hidden`
 says which axis).
 """
@@ -41,11 +41,11 @@ from autoplan.runtime.checkpoint.planners import _Pieces
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer holding this rank's state: the inner optimizer over this rank's share of a
-    ZeRO-1 optimizer (runtime/optimizer.py, or torch's ZeroRedundancyOptimizer), or the optimizer
+    ZeRO-1 optimizer (runtime/parallel/optimizer.py, or torch's ZeroRedundancyOptimizer), or the optimizer
     itself."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from autoplan.runtime.optimizer import ZeroOneOptimizer
+    from autoplan.runtime.parallel.optimizer import ZeroOneOptimizer
 
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer | ZeroOneOptimizer) else optimizer
 
@@ -77,7 +77,7 @@ class ExpertSlices:
     ep: int
     """The plan's expert-parallel degree (1: no slices along the experts)."""
     hidden: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """Under expert tp: saved name -> where its hidden units are (runtime/expert_tp.py `HiddenAxis`)."""
+    """Under expert tp: saved name -> where its hidden units are (runtime/parallel/expert_tp.py `HiddenAxis`)."""
     etp_index: int = 0
     """This rank's slice of every expert's hidden units (its tp index under expert tp)."""
     etp: int = 1
@@ -140,7 +140,7 @@ def _model_state(pm) -> dict[str, list[tuple[str, torch.Tensor]]]:
 
 def _unheld_names(pm) -> set[str]:
     """Names of the parameters whose fp32 values this rank does not hold: the masters other dp
-    ranks own under a bf16 ZeRO-1 optimizer (runtime/optimizer.py; `state_dict` gives their bf16
+    ranks own under a bf16 ZeRO-1 optimizer (runtime/parallel/optimizer.py; `state_dict` gives their bf16
     working copies). Their owners save them; a restore loads them into their working copies."""
     holds = getattr(pm, "holds_values", None)
     if holds is None:
