@@ -486,7 +486,7 @@ def case_line(result: CaseResult) -> str:
 
 
 def run_command(args: Any, console: Any) -> int:
-    """`autoplan check` over its parsed arguments (report/commands.py): 0 when every case passes,
+    """`autoplan check` over its parsed arguments (commands/plans.py): 0 when every case passes,
     1 on a regression or a stale baseline, 2 (a SuiteError) on a bad suite or baseline file."""
     suite = load_suite(args.suite)
     validate_case_specs(suite)

@@ -154,7 +154,7 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     if args.sweep_gpus and args.explain:
         raise ValueError("--explain lists what one search rejected; drop --sweep-gpus, or --explain")
     if args.sweep_gpus:
-        from autoplan.report.commands import run_sweep
+        from autoplan.commands.plans import run_sweep
 
         return run_sweep(model=args.model, cluster=args.cluster, gpu_counts=args.sweep_gpus,
                          global_batch=args.global_batch, seq_len=args.seq_len, dtype=args.dtype, pins=_pins(args),
@@ -491,10 +491,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds the collective benchmark may take (default 600)")
     p.set_defaults(func=cmd_calibrate)
 
-    from autoplan.report.commands import register
+    from autoplan.commands.plans import register
 
     register(sub, _console)
-    from autoplan.report.listing import register as register_list
+    from autoplan.commands.listing import register as register_list
     register_list(sub, _console)
     return parser
 

@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from autoplan import check
-from autoplan.report.commands import register
+from autoplan.commands.plans import register
 
 SMALL = "gpt:num_layers=8,hidden_size=256,num_heads=4,vocab_size=1024,max_seq_len=256"
 SUITE = f"""

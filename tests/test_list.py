@@ -1,4 +1,4 @@
-"""`autoplan list models|clusters|gpus` (autoplan/report/listing.py) through the CLI: every row comes
+"""`autoplan list models|clusters|gpus` (autoplan/commands/listing.py) through the CLI: every row comes
 from the table `--model` / `--cluster` read, so every listed name is accepted where it is used; the
 Blackwell and MI325X entries carry their datasheet figures (issue 29, item 9)."""
 
@@ -40,7 +40,7 @@ def test_models_lists_every_zoo_preset_with_its_parameter_count(capsys):
 def test_a_layer_extrapolated_count_is_the_built_models(capsys):
     """The listing counts one- and two-layer models and extends linearly; a whole model built on meta
     gives the same total (a small MoE and a GPT with tied embeddings)."""
-    from autoplan.report.listing import _num_params
+    from autoplan.commands.listing import _num_params
 
     for spec in ("moe:num_layers=5,hidden_size=64,num_heads=4,num_kv_heads=2,ffn_hidden_size=96,vocab_size=256,"
                  "num_experts=4,experts_per_token=2", "gpt:num_layers=7,hidden_size=64,num_heads=4,vocab_size=300"):

@@ -138,10 +138,10 @@ cases:
 
 
 def _check(argv: list[str]) -> tuple[int, str]:
-    """`autoplan check ...` parsed by its own parser and run (report/commands.py delegates to run_command)."""
+    """`autoplan check ...` parsed by its own parser and run (commands/plans.py delegates to run_command)."""
     from rich.console import Console
 
-    from autoplan.report.commands import register
+    from autoplan.commands.plans import register
 
     parser = argparse.ArgumentParser(prog="autoplan")
     register(parser.add_subparsers(dest="command"), None)

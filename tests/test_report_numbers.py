@@ -12,8 +12,8 @@ import pytest
 
 import autoplan
 from autoplan.cli import main
+from autoplan.commands.sweep import SweepRow, plot_sweep
 from autoplan.report import timeline
-from autoplan.report.sweep import SweepRow, plot_sweep
 from autoplan.report.timeline import _drawing
 
 SMALL = "gpt:num_layers=8,hidden_size=256,num_heads=4,vocab_size=1024,max_seq_len=256"

@@ -10,9 +10,9 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import autoplan
+from autoplan.commands.plans import register
 from autoplan.plan import PlanError
 from autoplan.report import timeline
-from autoplan.report.commands import register
 from autoplan.schedule import make_schedule
 
 SMALL = "gpt:num_layers=8,hidden_size=256,num_heads=4,vocab_size=1024,max_seq_len=256"
@@ -154,8 +154,8 @@ def test_show_rejects_other_schema_and_bad_suffix(plan, tmp_path, capsys):
 
 
 def test_sweep_rows_and_plot(tmp_path, capsys):
-    from autoplan.report.commands import run_sweep
-    from autoplan.report.sweep import cluster_for_count, parse_gpu_counts, sweep
+    from autoplan.commands.plans import run_sweep
+    from autoplan.commands.sweep import cluster_for_count, parse_gpu_counts, sweep
 
     assert parse_gpu_counts("4,1,2,2") == [1, 2, 4]
     assert cluster_for_count("2x8xH100-80GB", 32).num_gpus == 32

@@ -138,7 +138,7 @@ def run_sweep(*, model: str, cluster: str, gpu_counts: str | Sequence[int], glob
     import sys
     import time
 
-    from autoplan.report.sweep import (
+    from autoplan.commands.sweep import (
         check_plot_path,
         no_plan_lines,
         parse_gpu_counts,
