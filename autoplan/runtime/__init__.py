@@ -1,5 +1,10 @@
 """Run a plan: this rank's stages, the pipeline executor, DP reduction, and the launcher.
 
+One package per concern, each importing only those below it (pyproject.toml's contract):
+launcher/ (`autoplan run`: checks, ranks, the training loop) > api.py (`partition`) > execution/
+(the executor, `PartitionedModel`) > checkpoint/ (state and weights in and out) > parallel/ (the
+plan's parallelism applied to this rank's model, one step per module).
+
 The public names load on first use (PEP 562 module `__getattr__`, as in autoplan/__init__.py):
 `autoplan run` imports `autoplan.runtime.launcher.machine` to refuse a plan this machine cannot hold before
 torch loads (machine.py [Note: the refusal before torch]); importing the package must not load it.
