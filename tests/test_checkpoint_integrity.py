@@ -25,7 +25,7 @@ from autoplan.graph.profile import model_fingerprint
 from autoplan.graph.trace import trace_model
 from autoplan.runtime import checkpoint as ckpt
 from autoplan.runtime import run_plan
-from autoplan.runtime.checkpoint.integrity import _file_entry
+from autoplan.runtime.checkpoint.integrity import file_entry
 from autoplan.runtime.launcher.launch import FORKSERVER_PRELOAD
 
 pytestmark = pytest.mark.multiproc
@@ -167,7 +167,7 @@ def _link_outside(d: Path) -> None:
     name = _largest_data_file(d).name
     (d / name).unlink()
     (d / name).symlink_to(d.parent / "step-000002" / name)
-    _edit_manifest(d, lambda m: m["files"].update({name: _file_entry(d / name)}))
+    _edit_manifest(d, lambda m: m["files"].update({name: file_entry(d / name)}))
 
 
 def _files_of_step_2(d: Path) -> None:

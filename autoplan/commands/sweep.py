@@ -155,9 +155,9 @@ def check_plot_path(path: str | os.PathLike) -> None:
     if suffix not in (".svg", ".png"):
         raise ValueError(f"cannot plot to {str(path)!r}: use a .png or .svg file")
     if suffix == ".png":
-        from autoplan.report.timeline.png import _pyplot
+        from autoplan.report.timeline.png import load_pyplot
 
-        _pyplot()
+        load_pyplot()
 
 
 def plot_sweep(rows: Sequence[SweepRow], path: str | os.PathLike) -> None:
@@ -176,9 +176,9 @@ def plot_sweep(rows: Sequence[SweepRow], path: str | os.PathLike) -> None:
         return
     if suffix != ".png":
         raise ValueError(f"cannot plot to {str(path)!r}: use a .png or .svg file")
-    from autoplan.report.timeline.png import _pyplot
+    from autoplan.report.timeline.png import load_pyplot
 
-    plt = _pyplot()
+    plt = load_pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     xs = [r.num_gpus for r in ok]
     ax.plot(xs, [r.tokens_per_s for r in ok], "o-", color="#4e79a7", label="tokens/s")

@@ -23,7 +23,7 @@ from autoplan.models.gpt import GPTModel
 from autoplan.models.init import materialize
 from autoplan.models.llama import LlamaModel
 from autoplan.models.moe import MoEModel
-from autoplan.models.spec import ModelSpec, _did_you_mean, as_spec
+from autoplan.models.spec import ModelSpec, as_spec, did_you_mean
 
 __all__ = ["build_model", "example_inputs", "example_targets", "load_function", "load_user_model", "model_info"]
 
@@ -55,7 +55,7 @@ def load_function(spec: str | ModelSpec) -> typing.Callable:
     if not callable(fn):
         defined = [n for n, v in vars(user_module).items() if callable(v) and not n.startswith("_")]
         raise ModelSpecError(
-            f"{spec.path!r} has no function {spec.function!r}{_did_you_mean(spec.function, defined)}"
+            f"{spec.path!r} has no function {spec.function!r}{did_you_mean(spec.function, defined)}"
             f" defined: {', '.join(defined) or 'none'}"
         )
     return fn

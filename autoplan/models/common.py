@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["INIT_STD", "lm_loss"]
+__all__ = ["INIT_STD", "lm_loss", "make_embedding"]
 
 INIT_STD = 0.02
 """Standard deviation of the normal init of weights (GPT-2; Megatron-LM `init_method_std`)."""
 
 
-def _embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+def make_embedding(num_embeddings: int, dim: int) -> nn.Embedding:
     """nn.Embedding, without its normal_ initialization when built on meta.
 
     `build_model` constructs every model on meta, where values do not exist and `materialize`

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from autoplan.models.common import INIT_STD, _embedding
+from autoplan.models.common import INIT_STD, make_embedding
 from autoplan.models.config import GPTConfig
 
 __all__ = ["GPTAttention", "GPTLayer", "GPTMLP", "GPTModel"]
@@ -73,8 +73,8 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = _embedding(config.vocab_size, config.hidden_size)
-        self.pos_embeddings = _embedding(config.max_seq_len, config.hidden_size)
+        self.tok_embeddings = make_embedding(config.vocab_size, config.hidden_size)
+        self.pos_embeddings = make_embedding(config.max_seq_len, config.hidden_size)
         self.layers = nn.ModuleList(GPTLayer(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoplan.graph.positions import sequence_positions
-from autoplan.models.common import INIT_STD, _embedding
+from autoplan.models.common import INIT_STD, make_embedding
 from autoplan.models.config import LlamaConfig
 from autoplan.models.ops import swiglu
 
@@ -49,7 +49,7 @@ class RotaryEmbedding(nn.Module):
         if torch.empty(0).device.type == "meta":
             # Built on meta (`build_model`): there are no values to compute, and computing them
             # runs meta reference kernels once per layer (about 5 ms each, plus torch._dynamo's
-            # import, see `_embedding`). `reset_buffers` fills them after materialization.
+            # import, see `make_embedding`). `reset_buffers` fills them after materialization.
             cos = torch.empty(max_seq_len, head_dim, dtype=torch.float32)
             sin = torch.empty(max_seq_len, head_dim, dtype=torch.float32)
         else:
@@ -159,7 +159,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = _embedding(config.vocab_size, config.hidden_size)
+        self.tok_embeddings = make_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from autoplan.graph.aux_loss import attach_aux_loss
 from autoplan.graph.grouped_mm import grouped_mm
 from autoplan.graph.positions import sum_over_sequence
-from autoplan.models.common import INIT_STD, _embedding
+from autoplan.models.common import INIT_STD, make_embedding
 from autoplan.models.config import MoEConfig
 from autoplan.models.llama import LlamaAttention, LlamaMLP, LlamaModel
 from autoplan.models.ops import swiglu
@@ -218,7 +218,7 @@ class MoEModel(LlamaModel):
     def __init__(self, config: MoEConfig) -> None:
         nn.Module.__init__(self)
         self.config = config
-        self.tok_embeddings = _embedding(config.vocab_size, config.hidden_size)
+        self.tok_embeddings = make_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(MoELayer(config) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -17,7 +17,7 @@ from autoplan.models.bounds import ModelSpecError
 from autoplan.models.config import GPTConfig, LlamaConfig, ModelConfig, MoEConfig
 from autoplan.models.presets import PRESETS
 
-__all__ = ["ModelSpec", "parse_model_spec"]
+__all__ = ["ModelSpec", "parse_model_spec", "did_you_mean"]
 
 _FAMILIES: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig, "moe": MoEConfig}
 _REQUIRED_KEYS = ("num_layers", "hidden_size", "num_heads")
@@ -69,7 +69,7 @@ def _parse_value(family: str, key: str, raw: str, type_hint: object) -> object:
     raise AssertionError(f"no parser for {family}.{key}: {type_hint!r}")
 
 
-def _did_you_mean(word: str, choices: list[str]) -> str:
+def did_you_mean(word: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(word, choices, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -108,7 +108,7 @@ def parse_model_spec(text: str) -> ModelSpec:
     if name not in known:
         if "/" in name:  # a Hugging Face hub id (org/model), or a path: neither is a preset
             raise ModelSpecError(_hub_id_message(name, list(PRESETS)))
-        raise ModelSpecError(f"unknown model {name!r}{_did_you_mean(name.lower(), known)} known: {', '.join(known)}")
+        raise ModelSpecError(f"unknown model {name!r}{did_you_mean(name.lower(), known)} known: {', '.join(known)}")
     base = PRESETS.get(name)
     family = _family_of(base) if base is not None else name
     cls = _FAMILIES[family]
@@ -124,7 +124,7 @@ def parse_model_spec(text: str) -> ModelSpec:
                 raise ModelSpecError(f"malformed spec {text!r}; expected NAME[:key=value,...]")
             if key not in valid:
                 raise ModelSpecError(
-                    f"unknown key {key!r} for {family}{_did_you_mean(key, valid)}; valid keys: {', '.join(valid)}"
+                    f"unknown key {key!r} for {family}{did_you_mean(key, valid)}; valid keys: {', '.join(valid)}"
                 )
             if key in overrides:
                 raise ModelSpecError(f"key {key!r} given twice in spec {text!r}; give each key once")

@@ -19,7 +19,7 @@ seeded values of a spec, runtime/parallel/split.py `materialize_stages`), and it
 An object on meta (planning only) gets the spec's seeded values.
 
 Example inputs the caller gives keep their meaning, as for any nn.Module: they are the forward's
-arguments (user.py `_templates_from_examples`), and cp is offered where they feed `position_ids`
+arguments (user.py `templates_from_examples`), and cp is offered where they feed `position_ids`
 and no attention mask (the cp attention is causal and takes no mask); without example inputs the
 source makes the spec's inputs. An object whose structure its config does not rebuild (a module
 replaced after construction: an adapter, a resized layer the config does not record) is not this
@@ -89,9 +89,9 @@ class HFModelSource(HFSource):
         if self.examples is None:
             return super().input_templates()
         if self._example_templates is None:
-            from autoplan.sources.user import _templates_from_examples
+            from autoplan.sources.user import templates_from_examples
 
-            self._example_templates = _templates_from_examples(self.examples, self.module)
+            self._example_templates = templates_from_examples(self.examples, self.module)
         return self._example_templates
 
     @property

@@ -38,7 +38,7 @@ from autoplan.sources.base import (
     to_empty_keeping_ties,
 )
 
-__all__ = ["FileSource", "ModuleSource"]
+__all__ = ["FileSource", "ModuleSource", "templates_from_examples"]
 
 
 class _IdsToEmbeddings(TorchFunctionMode):
@@ -97,7 +97,7 @@ def _vocabularies(module: nn.Module, examples: Sequence[Any]) -> dict[int, int]:
     return mode.vocab
 
 
-def _templates_from_examples(examples: Sequence[Any], module: nn.Module) -> tuple[InputTemplate, ...]:
+def templates_from_examples(examples: Sequence[Any], module: nn.Module) -> tuple[InputTemplate, ...]:
     """Templates from a user's example inputs: dim 0 is the batch; dim 1 of the first integer input
     of two or more dimensions (token ids; else of the first 3-D float input, (batch, sequence,
     features)) is the sequence, and so is dim 1 of every other input of that length (masks,
@@ -182,7 +182,7 @@ class FileSource(ModelSource):
     def input_templates(self) -> tuple[InputTemplate, ...]:
         if self._templates is None:  # (`batch` asks every step; the vocabularies take a forward on meta)
             module, examples, _ = self._load()
-            self._templates = _templates_from_examples(examples, module)
+            self._templates = templates_from_examples(examples, module)
         return self._templates
 
     @property
@@ -213,7 +213,7 @@ class ModuleSource(ModelSource):
 
     def input_templates(self) -> tuple[InputTemplate, ...]:
         if self._templates is None:
-            self._templates = _templates_from_examples(self.examples, self.module)
+            self._templates = templates_from_examples(self.examples, self.module)
         return self._templates
 
     @property

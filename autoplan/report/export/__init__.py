@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 from autoplan.plan import Plan
 from autoplan.report.export import deepspeed, megatron, torchtitan
-from autoplan.search.targets import ExportRules, check_target
 from autoplan.report.export.common import (
     Export,
     ExportError,
@@ -31,6 +30,7 @@ from autoplan.report.export.common import (
     stage_layer_counts,
     stage_layer_ranges,
 )
+from autoplan.search.targets import ExportRules, check_target
 
 __all__ = [
     "EXPORT_TARGETS",

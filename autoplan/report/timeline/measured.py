@@ -13,7 +13,7 @@ from typing import Any
 
 from autoplan._files import read_json
 from autoplan.plan import Plan
-from autoplan.report.timeline.model import Box, Timeline, TimelineError, _bubble
+from autoplan.report.timeline.model import Box, Timeline, TimelineError, bubble_share
 from autoplan.schedule import Action
 
 __all__ = ["load_trace", "measured_timeline"]
@@ -86,4 +86,4 @@ def measured_timeline(trace: Mapping[str, Any], plan: Plan | None = None, *, ste
     boxes = sorted((Box(rows[p[0]], p[1], p[2], p[3] - t0, p[4] - t0) for p in parsed),
                    key=lambda b: (b.rank, b.start_s, not b.is_compute))
     step_time = max(b.end_s for b in boxes)
-    return Timeline("measured", num_ranks, tuple(boxes), step_time, _bubble(boxes, num_ranks))
+    return Timeline("measured", num_ranks, tuple(boxes), step_time, bubble_share(boxes, num_ranks))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Box", "Timeline", "TimelineError"]
+__all__ = ["Box", "Timeline", "TimelineError", "bubble_share"]
 
 class TimelineError(ValueError):
     """A trace or output path that cannot be used (one line)."""
@@ -52,7 +52,7 @@ class Timeline:
         return [b for b in self.boxes if b.rank == rank and (b.is_compute or not compute_only)]
 
 
-def _bubble(boxes: Sequence[Box], num_ranks: int) -> float:
+def bubble_share(boxes: Sequence[Box], num_ranks: int) -> float:
     compute = [b for b in boxes if b.is_compute]
     if not compute or num_ranks < 1:
         return 0.0

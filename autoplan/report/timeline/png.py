@@ -19,12 +19,12 @@ from autoplan.report.timeline._drawing import (
 from autoplan.report.timeline._kinds import COLORS, LEGEND, OTHER_COLOR, THIN_KINDS
 from autoplan.report.timeline.model import Timeline, TimelineError
 
-__all__ = ["PLOT_HINT", "to_png"]
+__all__ = ["PLOT_HINT", "to_png", "load_pyplot"]
 
 PLOT_HINT = "pip install autoplan[plot]"
 
 
-def _pyplot():
+def load_pyplot():
     try:
         import matplotlib
 
@@ -41,7 +41,7 @@ def to_png(timelines: Sequence[Timeline], path: str | os.PathLike, plan: Plan | 
     Boxes of one row, kind and height are one `broken_barh` collection (a single artist), not one
     patch per action: a 175B plan's 6,000 actions draw in about a second instead of minutes.
     """
-    plt = _pyplot()
+    plt = load_pyplot()
     from matplotlib.patches import Patch
 
     num_rows = sum(t.num_ranks for t in timelines)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from autoplan.runtime.checkpoint.format import CheckpointError, _one_line
+from autoplan.runtime.checkpoint.format import CheckpointError, one_line
 from autoplan.runtime.checkpoint.load import load_checkpoint
-from autoplan.runtime.checkpoint.reader import _cause
+from autoplan.runtime.checkpoint.reader import root_cause
 
 
 def export_torch_save(checkpoint_dir: str | os.PathLike, out_file: str | os.PathLike, *,
@@ -35,5 +35,5 @@ def export_torch_save(checkpoint_dir: str | os.PathLike, out_file: str | os.Path
             warnings.simplefilter("ignore")
             dcp_to_torch_save(path, out)
     except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"cannot export {str(path)!r}: {_one_line(_cause(exc))}") from exc
+        raise CheckpointError(f"cannot export {str(path)!r}: {one_line(root_cause(exc))}") from exc
     return out

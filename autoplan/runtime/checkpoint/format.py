@@ -30,7 +30,7 @@ CHECKPOINT_FORMAT = "autoplan-checkpoint/2"
 MANIFEST = "manifest.json"
 OPTIMIZER_KEY = "optimizer"
 EXTRA_KEY = "autoplan"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointError(ValueError):
@@ -41,11 +41,11 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def _rank_key(rank: int) -> str:
+def rank_key(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from autoplan.runtime.checkpoint.format import _STEP_DIR, MANIFEST, CheckpointError
+from autoplan.runtime.checkpoint.format import MANIFEST, STEP_DIR, CheckpointError
 
 __all__ = ["check_fresh_directory", "job_id_of", "mixed_jobs", "remove_checkpoints", "write_failure"]
 
@@ -39,7 +39,7 @@ def _step_entries(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     root = Path(directory)
     if not root.is_dir():
         return []
-    return sorted((int(m.group(1)), e) for e in root.iterdir() if (m := _STEP_DIR.match(e.name)) and e.is_dir())
+    return sorted((int(m.group(1)), e) for e in root.iterdir() if (m := STEP_DIR.match(e.name)) and e.is_dir())
 
 
 def _manifest(path: Path) -> dict[str, Any] | None:
@@ -140,7 +140,7 @@ def _os_errors(exc: BaseException | None, seen: set[int] | None = None):
 def write_failure(exc: BaseException, where: str) -> CheckpointError:
     """The one-line error of a checkpoint write that failed with `exc` (DCP's CheckpointException,
     whose text is a traceback per rank, or an OSError): its cause by errno where one is found."""
-    from autoplan.runtime.checkpoint.format import _one_line
+    from autoplan.runtime.checkpoint.format import one_line
 
     for error in _os_errors(exc):
         cause = _CAUSES.get(error.errno) or f"{os.strerror(error.errno).lower()} ({errno.errorcode.get(error.errno, error.errno)})"
@@ -149,5 +149,5 @@ def write_failure(exc: BaseException, where: str) -> CheckpointError:
     if failures:
         rank, failure = next(iter(failures.items()))
         inner = failure[0] if isinstance(failure, tuple) else failure
-        return CheckpointError(f"cannot write {where}: rank {rank}: {_one_line(inner)}")
-    return CheckpointError(f"cannot write {where}: {_one_line(exc)}")
+        return CheckpointError(f"cannot write {where}: rank {rank}: {one_line(inner)}")
+    return CheckpointError(f"cannot write {where}: {one_line(exc)}")

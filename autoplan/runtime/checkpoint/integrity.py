@@ -1,7 +1,7 @@
 """Whether a saved checkpoint directory can be used: its manifest, its files' names, sizes and
 sha256s, DCP's metadata and every rank's own record of the step (`verify_checkpoint`).
 
-Apart from save and load: save.py records what these checks compare against (`_file_entry`), and
+Apart from save and load: save.py records what these checks compare against (`file_entry`), and
 load.py and restore.py run them before they read a tensor.
 """
 
@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.runtime.checkpoint.format import (
-    _STEP_DIR,
     CHECKPOINT_FORMAT,
     MANIFEST,
+    STEP_DIR,
     CheckpointError,
-    _one_line,
+    one_line,
 )
-from autoplan.runtime.checkpoint.reader import Checkpoint, _cause
+from autoplan.runtime.checkpoint.reader import Checkpoint, root_cause
 
 # [Note: checkpoint checksums]
 # The manifest records every file's size and sha256: `"files": {"__0_0.distcp": {"size": 123,
@@ -47,12 +47,12 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _file_entry(path: Path) -> dict[str, Any]:
+def file_entry(path: Path) -> dict[str, Any]:
     """What the manifest records of one file ([Note: checkpoint checksums])."""
     return {"size": path.stat().st_size, "sha256": _sha256(path)}
 
 
-class _Damaged(Exception):
+class Damaged(Exception):
     """Why a checkpoint directory cannot be used (one line naming the file)."""
 
 
@@ -62,63 +62,63 @@ def _parse_manifest(path: Path) -> dict[str, Any]:
     try:
         text = (path / MANIFEST).read_bytes()
     except OSError as exc:
-        raise _Damaged(f"cannot read {MANIFEST} ({_one_line(exc)})") from None
+        raise Damaged(f"cannot read {MANIFEST} ({one_line(exc)})") from None
     try:
         manifest = json.loads(text)
     except ValueError as exc:
-        raise _Damaged(f"{MANIFEST} does not parse ({_one_line(exc)})") from None
+        raise Damaged(f"{MANIFEST} does not parse ({one_line(exc)})") from None
     if not isinstance(manifest, dict):
-        raise _Damaged(f"{MANIFEST} is not a JSON object")
+        raise Damaged(f"{MANIFEST} is not a JSON object")
     if manifest.get("format") != CHECKPOINT_FORMAT:
-        raise _Damaged(f"{MANIFEST} is of format {manifest.get('format')!r}; this version reads {CHECKPOINT_FORMAT}")
+        raise Damaged(f"{MANIFEST} is of format {manifest.get('format')!r}; this version reads {CHECKPOINT_FORMAT}")
     step = manifest.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise _Damaged(f"{MANIFEST} records step {step!r}, not a count of steps")
+        raise Damaged(f"{MANIFEST} records step {step!r}, not a count of steps")
     files = manifest.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
-        raise _Damaged(f"{MANIFEST} does not list .metadata (DCP's metadata) among its files")
+        raise Damaged(f"{MANIFEST} does not list .metadata (DCP's metadata) among its files")
     for name, entry in files.items():
         size = entry.get("size") if isinstance(entry, dict) else None
         digest = entry.get("sha256") if isinstance(entry, dict) else None
         if (not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str)
                 or not _SHA256.fullmatch(digest)):
-            raise _Damaged(f"{MANIFEST} records no size and sha256 of {name!r} (saved before checksums?)")
+            raise Damaged(f"{MANIFEST} records no size and sha256 of {name!r} (saved before checksums?)")
     if "model_fingerprint" not in manifest:  # save_checkpoint writes the entry, null without a plan
-        raise _Damaged(f"{MANIFEST} records no model fingerprint")
+        raise Damaged(f"{MANIFEST} records no model fingerprint")
     return manifest
 
 
 def _check_name(name: str) -> None:
     """A manifest names files of its own directory only: plain names, no path."""
     if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
-        raise _Damaged(f"{MANIFEST} names {name!r}, not a file of the checkpoint's own directory")
+        raise Damaged(f"{MANIFEST} names {name!r}, not a file of the checkpoint's own directory")
 
 
 def _check_files(path: Path, manifest: Mapping[str, Any]) -> None:
     """Every file the manifest lists is a regular file in `path` with the recorded size (stat only:
     no data is read)."""
-    match = _STEP_DIR.match(path.name)
+    match = STEP_DIR.match(path.name)
     if match and int(match.group(1)) != manifest["step"]:
-        raise _Damaged(f"{MANIFEST} records step {manifest['step']}, the directory's name step {int(match.group(1))}")
+        raise Damaged(f"{MANIFEST} records step {manifest['step']}, the directory's name step {int(match.group(1))}")
     home = path.resolve()
     for name, entry in manifest["files"].items():
         _check_name(name)
         file = path / name
         if file.resolve().parent != home:
-            raise _Damaged(f"{name} is a link to {str(file.resolve())!r}, outside the checkpoint's directory")
+            raise Damaged(f"{name} is a link to {str(file.resolve())!r}, outside the checkpoint's directory")
         try:
             st = file.stat()
         except FileNotFoundError:
-            raise _Damaged(f"{name} is missing") from None
+            raise Damaged(f"{name} is missing") from None
         except OSError as exc:
-            raise _Damaged(f"{name} does not stat ({_one_line(exc)})") from None
+            raise Damaged(f"{name} does not stat ({one_line(exc)})") from None
         if not stat.S_ISREG(st.st_mode):
-            raise _Damaged(f"{name} is not a regular file")
+            raise Damaged(f"{name} is not a regular file")
         if st.st_size != entry["size"]:
-            raise _Damaged(f"{name} has {st.st_size} bytes, {MANIFEST} records {entry['size']}")
+            raise Damaged(f"{name} has {st.st_size} bytes, {MANIFEST} records {entry['size']}")
 
 
-def _check_structure(path: Path) -> dict[str, Any]:
+def check_structure(path: Path) -> dict[str, Any]:
     """The manifest of `path` once it and the files' names, sizes and step check (no data read)."""
     manifest = _parse_manifest(path)
     _check_files(path, manifest)
@@ -129,7 +129,7 @@ def _check_checksums(path: Path, manifest: Mapping[str, Any]) -> None:
     """Every listed file's sha256 is the recorded one (reads every file once)."""
     for name in sorted(manifest["files"], key=lambda n: n != ".metadata"):  # .metadata first: it is unpickled next
         if _sha256(path / name) != manifest["files"][name]["sha256"]:
-            raise _Damaged(f"{name} does not match its sha256 in {MANIFEST} (one of them changed after the save)")
+            raise Damaged(f"{name} does not match its sha256 in {MANIFEST} (one of them changed after the save)")
 
 
 def _read_metadata(path: Path) -> Any:
@@ -138,7 +138,7 @@ def _read_metadata(path: Path) -> Any:
     try:
         return FileSystemReader(path).read_metadata()
     except Exception as exc:
-        raise _Damaged(f"DCP's .metadata does not read ({_one_line(exc)})") from None
+        raise Damaged(f"DCP's .metadata does not read ({one_line(exc)})") from None
 
 
 def _check_needed_files(metadata: Any, manifest: Mapping[str, Any]) -> None:
@@ -146,7 +146,7 @@ def _check_needed_files(metadata: Any, manifest: Mapping[str, Any]) -> None:
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         name = getattr(info, "relative_path", None)
         if name not in manifest["files"]:
-            raise _Damaged(f"DCP's .metadata reads from {name!r}, a file {MANIFEST} does not list")
+            raise Damaged(f"DCP's .metadata reads from {name!r}, a file {MANIFEST} does not list")
 
 
 def _check_saved_steps(checkpoint: Checkpoint) -> None:
@@ -156,20 +156,20 @@ def _check_saved_steps(checkpoint: Checkpoint) -> None:
     try:
         extras = checkpoint._load_flat(keys)
     except CheckpointError as exc:
-        raise _Damaged(f"the ranks' records of their step do not read ({_one_line(_cause(exc.__cause__ or exc))})") from None
+        raise Damaged(f"the ranks' records of their step do not read ({one_line(root_cause(exc.__cause__ or exc))})") from None
     for rank, text in sorted(extras.items()):
         try:
             step = json.loads(text).get("step")
         except (TypeError, ValueError, AttributeError):
             step = None
         if step != checkpoint.step:
-            raise _Damaged(f"rank {rank}'s data records step {step}, {MANIFEST} step {checkpoint.step} "
+            raise Damaged(f"rank {rank}'s data records step {step}, {MANIFEST} step {checkpoint.step} "
                            f"(the files of another checkpoint?)")
 
 
-def _open(path: Path, *, checksums: bool) -> Checkpoint:
-    """The checkpoint at `path` once every check of `verify_checkpoint` passes, else _Damaged."""
-    manifest = _check_structure(path)
+def open_checkpoint(path: Path, *, checksums: bool) -> Checkpoint:
+    """The checkpoint at `path` once every check of `verify_checkpoint` passes, else Damaged."""
+    manifest = check_structure(path)
     if checksums:
         _check_checksums(path, manifest)
     metadata = _read_metadata(path)
@@ -177,7 +177,7 @@ def _open(path: Path, *, checksums: bool) -> Checkpoint:
     try:
         checkpoint = Checkpoint(path, manifest["step"], manifest, metadata)
     except (TypeError, ValueError, AttributeError, KeyError) as exc:  # checksums=False and a crafted .metadata
-        raise _Damaged(f"DCP's .metadata holds keys autoplan did not write ({_one_line(exc)})") from None
+        raise Damaged(f"DCP's .metadata holds keys autoplan did not write ({one_line(exc)})") from None
     _check_saved_steps(checkpoint)
     return checkpoint
 
@@ -189,7 +189,7 @@ def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> str
     recorded size and (with `checksums`: reads every file) sha256; DCP's metadata reads from those
     files only; the manifest's step is the directory name's and every rank's own record of it."""
     try:
-        _open(Path(path), checksums=checksums)
-    except _Damaged as exc:
+        open_checkpoint(Path(path), checksums=checksums)
+    except Damaged as exc:
         return str(exc)
     return None

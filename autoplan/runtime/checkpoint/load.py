@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from autoplan.runtime.checkpoint.format import _STEP_DIR, CHECKPOINT_FORMAT, MANIFEST, CheckpointError
+from autoplan.runtime.checkpoint.format import CHECKPOINT_FORMAT, MANIFEST, STEP_DIR, CheckpointError
 from autoplan.runtime.checkpoint.identity import refuse_mixed
-from autoplan.runtime.checkpoint.integrity import _check_structure, _Damaged, _open, verify_checkpoint
+from autoplan.runtime.checkpoint.integrity import Damaged, check_structure, open_checkpoint, verify_checkpoint
 from autoplan.runtime.checkpoint.reader import Checkpoint
 
 
@@ -26,7 +26,7 @@ def _step_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
         return []
     found = []
     for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
+        match = STEP_DIR.match(entry.name)
         if match and entry.is_dir():
             found.append((int(match.group(1)), entry))
     return sorted(found)
@@ -38,8 +38,8 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     found = []
     for step, entry in _step_dirs(directory):
         try:
-            _check_structure(entry)
-        except _Damaged:
+            check_structure(entry)
+        except Damaged:
             continue
         found.append((step, entry))
     return found
@@ -79,7 +79,7 @@ def other_format_checkpoints(directory: str | os.PathLike) -> list[tuple[Path, s
     """(path, format) of the `step-N` directories under `directory` (or `directory` itself) whose
     manifest names another format (format 1: per-rank torch.save files, before DCP)."""
     root = Path(directory)
-    candidates = [root] + (sorted(e for e in root.iterdir() if _STEP_DIR.match(e.name)) if root.is_dir() else [])
+    candidates = [root] + (sorted(e for e in root.iterdir() if STEP_DIR.match(e.name)) if root.is_dir() else [])
     found = []
     for entry in candidates:
         try:
@@ -93,8 +93,8 @@ def other_format_checkpoints(directory: str | os.PathLike) -> list[tuple[Path, s
 
 def _open_or_refuse(path: Path, *, checksums: bool) -> Checkpoint:
     try:
-        return _open(path, checksums=checksums)
-    except _Damaged as exc:
+        return open_checkpoint(path, checksums=checksums)
+    except Damaged as exc:
         raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {exc}; resume from an older checkpoint "
                               f"(move this one away) or save it again") from None
 

@@ -18,7 +18,7 @@ import torch
 # DCP describes a rank's piece of a DTensor as one box (offsets, sizes) of the global tensor. A
 # fused q/k/v projection sharded by thirds (`_StridedShard(dim, split_factor=3)`, [Note: fused
 # q/k/v] in tensor_parallel_graph.py) holds [q_r | k_r | v_r]: three boxes, which `dcp.save` rejects ("overlapping
-# chunks"). Such a DTensor goes to DCP as `_Pieces`: its local boxes (found without communication
+# chunks"). Such a DTensor goes to DCP as `Pieces`: its local boxes (found without communication
 # by sharding an index vector per dimension as the tensor is sharded) as views of the local tensor;
 # `_SavePlanner` writes each as a chunk of the global tensor and `_LoadPlanner` reads into each view
 # in place. The checkpoint holds the tensor under its own name and shape, as any other. A fused
@@ -29,7 +29,7 @@ import torch
 
 
 @dataclass
-class _Pieces:
+class Pieces:
     shape: torch.Size
     tensor: torch.Tensor  # the local tensor
     boxes: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]  # (global offsets, sizes, local view)
@@ -48,7 +48,7 @@ def _needs_pieces(value: Any) -> bool:
                                            or blocked_boxes(value) is not None)
 
 
-def _pieces(value) -> _Pieces:
+def pieces_of(value) -> Pieces:
     """The local boxes of a DTensor ([Note: strided shards in DCP])."""
     import itertools
 
@@ -62,7 +62,7 @@ def _pieces(value) -> _Pieces:
     # index vector below would give the wrong rows; it says its own boxes.
     boxes = blocked_boxes(value)
     if boxes is not None:
-        return _Pieces(value.shape, value.to_local(), boxes)
+        return Pieces(value.shape, value.to_local(), boxes)
     local = value.to_local()
     runs_per_dim = []
     for d in range(value.dim()):
@@ -85,41 +85,41 @@ def _pieces(value) -> _Pieces:
         for d, (start, _, length) in enumerate(combo):
             view = view.narrow(d, start, length)
         boxes.append((tuple(g for _, g, _ in combo), tuple(n for _, _, n in combo), view))
-    return _Pieces(value.shape, local, boxes)
+    return Pieces(value.shape, local, boxes)
 
 
-def _with_pieces(tree: Any) -> Any:
-    """`tree` with every DTensor DCP cannot describe replaced by its `_Pieces`."""
+def with_pieces(tree: Any) -> Any:
+    """`tree` with every DTensor DCP cannot describe replaced by its `Pieces`."""
     if isinstance(tree, Mapping):
-        return {k: _with_pieces(v) for k, v in tree.items()}
-    return _pieces(tree) if _needs_pieces(tree) else tree
+        return {k: with_pieces(v) for k, v in tree.items()}
+    return pieces_of(tree) if _needs_pieces(tree) else tree
 
 
-class _Placeholder(str):
-    """Where a `_Pieces` was: a value DCP's set-up keeps as it is (it sets what it does not know
+class Placeholder(str):
+    """Where a `Pieces` was: a value DCP's set-up keeps as it is (it sets what it does not know
     to None) and flattens to the same key."""
 
 
-def _take_pieces(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[str, _Pieces]:
-    """Replace every `_Pieces` in `tree` by a `_Placeholder`; {its DCP key (the path joined by dots,
+def _take_pieces(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[str, Pieces]:
+    """Replace every `Pieces` in `tree` by a `Placeholder`; {its DCP key (the path joined by dots,
     as DCP's `flatten_state_dict` names it): it}."""
-    found: dict[str, _Pieces] = {}
+    found: dict[str, Pieces] = {}
     for key, value in tree.items():
-        if isinstance(value, _Pieces):
+        if isinstance(value, Pieces):
             found[".".join((*prefix, str(key)))] = value
-            tree[key] = _Placeholder()
+            tree[key] = Placeholder()
         elif isinstance(value, dict):
             found.update(_take_pieces(value, (*prefix, str(key))))
     return found
 
 
-def _save_planner():
+def save_planner():
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     class SavePlanner(DefaultSavePlanner):
-        """DCP's default planner, plus `_Pieces` written box by box."""
+        """DCP's default planner, plus `Pieces` written box by box."""
 
         def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
             self.pieces = _take_pieces(state_dict)
@@ -148,14 +148,14 @@ def _save_planner():
     return SavePlanner()
 
 
-def _load_planner():
+def load_planner():
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     class LoadPlanner(DefaultLoadPlanner):
-        """DCP's default planner, plus `_Pieces` read box by box into views of the local tensor."""
+        """DCP's default planner, plus `Pieces` read box by box into views of the local tensor."""
 
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
             self.pieces = _take_pieces(state_dict)
@@ -164,7 +164,7 @@ def _load_planner():
 
         def create_local_plan(self):
             # DCP's own planner, less its fallback for checkpoints of torch <= 2.3 (it re-flattens the
-            # state dict, `_Pieces` included, when a key is missing; ours name every key they read).
+            # state dict, `Pieces` included, when a key is missing; ours name every key they read).
             plan = create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
             items = []
             for fqn, pieces in self.pieces.items():

@@ -1,5 +1,5 @@
 """An opened checkpoint (`Checkpoint`: its manifest and DCP metadata, tensors read on first use)
-and the DCP read into this process that it, integrity.py and restore.py share (`_dcp_load`).
+and the DCP read into this process that it, integrity.py and restore.py share (`dcp_load`).
 
 Apart from load.py, which finds and verifies a checkpoint before it opens it here: integrity.py's
 last check reads each rank's record of the step through a `Checkpoint`.
@@ -17,28 +17,28 @@ from typing import Any
 
 import torch
 
-from autoplan.runtime.checkpoint.format import EXTRA_KEY, OPTIMIZER_KEY, CheckpointError, _one_line
-from autoplan.runtime.checkpoint.planners import _load_planner, _Pieces, _Placeholder, _with_pieces
+from autoplan.runtime.checkpoint.format import EXTRA_KEY, OPTIMIZER_KEY, CheckpointError, one_line
+from autoplan.runtime.checkpoint.planners import Pieces, Placeholder, load_planner, with_pieces
 
 
-def _dcp_load(path: Path, state: dict[str, Any]) -> None:
+def dcp_load(path: Path, state: dict[str, Any]) -> None:
     """Fill `state` (tensors in place, other values replaced) from the checkpoint at `path`, in this
     process alone: a rank reads the chunks its tensors cover, no collective (so `restore` and the
     full loads run on any subset of ranks, or without a process group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    tree = _with_pieces(state)
+    tree = with_pieces(state)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.distributed is disabled ..."
-            dcp.load(tree, storage_reader=dcp.FileSystemReader(path), planner=_load_planner(), no_dist=True)
+            dcp.load(tree, storage_reader=dcp.FileSystemReader(path), planner=load_planner(), no_dist=True)
     except (Exception, CheckpointException) as exc:  # a corrupt file in a directory whose manifest says complete
-        raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {_one_line(_cause(exc))}") from exc
+        raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {one_line(root_cause(exc))}") from exc
     _merge_back(state, tree)
 
 
-def _cause(exc: BaseException) -> BaseException:
+def root_cause(exc: BaseException) -> BaseException:
     """The error behind DCP's CheckpointException (a BaseException holding each rank's failure)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, Mapping) and failures:
@@ -54,7 +54,7 @@ def _merge_back(state: dict[str, Any], tree: Mapping[str, Any]) -> None:
     for key, value in tree.items():
         if isinstance(value, Mapping) and isinstance(state.get(key), dict):
             _merge_back(state[key], value)
-        elif not isinstance(value, _Pieces | _Placeholder):  # those were loaded in place
+        elif not isinstance(value, Pieces | Placeholder):  # those were loaded in place
             state[key] = value
 
 
@@ -115,7 +115,7 @@ class Checkpoint:
             state[key] = (torch.empty(md.size, dtype=md.properties.dtype)
                           if isinstance(md, TensorStorageMetadata) else None)
         # Keys are flat strings here: DCP's flattening maps each back to itself.
-        _dcp_load(self.path, state)
+        dcp_load(self.path, state)
         return {label: state[key] for label, key in keys.items()}
 
     @functools.cached_property

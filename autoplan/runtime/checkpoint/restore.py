@@ -12,26 +12,26 @@ from autoplan.runtime.checkpoint.format import (
     EXTRA_KEY,
     OPTIMIZER_KEY,
     CheckpointError,
-    _rank_key,
     checkpoint_fingerprint,
+    rank_key,
 )
-from autoplan.runtime.checkpoint.integrity import _check_structure, _Damaged
-from autoplan.runtime.checkpoint.planners import _Pieces
-from autoplan.runtime.checkpoint.reader import Checkpoint, _dcp_load
+from autoplan.runtime.checkpoint.integrity import Damaged, check_structure
+from autoplan.runtime.checkpoint.planners import Pieces
+from autoplan.runtime.checkpoint.reader import Checkpoint, dcp_load
 from autoplan.runtime.checkpoint.state import (
-    _canonical,
-    _model_state,
-    _param_names,
-    _unheld_names,
+    canonical_name,
     expert_slices,
     local_optimizer,
+    model_state,
+    param_names,
+    unheld_names,
 )
 
 _KERNEL_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Optimizer group entries that pick a kernel, not the math: the reader's own choice is kept."""
 
 
-def _target_like(param, md, experts=None, name: str = "") -> torch.Tensor | _Pieces:
+def _target_like(param, md, experts=None, name: str = "") -> torch.Tensor | Pieces:
     """An empty tensor to load a saved optimizer-state entry into: laid out as `param` (a DTensor
     keeps its placements, so DCP reads only this rank's chunk) when it has the parameter's shape
     (for an expert slice, `experts`: the whole parameter's, read as the slice's box), else a plain
@@ -61,8 +61,8 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
 
     where = f"checkpoint {str(ckpt.path)!r}"
     try:
-        _check_structure(ckpt.path)
-    except _Damaged as exc:
+        check_structure(ckpt.path)
+    except Damaged as exc:
         raise CheckpointError(f"{where} changed after it was opened: {exc}; open it again (load_checkpoint)") from None
     plan = getattr(pm, "plan", None)
     saved_fp, fp = checkpoint_fingerprint(ckpt.manifest), getattr(plan, "model_fingerprint", None)
@@ -77,9 +77,9 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
     targets: dict[str, Any] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loaded, another local tensor of the same key)
     missing: list[str] = []
-    unheld = _unheld_names(pm)
+    unheld = unheld_names(pm)
     experts = expert_slices(pm)  # read as their boxes of the whole tensors ([Note: experts in a checkpoint])
-    for key, local in _model_state(pm).items():
+    for key, local in model_state(pm).items():
         saved = ckpt.saved_name(key, ckpt.model_keys)
         if saved is None:
             missing.append(local[0][0])
@@ -102,15 +102,15 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
                               f"{missing[0]!r}; is it of another model?")
 
     opt_state: dict[str, dict[str, Any]] = {}
-    opt_tensors: dict[str, dict[str, torch.Tensor]] = {}  # the tensors an expert's `_Pieces` read into
+    opt_tensors: dict[str, dict[str, torch.Tensor]] = {}  # the tensors an expert's `Pieces` read into
     hyper: dict[str, dict[str, Any]] = {}
     inner = None
     if optimizer is not None:
         inner = local_optimizer(optimizer)  # under ZeRO: the shard this rank steps, found by name
-        names = _param_names(pm)
+        names = param_names(pm)
         for group in inner.param_groups:
             for p in group["params"]:
-                name = _canonical(pm, names[id(p)])
+                name = canonical_name(pm, names[id(p)])
                 saved = ckpt.saved_name(name, ckpt.optimizer_keys)
                 if saved is None:
                     if strict and ckpt.optimizer_keys:
@@ -121,17 +121,17 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
                     md = ckpt.metadata.state_dict_metadata[key]
                     entries[k] = (_target_like(p, md, experts if name in experts.names else None, name)
                                   if isinstance(md, TensorStorageMetadata) else None)
-                    if isinstance(entries[k], _Pieces):
+                    if isinstance(entries[k], Pieces):
                         opt_tensors.setdefault(saved, {})[k] = entries[k].whole
                 opt_state[saved] = entries
         for group in optimizer.param_groups:
             for p in group["params"]:
-                saved = ckpt.saved_name(_canonical(pm, names[id(p)]), ckpt.hyperparameter_keys)
+                saved = ckpt.saved_name(canonical_name(pm, names[id(p)]), ckpt.hyperparameter_keys)
                 if saved is not None:
                     hyper[saved] = dict.fromkeys(ckpt.hyperparameter_keys[saved])
     per_rank: dict[str, Any] = {}
     if restore_rng and rank is not None and rank in ckpt.rank_keys:
-        per_rank = {_rank_key(rank): {"rng": {path[1]: torch.empty(ckpt.metadata.state_dict_metadata[key].size,
+        per_rank = {rank_key(rank): {"rng": {path[1]: torch.empty(ckpt.metadata.state_dict_metadata[key].size,
                                                                     dtype=torch.uint8)
                                               for path, key in ckpt.rank_keys[rank].items() if path[0] == "rng"}}}
 
@@ -140,7 +140,7 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
         state[OPTIMIZER_KEY] = {"state": opt_state, "param_groups": hyper}
     if per_rank:
         state[EXTRA_KEY] = per_rank
-    _dcp_load(ckpt.path, state)
+    dcp_load(ckpt.path, state)
 
     with torch.no_grad():
         for loaded, other in copies:
@@ -155,13 +155,13 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
     if inner is not None:
         loaded_state = state.get(OPTIMIZER_KEY, {}).get("state", {})
         loaded_hyper = state.get(OPTIMIZER_KEY, {}).get("param_groups", {})
-        names = _param_names(pm)
+        names = param_names(pm)
         sd = inner.state_dict()
         by_index: dict[int, Any] = {}
         index = 0
         for group in inner.param_groups:
             for p in group["params"]:
-                saved = ckpt.saved_name(_canonical(pm, names[id(p)]), loaded_state)
+                saved = ckpt.saved_name(canonical_name(pm, names[id(p)]), loaded_state)
                 if saved is not None:
                     by_index[index] = {**loaded_state[saved], **opt_tensors.get(saved, {})}
                 index += 1
@@ -169,7 +169,7 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
 
         def saved_group(group) -> dict[str, Any] | None:
             for p in group["params"]:
-                saved = ckpt.saved_name(_canonical(pm, names[id(p)]), loaded_hyper)
+                saved = ckpt.saved_name(canonical_name(pm, names[id(p)]), loaded_hyper)
                 if saved is not None:
                     return {k: v for k, v in loaded_hyper[saved].items() if k not in _KERNEL_FLAGS and k != "params"}
             return None
@@ -182,7 +182,7 @@ def restore(ckpt: Checkpoint, pm, optimizer: torch.optim.Optimizer | None = None
                 group.update(saved_group(group) or {})
 
     if per_rank:
-        rng = per_rank[_rank_key(rank)]["rng"]
+        rng = per_rank[rank_key(rank)]["rng"]
         if "torch" in rng:
             torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():

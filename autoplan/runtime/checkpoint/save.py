@@ -23,9 +23,9 @@ import torch
 
 from autoplan.runtime.checkpoint.format import CHECKPOINT_FORMAT, MANIFEST, CheckpointError, step_dir_name
 from autoplan.runtime.checkpoint.identity import write_failure
-from autoplan.runtime.checkpoint.integrity import _file_entry
-from autoplan.runtime.checkpoint.planners import _Pieces, _save_planner, _with_pieces
-from autoplan.runtime.checkpoint.state import _rank_state
+from autoplan.runtime.checkpoint.integrity import file_entry
+from autoplan.runtime.checkpoint.planners import Pieces, save_planner, with_pieces
+from autoplan.runtime.checkpoint.state import rank_state
 
 # ---- durable writes --------------------------------------------------------------------------
 
@@ -182,7 +182,7 @@ def _save(root: Path, name: str, step: int, pm, optimizer, extra, timeout: timed
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier(timeout)
-    state = _with_pieces(_rank_state(pm, optimizer, rank, step, extra))
+    state = with_pieces(rank_state(pm, optimizer, rank, step, extra))
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
     kill_after_bytes = None
     if _kill_midway:
@@ -190,14 +190,14 @@ def _save(root: Path, name: str, step: int, pm, optimizer, extra, timeout: timed
     writer.fs = _data_filesystem(kill_after_bytes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled ..." in a single process
-        dcp.save(state, storage_writer=writer, planner=_save_planner())
+        dcp.save(state, storage_writer=writer, planner=save_planner())
     # dcp.save returned: every rank's data file and the metadata are durable.
-    files = _gather_to_rank0({p.name: _file_entry(p) for p in writer.fs.written})
+    files = _gather_to_rank0({p.name: file_entry(p) for p in writer.fs.written})
     if rank == 0:
         _fsync_dir(tmp)
         for p in sorted(tmp.iterdir()):  # `.metadata` (rank 0 wrote it), and any file no rank reported
             if p.name != MANIFEST and p.name not in files:
-                files[p.name] = _file_entry(p)
+                files[p.name] = file_entry(p)
         files = dict(sorted(files.items()))
         plan = getattr(pm, "plan", None)
         manifest = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": world_size, "files": files,
@@ -236,7 +236,7 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     if isinstance(tree, Mapping):
         for v in tree.values():
             yield from _tensors(v)
-    elif isinstance(tree, _Pieces):
+    elif isinstance(tree, Pieces):
         yield tree.tensor
     elif isinstance(tree, DTensor):
         yield tree.to_local()

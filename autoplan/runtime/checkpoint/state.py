@@ -15,7 +15,7 @@ Under expert parallelism (ep > 1) a rank holds experts [i * E/ep, (i + 1) * E/ep
 parameter (runtime/parallel/experts.py, i its ep index) under the parameter's full name, as a plain tensor
 or, under FSDP, as a DTensor sharded over the ranks holding the same experts. Neither says where it
 sits in the (E, ...) tensor, so DCP would store one rank's slice as the whole. Each such parameter
-(and its optimizer state) goes to DCP as `_Pieces` (planners.py): the global (E, ...) shape and one
+(and its optimizer state) goes to DCP as `Pieces` (planners.py): the global (E, ...) shape and one
 box at dim-0 offset i * E/ep plus the FSDP shard's own offset. The checkpoint then holds every
 expert once, under the model's own names and shapes, like any other tensor: it loads under another
 ep, without ep and into a plain model (DCP reshards), and replicas that hold the same experts write
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from autoplan.runtime.checkpoint.format import EXTRA_KEY, OPTIMIZER_KEY, CheckpointError, _rank_key
-from autoplan.runtime.checkpoint.planners import _Pieces
+from autoplan.runtime.checkpoint.format import EXTRA_KEY, OPTIMIZER_KEY, CheckpointError, rank_key
+from autoplan.runtime.checkpoint.planners import Pieces
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -50,7 +50,7 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer | ZeroOneOptimizer) else optimizer
 
 
-def _canonical(pm, name: str) -> str:
+def canonical_name(pm, name: str) -> str:
     """The name a (tied) parameter is saved under: its first name in the model."""
     return getattr(pm, "aliases", {}).get(name, name)
 
@@ -62,7 +62,7 @@ def _named_masters(pm):
     return named() if named is not None else pm.named_parameters()
 
 
-def _param_names(pm) -> dict[int, str]:
+def param_names(pm) -> dict[int, str]:
     return {id(p): name for name, p in _named_masters(pm)}
 
 
@@ -90,7 +90,7 @@ class ExpertSlices:
             shape[self.hidden[name].axis] *= self.etp
         return tuple(shape)
 
-    def pieces(self, tensor, name: str) -> _Pieces:
+    def pieces(self, tensor, name: str) -> Pieces:
         """`tensor` (this rank's slice of an experts parameter, or a state of its shape) as its boxes
         of the whole parameter: one, or under expert tp one per half of a fused [gate | up]
         projection (each half's slice sits in that half of the whole)."""
@@ -115,7 +115,7 @@ class ExpertSlices:
                 boxes.append((tuple(at), tuple(view.shape), view))
         elif local.numel():
             boxes = [(tuple(start), tuple(local.shape), local)]
-        return _Pieces(torch.Size(self.global_shape(tensor, name)), local, boxes, whole=tensor)
+        return Pieces(torch.Size(self.global_shape(tensor, name)), local, boxes, whole=tensor)
 
 
 def expert_slices(pm) -> ExpertSlices:
@@ -125,20 +125,20 @@ def expert_slices(pm) -> ExpertSlices:
     held = {id(p) for p in getattr(pm, "expert_params", ())}
     if ep * etp == 1 or not held:
         return ExpertSlices(frozenset(), 0, 1)
-    names = frozenset(_canonical(pm, name) for name, p in _named_masters(pm) if id(p) in held)
-    hidden = {_canonical(pm, name): where for name, where in getattr(pm, "expert_hidden", {}).items()}
+    names = frozenset(canonical_name(pm, name) for name, p in _named_masters(pm) if id(p) in held)
+    hidden = {canonical_name(pm, name): where for name, where in getattr(pm, "expert_hidden", {}).items()}
     return ExpertSlices(names, pm.layout.ep_index, ep, hidden, pm.layout.tp_index if etp > 1 else 0, etp)
 
 
-def _model_state(pm) -> dict[str, list[tuple[str, torch.Tensor]]]:
+def model_state(pm) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """Saved key -> this rank's (local name, tensor) under it; tied copies share a key."""
     out: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in pm.state_dict().items():
-        out.setdefault(_canonical(pm, name), []).append((name, tensor))
+        out.setdefault(canonical_name(pm, name), []).append((name, tensor))
     return out
 
 
-def _unheld_names(pm) -> set[str]:
+def unheld_names(pm) -> set[str]:
     """Names of the parameters whose fp32 values this rank does not hold: the masters other dp
     ranks own under a bf16 ZeRO-1 optimizer (runtime/parallel/optimizer.py; `state_dict` gives their bf16
     working copies). Their owners save them; a restore loads them into their working copies."""
@@ -154,7 +154,7 @@ def named_optimizer_state(pm, optimizer: torch.optim.Optimizer) -> dict[str, Any
 
     Of a ZeRO optimizer, the state of this rank's shard (every owner saves its own) and the
     hyperparameters of every local parameter."""
-    names = _param_names(pm)
+    names = param_names(pm)
     state: dict[str, dict[str, Any]] = {}
     groups: dict[str, dict[str, Any]] = {}
 
@@ -162,7 +162,7 @@ def named_optimizer_state(pm, optimizer: torch.optim.Optimizer) -> dict[str, Any
         name = names.get(id(p))
         if name is None:
             raise CheckpointError("the optimizer holds a parameter the partitioned model does not name")
-        return _canonical(pm, name)
+        return canonical_name(pm, name)
 
     for group in optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params"}
@@ -190,18 +190,18 @@ def _expert_state(experts: ExpertSlices, name: str, key: str, value: Any, shape:
     return experts.pieces(value, name)
 
 
-def _rank_state(pm, optimizer, rank: int, step: int, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+def rank_state(pm, optimizer, rank: int, step: int, extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """What this rank hands `dcp.save` (module docstring)."""
-    unheld = _unheld_names(pm)
+    unheld = unheld_names(pm)
     experts = expert_slices(pm)
     state: dict[str, Any] = {}
-    for key, copies in _model_state(pm).items():
+    for key, copies in model_state(pm).items():
         held = [tensor for name, tensor in copies if name not in unheld]
         if held:  # a master another dp rank owns: that rank writes its fp32 values
             state[key] = experts.pieces(held[0], key) if key in experts.names else held[0]
     if optimizer is not None:
         state[OPTIMIZER_KEY] = named_optimizer_state(pm, optimizer)
-        shapes = {_canonical(pm, name): tuple(p.shape) for name, p in _named_masters(pm)}
+        shapes = {canonical_name(pm, name): tuple(p.shape) for name, p in _named_masters(pm)}
         for name, entries in state[OPTIMIZER_KEY]["state"].items():
             if name in experts.names:  # the moments have the slice's shape; the step count is a scalar
                 state[OPTIMIZER_KEY]["state"][name] = {k: _expert_state(experts, name, k, v, shapes[name])
@@ -209,5 +209,5 @@ def _rank_state(pm, optimizer, rank: int, step: int, extra: Mapping[str, Any] | 
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
-    state[EXTRA_KEY] = {_rank_key(rank): {"rng": rng, "extra": json.dumps({"step": step, **dict(extra or {})})}}
+    state[EXTRA_KEY] = {rank_key(rank): {"rng": rng, "extra": json.dumps({"step": step, **dict(extra or {})})}}
     return state

@@ -6,7 +6,7 @@ rank reading only the slices it holds.
 Every tensor of `pm.state_dict()` is named as in the full model and is, on this rank, one or more
 boxes (global offsets, sizes, local view) of the full tensor: the boxes the checkpoint code already
 computes to save it (checkpoint/state.py, checkpoint/planners.py). A tp or FSDP shard is a DTensor
-whose placements say where it sits (`_pieces`, which also splits a fused q/k/v or [gate | up] shard
+whose placements say where it sits (`pieces_of`, which also splits a fused q/k/v or [gate | up] shard
 sharded by thirds or halves into its boxes); an expert slice under ep (and expert tp) is a plain
 tensor or an FSDP DTensor of the slice, placed by its ep and tp indices (`ExpertSlices.pieces`,
 [Note: experts in a checkpoint]). Loading reads each box from the source and copies it into its
@@ -386,25 +386,25 @@ class _Target:
 def _boxes_of(tensor: torch.Tensor, key: str, experts) -> tuple[tuple[int, ...], list[Box]]:
     from torch.distributed.tensor import DTensor
 
-    from autoplan.runtime.checkpoint.planners import _pieces
+    from autoplan.runtime.checkpoint.planners import pieces_of
 
     if key in experts.names:
         pieces = experts.pieces(tensor, key)
         return tuple(pieces.shape), pieces.boxes
     if isinstance(tensor, DTensor):
-        pieces = _pieces(tensor)
+        pieces = pieces_of(tensor)
         return tuple(pieces.shape), pieces.boxes
     return tuple(tensor.shape), ([((0,) * tensor.dim(), tuple(tensor.shape), tensor)] if tensor.numel() or
                                  tensor.dim() == 0 else [])
 
 
 def _targets(pm) -> list[_Target]:
-    from autoplan.runtime.checkpoint.state import _canonical, _model_state, expert_slices
+    from autoplan.runtime.checkpoint.state import canonical_name, expert_slices, model_state
 
     experts = expert_slices(pm)
-    params = {_canonical(pm, name) for name, _ in pm.named_parameters()}
+    params = {canonical_name(pm, name) for name, _ in pm.named_parameters()}
     out = []
-    for key, local in _model_state(pm).items():
+    for key, local in model_state(pm).items():
         shape, copies = None, []
         for _, tensor in local:
             shape, boxes = _boxes_of(tensor, key, experts)

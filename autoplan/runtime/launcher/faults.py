@@ -13,8 +13,8 @@ entries separated by ';', each `KIND@RANK:STEP[:N]` with RANK a number or '*' (e
 - `slow-start@R:T`       rank R sleeps T seconds before joining the process group (a rank that
                          starts late: [Note: start-up and step timeouts])
 
-Apart from the training loop (training.py), which asks `_Fault.hits` where a fault may strike and
-calls `_inject` / `_poison` / `_sigkill_self`; `kill-in-checkpoint` strikes inside
+Apart from the training loop (training.py), which asks `Fault.hits` where a fault may strike and
+calls `inject` / `poison` / `sigkill_self`; `kill-in-checkpoint` strikes inside
 checkpoint/save.py (`save_checkpoint(_kill_midway=True)`).
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FAULT_ENV"]
+__all__ = ["FAULT_ENV", "Fault", "inject", "parse_faults", "poison", "sigkill_self"]
 
 FAULT_ENV = "AUTOPLAN_FAULT"
 _FAULT_KINDS = ("raise", "kill", "hang", "stop", "nan", "nan-weight", "kill-mid-step", "kill-in-checkpoint",
@@ -36,7 +36,7 @@ _FAULT_KINDS = ("raise", "kill", "hang", "stop", "nan", "nan-weight", "kill-mid-
 
 
 @dataclass(frozen=True)
-class _Fault:
+class Fault:
     kind: str
     rank: int | None  # None: every rank
     step: int
@@ -46,7 +46,7 @@ class _Fault:
         return self.kind == kind and self.step == step and (self.rank is None or self.rank == rank)
 
 
-def _parse_faults(text: str | None) -> tuple[_Fault, ...]:
+def parse_faults(text: str | None) -> tuple[Fault, ...]:
     faults = []
     for entry in (text or "").replace(",", ";").split(";"):
         entry = entry.strip()
@@ -58,24 +58,24 @@ def _parse_faults(text: str | None) -> tuple[_Fault, ...]:
             if kind not in _FAULT_KINDS or len(parts) not in (2, 3):
                 raise ValueError
             rank = None if parts[0] == "*" else int(parts[0])
-            faults.append(_Fault(kind, rank, int(parts[1]), int(parts[2]) if len(parts) == 3 else 1))
+            faults.append(Fault(kind, rank, int(parts[1]), int(parts[2]) if len(parts) == 3 else 1))
         except ValueError:
             raise ValueError(f"bad fault {entry!r} in {FAULT_ENV}; expected KIND@RANK:STEP[:N] with KIND one of "
                              f"{', '.join(_FAULT_KINDS)}") from None
     return tuple(faults)
 
 
-def _sigkill_self() -> None:
+def sigkill_self() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
-def _inject(faults: tuple[_Fault, ...], fail_at: tuple[int, int] | None, rank: int, step: int) -> None:
+def inject(faults: tuple[Fault, ...], fail_at: tuple[int, int] | None, rank: int, step: int) -> None:
     """The faults that strike before a step (module docstring)."""
     if (fail_at is not None and fail_at == (rank, step)) or any(f.hits("raise", rank, step) for f in faults):
         raise RuntimeError(f"injected failure at step {step}")
     if any(f.hits("kill", rank, step) for f in faults):
-        _sigkill_self()
+        sigkill_self()
     if any(f.hits("stop", rank, step) for f in faults):
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen, threads included, until SIGCONT or SIGKILL
@@ -84,7 +84,7 @@ def _inject(faults: tuple[_Fault, ...], fail_at: tuple[int, int] | None, rank: i
             time.sleep(3600)
 
 
-def _poison(pm, what: str) -> None:
+def poison(pm, what: str) -> None:
     """Faults `nan` and `nan-weight`: one element of a gradient (or a weight) of this rank's first
     stage becomes NaN."""
     for _, p in pm.named_parameters():

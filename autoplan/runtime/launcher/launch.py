@@ -42,10 +42,10 @@ from autoplan.plan import Plan
 from autoplan.runtime.execution.comm import P2PTimeout
 from autoplan.runtime.launcher.machine import GIB, MachineFit, available_memory_bytes, oom_kills
 from autoplan.runtime.launcher.optim_config import OptimizerConfig
-from autoplan.runtime.launcher.preflight import _note, check_run
+from autoplan.runtime.launcher.preflight import check_run, print_note
 from autoplan.runtime.launcher.ranks import LocalJob, free_port, one_line
-from autoplan.runtime.launcher.rendezvous import _loopback_interface, _loopback_process_group, startup_timeout
-from autoplan.runtime.launcher.training import _train, check_clip_grad
+from autoplan.runtime.launcher.rendezvous import loopback_interface, loopback_process_group, startup_timeout
+from autoplan.runtime.launcher.training import check_clip_grad, train_rank
 
 __all__ = ["run_plan"]
 
@@ -193,7 +193,7 @@ class _OomWatch:
         line = (f"rank{'s' if len(killed) > 1 else ''} {ranks} {'were' if len(killed) > 1 else 'was'} likely killed "
                 f"for lack of memory by the kernel's OOM killer ({'; '.join(figures) or 'the kernel counted an OOM kill'}"
                 f"); re-plan for this machine (`autoplan suggest ... --cluster 1xNxcpu --out p.json`) or run on GPUs")
-        _note(line)
+        print_note(line)
         return line
 
 
@@ -204,16 +204,16 @@ def _spawned(rank: int, world_size: int, port: int, payload: dict, run_dir: str)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        os.environ.setdefault(variable, _loopback_interface())
+        os.environ.setdefault(variable, loopback_interface())
     payload = dict(payload)
     plan = Plan.from_dict(payload.pop("plan"))
     _mark_phase(run_dir, rank, "started")
     for fault in payload["faults"]:
         if fault.kind == "slow-start" and fault.rank in (None, rank):
             time.sleep(fault.step)
-    _loopback_process_group(rank, world_size, port, startup_timeout(timedelta(seconds=payload["timeout_s"])))
+    loopback_process_group(rank, world_size, port, startup_timeout(timedelta(seconds=payload["timeout_s"])))
     _mark_phase(run_dir, rank, "connected")
-    _train(plan, **payload, on_phase=lambda phase: _mark_phase(run_dir, rank, phase))
+    train_rank(plan, **payload, on_phase=lambda phase: _mark_phase(run_dir, rank, phase))
 
 
 class _Terminated(Exception):
@@ -304,7 +304,7 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
     if checkpoint_dir is not None and checkpoint_every is None:
         checkpoint_every = DEFAULT_CHECKPOINT_EVERY
         if int(os.environ.get("RANK", "0")) == 0:
-            _note(f"checkpoints into {checkpoint_dir} every {checkpoint_every} steps and after the last "
+            print_note(f"checkpoints into {checkpoint_dir} every {checkpoint_every} steps and after the last "
                   f"(--checkpoint-every K to change)")
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     payload = dict(spec=spec, steps=steps, seed=seed, timeout_s=float(timeout_s), trace_path=trace_path, data=data,
@@ -317,7 +317,7 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
         if torchrun:  # this process is one rank
             return _run_this_rank(plan, payload)
         if fit.note:
-            _note(fit.note)
+            print_note(fit.note)
         payload["plan"] = plan.to_dict()
         with _sigterm_stops_the_job(), LocalJob(nproc, start_method=_start_method, preload=FORKSERVER_PRELOAD) as job:
             try:
@@ -346,7 +346,7 @@ def _run_this_rank(plan: Plan, payload: dict) -> int:
     """Under torchrun: train as the rank the environment names; one line on failure, naming the rank
     to blame ([Note: blame under torchrun])."""
     try:
-        _train(plan, **payload)
+        train_rank(plan, **payload)
     except Exception as exc:
         _error(_torchrun_failure(exc, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
         return 1

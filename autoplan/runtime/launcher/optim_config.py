@@ -22,7 +22,6 @@ step (`last_epoch`) to continue exactly, whatever learning rate a checkpoint res
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass

@@ -24,11 +24,12 @@ import torch
 
 from autoplan._files import check_output_file
 from autoplan.plan import Plan, PlanError
-from autoplan.runtime.launcher.faults import FAULT_ENV, _Fault, _parse_faults
+from autoplan.runtime.launcher.faults import FAULT_ENV, Fault, parse_faults
 from autoplan.runtime.launcher.machine import MachineFit, check_machine
 from autoplan.runtime.launcher.training import is_data_function, load_data_function, token_inputs
 
-__all__ = ["MAX_STEPS", "MAX_TIMEOUT_S", "CheckpointDirLock", "RunChecks", "check_data", "check_run"]
+__all__ = ["MAX_STEPS", "MAX_TIMEOUT_S", "CheckpointDirLock", "RunChecks", "check_data", "check_run",
+           "print_note"]
 
 MAX_STEPS = 100_000_000
 """More steps than any published pre-training run (Llama 3 405B: about 1.2 M steps, arXiv:2407.21783)."""
@@ -37,7 +38,7 @@ MAX_TIMEOUT_S = 1e6
 timedelta the process group is given (an OverflowError in every rank)."""
 
 
-def _note(message: str) -> None:
+def print_note(message: str) -> None:
     print(f"autoplan: {message}", file=sys.stderr, flush=True)
 
 
@@ -59,7 +60,7 @@ def _check(plan: Plan, spec: str) -> None:
         raise ValueError(f"{spec} changed since the plan was made (sha256 {digest[:12]}, the plan has "
                          f"{plan.model_digest[:12]}); re-plan with `autoplan suggest --model {spec} ... --out`")
     if isinstance(source, FileSource):  # a model file is code every rank runs: say which, before importing it
-        _note(f"every rank imports {Path(source.path).resolve()} (sha256 {digest[:12]}"
+        print_note(f"every rank imports {Path(source.path).resolve()} (sha256 {digest[:12]}"
               f"{', as planned' if digest == plan.model_digest else ''})")
     source.check_seq_len(plan.job.seq_len)
     # With tp > 1 this traces the model as partition does, for the layout the profile found.
@@ -69,7 +70,7 @@ def _check(plan: Plan, spec: str) -> None:
 
         note = sequence_split_note(model)
         if note is not None:
-            _note(f"warning: cp {plan.cp}: {note}")
+            print_note(f"warning: cp {plan.cp}: {note}")
     check_model(model, plan, source.example_inputs(plan.micro_batch_size, plan.job.seq_len, device="meta"),
                 source=source)
     if getattr(plan, "expert_tp", 1) > 1:
@@ -146,7 +147,7 @@ class RunChecks:
     """The model spec the ranks build (--model, else the plan's)."""
     nproc: int | None
     """Local processes to spawn (None under torchrun)."""
-    faults: tuple[_Fault, ...]
+    faults: tuple[Fault, ...]
     fit: MachineFit | None
     """Whether this machine holds the ranks (None under torchrun)."""
     checkpoint_dir: str | None
@@ -214,7 +215,7 @@ def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, 
         data_identity = check_data(data, plan, spec, seed)
         if eval_data is not None:
             check_data(eval_data, plan, spec, seed, flag="--eval-data")
-        faults = _parse_faults(os.environ.get(FAULT_ENV) if fault is None else fault)
+        faults = parse_faults(os.environ.get(FAULT_ENV) if fault is None else fault)
         if resume and not checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir DIR")
         if checkpoint_every is not None and not checkpoint_dir:
@@ -254,7 +255,7 @@ def check_run(plan: str | os.PathLike | Plan, *, model: str | None, steps: int, 
             if not resume and overwrite and torchrun_rank == 0:  # under the lock: no job is using them
                 removed = remove_checkpoints(checkpoint_dir)
                 if removed:
-                    _note(f"--overwrite: deleted {removed} checkpoint{'s' if removed > 1 else ''} in {checkpoint_dir}")
+                    print_note(f"--overwrite: deleted {removed} checkpoint{'s' if removed > 1 else ''} in {checkpoint_dir}")
             elif not resume and not overwrite:
                 check_fresh_directory(checkpoint_dir)
     except (ValueError, TypeError) as exc:  # PlanError and PartitionError are ValueErrors
@@ -391,7 +392,7 @@ def _check_resumable(plan: Plan, checkpoint_dir: str, data_identity: dict | None
                              f"{str(newest)!r}: {reason}); move them away to start from step 0, or drop --resume")
         return None
     for path, reason in skipped:
-        _note(f"checkpoint {path} is damaged ({reason}); resuming from {chosen}")
+        print_note(f"checkpoint {path} is damaged ({reason}); resuming from {chosen}")
     manifest = load_checkpoint(chosen, checksums=False).manifest  # just verified
     fingerprint = checkpoint_fingerprint(manifest)
     if fingerprint != plan.model_fingerprint:  # None included: a manifest without a fingerprint is refused

@@ -13,7 +13,8 @@ from datetime import timedelta
 
 import torch
 
-__all__ = ["STARTUP_TIMEOUT_S", "bound_waits", "startup_timeout"]
+__all__ = ["STARTUP_TIMEOUT_S", "bound_waits", "startup_timeout", "loopback_interface",
+           "loopback_process_group"]
 
 STARTUP_TIMEOUT_S = 300.0
 """How long a rank waits on its peers while the ranks start (joining the process group, building
@@ -23,7 +24,7 @@ at start-up with DistNetworkError. A rank that dies meanwhile is seen by the lau
 rank hung during start-up waits this long. See [Note: start-up and step timeouts]."""
 
 
-def _loopback_process_group(rank: int, world_size: int, port: int, timeout: timedelta) -> None:
+def loopback_process_group(rank: int, world_size: int, port: int, timeout: timedelta) -> None:
     """The process group of a local job, reachable from this machine only ([Note: loopback only]).
 
     [Note: loopback only] `init_process_group` from MASTER_ADDR/MASTER_PORT makes rank 0's TCPStore
@@ -57,7 +58,7 @@ def startup_timeout(timeout: timedelta) -> timedelta:
     [Note: start-up and step timeouts] `--timeout` is "seconds any rank waits on another" once the
     ranks run steps. Start-up waits are on peers that are still importing torch or tracing the
     model, which takes seconds to minutes whatever the run's timeout: the process group, its
-    subgroups and the pipeline's transfers are made with this allowance (`_loopback_process_group`,
+    subgroups and the pipeline's transfers are made with this allowance (`loopback_process_group`,
     `partition`), then `bound_waits` sets every one of them to `timeout` before the first step."""
     return max(timeout, timedelta(seconds=STARTUP_TIMEOUT_S))
 
@@ -74,7 +75,7 @@ def bound_waits(pm, timeout: timedelta) -> None:
     pm.executor.comm.timeout = timeout
 
 
-def _loopback_interface() -> str:
+def loopback_interface() -> str:
     """The name of the loopback interface ("lo" on Linux, "lo0" on macOS and the BSDs)."""
     with contextlib.suppress(OSError, AttributeError):
         for _, name in socket.if_nameindex():

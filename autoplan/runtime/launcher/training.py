@@ -1,4 +1,4 @@
-"""One rank's training loop (`_train`): build the rank's stages, resume, run the steps with AdamW
+"""One rank's training loop (`train_rank`): build the rank's stages, resume, run the steps with AdamW
 (the settings, weight-decay groups and learning-rate schedule of `optim`: optim_config.py), check
 the loss and gradients, clip the gradients' global norm (`clip_grad`: `PartitionedModel.
 clip_grad_norm_`, a non-finite norm handled as a non-finite step), evaluate every `eval_every`
@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 
 from autoplan.plan import Plan
-from autoplan.runtime.launcher.faults import _Fault, _inject, _poison, _sigkill_self
+from autoplan.runtime.launcher.faults import Fault, inject, poison, sigkill_self
 from autoplan.runtime.launcher.optim_config import OptimizerConfig
 from autoplan.runtime.launcher.ranks import current_heartbeat, one_line
 from autoplan.runtime.launcher.rendezvous import bound_waits, startup_timeout
 
 __all__ = ["NonFiniteError", "check_clip_grad", "is_data_function", "load_data_function", "synthetic_batch",
-           "token_inputs"]
+           "token_inputs", "train_rank"]
 
 
 class NonFiniteError(RuntimeError):
@@ -147,10 +147,10 @@ def _batch_fn(pm, data: str | None, plan: Plan, seed: int):
     return lambda step: pm.source.batch(seed, step, plan.job.global_batch, plan.job.seq_len, shape, dtype)
 
 
-def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace_path: str | None,
+def train_rank(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace_path: str | None,
            metrics_path: str | None, lr: float, fail_at: tuple[int, int] | None = None, data: str | None = None,
            checkpoint_dir: str | None = None, checkpoint_every: int | None = None, resume: bool = False,
-           faults: tuple[_Fault, ...] = (), skip_nonfinite: int = 0, run_id: str = "", resume_from: str | None = None,
+           faults: tuple[Fault, ...] = (), skip_nonfinite: int = 0, run_id: str = "", resume_from: str | None = None,
            on_phase=None, clip_grad: float | None = None, init: str | None = None,
            optim: OptimizerConfig | None = None, data_identity: dict | None = None, eval_every: int | None = None,
            eval_data: str | None = None, eval_batches: int = 10) -> None:
@@ -211,7 +211,7 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
                 if f.step == step_box[0]:
                     ops[0] += 1
                     if ops[0] >= f.n:
-                        _sigkill_self()
+                        sigkill_self()
 
         pm.executor.comm.op_hook = hook
     if beat is not None:
@@ -227,16 +227,16 @@ def _train(plan: Plan, spec: str, steps: int, seed: int, timeout_s: float, trace
     for step in range(start_step, steps):
         step_box[0] = step
         where(step, "starting the step")
-        _inject(faults, fail_at, rank, step)
+        inject(faults, fail_at, rank, step)
         if any(f.hits("nan-weight", rank, step) for f in faults):
-            _poison(pm, "weight")
+            poison(pm, "weight")
         inputs, targets = make_batch(step)
         start = time.perf_counter()
         loss = pm.step(*inputs, target=targets)
         if any(f.hits("kill-mid-step", rank, step) for f in faults):
-            _sigkill_self()  # fewer P2P transfers than asked for: die before the collectives
+            sigkill_self()  # fewer P2P transfers than asked for: die before the collectives
         if any(f.hits("nan", rank, step) for f in faults):
-            _poison(pm, "grad")
+            poison(pm, "grad")
         where(step, "checking the loss and gradients")
         loss_value, nonfinite = _loss_and_nonfinite(pm, loss if rank == loss_src else None, device)
         grad_norm = None
