@@ -52,6 +52,12 @@ DeepEP's dispatch waits on the host for its receive counts), so every MoE layer 
 kernels the host had issued ahead, and the layer's kernels then start no faster than the host's
 Python and launch overhead per kernel issues them. 0 leaves the kernel floor alone (a host that
 stays ahead).
+
+One field counts how many bytes per parameter the stack's optimizer step moves
+(`optimizer_bytes_per_param`; cost/time.py [Note: optimizer bytes]): 28 for a fused mixed-precision
+Adam, 46 for Megatron-LM's 2021 step, which unscales, norms and copies in passes of their own. It is
+read off the stack's code, never fitted: the published fit (benchmarks/validate_published.py
+`--write`) writes the stacks back as the file has them.
 """
 
 from __future__ import annotations
@@ -137,7 +143,7 @@ EXPERT_DISPATCH = ("copies", "ranks")
 stacks]): one row per (token, expert) copy, or once per destination rank (DeepEP)."""
 STACK_FIELDS = ("attention_kernel", "causal_work_fraction", "attention_fwd_efficiency", "attention_bwd_efficiency",
                 "overlap_slowdown", "selective_recompute", "overlap_grad_reduce", "p2p_blocking", "expert_dispatch",
-                "host_sync_kernel_s", "tp_comm_overlap", "hidden_dropout")
+                "host_sync_kernel_s", "tp_comm_overlap", "hidden_dropout", "optimizer_bytes_per_param")
 """Fields a named stack may override ([Note: software stacks])."""
 
 
@@ -216,6 +222,11 @@ class Calibration:
     """Seconds the host takes to issue one kernel of a block whose pass waits on the device (the
     expert all-to-all's token counts, [Note: software stacks]): each of that block's kernels takes at
     least this long (cost/time.py `op_pass_times`); 0: only `kernel_floor_s`."""
+    optimizer_bytes_per_param: float = 28.0
+    """Bytes the stack's optimizer step reads and writes per parameter it updates (cost/time.py
+    [Note: optimizer bytes]): 28 for a fused mixed-precision Adam (`ADAM_BYTES_PER_PARAM`), 46 for
+    Megatron-LM's 2021 `Float16OptimizerWithFloat16Params.step` (megatron/optimizer/optimizer.py at
+    b4bc51b1e7). A count read off the stack's code, not a fitted number."""
     stack: str = DEFAULT_STACK
     """Name of the software stack these numbers describe ([Note: software stacks])."""
     stacks: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
@@ -270,6 +281,8 @@ class Calibration:
                         "expert_dispatch": self.expert_dispatch, "host_sync_kernel_s": self.host_sync_kernel_s,
                         "tp_comm_overlap": self.tp_comm_overlap, "hidden_dropout": self.hidden_dropout,
                         "source": self.sources.get("stack", "")}
+        if self.optimizer_bytes_per_param != 28.0:
+            out["stack"]["optimizer_bytes_per_param"] = self.optimizer_bytes_per_param
         if self.stacks:
             out["stacks"] = {k: dict(v) for k, v in self.stacks.items()}
         if self.collectives:
@@ -349,10 +362,12 @@ class Calibration:
                 raise CalibrationError(f"{where}: stack {name!r}: selective_recompute must be one of "
                                        f"{SELECTIVE_RECOMPUTE}")
             _check_stack_moe(variant, f"{where}: stack {name!r}")
+            _check_optimizer_bytes(variant, f"{where}: stack {name!r}")
             for share in ("attention_fwd_efficiency", "attention_bwd_efficiency", "causal_work_fraction"):
                 if share in variant:
                     fraction(f"stacks.{name}", share, variant[share])
         _check_stack_moe(stack, f"{where}: stack")
+        _check_optimizer_bytes(stack, f"{where}: stack")
         slowdown = overlap.get("compute_slowdown", 0.0)
         if not _below_one(slowdown):
             raise CalibrationError(f"{where}: overlap.compute_slowdown must be a number in [0, 1), got {slowdown!r}")
@@ -381,6 +396,7 @@ class Calibration:
             hidden_dropout=bool(stack.get("hidden_dropout", False)),
             expert_dispatch=str(stack.get("expert_dispatch", "copies")),
             host_sync_kernel_s=float(stack.get("host_sync_kernel_s", 0.0)),
+            optimizer_bytes_per_param=float(stack.get("optimizer_bytes_per_param", 28.0)),
             stack=str(stack.get("name", DEFAULT_STACK)),
             stacks={k: dict(v) for k, v in stacks.items()},
             collectives=collectives,
@@ -405,6 +421,14 @@ def _check_stack_moe(fields: dict[str, Any], where: str) -> None:
     seconds = fields.get("host_sync_kernel_s", 0.0)
     if not _below_one(seconds):
         raise CalibrationError(f"{where}: host_sync_kernel_s must be seconds in [0, 1), got {seconds!r}")
+
+
+def _check_optimizer_bytes(fields: dict[str, Any], where: str) -> None:
+    """A stack's `optimizer_bytes_per_param`, or CalibrationError (one line)."""
+    value = fields.get("optimizer_bytes_per_param", 28.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1000:
+        raise CalibrationError(f"{where}: optimizer_bytes_per_param must be bytes per parameter in (0, 1000] "
+                               f"(28 for a fused mixed-precision Adam), got {value!r}")
 
 
 def load_calibration(path: str | Path) -> Calibration:

@@ -30,7 +30,7 @@ from autoplan.cost.experts import (
 from autoplan.cost.ops import memory_time_s, op_time_s
 from autoplan.graph.blocks import Block, ModelProfile
 
-__all__ = ["BlockTimes", "block_times", "hidden_dropout_times_s", "op_pass_times", "cpu_sharing", "cut_transfer_time_s",
+__all__ = ["ADAM_BYTES_PER_PARAM", "BlockTimes", "block_times", "hidden_dropout_times_s", "op_pass_times", "cpu_sharing", "cut_transfer_time_s",
            "cut_transfer_times_s", "optimizer_time_s", "tied_sync_times_s", "tp_divisor", "tp_sharded"]
 
 # Blocks whose parameters and FLOPs Megatron tensor parallelism shards (Shoeybi et al. 2019, Sec. 3:
@@ -367,11 +367,26 @@ def tied_sync_times_s(profile: ModelProfile, cluster: Cluster, cfg: ParallelConf
     return times
 
 
-# Bytes an Adam step reads and writes per parameter with mixed precision: fp32 master weight,
-# momentum and variance read and written (3 x 4 x 2), the 2-byte gradient read and the 2-byte
-# model weight written. The step is memory-bound (a few FLOPs per byte).
-_ADAM_BYTES_PER_PARAM = 28.0
+# [Note: optimizer bytes]
+# The optimizer step is memory-bound (a few FLOPs per byte), so it is priced by the bytes it moves
+# per parameter. A fused mixed-precision Adam (today's stacks: torch's fused AdamW) reads and writes
+# the fp32 master weight, momentum and variance (3 x 4 x 2), reads the 2-byte gradient and writes the
+# 2-byte model weight: 28 bytes, `ADAM_BYTES_PER_PARAM`. A stack whose step makes more passes over
+# memory says so in its calibration (`Calibration.optimizer_bytes_per_param`, a count, never fitted):
+# Megatron-LM in 2021 (megatron/optimizer/optimizer.py at b4bc51b1e7,
+# `Float16OptimizerWithFloat16Params.step`) unscales the fp32 main gradients and checks them for
+# inf in place (`torch._amp_foreach_non_finite_check_and_unscale_`: read 4 + write 4), reads them for
+# the clip norm (clip_grads.py `clip_grad_norm_fp32`, apex `multi_tensor_l2norm`: 4; the rescale
+# that follows only when the norm exceeds the clip is left out), steps apex's FusedAdam over the
+# fp32 masters alone (master, momentum and variance read and written, the 4-byte fp32 gradient read,
+# no model weight written: 28), and copies the masters to the fp16 model weights in a pass of its
+# own (`_copy_main_params_to_model_params`, apex `multi_tensor_scale`: read 4 + write 2):
+# 8 + 4 + 28 + 6 = 46. (Its fp32 gradients are the DDP buffer's `main_grad`, accumulated in fp32,
+# so `_copy_model_grads_to_main_grads` moves no bytes.)
+ADAM_BYTES_PER_PARAM = 28.0
 
 
-def optimizer_time_s(gpu: GPU, num_params: float) -> float:
-    return num_params * _ADAM_BYTES_PER_PARAM / gpu.mem_bw_bytes_per_s
+def optimizer_time_s(gpu: GPU, num_params: float, bytes_per_param: float = ADAM_BYTES_PER_PARAM) -> float:
+    """Seconds an optimizer step over `num_params` takes on `gpu`, moving `bytes_per_param` bytes
+    per parameter at the GPU's memory bandwidth ([Note: optimizer bytes])."""
+    return num_params * bytes_per_param / gpu.mem_bw_bytes_per_s

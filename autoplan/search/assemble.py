@@ -123,7 +123,7 @@ def make_plan(ctx: SearchContext, cfg: ParallelConfig, cuts: Cuts, stage_times: 
                                                   overlap=cal.overlap_grad_reduce)
         shards = cfg.dp_shard if cfg.zero >= 2 else cfg.dp if cfg.zero == 1 else 1
         opt = optimizer_time_s(pp_gpus[p], (rank_params + expert_shard_surplus(profile, cfg, [ranges[k] for k in mine]))
-                               / shards)
+                               / shards, ctx.calibration(pp_gpus[p]).optimizer_bytes_per_param)
         dp_exposed.append(exposed)
         optim_s.append(opt)
         tails.append(tied_s[p] + exposed + opt)  # the order the runtime does them in (runtime/execution/partitioned.py, step)
