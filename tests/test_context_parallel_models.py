@@ -15,6 +15,7 @@ import pytest
 import torch
 from _cli import run_main
 from _dist import run_ranks
+from _rank_compare import assert_ranks_match_reference
 from test_user_paths import GLOBAL_BATCH, MICRO_BATCH, _full, _reference
 
 import autoplan
@@ -79,17 +80,7 @@ def _check(cases: dict, tmp_path: Path) -> None:
         assert spec.startswith("moe") or any(isinstance(x, torch.Tensor) and x.shape == (GLOBAL_BATCH, SEQ_LEN) and
                    torch.equal(x[0], torch.arange(SEQ_LEN)) for x in inputs), f"{name}: no position ids fed"  # the zoo reads them
         model, ref_loss, ref_grads = _reference(spec, plan, inputs, target)
-        losses = [r[name]["loss"] for r in results.values() if r[name]["loss"] is not None]
-        rtol = 1e-4 if plan.tp > 1 else 1e-5
-        assert losses and all(loss == pytest.approx(ref_loss, rel=rtol) for loss in losses), (name, losses, ref_loss)
-        grads = {}
-        for r in results.values():
-            grads.update(r[name]["grads"])
-        assert set(grads) == {n for n in ref_grads if n in grads} and len(grads) >= len(dict(model.named_parameters()))
-        scale = max(float(g.abs().max()) for g in ref_grads.values())
-        for n, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[n], rtol=rtol, atol=rtol * scale,
-                                       msg=lambda m, n=n, name=name: f"{name}: {n}: {m}")
+        assert_ranks_match_reference(name, results, model, ref_loss, ref_grads, rtol=1e-4 if plan.tp > 1 else 1e-5)
 
 
 @pytest.mark.multiproc

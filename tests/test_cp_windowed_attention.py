@@ -20,6 +20,7 @@ import pytest
 import torch
 from _cli import run_main
 from _dist import run_ranks
+from _rank_compare import assert_ranks_match_reference
 from test_context_parallel_models import SEQ_LEN, _rank_job
 from test_user_paths import GLOBAL_BATCH, MICRO_BATCH, _reference
 
@@ -59,17 +60,7 @@ def _check(cases: dict, tmp_path: Path) -> None:
         plan = autoplan.Plan.load(path)
         inputs, target = results[0][name]["batch"]
         model, ref_loss, ref_grads = _reference(spec, plan, inputs, target)
-        losses = [r[name]["loss"] for r in results.values() if r[name]["loss"] is not None]
-        rtol = 1e-4 if plan.tp > 1 else 1e-5
-        assert losses and all(loss == pytest.approx(ref_loss, rel=rtol) for loss in losses), (name, losses, ref_loss)
-        grads = {}
-        for r in results.values():
-            grads.update(r[name]["grads"])
-        assert set(grads) <= set(ref_grads) and len(grads) >= len(dict(model.named_parameters())), name
-        scale = max(float(g.abs().max()) for g in ref_grads.values())
-        for n, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[n], rtol=rtol, atol=rtol * scale,
-                                       msg=lambda m, n=n, name=name: f"{name}: {n}: {m}")
+        assert_ranks_match_reference(name, results, model, ref_loss, ref_grads, rtol=1e-4 if plan.tp > 1 else 1e-5)
 
 
 @pytest.mark.multiproc
