@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from _cli import run_main
+from conftest import scaled_timeout_s
 
 import autoplan
 from autoplan import models as zoo
@@ -128,7 +129,8 @@ def test_mixtral_8x22b_on_256_h100_searches_expert_parallelism_and_says_why():
                       "--seq-len", "4096", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["search"]["time_s"] < 10, data["search"]["time_s"]
+    # a guard against a search that explodes, not a speed target: scaled by the load ([Note: timeouts under load])
+    assert data["search"]["time_s"] < scaled_timeout_s(10), data["search"]["time_s"]
     notes = " ".join(data["search"]["notes"])
     assert "ep " in notes and "expert parallelism" in notes, notes  # the choice and its alternative
     pinned = autoplan.suggest("mixtral-8x22b", "32x8xH100-80GB", global_batch=1024, seq_len=4096, ep=8, top=1)[0]

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from conftest import scaled_timeout_s
 from torch import nn
 from torch.fx import Tracer, symbolic_trace
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -70,7 +71,8 @@ class _LayerLeafTracer(Tracer):
 def test_preset_builds_on_meta_with_published_size(name):
     start = time.perf_counter()
     model = build_model(name, device="meta")
-    assert time.perf_counter() - start < 5.0
+    # a guard against materializing on meta, not a speed target: scaled by the load ([Note: timeouts under load])
+    assert time.perf_counter() - start < scaled_timeout_s(5.0)
     assert all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
     cfg = PRESETS[name]
     n = _num_params(model)
