@@ -122,12 +122,14 @@ def test_gc_pause_hands_objects_to_the_old_generation():
         assert gc.isenabled() and gc.get_freeze_count() == 0  # nothing stays frozen
         assert all(gc.is_tracked(x) for x in kept[:10])
         assert gc.get_count()[0] < 1000  # not left for a young collection to walk
-        # Objects a program froze itself stay frozen.
+        # Objects a program froze itself stay frozen. The count is not compared for equality: a frozen
+        # object another thread frees meanwhile (pytest-xdist's execnet thread) leaves the permanent
+        # generation, and CI once saw 1550503 -> 1550500. A pause that unfroze would leave 0.
         gc.freeze()
         frozen = gc.get_freeze_count()
         with gc_paused():
             pass
-        assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() > frozen // 2
         gc.unfreeze()
     finally:
         (gc.enable if was else gc.disable)()
