@@ -16,11 +16,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FIRST_RECORDED", "LAYOUT_FIELDS", "RANK_ORDERS", "Layout", "LayoutCounts", "carries_layout", "layout_rank"]
+__all__ = ["FIRST_RECORDED", "LAYOUT_FIELDS", "RANK_ORDERS", "Layout", "LayoutCounts", "carries_layout", "layout_key_getter", "layout_rank"]
 
 RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
 
@@ -163,6 +163,23 @@ def carries_layout(cls: type) -> type:
             setattr(cls, f.name, f.default)
     cls.__annotations__ = annotations
     return cls
+
+
+def layout_key_getter(without: tuple[str, ...] = (), instead: tuple[str, ...] = ()) -> Callable[[Any], tuple]:
+    """`LayoutCounts.layout_key`'s getter, made once by a call site on the search's hot path: it
+    returns the fields but `without` and `instead`, and the caller appends the values it gives
+    `instead` (keyword arguments and the getter's lookup cost more than the key itself there). It
+    reads `LAYOUT_FIELDS` again whenever that changes, as `layout_key` does (tests/test_layout.py adds
+    a field after import)."""
+    without, instead = tuple(without), tuple(instead)
+    made: list = [None, None]  # the fields the getter was made for, and the getter
+
+    def key(obj: Any) -> tuple:
+        if made[0] is not LAYOUT_FIELDS:
+            made[0], made[1] = LAYOUT_FIELDS, _key_getter(LAYOUT_FIELDS, without, instead)
+        return made[1](obj)
+
+    return key
 
 
 @functools.cache

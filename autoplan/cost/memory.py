@@ -374,18 +374,20 @@ def block_static_bytes(profile: ModelProfile, cfg: ParallelConfig, dtype: str) -
 _ITEMSIZE = {"float32": 4, "fp32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
-_SURPLUS: dict[tuple, tuple[float, float]] = {}
+_SURPLUS: dict[tuple[int, int | None], tuple[Block, tuple[float, float]]] = {}
 
 
 def fused_norm_surplus(block: Block, hidden_size: int | None = None) -> tuple[float, float]:
-    """`_fused_norm_surplus`, memoized: the search asks for every block of every configuration."""
-    key = (block.name, block.fingerprint, block.saved_bytes, block.saved_bytes_replicated_tp, len(block.ops),
-           sum(op.bytes for op in block.ops if op.name == "_fused_rms_norm"), hidden_size)
-    out = _SURPLUS.get(key)
-    if out is None:
-        if len(_SURPLUS) > 65536:
-            _SURPLUS.clear()
-        out = _SURPLUS[key] = _fused_norm_surplus(block, hidden_size)
+    """`_fused_norm_surplus`, memoized by the block's identity: the search asks for every block of
+    every configuration, and a key built from the block's operators cost more than the answer. A
+    block is frozen, and the entry holds it, so its id is not reused while the entry lives."""
+    entry = _SURPLUS.get((id(block), hidden_size))
+    if entry is not None and entry[0] is block:
+        return entry[1]
+    if len(_SURPLUS) > 65536:
+        _SURPLUS.clear()
+    out = _fused_norm_surplus(block, hidden_size)
+    _SURPLUS[(id(block), hidden_size)] = (block, out)
     return out
 
 

@@ -29,12 +29,13 @@ from autoplan.cost.memory import (
 )
 from autoplan.cost.time import BlockTimes, block_times, cut_transfer_times_s
 from autoplan.graph.blocks import ModelProfile
+from autoplan.layout import layout_key_getter
 from autoplan.plan import Job
 from autoplan.schedule import SimResult
 from autoplan.search.partition import DPSolver
 from autoplan.search.stage_model import CutProblem, Cuts
 
-__all__ = ["MEMO_LEAVES_OUT", "CutCache", "SearchContext", "stage_gpus"]
+__all__ = ["MEMO_KEY_INSTEAD", "MEMO_LEAVES_OUT", "CutCache", "SearchContext", "stage_gpus"]
 
 MEMO_LEAVES_OUT = {
     "times": ("dp", "dp_replicate", "virtual_stages"),  # the rank order and pp only where ep or cp spread groups
@@ -49,6 +50,13 @@ MEMO_LEAVES_OUT = {
 """The layout fields each per-search memo provably does not depend on. Its key holds every other
 layout field (`LayoutCounts.layout_key`), so a field added to `Layout` enters every key until a memo
 names it here (tests/test_layout.py)."""
+
+MEMO_KEY_INSTEAD = {"times": ("rank_order", "pp"), "static": ("pp", "virtual_stages"), "reserve": ("pp",)}
+"""The layout fields a memo depends on only in part: its key holds a value made from each (in this
+order) in place of the field (`LayoutCounts.layout_key`'s `instead`)."""
+
+_KEY = {memo: layout_key_getter(without, MEMO_KEY_INSTEAD.get(memo, ())) for memo, without in MEMO_LEAVES_OUT.items()}
+"""Each memo's key getter, made once: the search builds tens of thousands of keys."""
 
 
 class SearchContext:
@@ -102,18 +110,17 @@ class SearchContext:
     def block_times(self, gpu, cfg: ParallelConfig) -> BlockTimes:
         spread = cfg.ep > 1 or cfg.cp > 1  # their groups' links depend on the rank layout
         key = ("times", gpu.name, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel,
-               *cfg.layout_key(MEMO_LEAVES_OUT["times"], rank_order=cfg.rank_order if spread else None,
-                               pp=cfg.pp if spread else None))
+               *_KEY["times"](cfg), cfg.rank_order if spread else None, cfg.pp if spread else None)
         return self.cached(key, lambda: block_times(self.profile, gpu, self.cluster, cfg, self.job.dtype,
                                                     self.calibration(gpu)))
 
     def static_bytes(self, cfg: ParallelConfig) -> np.ndarray:
         key = ("static", cfg.zero, cfg.reduce_dtype,
-               *cfg.layout_key(MEMO_LEAVES_OUT["static"], pp=cfg.pp == 1, virtual_stages=cfg.num_stages == 1))
+               *_KEY["static"](cfg), cfg.pp == 1, cfg.num_stages == 1)
         return self.cached(key, lambda: block_static_bytes(self.profile, cfg, self.job.dtype))
 
     def act_bytes(self, cfg: ParallelConfig) -> np.ndarray:
-        key = ("acts", cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, *cfg.layout_key(MEMO_LEAVES_OUT["acts"]))
+        key = ("acts", cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, *_KEY["acts"](cfg))
         # A CPU rank runs F.rms_norm's composite form, which saves more (cost/memory.py [Note: fused
         # RMSNorm]); a cluster with any CPU rank is counted as one, the larger of the two.
         cpu = any(g.name == "cpu" for g in self.gpu_types)
@@ -141,7 +148,7 @@ class SearchContext:
     def fsdp_unit_times(self, cfg: ParallelConfig, pp_index: int) -> tuple[np.ndarray, np.ndarray]:
         """Per block (one FSDP unit each): all-gather and gradient-reduction seconds over the FSDP
         groups of pipeline rank `pp_index` (cost/comm.py [Note: FSDP communication])."""
-        groups_key = ("fsdp-groups", pp_index, *cfg.layout_key(MEMO_LEAVES_OUT["fsdp-groups"]))
+        groups_key = ("fsdp-groups", pp_index, *_KEY["fsdp-groups"](cfg))
 
         def groups():
             first = cfg.rank(pp_index, 0, 0)
@@ -153,7 +160,7 @@ class SearchContext:
         shard, replicate, layouts = self.cached(groups_key, groups)
         gather_bytes = gathered_bytes_per_param(self.job.dtype)
         reduce_bytes = reduced_bytes_per_param(cfg.reduce_dtype)
-        key = ("fsdp", cfg.reduce_dtype, layouts, *cfg.layout_key(MEMO_LEAVES_OUT["fsdp"]))
+        key = ("fsdp", cfg.reduce_dtype, layouts, *_KEY["fsdp"](cfg))
         if not cfg.holds_expert_slices:
             return self.cached(key, lambda: fsdp_unit_times_s(
                 self.cluster, shard, replicate, self.params(cfg), gather_bytes, reduce_bytes))
@@ -172,7 +179,7 @@ class SearchContext:
         return self.cached(key, with_experts)
 
     def params(self, cfg: ParallelConfig) -> np.ndarray:
-        return self.cached(("params", *cfg.layout_key(MEMO_LEAVES_OUT["params"])),
+        return self.cached(("params", *_KEY["params"](cfg)),
                            lambda: param_counts(self.profile, cfg))
 
     def reserve(self, cfg: ParallelConfig) -> float:
@@ -183,7 +190,7 @@ class SearchContext:
         recompute) and the head's backward transients (`head_backward_bytes`); then FSDP's units in
         flight (`fsdp_transient_bytes`)."""
         key = ("reserve", cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.reduce_dtype,
-               *cfg.layout_key(MEMO_LEAVES_OUT["reserve"], pp=cfg.pp == 1))
+               *_KEY["reserve"](cfg), cfg.pp == 1)
 
         def make() -> float:
             f = cfg.batch_share(self.profile.batch_size)
@@ -201,7 +208,7 @@ class SearchContext:
 
     def link_times(self, cfg: ParallelConfig) -> np.ndarray:
         src, dst = cfg.rank(0, 0), cfg.rank(1 % cfg.pp, 0)
-        key = ("link", cfg.micro_batch_size, src, dst, *cfg.layout_key(MEMO_LEAVES_OUT["link"]))
+        key = ("link", cfg.micro_batch_size, src, dst, *_KEY["link"](cfg))
 
         def make() -> np.ndarray:
             out = np.zeros(self.profile.num_blocks + 1)

@@ -65,6 +65,7 @@ from autoplan.cost.config import ParallelConfig
 from autoplan.cost.experts import expert_links
 from autoplan.cost.memory import allowance_bytes, block_static_bytes
 from autoplan.graph.blocks import ModelProfile
+from autoplan.layout import layout_key_getter
 from autoplan.plan import RECOMPUTE, Job, Plan, expert_layout_refusal
 from autoplan.plan import BreakdownTerm as Term
 from autoplan.schedule import schedule_spec
@@ -88,7 +89,7 @@ from autoplan.search.configs import (
     tp_refusal,
     with_memory_options,
 )
-from autoplan.search.context import MEMO_LEAVES_OUT, SearchContext
+from autoplan.search.context import MEMO_KEY_INSTEAD, MEMO_LEAVES_OUT, SearchContext
 from autoplan.search.evaluate import evaluate, min_memory_bytes
 from autoplan.search.rejections import Rejection, Rejections
 from autoplan.search.targets import ExportRules, TargetFilter
@@ -100,6 +101,12 @@ CONFIG_KEY_LEAVES_OUT = ("rank_order",)
 keep, and the top plans hold, one configuration per rank order's worth of the others."""
 _STATIC_LEAVES_OUT = ("cp", "virtual_stages", "rank_order")
 """Layout fields the weights-alone bound's memo leaves out (search/context.py `MEMO_LEAVES_OUT`)."""
+
+# The key getters of the loop's memos, made once (autoplan/layout.py `layout_key_getter`): the bound
+# below builds a key for every configuration considered.
+_STATIC_KEY = layout_key_getter(_STATIC_LEAVES_OUT, ("pp",))
+_TIMES_KEY = layout_key_getter(MEMO_LEAVES_OUT["times"], MEMO_KEY_INSTEAD["times"])
+_CONFIG_KEY = layout_key_getter(CONFIG_KEY_LEAVES_OUT)
 
 @dataclass
 class SearchResult:
@@ -200,7 +207,7 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
                 rejections.counts["layout"] += 1
             continue
         frugal = frugal_config(cfg, pins, sp_allowed, cluster.gpus_per_node, profile)
-        key = (frugal.zero, cfg.reduce_dtype, *frugal.layout_key(_STATIC_LEAVES_OUT, pp=cfg.pp == 1))
+        key = (frugal.zero, cfg.reduce_dtype, *_STATIC_KEY(frugal), cfg.pp == 1)
         if key not in static_cache:
             static_cache[key] = float(block_static_bytes(profile, frugal, job.dtype).sum())
         weights_over = static_cache[key] / cfg.pp > min_capacity and not all_pinned
@@ -214,8 +221,8 @@ def _search_plans(profile: ModelProfile, cluster: Cluster, job: Job, *, model_sp
         # exceed real step times and cut plans from the top k that a pinned search then found.
         fastest = with_memory_options(cfg, pins, sp_allowed, recomputes[0], frugal.zero, frugal.dp_replicate)
         spread = cfg.ep > 1 or cfg.cp > 1  # their groups' links depend on the rank layout (as SearchContext.block_times)
-        tkey = (cfg.micro_batch_size, fastest.sequence_parallel, *cfg.layout_key(
-            MEMO_LEAVES_OUT["times"], rank_order=cfg.rank_order if spread else None, pp=cfg.pp if spread else None))
+        tkey = (cfg.micro_batch_size, fastest.sequence_parallel, *_TIMES_KEY(cfg), cfg.rank_order if spread else None,
+                cfg.pp if spread else None)
         if tkey not in time_cache:
             time_cache[tkey] = float(np.min([ctx.block_times(g, fastest).total_s for g in ctx.cluster.gpu_types],
                                             axis=0).sum())
@@ -424,7 +431,7 @@ def _keep(best: list[tuple[float, tuple, Plan]], top: int, step_time_s: float, p
 
 def _config_key(cfg: ParallelConfig) -> tuple:
     """A configuration without its rank layout: rejections keep one per key."""
-    return (cfg.micro_batch_size, cfg.schedule, cfg.recompute, cfg.zero, *cfg.layout_key(CONFIG_KEY_LEAVES_OUT))
+    return (cfg.micro_batch_size, cfg.schedule, cfg.recompute, cfg.zero, *_CONFIG_KEY(cfg))
 
 
 def _sharding_refusal(cfg: ParallelConfig, pins: dict, profile: ModelProfile) -> str:
