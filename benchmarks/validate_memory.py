@@ -42,6 +42,7 @@ from autoplan import models as zoo
 from autoplan.cluster import GPU, get_gpu, parse_cluster
 from autoplan.cost import memory as memory_model
 from autoplan.cost.config import ParallelConfig
+from autoplan.cost.memory_stacks import stack_memory
 from autoplan.graph.profile import profile_model
 from autoplan.plan import Job, MemoryBreakdown
 from autoplan.search.context import SearchContext
@@ -170,7 +171,7 @@ def memory_rows(rows: list[dict] | None = None) -> list[dict]:
                     "gpu": gpu.name,
                     "capacity_gib": capacity, "measured_gib": measured, "predicted_gib": predicted,
                     "ratio": predicted / measured, "terms_gib": terms, "flags": flags,
-                    "features": row.get("features", []), "assumed": sorted(row.get("assumed", {})),
+                    "features": [_feature(f, row.get("memory_stack") or row.get("stack")) for f in row.get("features", [])], "assumed": sorted(row.get("assumed", {})),
                     "from_config": sorted(row.get("from_config", {})),
                     "measured_what": row["measured_what"].split(":")[0],
                     "allocated_ratio": ((mem.total_bytes - mem.allowance_bytes) / GIB / measured
@@ -191,6 +192,13 @@ def gate_failures(rows: list[dict]) -> list[str]:
         if known and "UNDER" not in r["flags"]:
             out.append(f"{r['id']}: no longer under-predicted; remove it from KNOWN_UNDER")
     return out
+
+
+def _feature(name: str, stack: str | None) -> str:
+    """A run's feature as the table names it: what the model leaves out, or what part it counts."""
+    if name == "torch.compile (layers)" and stack_memory(stack).compiled_layers:
+        return f"{name} (counted: what selective recompute saves; not: its transients)"
+    return name
 
 
 def format_table(rows: list[dict]) -> str:

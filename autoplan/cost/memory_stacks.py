@@ -73,9 +73,16 @@ parallelism also the all-gathered inputs of the projections) and the rest (split
   half the saved bytes more (`loss_backward_factor` 0.5).
 
 - `torchtitan-2025-compile` (torchtitan at e7c0cae, June 2025, run with `--training.compile`: the Trainy
-  H200 rows): the layer as `torchtitan`'s (torch.compile is applied per TransformerBlock and changes
-  no saved tensor the selective policy picks; what it saves in transients is not counted, so the
-  prediction stays high), but the loss is compiled: torchtitan/components/loss.py at e7c0cae,
+  H200 rows): the layer as `torchtitan`'s, compiled per TransformerBlock (`compiled_layers`). Under the
+  selective policy, inductor's partitioner (torch/_functorch/partitioners.py) keeps what the policy
+  marks MUST_SAVE only where the backward reads it, and no backward reads w2's output (the residual
+  add's backward does not): the compiled layer keeps the eager count less that output (e h a token).
+  Measured on this machine with torch 2.13's inductor on a layer of torchtitan's shape (norms, GQA, SwiGLU
+  under `_save_list`'s every-second-mm policy; tests/test_memory_rows_issue40.py): eager count 3,744
+  bytes a token, compiled 3,232 = 3,744 - e h (h 256). Only at tp 1 (a DTensor layer under compile is not
+  checked; under tp the eager count stays, high); without recompute the eager count stays too (compile
+  also fuses the SwiGLU's and the norms' saved tensors there, not measured, so the prediction stays
+  high). The loss is compiled: torchtitan/components/loss.py at e7c0cae,
   `build_cross_entropy_loss`, wraps `cross_entropy(pred.flatten(0, 1).float(), labels)` in
   `torch.compile` when `training.compile` is set (at 9dec370 that line is commented out in train.py).
   Inductor's min-cut partitioner (torch/_functorch/partitioners.py `min_cut_rematerialization_partition`)
@@ -128,6 +135,9 @@ class StackMemory:
     by its backward)."""
     dropout_masks: int = 0
     """One-byte dropout masks of the hidden shape a layer keeps (Megatron-LM's default hidden dropout)."""
+    compiled_layers: bool = False
+    """Layers run under torch.compile: under selective recompute, a saved output the backward never
+    reads (w2's) is not kept ([Note: memory per stack], torchtitan-2025-compile)."""
     pipeline_outputs: str = "none"
     """Which pipeline stages keep every micro-batch's forward output until the step ends: "all", "last"
     or "none" ([Note: memory per stack], pipeline outputs)."""
@@ -136,7 +146,7 @@ class StackMemory:
 STACK_MEMORY: dict[str, StackMemory] = {
     "torchtitan": StackMemory("torchtitan", layer="torchtitan", loss="fp32-log-softmax", pipeline_outputs="all"),
     "torchtitan-2025-compile": StackMemory("torchtitan-2025-compile", layer="torchtitan", loss="compiled-ce",
-                                           pipeline_outputs="last"),
+                                           compiled_layers=True, pipeline_outputs="last"),
     "megatron-core": StackMemory("megatron-core", layer="megatron-core", loss="profile"),
     "megatron-core-deepep": StackMemory("megatron-core-deepep", layer="megatron-core", loss="profile"),
     "megatron-lm-2023": StackMemory("megatron-lm-2023", layer="megatron-core", loss="vocab-parallel-ce",
@@ -221,8 +231,11 @@ def stack_saved_bytes(stack: str | None, profile: ModelProfile, block: Block, cf
         # kept whole by the linears that save them; the row-parallel w2's output is a whole partial
         # sum before its reduce-scatter.
         if cfg.recompute == "selective":
-            kept_whole = (e * h if not sp else 0) + (e * h if tp > 1 else 0)
-            split = e * (h + d_kv + f) + e * h + lse + (e * h if tp == 1 else 0) + (e * h if sp else 0)
+            # The layer's input, q, v, w1's output, the attention's output and log-sum-exp, and w2's
+            # output (the 7th mm: a whole partial sum under tp) unless compiled at tp 1, which drops it.
+            w2_out = 0 if how.compiled_layers and tp == 1 else e * h
+            kept_whole = (e * h if not sp else 0) + (w2_out if tp > 1 else 0)
+            split = e * (h + d_kv + f) + e * h + lse + (w2_out if tp == 1 else 0) + (e * h if sp else 0)
             return _per_gpu(tokens, kept_whole, split, tp)
         kv = h if (profile.num_kv_heads or heads) < heads else d_kv
         norms = 4 * e * h
