@@ -11,6 +11,13 @@ the same machine in one run; e.g. `git worktree add ../before HEAD~5`). Separate
 turn were not enough on a loaded machine: two runs of the earlier form gave 1.12x and 1.48x for
 the same pair of trees.
 
+    python benchmarks/search_speed.py --against ../other-checkout --bytecodes   # the same, as work done
+
+`--bytecodes` counts the Python bytecode instructions one warm search of each case executes under
+each checkout (sys.settrace's opcode events, each side in a fresh process): a count that a loaded
+machine does not change, beside the configurations each side evaluated. It misses time spent in C
+(numpy, the simulator's arrays), so it is read beside the timings, not instead of them.
+
     python benchmarks/search_speed.py --ratio-only [--repeats 5]  # only the start-up ratio below
 
 The start-up ratio (issue 29's target: within 1.5x): the cold `autoplan suggest` of gpt3-175b on
@@ -36,6 +43,7 @@ Every measurement is a fresh Python process (imports, torch's lazy imports and c
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -151,6 +159,55 @@ def compare(other: str, rounds: int) -> int:
     return out
 
 
+_BYTECODES = r"""
+import json, sys
+root = {root!r}
+sys.path.insert(0, root)
+import autoplan.api
+assert autoplan.api.__file__.startswith(root), (root, autoplan.api.__file__)
+model, cluster, batch, seq = {case!r}
+for _ in range(2):  # warm: the profile built and cached, lazy imports done
+    autoplan.api.suggest_with_stats(model, cluster, global_batch=batch, seq_len=seq, top=5)
+count = [0]
+
+def tracer(frame, event, arg):
+    frame.f_trace_opcodes = True
+    if event == "opcode":
+        count[0] += 1
+    return tracer
+
+sys.settrace(tracer)
+result, _ = autoplan.api.suggest_with_stats(model, cluster, global_batch=batch, seq_len=seq, top=5)
+sys.settrace(None)
+print(json.dumps({{"bytecodes": count[0], "configs": result.configs_evaluated}}))
+"""
+
+
+def compare_bytecodes(other: str) -> list[dict]:
+    """Bytecode instructions of one warm search of each case under this checkout and the one at `other`
+    (each in a fresh process with its own profile cache): the work each side does, whatever the load."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    print(f"{'model':<12} {'cluster':<18} {'this bytecodes':>14} {'other':>12} {'ratio':>6} {'configs':>13} "
+          f"{'per config':>10}")
+    out = []
+    for case in CASES:
+        counts = {}
+        for side, root in (("this", here), ("other", other)):
+            with tempfile.TemporaryDirectory(prefix="autoplan-bench-") as cache_dir:
+                # One string hash seed for both: a set's order may change the count otherwise.
+                env = dict(os.environ, AUTOPLAN_CACHE_DIR=cache_dir, PYTHONHASHSEED="0")
+                env.pop("PYTHONPATH", None)
+                run = subprocess.run([sys.executable, "-c", _BYTECODES.format(root=root, case=list(case))], env=env,
+                                     check=True, capture_output=True, text=True, cwd=tempfile.gettempdir())
+            counts[side] = json.loads(run.stdout.strip().splitlines()[-1])
+        ratio = counts["this"]["bytecodes"] / counts["other"]["bytecodes"]
+        work = counts["this"]["configs"] / counts["other"]["configs"]
+        print(f"{case[0]:<12} {case[1]:<18} {counts['this']['bytecodes']:>14,} {counts['other']['bytecodes']:>12,} "
+              f"{ratio:>6.3f} {counts['this']['configs']:>6}/{counts['other']['configs']:<6} {ratio / work:>10.3f}")
+        out.append({"case": list(case), "counts": counts, "ratio": ratio})
+    return out
+
+
 RATIO_COMMAND = ["suggest", "--model", "gpt3-175b", "--cluster", "128x8xA100-80GB", "--global-batch", "1536",
                  "--seq-len", "2048"]
 
@@ -210,6 +267,8 @@ def main() -> int:
     parser.add_argument("--against", metavar="PATH", help="another checkout to compare search times with")
     parser.add_argument("--repeats", type=int, default=5,
                         help="runs of each side of the start-up ratio; with --against, rounds of A B B A (default 5)")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="with --against: count the bytecodes of one warm search a side instead of timing")
     parser.add_argument("--ratio-only", action="store_true", help="only the start-up ratio, not the cases")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one case, in this process
     args = parser.parse_args()
@@ -217,7 +276,8 @@ def main() -> int:
         print(json.dumps(_one(*json.loads(args.one))))
         return 0
     if args.against:
-        rows = compare(os.path.abspath(args.against), args.repeats)
+        compared = compare_bytecodes if args.bytecodes else functools.partial(compare, rounds=args.repeats)
+        rows = compared(os.path.abspath(args.against))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"against": os.path.abspath(args.against), "cases": rows}, f, indent=2)
