@@ -18,13 +18,15 @@ import sys
 import time
 
 import pytest
+from conftest import scaled_timeout_s
 
 from autoplan.plan import Plan, PlanError
 from tests._cli import run_main
 
 TINY = "gpt:num_layers=3,hidden_size=16,num_heads=2,vocab_size=32,max_seq_len=8"
-SECONDS = 2.0
-"""The bound on a refusal (issue 43): the 10^12 micro-batch plan took 307 s before it was killed."""
+SECONDS = 5.0
+"""The bound on a refusal (issue 43), times the machine's load (`scaled_timeout_s`): the 10^12 micro-batch
+plan took 307 s before it was killed; `show` once took 3.7 s to refuse under CI's load."""
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def _refused(argv: list[str]) -> str:
     assert result.returncode == 2, (argv, result.returncode, result.stderr[-2000:])
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("autoplan: error: "), result.stderr
-    assert seconds < SECONDS, f"{argv[0]} took {seconds:.1f} s to refuse: {lines[0]}"
+    assert seconds < scaled_timeout_s(SECONDS), f"{argv[0]} took {seconds:.1f} s to refuse: {lines[0]}"
     return lines[0]
 
 
@@ -214,7 +216,7 @@ def test_plan_from_dict_validates_as_load_does(plan_data, field, value, words):
     started = time.perf_counter()
     with pytest.raises(PlanError, match=words.replace("*", r"\*").replace("(", r"\(")):
         Plan.from_dict(data)
-    assert time.perf_counter() - started < SECONDS
+    assert time.perf_counter() - started < scaled_timeout_s(SECONDS)
     Plan.from_dict(plan_data)  # the plan itself is fine
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import make_plan, run_ranks
+from conftest import scaled_timeout_s
 
 from autoplan import models as zoo
 from autoplan.graph.profile import model_fingerprint
@@ -300,7 +301,7 @@ def test_a_hung_rank_is_caught_by_timeouts_and_stopped_by_the_launcher(capsys):
     code = run_plan(_plan(2), steps=20, _fault="hang@1:2", _grace_s=2, _start_method="forkserver", timeout_s=3)
     elapsed = time.monotonic() - start
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == 1 and elapsed < 30, (elapsed, line)
+    assert code == 1 and elapsed < scaled_timeout_s(30), (elapsed, line)
     # Rank 0 waits on rank 1, times out after 3 s and fails; rank 1 (hung, alive) is stopped by the
     # launcher and named: it got least far (its heartbeat says where it is).
     assert line.startswith("autoplan: error: rank 1 stopped making progress at step 2"), line
