@@ -119,6 +119,11 @@ def _takes_stack() -> bool:
     return "stack" in inspect.signature(memory_model.rank_memory).parameters
 
 
+def row_stack(row: dict) -> str | None:
+    """The stack whose runtime held the row's memory: its `memory_stack` where it names one, else its `stack`."""
+    return row.get("memory_stack") or row.get("stack")
+
+
 def predict_memory(row: dict) -> tuple[MemoryBreakdown, GPU]:
     """The largest per-GPU memory of the row's layout under its stack, and its GPU. The cuts are the
     evaluation's (search/evaluate.py, nothing refused); each pipeline rank's memory is then counted as
@@ -135,7 +140,7 @@ def predict_memory(row: dict) -> tuple[MemoryBreakdown, GPU]:
         raise ValueError(f"{row['id']}: autoplan cannot evaluate the layout {cfg}")
     plan = evaluation.plan
     ranges = [(s.first_block, s.end_block) for s in plan.stages]
-    stack = row.get("memory_stack") or row.get("stack")
+    stack = row_stack(row)
     kwargs = {"stack": stack} if _takes_stack() else {}
     acts = memory_model.block_act_bytes(prof, cfg, False, **kwargs)
     inflight = schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
@@ -167,11 +172,11 @@ def memory_rows(rows: list[dict] | None = None) -> list[dict]:
         if predicted > capacity:
             flags.append("FALSE-OOM")
         terms = {name[:-6]: getattr(mem, name) / GIB for name in TERMS}
-        out.append({"id": row["id"], "stack": row.get("memory_stack") or row.get("stack"), "model": row["model"]["spec"],
+        out.append({"id": row["id"], "stack": row_stack(row), "model": row["model"]["spec"],
                     "gpu": gpu.name,
                     "capacity_gib": capacity, "measured_gib": measured, "predicted_gib": predicted,
                     "ratio": predicted / measured, "terms_gib": terms, "flags": flags,
-                    "features": [_feature(f, row.get("memory_stack") or row.get("stack")) for f in row.get("features", [])], "assumed": sorted(row.get("assumed", {})),
+                    "features": [_feature(f, row_stack(row)) for f in row.get("features", [])], "assumed": sorted(row.get("assumed", {})),
                     "from_config": sorted(row.get("from_config", {})),
                     "measured_what": row["measured_what"].split(":")[0],
                     "allocated_ratio": ((mem.total_bytes - mem.allowance_bytes) / GIB / measured
