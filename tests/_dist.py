@@ -11,6 +11,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from autoplan.runtime.launcher.rendezvous import hosted_store
+
 __all__ = ["free_port", "recorded_sends", "run_ranks"]
 
 
@@ -49,8 +51,10 @@ def _entry(rank: int, world_size: int, port: int, job: Callable, args: tuple, qu
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+    try:  # the store `run_ranks` holds: no port to lose between picking and binding it
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timedelta(seconds=pg_timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout_s))
         result = job(rank, world_size, *args)
         queue.put((rank, "ok", pickle.dumps(result)))  # plain pickle: no shared-memory tensors
     except BaseException as exc:
@@ -74,7 +78,12 @@ def run_ranks(job: Callable, world_size: int, *args: Any, timeout_s: float = 60.
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "autoplan.runtime.api", "autoplan.runtime.launcher.launch"])
     queue = ctx.SimpleQueue()
-    port = free_port()
+    with hosted_store() as port:  # [Note: a port held from the start]
+        return _run_ranks_on(port, ctx, queue, job, world_size, args, timeout_s, pg_timeout_s, expect_failure)
+
+
+def _run_ranks_on(port: int, ctx, queue, job: Callable, world_size: int, args: tuple, timeout_s: float,
+                  pg_timeout_s: float, expect_failure: bool) -> dict[int, Any]:
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, job, args, queue, pg_timeout_s), daemon=True)
              for r in range(world_size)]
     for p in procs:

@@ -280,7 +280,7 @@ LLAMA = "llama:num_layers=2,hidden_size=32,num_heads=4,num_kv_heads=2,vocab_size
 def one_rank_env(monkeypatch):
     """`autoplan run` in this process as the one rank of a torchrun job: no interpreter to start (each
     costs torch's import, seconds on a loaded machine); conftest.py tears the process group down."""
-    from autoplan.runtime.launcher.launch import free_port
+    from _dist import free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))

@@ -6,6 +6,7 @@ compares the ranks' losses and gradients with a `copy`-free reference built from
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -221,6 +222,34 @@ def test_launcher_names_the_failing_rank(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and time.monotonic() - start < 90
     assert err[-1].startswith("autoplan: error: rank 1 failed") and "injected failure at step 1" in err[-1]
+
+
+@pytest.mark.timeout(120)
+def test_the_job_holds_its_port_from_before_the_ranks_start(monkeypatch, capsys):
+    """CI lost a run to "rank 0 failed: OSError: [Errno 98] Address already in use": the launcher
+    picked a free port and rank 0 bound it 15-25 s later, once torch was imported. The launcher now
+    binds it first and keeps it ([Note: a port held from the start]): while the ranks start, nobody
+    else can take it, and the job still runs."""
+    import errno
+    import socket
+
+    from autoplan.runtime.launcher import launch
+
+    taken = []
+    real_store = launch.hosted_store
+
+    @contextlib.contextmanager
+    def spying_store(*args, **kwargs):
+        with real_store(*args, **kwargs) as port:
+            with socket.socket() as other, pytest.raises(OSError) as refused:
+                other.bind(("127.0.0.1", port))  # what the other process did in the gap
+            taken.append(refused.value.errno)
+            yield port
+
+    monkeypatch.setattr(launch, "hosted_store", spying_store)
+    code = run_plan(_plan(GPT, pp=2, schedule="1f1b"), steps=2, timeout_s=20)
+    assert code == 0, capsys.readouterr().err
+    assert taken == [errno.EADDRINUSE]
 
 
 @pytest.mark.timeout(60)

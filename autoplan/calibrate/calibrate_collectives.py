@@ -49,7 +49,8 @@ def collectives_rank(device: str, sweep: Sweep, timeout_s: float, progress: Prog
         dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=dt.timedelta(seconds=timeout_s))
+    if not dist.is_initialized():  # under torchrun: from its environment; spawned locally: `_collectives_spawned`
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=dt.timedelta(seconds=timeout_s))
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -108,10 +109,16 @@ def _nothing() -> None:
 
 
 def _collectives_spawned(rank: int, world: int, port: int, payload: dict, run_dir: str) -> None:
-    """Entry of a locally spawned rank (`ranks.LocalJob` ties it to the launcher and records its failure)."""
+    """Entry of a locally spawned rank (`ranks.LocalJob` ties it to the launcher and records its failure);
+    it joins the store `measure_collectives` holds ([Note: a port held from the start])."""
+    from datetime import timedelta
+
+    from autoplan.runtime.launcher.rendezvous import loopback_process_group, startup_timeout
+
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    loopback_process_group(rank, world, port, startup_timeout(timedelta(seconds=payload["timeout_s"])))
     result = collectives_rank(payload["device"], payload["sweep"], payload["timeout_s"], stderr_progress)
     if result is not None:
         (Path(run_dir) / "collectives.json").write_text(json.dumps(result))
@@ -120,7 +127,8 @@ def _collectives_spawned(rank: int, world: int, port: int, payload: dict, run_di
 def measure_collectives(device: str, nproc: int, sweep: Sweep, timeout_s: float) -> dict[str, Any]:
     """Spawn `nproc` local ranks (gloo on CPU, NCCL on CUDA) and return rank 0's curves; a rank
     that fails, or a run longer than `timeout_s` overall, raises CalibrationRunError."""
-    from autoplan.runtime.launcher.ranks import LocalJob, free_port
+    from autoplan.runtime.launcher.ranks import LocalJob
+    from autoplan.runtime.launcher.rendezvous import hosted_store
 
     payload = {"device": device, "sweep": sweep, "timeout_s": timeout_s}
     deadline = time.monotonic() + timeout_s
@@ -129,8 +137,8 @@ def measure_collectives(device: str, nproc: int, sweep: Sweep, timeout_s: float)
         if time.monotonic() > deadline:
             raise CalibrationRunError(f"the collective benchmark did not finish in {timeout_s:g} s")
 
-    with LocalJob(nproc, name="autoplan-calibrate") as job:
-        job.start(_collectives_spawned, (nproc, free_port(), payload, job.run_dir))
+    with hosted_store() as port, LocalJob(nproc, name="autoplan-calibrate") as job:
+        job.start(_collectives_spawned, (nproc, port, payload, job.run_dir))
         if job.supervise(grace_s=5.0, on_poll=check_deadline) != 0:
             raise CalibrationRunError("the collective benchmark failed (the line above names the rank)")
         return json.loads((Path(job.run_dir) / "collectives.json").read_text())

@@ -43,8 +43,13 @@ from autoplan.runtime.execution.comm import P2PTimeout
 from autoplan.runtime.launcher.machine import GIB, MachineFit, available_memory_bytes, oom_kills
 from autoplan.runtime.launcher.optim_config import OptimizerConfig
 from autoplan.runtime.launcher.preflight import check_run, print_note
-from autoplan.runtime.launcher.ranks import LocalJob, free_port, one_line
-from autoplan.runtime.launcher.rendezvous import loopback_interface, loopback_process_group, startup_timeout
+from autoplan.runtime.launcher.ranks import LocalJob, one_line
+from autoplan.runtime.launcher.rendezvous import (
+    hosted_store,
+    loopback_interface,
+    loopback_process_group,
+    startup_timeout,
+)
 from autoplan.runtime.launcher.training import check_clip_grad, train_rank
 
 __all__ = ["run_plan"]
@@ -319,11 +324,12 @@ def run_plan(plan: str | os.PathLike | Plan, *, model: str | None = None, steps:
         if fit.note:
             print_note(fit.note)
         payload["plan"] = plan.to_dict()
-        with _sigterm_stops_the_job(), LocalJob(nproc, start_method=_start_method, preload=FORKSERVER_PRELOAD) as job:
+        with _sigterm_stops_the_job(), hosted_store() as port, \
+                LocalJob(nproc, start_method=_start_method, preload=FORKSERVER_PRELOAD) as job:
             try:
                 progress = _StartProgress(job.run_dir, nproc)
                 oom = _OomWatch(fit)
-                job.start(_spawned, (nproc, free_port(), payload, job.run_dir))
+                job.start(_spawned, (nproc, port, payload, job.run_dir))
                 code = job.supervise(grace_s=_grace_s, on_poll=lambda: (progress(), oom.sample()))
                 progress.finish()
                 if code:

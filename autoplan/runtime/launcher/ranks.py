@@ -35,7 +35,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -44,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HEARTBEAT_S", "Heartbeat", "LocalJob", "current_heartbeat", "fail_rank", "free_port", "logs_note", "one_line"]
+__all__ = ["HEARTBEAT_S", "Heartbeat", "LocalJob", "current_heartbeat", "fail_rank", "logs_note", "one_line"]
 
 HEARTBEAT_S = 0.5
 """How often a rank's heartbeat thread writes where the rank is."""
@@ -59,12 +58,6 @@ _heartbeat: Heartbeat | None = None
 def one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def current_heartbeat() -> Heartbeat | None:

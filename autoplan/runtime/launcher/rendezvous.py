@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 
-__all__ = ["STARTUP_TIMEOUT_S", "bound_waits", "startup_timeout", "loopback_interface",
+__all__ = ["STARTUP_TIMEOUT_S", "bound_waits", "hosted_store", "startup_timeout", "loopback_interface",
            "loopback_process_group"]
 
 STARTUP_TIMEOUT_S = 300.0
@@ -24,28 +25,46 @@ at start-up with DistNetworkError. A rank that dies meanwhile is seen by the lau
 rank hung during start-up waits this long. See [Note: start-up and step timeouts]."""
 
 
+@contextlib.contextmanager
+def hosted_store(timeout: timedelta = timedelta(seconds=STARTUP_TIMEOUT_S)) -> Iterator[int]:
+    """The store of a local job, held by the process that spawns the ranks; yields its port.
+
+    [Note: a port held from the start] The launcher used to pick a free port (bind to port 0, close)
+    and rank 0 bound it again once it had imported torch, 15-25 s later on a loaded machine. In that
+    gap another process could take the port (CI saw it: "rank 0 failed: OSError: [Errno 98] Address
+    already in use"). Here the listening socket is bound once, to 127.0.0.1 ([Note: loopback only]),
+    and kept open until the job ends; the spawning process serves the TCPStore on it, as torchrun's
+    agent serves its own store (TORCHELASTIC_USE_AGENT_STORE), and every rank connects as a client."""
+    import torch.distributed as dist
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, None, True, timeout, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+        listener.detach()  # the store owns the socket now and closes it when it is freed
+    try:
+        yield port
+    finally:
+        del store
+
+
 def loopback_process_group(rank: int, world_size: int, port: int, timeout: timedelta) -> None:
-    """The process group of a local job, reachable from this machine only ([Note: loopback only]).
+    """The process group of a local job, reachable from this machine only ([Note: loopback only]),
+    through the store `hosted_store` serves on `port` ([Note: a port held from the start]).
 
     [Note: loopback only] `init_process_group` from MASTER_ADDR/MASTER_PORT makes rank 0's TCPStore
     listen on every interface (`[::]`), whatever MASTER_ADDR says: any host that reaches the machine
-    could connect to a local job. Rank 0 binds the listening socket to 127.0.0.1 itself and hands it
-    to the store (`master_listen_fd`, as torchrun's agent hands over its own socket); gloo and NCCL
-    pick their interfaces from GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, which the launcher sets to
-    the loopback interface unless the user set them."""
+    could connect to a local job. The launcher binds the store's listening socket to 127.0.0.1 itself
+    and hands it to the store (`master_listen_fd`, as torchrun's agent hands over its own socket);
+    gloo and NCCL pick their interfaces from GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, which the
+    launcher sets to the loopback interface unless the user set them."""
     import torch.distributed as dist
 
     from autoplan.runtime.api import default_device
 
-    if rank == 0:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
-        listener.listen(max(128, world_size))
-        store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout, wait_for_workers=False,
-                              master_listen_fd=listener.fileno())
-    else:
-        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(default_device())
