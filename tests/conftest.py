@@ -11,13 +11,19 @@ import subprocess
 import pytest
 import torch
 
-# [Note: test tiers] The default suite (the README's `python -m pytest`) must stay under 10 minutes
-# on a quiet 2-core machine (issue 29: 40 minutes on a loaded one, about 11 quiet). These cases run
-# in the `extended` tier instead, which `.ci/run` runs right after (`python -m pytest -m extended`),
-# so CI still runs every one of them. Each group keeps at least one case of its feature, through the
-# user's path, in the default tier (named after "kept:"). Times: seconds in the default run of
-# 2026-11-26 on a 2-core machine loaded about 2-3x (tests/test_tiers.py checks that every id exists).
+# [Note: test tiers] The default suite is the README's `python -m pytest -n 2`. The cases below run in
+# the `extended` tier instead (`python -m pytest -m extended -n 2 --dist worksteal`), which `.ci/run`
+# runs right after it. Each group keeps at least one case of its feature, through the user's path, in
+# the default tier (named after "kept:"). Times: seconds in the default run of 2026-11-26 on a 2-core
+# machine loaded about 2-3x (tests/test_tiers.py checks that every id exists).
+#
+# The default suite was meant to stay under 10 minutes on a quiet 2-core machine; it has grown to about
+# 36 (2,824 tests at e853262, docs/status.md), and the extended tier to 66. CI has 90 minutes for
+# everything, so the extended cases in `LONG_CASES` (marked `long` as well) are left out of CI's run
+# (`-m "extended and not long"`) and run by hand before an issue is resolved: `python -m pytest -m
+# extended -n 2 --dist worksteal` runs them all; docs/status.md records the last such run.
 EXTENDED_CASES: dict[str, str] = {}
+LONG_CASES: dict[str, str] = {}
 
 
 def _move(reason: str, *node_ids: str) -> None:
@@ -82,11 +88,88 @@ _move("a hung rank (hang@1:2) caught by timeouts (13 s); kept: test_faults.py's 
       "tests/test_reliability.py::test_a_hung_rank_is_caught_by_timeouts_and_stopped_by_the_launcher")
 
 
+def _long(reason: str, *node_ids: str) -> None:
+    """Extended cases CI's 90 minutes cannot hold ([Note: test tiers]); `reason` gives their seconds
+    in the extended run named there and what of the same feature CI still runs ("kept:")."""
+    for node_id in node_ids:
+        LONG_CASES[node_id] = reason
+
+
+# Seconds: the extended run of 2026-12-02 at e853262 (`.ci/run`'s line with `--durations=0`, docs/status.md).
+_TOP5 = "tests/test_user_paths.py::test_every_plan_in_the_top_5_runs_through_autoplan_run"
+_long("the top-5 matrix, every plan of suggest's top 5 through `autoplan run`, for 10 of its 11 sources "
+      "(150-320 s each); kept: [zoo-llama] in CI's extended run",
+      *(f"{_TOP5}[{source}]" for source in ("hf-t5", "hf-gpt2", "hf-llama", "hf-mixtral", "hf-bert", "hf-vit",
+                                            "zoo-gpt", "zoo-moe", "model-file", "convnet")))
+_long("tp 2 checkpoints resumed exactly through the CLI, per fused-attention family (200-260 s each); kept: "
+      "each family's tp 2 run against one process in CI, and test_checkpoint_dcp.py's tp restores by default",
+      "tests/test_tp_bigcode_mqa.py::test_tp2_checkpoints_and_resumes_exactly_through_the_cli",
+      "tests/test_tp_attention_families.py::test_a_blocked_fused_projection_checkpoints_and_resumes_exactly[falcon-mqa]",
+      "tests/test_tp_attention_families.py::test_a_blocked_fused_projection_checkpoints_and_resumes_exactly[phi3-gqa]")
+_long("fifty steps on a token file against one process, resumed bitwise (136-225 s each); kept: "
+      "test_a_job_file_run_at_dp2_on_a_token_file_equals_a_single_process by default",
+      "tests/test_train_real_run.py::test_fifty_steps_on_a_token_file_equal_a_single_process_and_resume_bitwise[pp2-tp2]",
+      "tests/test_train_real_run.py::test_fifty_steps_on_a_token_file_equal_a_single_process_and_resume_bitwise[ep2]")
+_long("a transformers MoE resumed from an ep checkpoint under zero 1 and 3 (146-149 s each); kept: "
+      "test_an_ep_checkpoint_holds_every_expert_once_and_restores_under_another_ep by default",
+      "tests/test_expert_checkpoint.py::test_a_transformers_moe_resumes_exactly_from_an_ep_checkpoint[1]",
+      "tests/test_expert_checkpoint.py::test_a_transformers_moe_resumes_exactly_from_an_ep_checkpoint[3]")
+_ROUTED = "tests/test_expert_parallel_routed.py::test_routed_experts_every_layout_matches_a_single_process"
+_long("every layout of routed experts for transformers' MoE families (64-120 s each); kept: [zoo-moe-dropless] "
+      "in CI, test_hf_mixtral_at_ep2_matches_a_single_process by default",
+      f"{_ROUTED}[hf-deepseek-v3]", f"{_ROUTED}[hf-qwen2-moe]", f"{_ROUTED}[hf-mixtral]")
+_long("a second suggest --ep 2 -> `autoplan run` (110 s); kept: [pins0-expected0] by default",
+      "tests/test_moe.py::test_suggest_with_ep_then_autoplan_run[pins1-expected1]")
+_long("every layout against one process for five more transformers models (52-109 s each); kept: [hf-llama], "
+      "[zoo-llama], [zoo-moe], the model file and the conv net by default, [zoo-gpt] in CI",
+      *(f"{_LAYOUTS}[{source}]" for source in ("hf-t5", "hf-bert", "hf-mixtral", "hf-vit", "hf-gpt2")))
+_long("hsdp and fsdp with tp for T5 (53 s); kept: [hf-llama] and [hf-mixtral] in CI",
+      "tests/test_user_paths.py::test_hsdp_and_fsdp_with_tp_match_a_single_process_reference[hf-t5]")
+_long("four more transformers models at cp 2 and cp 2 x pp 2 (86 s); kept: test_transformers_llama_a_model_file_and_"
+      "the_zoo_moe_at_cp2_match_a_single_process by default, test_transformers_llama_at_cp2_through_autoplan_run in CI",
+      "tests/test_context_parallel_models.py::test_transformers_models_at_cp2_and_cp2_pp2_match_a_single_process")
+_long("suggest -> run of transformers' MoE models at ep 2 with zero 1 (75-83 s each); kept: the zoo MoE's "
+      "test_suggest_then_run_ep_2_zero_1_prints_the_single_process_losses by default",
+      *(f"tests/test_expert_zero1.py::test_suggest_then_run_transformers_moe_at_ep_2_zero_1_prints_the_single_process_"
+        f"losses[{model}]" for model in ("hf-mixtral", "hf-deepseek-v3", "hf-qwen2-moe")))
+_long("windowed attention of every family at cp 2 and cp 2 x pp 2, and Gemma 3 through `autoplan run` (69-80 s); "
+      "kept: test_gemma2_and_gpt_oss_at_cp2_and_cp2_pp2_match_a_single_process by default, "
+      "test_gpt_oss_at_cp2_tp2_matches_a_single_process in CI",
+      "tests/test_cp_windowed_attention.py::test_every_family_at_cp2_and_cp2_pp2_matches_a_single_process",
+      "tests/test_cp_windowed_attention.py::test_gemma3_at_cp2_through_autoplan_run")
+_long("evaluation in more layouts (75 s); kept: test_evaluate_matches_one_process_and_leaves_training_unchanged "
+      "by default", "tests/test_evaluate.py::test_evaluate_in_more_layouts")
+_long("the published-run gate through its script (68 s); kept: `.ci/run` runs the same script as its own step",
+      "tests/test_published_gate.py::test_gate_passes_as_shipped_through_the_script")
+_long("tp 2 with pp and dp on transformers and custom models (60 s); kept: test_tp2_matches_a_single_process_"
+      "reference by default", "tests/test_sharding.py::test_tp2_with_pipeline_and_data_parallelism_matches_the_reference")
+_MEMORY = "tests/test_memory_model.py::test_runtime_memory_on_two_gloo_ranks_is_not_under_predicted"
+_long("the runtime's peak against the prediction under zb-h1 and full recompute (53-56 s each); kept: "
+      "[tp2-sp-on-fp32] in CI, test_runtime_fsdp.py's test_held_bytes_equal_the_memory_model_* by default",
+      f"{_MEMORY}[pp2-zb-h1-bf16]", f"{_MEMORY}[recompute-full-bf16]")
+_long("suggest -> run of an MoE with sequence parallelism (54 s); kept: test_moe_at_tp_2_with_sequence_parallelism_"
+      "matches_a_single_process by default",
+      "tests/test_moe_sequence_parallel.py::test_suggest_then_run_moe_with_sequence_parallelism_prints_the_single_"
+      "process_losses")
+_long("suggest -> run of zero 1 with tp in bf16 (54 s); kept: the same path in fp32 by default",
+      "tests/test_zero1_tp.py::test_suggest_then_run_bf16_zero_1_tp_2_dp_2_is_the_replicated_optimizer_and_near_the_"
+      "reference")
+_long("DeepSeek-V3's latent attention at tp 2 and tp 2 x pp 2 (50 s); kept: [falcon-mqa] and [phi3-gqa] in CI",
+      "tests/test_tp_attention_families.py::test_tp2_and_tp2_pp2_match_one_process[deepseek-v3]")
+_long("the compiled loss's saved logits, measured with inductor (49 s); kept: test_stack_counts_for_the_compiled_"
+      "loss by default", "tests/test_memory_rows_issue40.py::test_compiled_loss_saves_the_bf16_logits_not_an_fp32_"
+      "log_softmax")
+_long("suggest -> run of HSDP (47 s); kept: [zero2-tp2] in CI, [zero3-pp2] by default",
+      "tests/test_runtime_fsdp.py::test_fsdp_plans_from_suggest_run_through_autoplan_run[hsdp]")
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.nodeid in EXTENDED_CASES:
+        if item.nodeid in EXTENDED_CASES or item.nodeid in LONG_CASES:
             item.add_marker(pytest.mark.extended)
+        if item.nodeid in LONG_CASES:
+            item.add_marker(pytest.mark.long)
 
 
 @pytest.fixture(autouse=True)
