@@ -116,8 +116,8 @@ def _collectives_spawned(rank: int, world: int, port: int, payload: dict, run_di
     from autoplan.runtime.launcher.rendezvous import loopback_process_group, startup_timeout
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    # RANK and the sizes for `collectives_rank`; the process group joins the store on `port`, not MASTER_PORT.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     loopback_process_group(rank, world, port, startup_timeout(timedelta(seconds=payload["timeout_s"])))
     result = collectives_rank(payload["device"], payload["sweep"], payload["timeout_s"], stderr_progress)
     if result is not None:
