@@ -47,7 +47,8 @@ from autoplan.graph.profile import profile_model
 from autoplan.plan import Job, MemoryBreakdown
 from autoplan.search.context import SearchContext
 from autoplan.search.evaluate import evaluate
-from autoplan.search.inflight import interleaved_held, schedule_inflight
+from autoplan.search import inflight as inflight_module
+from autoplan.search.inflight import schedule_inflight
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data" / "published_memory.json"
@@ -119,6 +120,20 @@ def _takes_stack() -> bool:
     return "stack" in inspect.signature(memory_model.rank_memory).parameters
 
 
+def _rank_rows(cfg, rank: int, inflight: list[int]) -> tuple:
+    """The rank's moments as the search passes them (search/assemble.py `rank_memories`): the held
+    rows, and the FSDP lifetimes where this tree's memory model takes them (a tree before them
+    passes the held rows alone, `interleaved_held`)."""
+    if hasattr(inflight_module, "rank_moments"):
+        moments = inflight_module.rank_moments(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages,
+                                               rank, inflight)
+        return (None, {}) if moments is None else (moments.held, {"lifetimes": moments[1:]})
+    if cfg.schedule != "interleaved-1f1b" or cfg.virtual_stages < 2:
+        return None, {}
+    held = inflight_module.interleaved_held(cfg.pp, cfg.num_microbatches, cfg.virtual_stages)[rank]
+    return (held if list(held.max(axis=0)) == inflight else None), {}
+
+
 def row_stack(row: dict) -> str | None:
     """The stack whose runtime held the row's memory: its `memory_stack` where it names one, else its `stack`."""
     return row.get("memory_stack") or row.get("stack")
@@ -144,14 +159,12 @@ def predict_memory(row: dict) -> tuple[MemoryBreakdown, GPU]:
     kwargs = {"stack": stack} if _takes_stack() else {}
     acts = memory_model.block_act_bytes(prof, cfg, False, **kwargs)
     inflight = schedule_inflight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
-    held = interleaved_held(cfg.pp, cfg.num_microbatches, cfg.virtual_stages) \
-        if cfg.schedule == "interleaved-1f1b" and cfg.virtual_stages > 1 else None
     worst = None
     for p in range(cfg.pp):
         mine = [k for k in range(cfg.num_stages) if k % cfg.pp == p]
-        rows = held[p] if held is not None and list(held[p].max(axis=0)) == [inflight[k] for k in mine] else None
+        held, more = _rank_rows(cfg, p, [inflight[k] for k in mine])
         mem = memory_model.rank_memory(prof, cfg, gpu, job.dtype, [ranges[k] for k in mine],
-                                       [inflight[k] for k in mine], acts=acts, held=rows, **kwargs)
+                                       [inflight[k] for k in mine], acts=acts, held=held, **more, **kwargs)
         if worst is None or mem.total_bytes > worst.total_bytes:
             worst = mem
     assert worst is not None

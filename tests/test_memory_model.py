@@ -215,6 +215,37 @@ def test_interleaved_rank_peak_is_megatrons_warmup(pp, m, v):
         assert rows.sum(axis=1).max() <= sum(peaks[c * pp + r] for c in range(v))
 
 
+@pytest.mark.parametrize("pp, m, v, together", [(4, 4, 2, 1), (8, 8, 2, 1), (4, 8, 2, 2), (4, 4, 4, 1)])
+def test_interleaved_moments_follow_the_executors_order(pp, m, v, together):
+    """Each chunk's FSDP gradient lives from its first backward to its last (torch's pipelining and
+    autoplan's executor reduce-scatter it then): with one round of micro-batches (m = p) every backward
+    of a later chunk precedes the first of an earlier one, so a rank holds one chunk's gradient at a
+    time; with two rounds (m = 2p), two. The held micro-batches are `interleaved_held`'s."""
+    from autoplan.search.inflight import interleaved_held, interleaved_moments
+
+    for r, moments in enumerate(interleaved_moments(pp, m, v)):
+        assert moments.accumulating.sum(axis=1).max() == together
+        assert (moments.accumulating <= moments.gathered).all()  # a gradient only while gathered
+        assert list(moments.held.max(axis=0)) == list(interleaved_held(pp, m, v)[r].max(axis=0))
+
+
+def test_interleaved_fsdp_plan_counts_one_stages_gradient_at_its_peak():
+    """Through `autoplan.suggest` (zero 2, interleaved 1F1B, m = p): the plan's gathered bytes on a rank
+    are its parameters gathered in bf16 plus one of its two stages' fp32 gradients, not both (which the
+    sum over the step counted before)."""
+    import autoplan
+
+    plan = autoplan.suggest("llama3-8b:num_layers=8", "2x8xH100-80GB", global_batch=16, seq_len=2048,
+                            micro_batch_size=1, pp=4, dp=4, tp=1, zero=2, schedule="interleaved-1f1b",
+                            virtual_stages=2, top=1)[0]
+    assert plan.num_microbatches == plan.pp and plan.virtual_stages == 2
+    for rank in range(plan.pp):
+        memory = next(s.memory for s in plan.stages if s.pp_rank == rank)
+        params = memory.weights_bytes * plan.dp / 4  # FSDP's fp32 shard: 4 / dp bytes a parameter
+        assert memory.gathered_bytes < 0.99 * params * (2 + 4)
+        assert memory.gathered_bytes > params * 2 + 0.25 * params * 4
+
+
 # -- what autoplan's runtime holds on gloo ranks, every layout kind (benchmarks/memory_layouts_cpu.py) -----
 
 

@@ -44,9 +44,19 @@ dtype (2 bytes in bf16, 4 in fp32) before it runs.
   last backward the rank's stages are gathered as under zero 2: 2 bytes per parameter of the rank.
 - Gradients: with pp = 1 FSDP reduce-scatters each unit's fp32 gradient after every micro-batch's
   backward (its autograd hooks), so one unit's unsharded fp32 gradient is in flight; with pp > 1 the
-  pipeline's micro-batches interleave, gradients accumulate unsharded in fp32 over the step (4 bytes
-  per parameter of the rank) and are reduce-scattered after the last backward (torch's pipelining
-  does the same: `torch.distributed.pipelining.stage`, `backward_maybe_with_nosync`).
+  pipeline's micro-batches interleave, a stage's gradients accumulate unsharded in fp32 (4 bytes per
+  parameter of the stage) from its first backward and are reduce-scattered, and its parameters
+  resharded, right after its last backward (torch's pipelining: `backward_maybe_with_nosync`, later
+  `perform_reduce_grad` placed after a stage's last backward by `_add_reduce_grad`; autoplan's
+  executor the same, runtime/parallel/fsdp.py). With one stage a rank that is the whole step. A rank
+  holding several stages (interleaved 1F1B) holds, at each moment of its schedule, the gathered
+  parameters and gradients of the stages between their first forward (first backward, for the
+  gradient and under zero 3 the parameters) and their last backward (`_fsdp_bytes_per_moment`,
+  search/inflight.py `interleaved_moments`). At m = p every backward of chunk v - 1 precedes the
+  first of chunk v - 2, so one stage's gradient is held at a time: torchtitan's Llama 3.1 405B at
+  pp 8 x tp 8 x FSDP 8 measured 72.7 GiB under Interleaved1F1B against 82.5 under 1F1B
+  (docs/published-memory.md); summing every stage's gradient over the step predicted 86.5 (1.19x),
+  the moments 74.7 (1.03x).
 
 [Note: tied parameters]
 A block whose parameters are shared with an earlier block (`Block.tied_to_block`, a head tied to the
@@ -509,17 +519,38 @@ def zb_pending_weight_bytes(cfg: ParallelConfig, stage_ranges: Sequence[tuple[in
     return max(split, default=0.0)
 
 
+def _fsdp_bytes_per_moment(profile: ModelProfile, cfg: ParallelConfig, dtype: str,
+                           stage_ranges: Sequence[tuple[int, int]], params: np.ndarray, num_params: float,
+                           lifetimes: tuple[np.ndarray, np.ndarray], one_unit: bool, reduced: float) -> np.ndarray:
+    """What FSDP holds unsharded at each moment of a rank's schedule (zero >= 2, pp > 1; [Note: FSDP
+    gathered bytes]): the gathered parameters of each stage from its first forward (zero 2, or a stage
+    that is one unit) or its first backward (zero 3, which reshards after forward but not after
+    backward) until its last backward, and its gradient in the reduce dtype from its first backward
+    until its last. `lifetimes`: (gathered, accumulating), moments x stages, 0 / 1."""
+    gathered_span, accumulating = (np.asarray(x, dtype=float) for x in lifetimes)
+    per_stage = np.array([held_params(profile, cfg, [r], params) for r in stage_ranges])
+    if per_stage.sum() > 0:  # tied copies that share a GPU count once (`held_params` over the rank)
+        per_stage = per_stage * (num_params / per_stage.sum())
+    gathered_while = gathered_span if (cfg.zero == 2 or one_unit) else accumulating
+    return (gathered_while @ (per_stage * gathered_bytes_per_param(dtype))
+            + accumulating @ (per_stage * reduced))
+
+
 def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str,
                 stage_ranges: Sequence[tuple[int, int]], stage_inflight: Sequence[float],
                 static: np.ndarray | None = None, acts: np.ndarray | None = None,
                 params: np.ndarray | None = None, held: np.ndarray | None = None,
-                stack: str | None = None) -> MemoryBreakdown:
+                stack: str | None = None, lifetimes: tuple[np.ndarray, np.ndarray] | None = None) -> MemoryBreakdown:
     """Peak memory of one GPU holding the given stages (its virtual stages) with the given
     micro-batches in flight on each. `acts` and `params` (`block_act_bytes`, `param_counts`) may be
     passed when the caller has them. `held` (moments x stages): the micro-batches each stage holds
     at each moment its activations grow; the activations are then the largest moment's, not the
     sum of each stage's own peak ([Note: activations]; search/inflight.py `interleaved_held`).
-    `stack`: whose runtime holds the activations (cost/memory_stacks.py [Note: memory per stack])."""
+    `stack`: whose runtime holds the activations (cost/memory_stacks.py [Note: memory per stack]).
+    `lifetimes` (with `held`, the same rows: search/inflight.py `interleaved_moments`): at each
+    moment, which stages have their FSDP parameters gathered and which their unsharded gradient;
+    under zero >= 2 with pp > 1 the peak is then the largest moment's activations plus what FSDP
+    holds at that moment ([Note: FSDP gathered bytes])."""
     weights_b, grads_b, optim_b = persistent_bytes_per_param(dtype, cfg.zero, cfg.dp, cfg.dp_replicate, cfg.tp)
     params = param_counts(profile, cfg) if params is None else params
     cpu = gpu.name == "cpu"
@@ -529,20 +560,31 @@ def rank_memory(profile: ModelProfile, cfg: ParallelConfig, gpu: GPU, dtype: str
     surplus = expert_shard_surplus(profile, cfg, stage_ranges)
     surplus_w, surplus_g, surplus_o = surplus_bytes_per_param(dtype, cfg)
     stage_acts = np.array([acts[a:b].sum() for a, b in stage_ranges])
-    if held is not None:
+    one_unit = stage_is_one_unit(profile)
+    reduced = reduced_bytes_per_param(cfg.reduce_dtype)
+    blocks = [i for a, b in stage_ranges for i in range(a, b)]
+    per_param = _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp, one_unit, reduced)
+    gathered = num_params * per_param + fsdp_transient_bytes(dtype, cfg.zero, cfg.pp, params[blocks], one_unit, reduced)
+    if held is not None and lifetimes is not None and cfg.zero >= 2 and cfg.pp > 1:
+        # Each stage's gathered parameters and unsharded gradient live from its first forward /
+        # backward to its last backward, not for the whole step: the peak is one moment's sum.
+        per_moment = np.asarray(held, dtype=float) @ stage_acts
+        per_moment = per_moment + _fsdp_bytes_per_moment(profile, cfg, dtype, stage_ranges, params, num_params,
+                                                         lifetimes, one_unit, reduced)
+        peak = int(np.argmax(per_moment))
+        activations = float(np.asarray(held, dtype=float)[peak] @ stage_acts)
+        gathered = float(per_moment[peak]) - activations
+        if cfg.zero == 3 and not one_unit:  # a forward's unit and the prefetched next, gathered for it
+            gathered += gathered_bytes_per_param(dtype) * float(np.sort(params[blocks])[::-1][:2].sum())
+    elif held is not None:
         activations = float(np.max(np.asarray(held, dtype=float) @ stage_acts))
     else:
         activations = float(stage_acts @ np.asarray(stage_inflight, dtype=float))
     activations += zb_pending_weight_bytes(cfg, stage_ranges, stage_acts)
     # Forward outputs the stack's pipeline runtime keeps for the whole step (memory_stacks.py).
     activations += 0.0 if cpu else pipeline_output_bytes(stack, profile, cfg, stage_ranges)
-    blocks = [i for a, b in stage_ranges for i in range(a, b)]
     # Two receive buffers per boundary (activation in, gradient in), one micro-batch each.
     recv = sum(2 * profile.cuts[a - 1].num_bytes * f for a, _ in stage_ranges if a > 0)
-    one_unit = stage_is_one_unit(profile)
-    reduced = reduced_bytes_per_param(cfg.reduce_dtype)
-    gathered = (num_params * _fsdp_per_block_bytes_per_param(dtype, cfg.zero, cfg.pp, one_unit, reduced)
-                + fsdp_transient_bytes(dtype, cfg.zero, cfg.pp, params[blocks], one_unit, reduced))
     return MemoryBreakdown(
         weights_bytes=num_params * weights_b + surplus * surplus_w,
         grads_bytes=num_params * grads_b + surplus * surplus_g,

@@ -37,7 +37,7 @@ from autoplan.schedule import ActionKind, make_schedule, schedule_spec, simulate
 from autoplan.search.bounds import simulated_step_lower_bound
 from autoplan.search.context import SearchContext
 from autoplan.search.fsdp_exposed import fsdp_exposed
-from autoplan.search.inflight import interleaved_held, schedule_inflight
+from autoplan.search.inflight import rank_moments, schedule_inflight
 from autoplan.search.stage_model import Cuts
 
 __all__ = ["Unsimulated", "make_plan", "rank_memories"]
@@ -251,17 +251,16 @@ def rank_memories(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[in
               peak_inflight: tuple[int, ...], static: np.ndarray, acts: np.ndarray) -> list[MemoryBreakdown]:
     """Peak memory of each pipeline rank."""
     memories: list[MemoryBreakdown] = []
-    held = None
-    if schedule_spec(cfg.schedule).looped and cfg.virtual_stages > 1:
-        held = interleaved_held(cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
     for p in range(cfg.pp):
         mine = [k for k in range(cfg.num_stages) if k % cfg.pp == p]
         inflight = [peak_inflight[k] for k in mine]
-        # The rank's chunks do not peak together (`interleaved_held`); its rows agree with the
-        # simulated per-chunk peaks or are not used.
-        rows = held[p] if held is not None and list(held[p].max(axis=0)) == inflight else None
+        # The rank's chunks do not peak together, nor do their FSDP gradients live together
+        # (`rank_moments`); the moments agree with the simulated per-chunk peaks or are not used.
+        moments = rank_moments(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages, p, inflight)
         memories.append(rank_memory(ctx.profile, cfg, pp_gpus[p], ctx.job.dtype, [ranges[k] for k in mine],
-                                    inflight, static=static, acts=acts, params=ctx.params(cfg), held=rows,
+                                    inflight, static=static, acts=acts, params=ctx.params(cfg),
+                                    held=None if moments is None else moments.held,
+                                    lifetimes=None if moments is None else moments[1:],
                                     stack=ctx.calibrations.stack))
     return memories
 

@@ -9,12 +9,14 @@ rank's action order for interleaved 1F1B). The cutting DP sizes stages with it
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
-from autoplan.schedule import make_schedule, schedule_spec, simulate
+from autoplan.schedule import ActionKind, make_schedule, schedule_spec, simulate
 
-__all__ = ["interleaved_at_peak", "interleaved_held", "schedule_inflight"]
+__all__ = ["RankMoments", "interleaved_at_peak", "interleaved_held", "interleaved_moments", "rank_moments",
+           "schedule_inflight"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -62,6 +64,68 @@ def interleaved_held(pp: int, m: int, v: int) -> tuple[np.ndarray, ...]:
         held = fwd_count[:, k + 1] - bwd_count[:, np.maximum(k - warmup, 0)]  # (v, moments)
         out.append(np.unique(held.T, axis=0))
     return tuple(out)
+
+
+class RankMoments(NamedTuple):
+    """One pipeline rank's distinct moments (rows) over its chunks (columns, chunk 0 .. v - 1); see
+    `interleaved_moments`."""
+
+    held: np.ndarray
+    """Micro-batches whose activations the chunk keeps."""
+    gathered: np.ndarray
+    """1 from the chunk's first forward until its last backward has run (FSDP's zero 2 keeps its
+    parameters gathered over that span)."""
+    accumulating: np.ndarray
+    """1 from the chunk's first backward until its last one has run: its unsharded gradient exists
+    (and under zero 3 with pp > 1 its gathered parameters, which stay until that last backward)."""
+
+
+@functools.lru_cache(maxsize=64)
+def interleaved_moments(pp: int, m: int, v: int) -> tuple[RankMoments, ...]:
+    """Per pipeline rank of interleaved 1F1B, at each of its forwards and backwards (in the order the
+    executor runs them: schedule/actions.py, which is also torch's Interleaved1F1B order when m is a
+    multiple of p), what each chunk holds: micro-batches' activations (after a forward; before a
+    backward frees them), and whether the chunk's FSDP parameters and unsharded gradient exist.
+
+    Why the gradient's span matters ([Note: FSDP gathered bytes] in cost/memory.py): a stage's
+    gradient is reduce-scattered, and its gathered parameters resharded, right after the stage's last
+    backward (torch's pipelining: `perform_reduce_grad` after a stage's last B; autoplan's executor the
+    same, runtime/parallel/fsdp.py `finish_stage`). With m = p, every backward of chunk v - 1 runs
+    before the first of chunk v - 2, so a rank never holds two chunks' gradients at once."""
+    schedule = make_schedule("interleaved-1f1b", pp, m, v)
+    out = []
+    for r, actions in enumerate(schedule.actions):
+        held = np.zeros(v, dtype=np.int64)
+        forwards = np.zeros(v, dtype=np.int64)
+        backwards = np.zeros(v, dtype=np.int64)
+        rows = []
+        for action in actions:
+            c = action.stage // pp
+            if action.kind is ActionKind.F:
+                held[c] += 1
+                forwards[c] += 1
+                done = backwards >= m
+                rows.append(np.concatenate([held, (forwards > 0) & ~done, (backwards > 0) & ~done]))
+            elif action.kind is ActionKind.B:
+                done = backwards >= m  # before this one: its own chunk is still accumulating
+                accumulating = (backwards > 0) & ~done
+                accumulating[c] = True
+                rows.append(np.concatenate([held, (forwards > 0) & ~done, accumulating]))
+                held[c] -= 1
+                backwards[c] += 1
+        table = np.unique(np.asarray(rows, dtype=np.int64), axis=0)
+        out.append(RankMoments(table[:, :v], table[:, v:2 * v], table[:, 2 * v:]))
+    return tuple(out)
+
+
+def rank_moments(name: str, pp: int, m: int, v: int, rank: int, inflight: list[int]) -> RankMoments | None:
+    """`interleaved_moments` of one rank of a looped schedule with v > 1, when their peaks agree with
+    `inflight` (the per-chunk peaks the cutting used, `schedule_inflight`); else None, and the rank's
+    memory is the sum of its chunks' peaks (an upper bound). `cost.memory.rank_memory` takes them."""
+    if not schedule_spec(name).looped or v < 2:
+        return None
+    moments = interleaved_moments(pp, m, v)[rank]
+    return moments if list(moments.held.max(axis=0)) == list(inflight) else None
 
 
 @functools.lru_cache(maxsize=256)

@@ -17,6 +17,11 @@ timeline can be compared with the prediction action by action: every action is r
 - SEND_*: `isend`, waited for at the end of the step; RECV_*: `irecv` into a buffer allocated from
   the graph's shapes, waited on (with a timeout) inside the RECV action, so the timeline shows
   waiting time on the receive.
+- After a stage's last backward action (its last B, or W where the backward is split) the executor
+  calls `on_stage_backward_done(stage)`: FSDP reduce-scatters that stage's gradient and reshards its
+  parameters there (runtime/execution/dimensions/dp.py), as torch's pipelining schedules
+  `perform_reduce_grad` right after a stage's last backward, so a rank holding several stages
+  (interleaved 1F1B) does not keep every stage's unsharded gradient until the step ends.
 
 [Note: forward-only steps]
 `run(..., forward_only=True)` (an evaluation: `PartitionedModel.evaluate`) walks the same list
@@ -203,6 +208,11 @@ class PipelineExecutor:
         itself: mixed precision moves them to the fp32 masters (precision.py)."""
         self.on_action: Callable[[Action], None] | None = None
         """Called before each action (the launcher's heartbeat records where the rank is)."""
+        self.on_stage_backward_done: Callable[[int], None] | None = None
+        """Called with a stage's index right after its last backward action of a training step."""
+        self.stages_backward_done: set[int] = set()
+        """The stages `on_stage_backward_done` was called for in the last training step."""
+        self._last_backward_at = _last_backward_indices(self.actions)
         self._forward_only = False
 
     # ------------------------------------------------------------------------------------------
@@ -222,6 +232,9 @@ class PipelineExecutor:
         self._local_bwd: dict[tuple[int, int], list[Any]] = {}
         self._loss: torch.Tensor | None = None
         trace: list[ActionRecord] = []
+        last_backward_at = {} if forward_only else self._last_backward_at
+        if not forward_only:
+            self.stages_backward_done = set()
         handlers = {
             ActionKind.F: self._forward, ActionKind.B: self._backward, ActionKind.W: self._weight,
             ActionKind.SEND_F: self._send_f, ActionKind.RECV_F: self._recv_f,
@@ -231,12 +244,16 @@ class PipelineExecutor:
         no_grad = torch.no_grad() if forward_only else contextlib.nullcontext()
         try:
             with aux_loss_scale(self.loss_scale * self.grad_scale), no_grad:
-                for action in actions:
+                for index, action in enumerate(actions):
                     if self.on_action is not None:
                         self.on_action(action)
                     start = time.perf_counter()
                     handlers[action.kind](action.stage, action.microbatch)
                     trace.append(ActionRecord(action, start, time.perf_counter()))
+                    if last_backward_at.get(action.stage) == index:
+                        self.stages_backward_done.add(action.stage)
+                        if self.on_stage_backward_done is not None:
+                            self.on_stage_backward_done(action.stage)
             self.comm.wait_sends()
         finally:
             self._forward_only = False
@@ -369,6 +386,16 @@ class PipelineExecutor:
         del self._state[(s, m)]
         if self.on_weight_grads is not None:
             self.on_weight_grads()
+
+
+def _last_backward_indices(actions: Sequence[Action]) -> dict[int, int]:
+    """Stage -> the index in `actions` of its last backward action (B, or W where the backward is
+    split: W runs after its B)."""
+    out: dict[int, int] = {}
+    for index, action in enumerate(actions):
+        if action.kind in (ActionKind.B, ActionKind.W):
+            out[action.stage] = index
+    return out
 
 
 def build_executor(build: StageBuild, plan: Plan, layout: ParallelLayout, *, device: torch.device,

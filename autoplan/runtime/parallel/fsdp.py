@@ -19,10 +19,13 @@ across groups). Composed with tensor parallelism, a tp-sharded parameter becomes
   each rank holds 1/dp_shard of every parameter, its gradient and its optimizer state.
 - Gradients: with one pipeline stage per rank and no pipelining (pp = 1), FSDP reduce-scatters
   each unit's gradient at the end of every micro-batch's backward (its autograd hooks). With pp > 1
-  the executor's micro-batches interleave, so gradients accumulate unsharded (in the reduce dtype)
-  and are reduce-scattered once after the step's last backward (`finish_step`), which is what torch's
-  own pipelining does (`torch.distributed.pipelining.stage`: `backward_maybe_with_nosync` and
-  `perform_reduce_grad`).
+  the executor's micro-batches interleave, so a stage's gradients accumulate unsharded (in the
+  reduce dtype) and are reduce-scattered once, right after that stage's last backward of the step
+  (`finish_step` on its root, called by the executor's `on_stage_backward_done`), which is what
+  torch's own pipelining does (`torch.distributed.pipelining.stage`: `backward_maybe_with_nosync`,
+  and `perform_reduce_grad`, which its schedules place right after a stage's last backward). A rank
+  with several stages (interleaved 1F1B) thus frees a stage's gradient and gathered parameters
+  before its other stages finish (cost/memory.py [Note: FSDP gathered bytes]).
 - Mixed precision (bf16 plans): FSDP's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
   in place of precision.py's working copies: the sharded parameters are the fp32 masters, gathered
   in bf16, and gradients are reduced and kept in fp32: 4 + 4 + 8 bytes per parameter, sharded
@@ -189,8 +192,9 @@ def start_step(roots: Sequence[nn.Module], pp: int) -> None:
 
 
 def finish_step(roots: Sequence[nn.Module], pp: int) -> None:
-    """After the step's last backward (pp > 1): reduce-scatter every unit's accumulated gradient and
-    reshard its parameters, as torch's pipelining does (`_PipelineStageBase.perform_reduce_grad`)."""
+    """After the last backward of the stages of `roots` (pp > 1): reduce-scatter every unit's
+    accumulated gradient and reshard its parameters, as torch's pipelining does
+    (`_PipelineStageBase.perform_reduce_grad`)."""
     if pp == 1:
         return
     from torch.distributed.fsdp import fully_shard

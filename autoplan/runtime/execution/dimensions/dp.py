@@ -38,12 +38,25 @@ class DataParallel(Dimension):
 
     def before_run(self, pm: Any) -> None:
         start_step(fsdp_roots(pm.stages), pm.plan.pp)
+        if pm.plan.pp > 1 and fsdp_roots(pm.stages):
+            # Each stage's reduce-scatter right after its last backward (fsdp.py [Note: FSDP under
+            # the pipeline executor]): its unsharded gradient and gathered parameters go then.
+            pm.executor.on_stage_backward_done = lambda stage: self._finish(pm, [stage])
+        else:
+            pm.executor.on_stage_backward_done = None
 
     def after_backward(self, pm: Any) -> None:
-        roots = fsdp_roots(pm.stages)
+        # Stages whose last backward did not call back (none in a full step): reduced here.
+        self._finish(pm, [s for s in pm.stages if s not in pm.executor.stages_backward_done])
+
+    @staticmethod
+    def _finish(pm: Any, stages: Sequence[int]) -> None:
+        roots = fsdp_roots({s: pm.stages[s] for s in stages})
+        if not roots or pm.plan.pp == 1:
+            return
         start = time.perf_counter()
         finish_step(roots, pm.plan.pp)  # FSDP's reduce-scatter under pp > 1 (fsdp.py)
-        if roots and pm.plan.pp > 1 and pm.layout.dp_group is not None:
+        if pm.layout.dp_group is not None:
             pm.last_reductions.append(("DP_GRAD_SYNC", start, time.perf_counter()))
 
     def reduce_grads(self, pm: Any) -> None:
