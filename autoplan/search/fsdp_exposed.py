@@ -13,7 +13,6 @@ import numpy as np
 
 from autoplan.cost.comm import prefetch_exposed_s
 from autoplan.cost.config import ParallelConfig
-from autoplan.schedule import ActionKind, make_schedule
 from autoplan.cost.time import BlockTimes
 from autoplan.search.context import SearchContext, stage_gpus
 
@@ -30,7 +29,7 @@ class FsdpExposed:
     """Per stage, per micro-batch: added to its backward."""
     tail_s: list[float]
     """Per pipeline rank, once per step: zero 2's all-gather, and with pp > 1 the gradient
-    reduce-scatters left after the rank's last backward (`_stage_reductions_exposed_s`)."""
+    reduce-scatters after the last backward."""
 
 
 def fsdp_exposed(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[int, int]],
@@ -45,8 +44,6 @@ def fsdp_exposed(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[int
         return FsdpExposed(fwd, bwd, tail)
     per_microbatch_reduce = cfg.pp == 1
     pp_gpus = stage_gpus(ctx.cluster, cfg)
-    reduce_s = [0.0] * cfg.num_stages
-    pass_s = [(0.0, 0.0)] * cfg.num_stages
     for k, (a, b) in enumerate(ranges):
         p = k % cfg.pp
         cal = ctx.calibration(pp_gpus[p])
@@ -64,38 +61,9 @@ def fsdp_exposed(ctx: SearchContext, cfg: ParallelConfig, ranges: list[tuple[int
             bwd[k] = prefetch_exposed_s(g[::-1], gather[::-1] if cfg.zero == 3 else None,
                                         reduce[::-1] if per_microbatch_reduce else None, slowdown=slowdown)
         if not per_microbatch_reduce:
-            reduce_s[k] = float(reduce.sum())
-            pass_s[k] = (float(f.sum()), float(g.sum()))
+            tail[p] += float(reduce.sum())
         # Host time per unit the step waits for, once per step (calibration `fsdp_unit_overhead_s`,
         # fitted: the published runs with one micro-batch need it, the one with 21 is over-predicted
         # when it is charged per micro-batch), for a forward and a backward over every unit.
         tail[p] += 2.0 * float(np.count_nonzero(gather)) * cal.fsdp_unit_overhead_s
-    if not per_microbatch_reduce:
-        for p in range(cfg.pp):
-            overlap = ctx.calibration(pp_gpus[p]).overlap_grad_reduce and pp_gpus[p].name != "cpu"
-            tail[p] += _stage_reductions_exposed_s(cfg, p, reduce_s, pass_s, overlap)
     return FsdpExposed(fwd, bwd, tail)
-
-
-def _stage_reductions_exposed_s(cfg: ParallelConfig, rank: int, reduce_s: list[float],
-                                pass_s: list[tuple[float, float]], overlap: bool) -> float:
-    """With pp > 1 each stage's gradient is reduce-scattered once, right after its last backward
-    (runtime/parallel/fsdp.py, as torch's pipelining does). What a rank's step waits for at its end:
-    the reduction of the stage whose backward is last, and of each earlier-finished stage what the
-    rank's forwards and backwards after that stage's last backward do not cover (the reduce-scatter
-    runs on FSDP's own stream, Zhao et al. 2023, Sec. 4.2). A rank with one stage: all of it. Without
-    overlap (`overlap_grad_reduce` off, or CPU ranks, where gloo's reduce-scatter blocks the executor),
-    all of every stage's."""
-    mine = [k for k in range(cfg.num_stages) if k % cfg.pp == rank]
-    if len(mine) == 1 or not overlap:
-        return float(sum(reduce_s[k] for k in mine))
-    actions = make_schedule(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages).actions[rank]
-    after = 0.0  # compute after the current point, walking the rank's actions backwards
-    exposed = 0.0
-    seen: set[int] = set()
-    for action in reversed(actions):
-        if action.kind is ActionKind.B and action.stage not in seen:  # the stage's last backward
-            seen.add(action.stage)
-            exposed += max(0.0, reduce_s[action.stage] - after)
-        after += pass_s[action.stage][0 if action.kind is ActionKind.F else 1]
-    return exposed
