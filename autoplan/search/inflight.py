@@ -94,26 +94,19 @@ def interleaved_moments(pp: int, m: int, v: int) -> tuple[RankMoments, ...]:
     before the first of chunk v - 2, so a rank never holds two chunks' gradients at once."""
     schedule = make_schedule("interleaved-1f1b", pp, m, v)
     out = []
-    for r, actions in enumerate(schedule.actions):
-        held = np.zeros(v, dtype=np.int64)
-        forwards = np.zeros(v, dtype=np.int64)
-        backwards = np.zeros(v, dtype=np.int64)
-        rows = []
-        for action in actions:
-            c = action.stage // pp
-            if action.kind is ActionKind.F:
-                held[c] += 1
-                forwards[c] += 1
-                done = backwards >= m
-                rows.append(np.concatenate([held, (forwards > 0) & ~done, (backwards > 0) & ~done]))
-            elif action.kind is ActionKind.B:
-                done = backwards >= m  # before this one: its own chunk is still accumulating
-                accumulating = (backwards > 0) & ~done
-                accumulating[c] = True
-                rows.append(np.concatenate([held, (forwards > 0) & ~done, accumulating]))
-                held[c] -= 1
-                backwards[c] += 1
-        table = np.unique(np.asarray(rows, dtype=np.int64), axis=0)
+    for actions in schedule.actions:
+        compute = [a for a in actions if a.kind in (ActionKind.F, ActionKind.B)]
+        chunk = np.array([a.stage // pp for a in compute])
+        forward = np.array([a.kind is ActionKind.F for a in compute])
+        mine = chunk[:, None] == np.arange(v)[None, :]  # (actions, chunks): the action's own chunk
+        backward_here = mine & ~forward[:, None]
+        forwards = np.cumsum(mine & forward[:, None], axis=0)  # forwards done, this one included
+        backwards = np.cumsum(backward_here, axis=0) - backward_here  # backwards done before this action
+        done = backwards >= m
+        held = forwards - backwards  # after a forward; before a backward frees its micro-batch
+        gathered = (forwards > 0) & ~done
+        accumulating = ((backwards > 0) | backward_here) & ~done
+        table = np.unique(np.concatenate([held, gathered, accumulating], axis=1).astype(np.int64), axis=0)
         out.append(RankMoments(table[:, :v], table[:, v:2 * v], table[:, 2 * v:]))
     return tuple(out)
 
