@@ -43,3 +43,15 @@ def test_an_unknown_row_is_a_one_line_error(capsys):
     assert heldout_step_ratios.main(["--only", "no_such_row"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no_such_row" in err
+
+
+def test_the_docs_list_every_throughput_the_rows_carry():
+    """docs/published-memory.md's throughput table (what the code cites lives in docs/) equals the rows'."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "published-memory.md").read_text()
+    section = text.split("## Throughputs beside the peaks", 1)[1].split("\n## ", 1)[0]
+    listed = {m.group(1): int(m.group(2).replace(",", ""))
+              for m in re.finditer(r"^\| `([^`]+)` \| ([\d,]+) \|$", section, re.MULTILINE)}
+    carried = {r["id"]: r["tokens_per_s_per_gpu"] for r in heldout_step_ratios.load_rows() if "tokens_per_s_per_gpu" in r}
+    assert listed == carried and len(carried) == 18
