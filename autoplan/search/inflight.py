@@ -90,7 +90,7 @@ def interleaved_moments(pp: int, m: int, v: int) -> tuple[RankMoments, ...]:
     Why the gradient's span matters ([Note: FSDP gathered bytes] in cost/memory.py): a stage's
     gradient is reduce-scattered, and its gathered parameters resharded, right after the stage's last
     backward (torch's pipelining: `perform_reduce_grad` after a stage's last B; autoplan's executor the
-    same, runtime/parallel/fsdp.py `finish_stage`). With m = p, every backward of chunk v - 1 runs
+    same: the executor's `on_stage_backward_done`, runtime/execution/dimensions/dp.py). With m = p, every backward of chunk v - 1 runs
     before the first of chunk v - 2, so a rank never holds two chunks' gradients at once."""
     schedule = make_schedule("interleaved-1f1b", pp, m, v)
     out = []

@@ -210,8 +210,6 @@ class PipelineExecutor:
         """Called before each action (the launcher's heartbeat records where the rank is)."""
         self.on_stage_backward_done: Callable[[int], None] | None = None
         """Called with a stage's index right after its last backward action of a training step."""
-        self.stages_backward_done: set[int] = set()
-        """The stages `on_stage_backward_done` was called for in the last training step."""
         self._last_backward_at = _last_backward_indices(self.actions)
         self._forward_only = False
 
@@ -233,8 +231,6 @@ class PipelineExecutor:
         self._loss: torch.Tensor | None = None
         trace: list[ActionRecord] = []
         last_backward_at = {} if forward_only else self._last_backward_at
-        if not forward_only:
-            self.stages_backward_done = set()
         handlers = {
             ActionKind.F: self._forward, ActionKind.B: self._backward, ActionKind.W: self._weight,
             ActionKind.SEND_F: self._send_f, ActionKind.RECV_F: self._recv_f,
@@ -250,10 +246,8 @@ class PipelineExecutor:
                     start = time.perf_counter()
                     handlers[action.kind](action.stage, action.microbatch)
                     trace.append(ActionRecord(action, start, time.perf_counter()))
-                    if last_backward_at.get(action.stage) == index:
-                        self.stages_backward_done.add(action.stage)
-                        if self.on_stage_backward_done is not None:
-                            self.on_stage_backward_done(action.stage)
+                    if self.on_stage_backward_done is not None and last_backward_at.get(action.stage) == index:
+                        self.on_stage_backward_done(action.stage)
             self.comm.wait_sends()
         finally:
             self._forward_only = False

@@ -37,27 +37,13 @@ class DataParallel(Dimension):
         apply_data_parallel(build, plan, layout)
 
     def before_run(self, pm: Any) -> None:
-        start_step(fsdp_roots(pm.stages), pm.plan.pp)
-        if pm.plan.pp > 1 and fsdp_roots(pm.stages):
-            # Each stage's reduce-scatter right after its last backward (fsdp.py [Note: FSDP under
-            # the pipeline executor]): its unsharded gradient and gathered parameters go then.
-            pm.executor.on_stage_backward_done = lambda stage: self._finish(pm, [stage])
-        else:
-            pm.executor.on_stage_backward_done = None
-
-    def after_backward(self, pm: Any) -> None:
-        # Stages whose last backward did not call back (none in a full step): reduced here.
-        self._finish(pm, [s for s in pm.stages if s not in pm.executor.stages_backward_done])
-
-    @staticmethod
-    def _finish(pm: Any, stages: Sequence[int]) -> None:
-        roots = fsdp_roots({s: pm.stages[s] for s in stages})
-        if not roots or pm.plan.pp == 1:
-            return
-        start = time.perf_counter()
-        finish_step(roots, pm.plan.pp)  # FSDP's reduce-scatter under pp > 1 (fsdp.py)
-        if pm.layout.dp_group is not None:
-            pm.last_reductions.append(("DP_GRAD_SYNC", start, time.perf_counter()))
+        roots = fsdp_roots(pm.stages)
+        start_step(roots, pm.plan.pp)
+        # With pp > 1, each stage's reduce-scatter runs right after its last backward, which the
+        # executor calls back (fsdp.py [Note: FSDP under the pipeline executor]): its unsharded
+        # gradient and gathered parameters go then, not at the step's end.
+        sharded = pm.plan.pp > 1 and bool(roots)
+        pm.executor.on_stage_backward_done = (lambda stage: _finish_stage(pm, stage)) if sharded else None
 
     def reduce_grads(self, pm: Any) -> None:
         if fsdp_roots(pm.stages) or pm.layout.dp_group is None:  # FSDP reduced its gradients itself
@@ -72,6 +58,15 @@ class DataParallel(Dimension):
 
     def after_evaluate(self, pm: Any) -> None:
         _reshard_after_forward_only(fsdp_roots(pm.stages))
+
+
+def _finish_stage(pm: Any, stage: int) -> None:
+    """FSDP's reduce-scatter of one stage's accumulated gradient (pp > 1), timed into the step's tail."""
+    roots = fsdp_roots({stage: pm.stages[stage]})
+    start = time.perf_counter()
+    finish_step(roots, pm.plan.pp)
+    if roots and pm.layout.dp_group is not None:
+        pm.last_reductions.append(("DP_GRAD_SYNC", start, time.perf_counter()))
 
 
 def _reshard_after_forward_only(roots: Sequence[nn.Module]) -> None:
