@@ -7,10 +7,11 @@ For a llama3-8b- and a llama3-70b-shaped layer in bf16, in units of s*b*h bytes 
 
 - measured: one LlamaLayer built at the preset's shapes runs forward on this machine's CPU, and
   `torch.autograd.graph.saved_tensors_hooks` counts every storage autograd saves once (parameters
-  and buffers excluded). On a CPU, nn.RMSNorm runs its composite form, which saves the fp32 input and
-  the fp32 normalized input instead of the bf16 input (6 bytes an element more per norm, two norms a
-  layer: [Note: fused RMSNorm] in autoplan/cost/memory.py); "measured, GPU norms" takes those 12 s*b*h
-  off, as a GPU's fused kernel saves x and a fp32 rstd per row.
+  and buffers excluded). The zoo's RMSNorm keeps on a CPU what CUDA's fused kernel keeps, x and an
+  fp32 rstd a row ([Note: lean RMSNorm] in autoplan/models/ops.py), so the CPU's count is the GPU's.
+  In an older tree (nn.RMSNorm, whose CPU composite form saves the fp32 input and the fp32
+  normalized input: 6 bytes an element more per norm, two a layer, [Note: fused RMSNorm] in
+  autoplan/cost/memory.py), "measured gpu" takes those 12 s*b*h off.
 - profile: `autoplan.profile(spec)`'s layer block (`Block.saved_bytes`, on fake tensors), and after
   `fused_norm_surplus`, the correction the memory model applies for a GPU.
 - formula: `korthikanti_terms` below, every term named.
@@ -26,6 +27,7 @@ tree (`--label before` with PYTHONPATH pointing at it); results are merged into 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import time
@@ -131,8 +133,9 @@ def measured(name: str) -> dict:
     total = sum(d["bytes"] for d in tensors) / sbh
     repeated = [d for d in tensors if len(d["shape"]) == 4 and cfg.num_kv_heads != cfg.num_heads
                 and d["shape"][1] == cfg.num_heads and d["shape"][-1] == cfg.head_dim]
-    return dict(cpu=total, gpu_norms=total - 2 * 6.0, tensors=tensors, num_tensors=len(tensors),
-                head_shaped_tensors=len(repeated))
+    lean_norms = hasattr(importlib.import_module("autoplan.models.ops"), "rms_norm")
+    return dict(cpu=total, gpu_norms=total - (0.0 if lean_norms else 2 * 6.0), lean_norms=lean_norms,
+                tensors=tensors, num_tensors=len(tensors), head_shaped_tensors=len(repeated))
 
 
 def profiled(name: str) -> dict:
@@ -190,11 +193,11 @@ def main() -> None:
     print(f"saved for backward per layer, bytes / (s*b*h), bf16, s={SEQ} b={BATCH}; autoplan at "
           f"{Path(autoplan.__file__).parent} ({args.label})")
     print(f"{'layer':12} {'measured cpu':>13} {'measured gpu':>13} {'profile cpu':>12} {'profile gpu':>12} "
-          f"{'formula':>8} {'gpu/formula':>12}")
+          f"{'formula':>8} {'cpu/formula':>12} {'gpu/formula':>12}")
     for name, r in rows.items():
         m, p = r["measured"], r["profile"]
         print(f"{name:12} {m['cpu']:13.2f} {m['gpu_norms']:13.2f} {p['cpu']:12.2f} {p['gpu']:12.2f} "
-              f"{r['formula']:8.2f} {p['gpu'] / r['formula']:12.3f}")
+              f"{r['formula']:8.2f} {m['cpu'] / r['formula']:12.3f} {p['gpu'] / r['formula']:12.3f}")
         print(f"{'':12} k/v repeated to the query heads: {m['head_shaped_tensors'] - 2} tensor(s) "
               "(q and the attention output are head-shaped)")
     fits = {}

@@ -181,24 +181,46 @@ def test_llama3_trains_at_8192_and_longer_on_request():
 
 
 def test_rms_norm_keeps_its_input_on_a_gpu_and_the_composite_on_a_cpu():
-    """cost/memory.py [Note: fused RMSNorm]: the CPU profile's two fp32 copies per norm (8 bytes an
-    element in bf16) become the fused kernel's bf16 input (2 bytes) on a GPU."""
+    """cost/memory.py [Note: fused RMSNorm]: a model's own nn.RMSNorm keeps, in the CPU profile, two
+    fp32 copies per norm (8 bytes an element in bf16), which become the fused kernel's bf16 input
+    (2 bytes) on a GPU. The zoo's RMSNorm keeps the kernel's set everywhere ([Note: lean RMSNorm]):
+    nothing to take off, and a CPU rank counts what a GPU does, which is the nn.RMSNorm model's GPU count."""
+    import torch
+
     from autoplan.cost.memory import block_act_bytes, fused_norm_surplus
+    from autoplan.models import build_model
+    from autoplan.models.ops import RMSNorm
 
     h, seq = 512, 256
-    profile = autoplan.profile(f"llama3-8b:num_layers=2,hidden_size={h},num_heads=8,num_kv_heads=2,"
-                               "ffn_hidden_size=1536,vocab_size=4096", batch_size=2, seq_len=seq, dtype="bfloat16")
+    spec = f"llama3-8b:num_layers=2,hidden_size={h},num_heads=8,num_kv_heads=2,ffn_hidden_size=1536,vocab_size=4096"
+    zoo = build_model(spec)
+    own = build_model(spec)
+    for name, module in list(own.named_modules()):
+        if isinstance(module, RMSNorm):  # torch's own module in its place (the model is on meta)
+            parent, _, attr = name.rpartition(".")
+            plain = torch.nn.RMSNorm(module.normalized_shape, eps=module.eps, device=module.weight.device)
+            setattr(own.get_submodule(parent) if parent else own, attr, plain)
+    assert not any(isinstance(m, RMSNorm) for m in own.modules())
+    ids = (torch.zeros(2, seq, dtype=torch.long),)
     cfg = ParallelConfig(tp=1, pp=1, dp=1, micro_batch_size=2, num_microbatches=1, schedule="1f1b")
-    layer = next(i for i, b in enumerate(profile.blocks) if b.kind == "layer")
     tokens = 2 * seq
-    assert fused_norm_surplus(profile.blocks[layer], h) == (2 * 6 * tokens * h, 0.0)  # two norms a layer
-    cpu, gpu = block_act_bytes(profile, cfg, cpu=True), block_act_bytes(profile, cfg)
-    assert cpu[layer] == profile.blocks[layer].saved_bytes
-    assert cpu[layer] - gpu[layer] == 2 * 6 * tokens * h
-    assert (gpu <= cpu).all() and (gpu >= 0).all()
-    cpu_memory = rank_memory(profile, cfg, parse_cluster("1x1xcpu").gpu_types[0], "bfloat16",
-                             [(0, profile.num_blocks)], [1])
-    assert cpu_memory.activations_bytes == pytest.approx(cpu.sum())
+    acts = {}
+    for label, model in (("zoo", zoo), ("own", own)):
+        profile = autoplan.profile(model, example_inputs=ids, dtype="bfloat16")
+        layer = next(i for i, b in enumerate(profile.blocks) if b.kind == "layer")
+        surplus = fused_norm_surplus(profile.blocks[layer], h)
+        cpu, gpu = block_act_bytes(profile, cfg, cpu=True), block_act_bytes(profile, cfg)
+        assert cpu[layer] == profile.blocks[layer].saved_bytes
+        assert (gpu <= cpu).all() and (gpu >= 0).all()
+        acts[label] = (surplus, cpu[layer], gpu[layer])
+        if label == "zoo":
+            cpu_memory = rank_memory(profile, cfg, parse_cluster("1x1xcpu").gpu_types[0], "bfloat16",
+                                     [(0, profile.num_blocks)], [1])
+            assert cpu_memory.activations_bytes == pytest.approx(cpu.sum())
+    (zoo_surplus, zoo_cpu, zoo_gpu), (own_surplus, own_cpu, own_gpu) = acts["zoo"], acts["own"]
+    assert own_surplus == (2 * 6 * tokens * h, 0.0)  # two norms a layer
+    assert own_cpu - own_gpu == 2 * 6 * tokens * h
+    assert zoo_surplus == (0.0, 0.0) and zoo_cpu == zoo_gpu == own_gpu
 
 
 @pytest.mark.parametrize("pp, m, v", [(4, 16, 2), (8, 256, 4), (4, 16, 8), (16, 32, 8), (4, 6, 4)])

@@ -111,7 +111,10 @@ the input in its own dtype and one fp32 rstd a row; torchtitan's Triton `fused_r
 `norm_type` of its Llama 2 13B config when its performance table was taken, April 2024) saves the
 same (x, weight, rstd). So on a GPU a norm keeps 2 bytes an element in bf16, not 8: the profile's
 count is 6 bytes an element over per norm, two norms a layer (`fused_norm_surplus` takes it off;
-a CPU rank keeps it: benchmarks/results/memory_cpu.json measures it exactly). What is left is
+a CPU rank keeps it). That is a model's own nn.RMSNorm. The zoo's norms are `autoplan::rms_norm`
+(models/ops.py [Note: lean RMSNorm]), which keeps the fused kernel's set on every device, CPU ranks
+and the profile's fake tensors included: its blocks record no `_fused_rms_norm`, so nothing is taken
+off and a CPU rank counts what a GPU does. What is left is
 Korthikanti et al. 2022's per-layer count (Sec. 4.1) adapted to a Llama layer with flash attention
 (no s x s term) and no dropout (benchmarks/lean_layer.py `korthikanti_terms` names every term): norm
 inputs 2 x 2sbh, the q/k/v projections' input 2sbh, q 2sbh, k and v 2sbh x num_kv_heads / num_heads

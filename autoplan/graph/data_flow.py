@@ -113,7 +113,7 @@ class FlowMode(TorchDispatchMode):
                     self.head_dim.setdefault(frozenset(tags - {NORM, INPUT}), int(a.shape[-1]))
                     tags = tags - {INPUT}
                 tags = tags | {ATTN}
-        elif func in _FEATURE_NORMS and inputs and _is_last_dim_reduction(func, args):
+        elif inputs and _is_feature_norm(func, args):
             linears = frozenset(t for t in tags if t not in _MARKS)
             self.norms.setdefault(linears, set()).add(int(args[0].shape[-1]) if args[0].dim() else 1)
             tags = tags | {NORM}
@@ -123,6 +123,15 @@ class FlowMode(TorchDispatchMode):
                 with contextlib.suppress(AttributeError, RuntimeError):  # a tensor that takes no attributes
                     t._ap_tags = tags_of(t) | tags
         return out
+
+
+def _is_feature_norm(func, args) -> bool:
+    """A normalization over the last dim: LayerNorm, a reduction an RMSNorm's composite form makes, or
+    the zoo's RMSNorm operator (models/ops.py `rms_norm`, over trailing dims; matched by name, as
+    `_is_attention_kernel` matches autoplan's attention)."""
+    if getattr(func, "namespace", None) == "autoplan" and getattr(func, "__name__", None) == "rms_norm.default":
+        return True
+    return func in _FEATURE_NORMS and _is_last_dim_reduction(func, args)
 
 
 def _is_last_dim_reduction(func, args) -> bool:

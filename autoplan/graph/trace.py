@@ -95,7 +95,10 @@ class _LeafTracer(fx.Tracer):
         self._leaves = leaves
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self._leaves or super().is_leaf_module(m, module_qualified_name)
+        # `fx_leaf`: a subclass of a torch.nn module that only changes how its forward computes (the
+        # zoo's RMSNorm, models/ops.py [Note: lean RMSNorm]) stays one node, as its torch.nn base does.
+        return (module_qualified_name in self._leaves or getattr(type(m), "fx_leaf", False)
+                or super().is_leaf_module(m, module_qualified_name))
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         """Each node keeps the model's line that made it: a value read such as `.item()` is traced as

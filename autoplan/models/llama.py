@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from autoplan.graph.positions import sequence_positions
 from autoplan.models.common import INIT_STD, make_embedding
 from autoplan.models.config import LlamaConfig
-from autoplan.models.ops import swiglu
+from autoplan.models.ops import RMSNorm, swiglu
 
 __all__ = ["LlamaAttention", "LlamaLayer", "LlamaMLP", "LlamaModel", "RotaryEmbedding"]
 
@@ -99,8 +99,8 @@ class LlamaAttention(nn.Module):
         # (transformers' Qwen3MoeAttention `q_norm`, `k_norm`; torchtitan's qwen3 `qk_norm`). It
         # normalizes within a head, so under tp each rank normalizes its own heads with the whole
         # weight, whose gradient runtime/parallel/tensor_parallel.py sums over tp (`_sum_head_grads`).
-        self.q_norm = nn.RMSNorm(d, eps=config.norm_eps) if config.qk_norm else None
-        self.k_norm = nn.RMSNorm(d, eps=config.norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(d, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, eps=config.norm_eps) if config.qk_norm else None
         self.rope = RotaryEmbedding(config.max_seq_len, d, config.rope_theta)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -142,9 +142,9 @@ class LlamaMLP(nn.Module):
 class LlamaLayer(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attention = LlamaAttention(config)
-        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = LlamaMLP(config)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -161,7 +161,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.tok_embeddings = make_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 

@@ -17,7 +17,7 @@ from autoplan.graph.positions import sum_over_sequence
 from autoplan.models.common import INIT_STD, make_embedding
 from autoplan.models.config import MoEConfig
 from autoplan.models.llama import LlamaAttention, LlamaMLP, LlamaModel
-from autoplan.models.ops import swiglu
+from autoplan.models.ops import RMSNorm, swiglu
 
 __all__ = ["GroupedExperts", "MoEFeedForward", "MoELayer", "MoEModel", "RoutedExperts", "expert_capacity"]
 
@@ -202,9 +202,9 @@ class MoEFeedForward(nn.Module):
 class MoELayer(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
-        self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attention = LlamaAttention(config)
-        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.moe = MoEFeedForward(config)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -220,7 +220,7 @@ class MoEModel(LlamaModel):
         self.config = config
         self.tok_embeddings = make_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(MoELayer(config) for _ in range(config.num_layers))
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
