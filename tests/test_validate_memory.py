@@ -74,6 +74,19 @@ def test_a_known_under_row_that_is_fixed_fails_the_gate(rows):
     assert any("remove it from KNOWN_UNDER" in line for line in vm.gate_failures(fixed))
 
 
+def test_float8_all_gather_is_stated_where_torchtitan_turned_it_on():
+    """torchtitan 9dec370 all-gathers Float8 weights only where FSDP shards over dp_shard > 1
+    (torchtitan/float8.py), and its 405B config asks for it: each 405B row names the feature exactly
+    when its FSDP degree (dp / cp) is above 1, and says why in `assumed`. Under pp that decides whether a
+    rank holds its stage's weights in float8 or bf16 all step (the CP 8 row's reason in KNOWN_UNDER)."""
+    rows = [r for r in vm.load_rows() if r["id"].startswith("tt_h100_l31_405b")]
+    assert len(rows) == 6
+    for r in rows:
+        on = r["dp"] // r["cp"] > 1
+        assert ("float8 all-gather" in r["features"]) == on, r["id"]
+        assert r["assumed"]["float8_all_gather"].startswith("on:" if on else "off:"), r["id"]
+
+
 def _llama_profile(spec: str = "llama3-8b", seq: int = 256):
     model = zoo.build_model(spec)
     info = {k: v for k, v in zoo.model_info(spec).items() if isinstance(v, int)}
