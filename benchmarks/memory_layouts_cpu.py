@@ -22,9 +22,7 @@ ranks, as `autoplan run` runs it. Per rank:
 Ratios are predicted / measured; a peak ratio below 0.95 is flagged UNDER (the memory model's
 target: never under by more than 5%). Printed: one line per case, the rank with the lowest peak
 ratio. About 20-40 s a case on a 2-core machine (spawning the ranks dominates). A case whose ranks
-fail is printed as ERROR and the others still run: cp 2 does, because `LiveBytes` (a dispatch mode)
-and the `CausalBias` tensor subclass runtime/parallel/context.py calls SDPA with cannot be combined; the same
-plan trains under `autoplan run`, unmeasured.
+fail is printed as ERROR and the others still run.
 """
 
 from __future__ import annotations

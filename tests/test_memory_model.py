@@ -316,7 +316,7 @@ def test_zb_h1_counts_the_pending_w_on_stages_that_split_their_backward():
 
 @pytest.mark.extended
 @pytest.mark.parametrize("case,dtype", [("pp2-zb-h1", "bf16"), ("pp2-zb-h1", "fp32"), ("tp2-sp-on", "fp32"),
-                                        ("recompute-full", "bf16")])
+                                        ("recompute-full", "bf16"), ("cp2", "bf16")])
 def test_runtime_memory_on_two_gloo_ranks_is_not_under_predicted(case, dtype):
     """Through `autoplan.suggest` and `autoplan.partition` on 2 spawned gloo ranks: the state each rank
     holds is what the plan counts, and its peak is at least 0.95 of the measured (issue 40)."""

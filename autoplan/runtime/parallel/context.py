@@ -107,13 +107,21 @@ class ContextParallelAttention:
         self.group, self.cp, self.seq_len = group, cp, seq_len
         self.positions = chunk_positions(seq_len, cp, index)
         self.chunks = _chunks(seq_len, cp, index)
+        # Each later chunk's bottom-right causal mask, made once here rather than in every call: a
+        # CausalBias is a tensor subclass, which cannot be created while a TorchDispatchMode runs (the
+        # memory measurements' `LiveBytes` wraps the step), and its sizes are fixed by the plan.
+        self.masks = {(size, start + size): causal_lower_right(size, start + size)
+                      for _, start, size in self.chunks if start > 0}
         gathered = torch.cat([chunk_positions(seq_len, cp, i) for i in range(cp)])  # all-gather order
         self.order = torch.argsort(gathered)  # sequence position -> its row in the gathered tensor
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
+        from torch.distributed import _functional_collectives as funcol
 
-        gathered = wait_tensor(all_gather_tensor_autograd(x.transpose(0, -2).contiguous(), 0, self.group))
+        # torch renamed the differentiable all-gather (the old name warns on every call since); the
+        # supported range (pyproject.toml) includes releases with only the old one.
+        gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+        gathered = funcol.wait_tensor(gather(x.transpose(0, -2).contiguous(), 0, self.group))
         return gathered.index_select(0, self.order.to(x.device)).transpose(0, -2)
 
     def __enter__(self) -> ContextParallelAttention:
@@ -170,8 +178,7 @@ class ContextParallelAttention:
             # calls by the name `F.scaled_dot_product_attention`, which is ours during the step, and
             # a recomputation in the backward (recompute.py checkpoints the kernel) would call the
             # kernel with the bias as a plain mask.
-            mask = causal_lower_right(size, keys)
-            out.append(CausalBias._dispatch(*args, mask, common["dropout_p"], False, common["scale"],
+            out.append(CausalBias._dispatch(*args, self.masks[size, keys], common["dropout_p"], False, common["scale"],
                                             common["enable_gqa"]))
         return torch.cat(out, dim=-2)
 
