@@ -27,7 +27,6 @@ tree (`--label before` with PYTHONPATH pointing at it); results are merged into 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import platform
 import time
@@ -97,6 +96,7 @@ def _config(name: str):
 
 def measured(name: str) -> dict:
     """Saved storages of one real LlamaLayer forward, bf16 on this CPU."""
+    from autoplan.models import ops
     from autoplan.models.llama import LlamaLayer
 
     cfg = _config(name)
@@ -133,7 +133,7 @@ def measured(name: str) -> dict:
     total = sum(d["bytes"] for d in tensors) / sbh
     repeated = [d for d in tensors if len(d["shape"]) == 4 and cfg.num_kv_heads != cfg.num_heads
                 and d["shape"][1] == cfg.num_heads and d["shape"][-1] == cfg.head_dim]
-    lean_norms = hasattr(importlib.import_module("autoplan.models.ops"), "rms_norm")
+    lean_norms = hasattr(ops, "rms_norm")  # an older tree (`--label before`) has no lean RMSNorm
     return dict(cpu=total, gpu_norms=total - (0.0 if lean_norms else 2 * 6.0), lean_norms=lean_norms,
                 tensors=tensors, num_tensors=len(tensors), head_shaped_tensors=len(repeated))
 
